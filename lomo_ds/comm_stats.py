@@ -1,0 +1,71 @@
+"""Counts the bytes each rank sends through DeepSpeed's communication backend.
+
+All of ZeRO-3's parameter all-gathers and lomo_ds's own reduce-scatters and all-reduces go
+through `deepspeed.comm`'s backend object, so wrapping its methods sees every collective.
+Bytes are counted as a ring algorithm sends them per rank, the usual cost model:
+all-gather and reduce-scatter of an n-element result/input: (w-1)/w * n elements;
+all-reduce of n elements: 2 (w-1)/w * n; broadcast: n from the root.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CommCounts:
+    bytes_by_op: dict = field(default_factory=lambda: defaultdict(int))
+    calls_by_op: dict = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_op.values())
+
+    def as_dict(self) -> dict:
+        return {op: {"bytes": self.bytes_by_op[op], "calls": self.calls_by_op[op]} for op in sorted(self.bytes_by_op)}
+
+
+def _world(group):
+    import deepspeed.comm as dist
+
+    return dist.get_world_size(group=group)
+
+
+@contextlib.contextmanager
+def count_comm():
+    """Within the block, count every collective's bytes sent by this rank."""
+    import deepspeed.comm.comm as dscomm
+
+    backend = dscomm.cdb
+    counts = CommCounts()
+    originals = {}
+
+    def wrap(name, elems_sent):
+        fn = getattr(backend, name)
+        originals[name] = fn
+
+        def counted(*args, **kwargs):
+            nbytes = elems_sent(*args, **kwargs)
+            counts.bytes_by_op[name] += int(nbytes)
+            counts.calls_by_op[name] += 1
+            return fn(*args, **kwargs)
+
+        setattr(backend, name, counted)
+
+    def ring_part(tensor, group):
+        w = _world(group)
+        return tensor.numel() * tensor.element_size() * (w - 1) // w
+
+    wrap("all_gather_into_tensor",
+         lambda output_tensor, input_tensor, group=None, async_op=False: ring_part(output_tensor, group))
+    wrap("reduce_scatter_tensor",
+         lambda output_tensor, input_tensor, op=None, group=None, async_op=False: ring_part(input_tensor, group))
+    wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: 2 * ring_part(tensor, group))
+    wrap("all_gather",
+         lambda tensor_list, tensor, group=None, async_op=False: tensor.numel() * tensor.element_size() * (_world(group) - 1))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(backend, name, fn)

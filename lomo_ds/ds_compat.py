@@ -1,0 +1,114 @@
+"""Every DeepSpeed internal lomo_ds touches, in one place.
+
+These are private names of DeepSpeed's ZeRO-3 (tested with the range pinned in setup.py).
+`check_internals()` fails loudly, naming what moved, if a DeepSpeed release changes them;
+tests/test_ds_compat.py runs it.
+"""
+from __future__ import annotations
+
+import torch
+
+PARAM_ATTRS = ("ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status", "ds_persist", "ds_process_group",
+               "partition_numel", "all_gather", "partition")
+
+
+def is_zero_param(p) -> bool:
+    return hasattr(p, "ds_id")
+
+
+def full_numel(p) -> int:
+    return int(p.ds_numel)
+
+
+def full_shape(p) -> torch.Size:
+    return torch.Size(p.ds_shape)
+
+
+def shard(p) -> torch.Tensor:
+    """This rank's flat shard (with padding at the end on the last ranks)."""
+    return p.ds_tensor.data
+
+
+def param_id(p) -> int:
+    return int(p.ds_id)
+
+
+def is_persistent(p) -> bool:
+    return bool(p.ds_persist)
+
+
+def process_group(p):
+    return p.ds_process_group
+
+
+def is_gathered(p) -> bool:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return p.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    import deepspeed.comm as dist
+
+    dist.reduce_scatter_tensor(output, input, group=group)
+
+
+def all_reduce(tensor: torch.Tensor, group=None) -> None:
+    import deepspeed.comm as dist
+
+    dist.all_reduce(tensor, group=group)
+
+
+def offload_of(engine):
+    """The ZeRO-3 parameter manager DeepSpeed builds when no optimizer is given."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    opt = engine.optimizer
+    if not isinstance(opt, DeepSpeedZeRoOffload):
+        raise RuntimeError(f"expected DeepSpeed to build DeepSpeedZeRoOffload with no optimizer, got {type(opt).__name__}")
+    return opt
+
+
+def release_all(offload) -> None:
+    """Release every gathered parameter (backward can leave some gathered) and reset the trace."""
+    offload.get_param_coordinator().release_and_reset_all(offload.module)
+
+
+def regather_persistent(offload) -> None:
+    """Persistent parameters stay gathered between steps; after their shards change the
+    gathered copy is stale and must be gathered again (DeepSpeed's own optimizer does the same)."""
+    persistent = list(offload.persistent_parameters)
+    if persistent:
+        persistent[0].all_gather(persistent)
+
+
+def check_internals() -> list[str]:
+    """Names of the DeepSpeed internals that are missing or changed; empty when all is well."""
+    problems = []
+    try:
+        import deepspeed
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    except Exception as e:  # pragma: no cover - reported, not raised
+        return [f"import failed: {e}"]
+    for name in ("get_param_coordinator", "persistent_parameters", "module"):
+        if name not in dir(DeepSpeedZeRoOffload) and name not in DeepSpeedZeRoOffload.__init__.__code__.co_names:
+            problems.append(f"DeepSpeedZeRoOffload.{name}")
+    if not hasattr(PartitionedParameterCoordinator, "release_and_reset_all"):
+        problems.append("PartitionedParameterCoordinator.release_and_reset_all")
+    for status in ("AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"):
+        if not hasattr(ZeroParamStatus, status):
+            problems.append(f"ZeroParamStatus.{status}")
+    import deepspeed.comm as dist
+
+    for fn in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"):
+        if not hasattr(dist, fn):
+            problems.append(f"deepspeed.comm.{fn}")
+    if not hasattr(deepspeed.zero, "Init") or not hasattr(deepspeed.zero, "GatheredParameters"):
+        problems.append("deepspeed.zero.Init/GatheredParameters")
+    return problems
+
+
+def check_param_attrs(p) -> list[str]:
+    return [a for a in PARAM_ATTRS if not hasattr(p, a)]

@@ -1,0 +1,191 @@
+"""The fused, sharded LOMO update: the part DeepSpeed does not have.
+
+As each parameter's gradient becomes ready in the backward pass it joins a bucket. A full
+bucket is reduce-scattered over the data-parallel group, so each rank receives only the summed
+gradient of its own slice of each parameter; the rank then updates that slice of its ZeRO-3
+shard (`param.ds_tensor`) in fp32 arithmetic and lets the gradient go. No whole-model gradient,
+no optimizer state.
+
+Shard layout (DeepSpeed ZeRO-3): with `part = ceil(numel / world)`, rank r holds flat elements
+[r*part, min((r+1)*part, numel)) of the parameter; the last ranks may carry padding, and a rank
+may hold no real element at all when numel < world.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import ds_compat
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    numel: int
+    world: int
+    rank: int
+
+    @property
+    def part(self) -> int:
+        return math.ceil(self.numel / self.world)
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.part
+
+    @property
+    def local(self) -> int:
+        """Real (unpadded) elements of the parameter on this rank."""
+        return max(0, min(self.part, self.numel - self.start))
+
+
+def geometry(param: torch.nn.Parameter, world: int, rank: int) -> ShardGeometry:
+    return ShardGeometry(ds_compat.full_numel(param), world, rank)
+
+
+@dataclass
+class UpdateRule:
+    """What the update pass does to a reduced gradient shard. Filled in per step by the engine."""
+
+    lr: float = 0.0
+    grad_scale: float = 1.0  # 1 / (world * loss_scale) * clip coefficient
+    clip_value: float | None = None
+    weight_decay: float = 0.0
+
+
+@dataclass
+class PassStats:
+    """What the measuring pass learns: this rank's share of the global squared norm."""
+
+    sum_sq: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    nonfinite: bool = False
+
+
+class ShardUpdater:
+    """Applies one reduced gradient shard to this rank's slice of a parameter."""
+
+    def __init__(self, world: int, rank: int, stochastic_rounding: bool, fp32_master: bool, seed: int):
+        self.world, self.rank = world, rank
+        self.stochastic_rounding = stochastic_rounding
+        self.fp32_master = fp32_master
+        self.masters: dict[int, torch.Tensor] = {}  # ds_id -> fp32 copy of the local real elements
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed * 1000 + rank)
+        self.rule = UpdateRule()
+        self.measuring = False
+        self.stats = PassStats()
+
+    def reseed(self, seed: int, step: int) -> None:
+        # A pure function of (seed, rank, step): resumed runs round exactly as uninterrupted ones.
+        self.generator.manual_seed((seed * 1_000_003 + step) * 4099 + self.rank)
+
+    def init_masters(self, params) -> None:
+        for p in params:
+            n = geometry(p, self.world, self.rank).local
+            self.masters[ds_compat.param_id(p)] = ds_compat.shard(p)[:n].detach().float().clone()
+
+    def apply(self, param: torch.nn.Parameter, grad_shard: torch.Tensor) -> None:
+        n = geometry(param, self.world, self.rank).local
+        if n == 0:
+            return
+        g = grad_shard[:n].float()
+        if self.measuring:
+            self.stats.sum_sq += g.double().pow(2).sum() * (self.rule.grad_scale**2)
+            return
+        # `g` may alias the received bucket or the freed gradient: both are ours to overwrite.
+        g.mul_(self.rule.grad_scale)
+        if self.rule.clip_value is not None:
+            g.clamp_(-self.rule.clip_value, self.rule.clip_value)
+        shard = ds_compat.shard(param)[:n]
+        master = self.masters.get(ds_compat.param_id(param))
+        weights = master if master is not None else shard.float()
+        if self.rule.weight_decay:
+            weights.mul_(1.0 - self.rule.lr * self.rule.weight_decay)
+        weights.add_(g, alpha=-self.rule.lr)
+        if weights.data_ptr() == shard.data_ptr():
+            return  # fp32 shard updated in place
+        if shard.dtype == torch.bfloat16 and self.stochastic_rounding and master is None:
+            shard.copy_(stochastic_round_to_bf16_(weights, self.generator))
+        else:
+            shard.copy_(weights)
+
+
+def stochastic_round_to_bf16_(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    from .precision import stochastic_round_to_bf16
+
+    return stochastic_round_to_bf16(weights, generator)
+
+
+class ReduceScatterBuckets:
+    """Collects ready gradients and reduce-scatters them in buckets of `capacity` elements.
+
+    The reduce-scatter input is laid out rank-major: row r of a [world, n] matrix holds, for every
+    parameter in the bucket, the elements rank r owns (zero-padded to `part`). One collective then
+    delivers each rank exactly its slices, summed over ranks: the same bytes as DeepSpeed's own
+    ZeRO-3 gradient path, half those of an all-reduce.
+    """
+
+    def __init__(self, group, world: int, rank: int, capacity: int, reduce_dtype: torch.dtype | None,
+                 on_shard: Callable[[torch.nn.Parameter, torch.Tensor], None], tracker=None):
+        self.group, self.world, self.rank = group, world, rank
+        self.capacity = capacity
+        self.reduce_dtype = reduce_dtype
+        self.on_shard = on_shard
+        self.tracker = tracker
+        self.pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.pending_elems = 0
+
+    def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        if self.world == 1:
+            # One rank: the shard is the whole parameter and there is nothing to reduce.
+            self.on_shard(param, grad.reshape(-1))
+            return
+        part = math.ceil(grad.numel() / self.world)
+        if self.pending and self.pending_elems + part > self.capacity:
+            self.flush()
+        self.pending.append((param, grad))
+        self.pending_elems += part
+        if self.tracker is not None:
+            self.tracker.note_bucket(self.pending_bytes())
+        if self.pending_elems >= self.capacity:
+            self.flush()
+
+    def pending_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for _, g in self.pending)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        dtype = self.reduce_dtype or self.pending[0][1].dtype
+        width = self.pending_elems
+        grads = self.pending
+        if len(grads) == 1 and grads[0][1].numel() == width * self.world and grads[0][1].dtype == dtype:
+            send = grads[0][1].reshape(-1)  # already rank-major: no copy
+        else:
+            send = torch.empty(self.world, width, dtype=dtype, device=grads[0][1].device)
+            col = 0
+            for _, g in grads:
+                part = math.ceil(g.numel() / self.world)
+                flat = g.reshape(-1)
+                full_rows = g.numel() // part
+                send[:full_rows, col:col + part].copy_(flat[:full_rows * part].view(full_rows, part))
+                tail = g.numel() - full_rows * part
+                if full_rows < self.world:
+                    send[full_rows:, col:col + part].zero_()
+                    if tail:
+                        send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
+                col += part
+            send = send.view(-1)
+        if self.tracker is not None:
+            self.tracker.note_bucket(self.pending_bytes() + send.numel() * send.element_size() * (send.data_ptr() != grads[0][1].data_ptr()))
+        received = torch.empty(width, dtype=dtype, device=send.device)
+        ds_compat.reduce_scatter(received, send, self.group)
+        self.pending, self.pending_elems = [], 0
+        del send
+        col = 0
+        for param, g in grads:
+            part = math.ceil(g.numel() / self.world)
+            self.on_shard(param, received[col:col + part])
+            col += part
