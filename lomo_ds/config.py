@@ -49,6 +49,7 @@ class LomoConfig:
     reduce_dtype: str | None = None  # dtype of the gradient reduce-scatter; default: the model's
     stochastic_rounding: bool = True  # bf16 shards without a master copy
     fp32_master_weights: bool = False  # keep an fp32 copy of this rank's shard (4 bytes/param/world)
+    grad_reduction: str = "reduce_scatter"  # reduce_scatter | all_reduce (the reference code's way; benchmarks only)
     two_pass_mode: str = "retain_graph"  # retain_graph | recompute: how the second backward gets its graph
     seed: int = 1234  # for stochastic rounding
 
@@ -122,6 +123,8 @@ def validate_lomo(cfg: LomoConfig, where: str = "lomo") -> LomoConfig:
         raise ConfigError(f"{where}.reduce_dtype: expected one of {list(_REDUCE_DTYPES)}, got {cfg.reduce_dtype!r}")
     if cfg.two_pass_mode not in _TWO_PASS_MODES:
         raise ConfigError(f"{where}.two_pass_mode: expected one of {list(_TWO_PASS_MODES)}, got {cfg.two_pass_mode!r}")
+    if cfg.grad_reduction not in ("reduce_scatter", "all_reduce"):
+        raise ConfigError(f"{where}.grad_reduction: expected 'reduce_scatter' or 'all_reduce', got {cfg.grad_reduction!r}")
     s = cfg.scheduler
     if s.type not in _SCHEDULE_TYPES:
         raise ConfigError(f"{where}.scheduler.type: expected one of {list(_SCHEDULE_TYPES)}, got {s.type!r}")

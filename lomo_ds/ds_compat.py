@@ -82,6 +82,22 @@ def regather_persistent(offload) -> None:
         persistent[0].all_gather(persistent)
 
 
+_BACKWARD_COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
+
+
+def snapshot_backward_counters(module) -> list:
+    """ZeRO-3 counts, per module, the backward hooks its forward armed: the pre-backward hook
+    gathers parameters only while its count is positive, the post-backward hook releases them
+    when its count reaches zero. A second backward through a retained graph finds both spent,
+    so lomo_ds records them after the forward and re-arms them before the second pass."""
+    return [(m, {k: m.__dict__[k] for k in _BACKWARD_COUNTERS if k in m.__dict__}) for m in module.modules()]
+
+
+def restore_backward_counters(snapshot) -> None:
+    for m, counters in snapshot:
+        m.__dict__.update(counters)
+
+
 def check_internals() -> list[str]:
     """Names of the DeepSpeed internals that are missing or changed; empty when all is well."""
     problems = []

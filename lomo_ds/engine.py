@@ -78,7 +78,7 @@ class LomoEngine:
         self.memory: MemoryTracker | None = None
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
         self.buckets = ReduceScatterBuckets(self.group, self.world, self.rank, lomo.bucket_size, reduce_dtype,
-                                            self.updater.apply)
+                                            self.updater.apply, all_reduce=lomo.grad_reduction == "all_reduce")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
@@ -114,10 +114,10 @@ class LomoEngine:
 
     # ----------------------------------------------------------------- the step
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        grad = param.grad
-        param.grad = None  # the bucket holds the only reference now; freed after the reduce-scatter
         if self.memory is not None:
             self.memory.sample()
+        grad = param.grad
+        param.grad = None  # the bucket holds the only reference now; freed after the reduce-scatter
         self.buckets.add(param, grad)
         del grad
 
@@ -146,6 +146,7 @@ class LomoEngine:
         loss = self._loss_of(self.forward(batch))
         if self.two_passes:
             retain = self.config.two_pass_mode == "retain_graph"
+            counters = ds_compat.snapshot_backward_counters(self.module) if retain else None
             self.updater.measuring = True
             self.updater.stats.sum_sq.zero_()
             self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale)
@@ -170,7 +171,9 @@ class LomoEngine:
             coef = 1.0
             if self.config.clip_grad_norm is not None:
                 coef = min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
-            if not retain:
+            if retain:
+                ds_compat.restore_backward_counters(counters)
+            else:
                 loss = self._loss_of(self.forward(batch))
             self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale * coef, clip_value=self.config.clip_grad_value,
                                            weight_decay=self.config.weight_decay)

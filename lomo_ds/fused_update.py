@@ -128,8 +128,13 @@ class ReduceScatterBuckets:
     """
 
     def __init__(self, group, world: int, rank: int, capacity: int, reduce_dtype: torch.dtype | None,
-                 on_shard: Callable[[torch.nn.Parameter, torch.Tensor], None], tracker=None):
+                 on_shard: Callable[[torch.nn.Parameter, torch.Tensor], None], tracker=None,
+                 all_reduce: bool = False):
         self.group, self.world, self.rank = group, world, rank
+        # all_reduce=True is the public reference implementation's way (all-reduce each full
+        # gradient, then keep this rank's slice): twice the bytes. Kept only as a baseline for
+        # the communication benchmark.
+        self.all_reduce = all_reduce
         self.capacity = capacity
         self.reduce_dtype = reduce_dtype
         self.on_shard = on_shard
@@ -141,6 +146,12 @@ class ReduceScatterBuckets:
         if self.world == 1:
             # One rank: the shard is the whole parameter and there is nothing to reduce.
             self.on_shard(param, grad.reshape(-1))
+            return
+        if self.all_reduce:
+            full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)
+            ds_compat.all_reduce(full, group=self.group)
+            start = self.rank * math.ceil(grad.numel() / self.world)
+            self.on_shard(param, full[start:start + math.ceil(grad.numel() / self.world)])
             return
         part = math.ceil(grad.numel() / self.world)
         if self.pending and self.pending_elems + part > self.capacity:

@@ -1,0 +1,43 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` ranks (gloo on this CPU) and fail with its log if it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} on {nproc} ranks failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def engine_results(tmp_path_factory):
+    """One launch per world size runs every engine check; tests read the figures."""
+    cache = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            out = tmp_path_factory.mktemp(f"engine{world}") / "results.json"
+            launch(os.path.join(ROOT, "tests", "dist_engine_checks.py"), world, [str(out)])
+            cache[world] = json.loads(out.read_text())
+        return cache[world]
+
+    return get
