@@ -1,0 +1,90 @@
+"""Per-step communication and time: lomo_ds's reduce-scatter against the all-reduce approach of
+the public LOMO code, and the cost of the second backward pass that norm clipping needs.
+
+  python -m torch.distributed.run --nproc_per_node 2 experiments/bench_comm.py [--layers 4 --hidden 256]
+
+Rank 0 prints a table: bytes each rank sends per step by collective, and the median step time
+of several steps after warm-up, with ratios against the one-pass reduce-scatter run.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lomo_ds  # noqa: E402
+from lomo_ds.comm_stats import count_comm  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+VARIANTS = {
+    "reduce-scatter, 1 pass": {},
+    "all-reduce, 1 pass (reference impl.)": {"grad_reduction": "all_reduce"},
+    "reduce-scatter, norm clip, 2nd backward on retained graph": {"clip_grad_norm": 1.0},
+    "reduce-scatter, norm clip, 2nd forward + backward (reference impl.)": {"clip_grad_norm": 1.0,
+                                                                            "two_pass_mode": "recompute"},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=4000)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+
+    lomo_ds.init_distributed()
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                      num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+                      max_position_embeddings=args.seq)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(cfg)
+    rows = []
+    for name, extra in VARIANTS.items():
+        ds = {"train_micro_batch_size_per_gpu": args.micro,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
+              "lomo": {"lr": 1e-3, "bucket_size": 5_000_000, **extra}}
+        engine = lomo_ds.initialize(copy.deepcopy(base), ds)
+        g = torch.Generator().manual_seed(engine.rank)
+        times = []
+        for step in range(args.warmup + args.steps):
+            ids = torch.randint(0, args.vocab, (args.micro, args.seq), generator=g)
+            batch = {"input_ids": ids, "labels": ids}
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            if step == args.warmup:
+                with count_comm() as counts:
+                    engine.train_step(batch)
+            else:
+                engine.train_step(batch)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        rows.append((name, counts.as_dict(), statistics.median(times)))
+        del engine
+    if torch.distributed.get_rank() == 0:
+        params = sum(p.numel() for p in base.parameters())
+        print(f"\n{params / 1e6:.1f}M parameters, {torch.distributed.get_world_size()} ranks, "
+              f"seq {args.seq}, micro-batch {args.micro}; bytes sent per rank per step (ring model)")
+        base_bytes, base_time = None, None
+        print(f"{'variant':66s} {'all-gather MB':>13s} {'grad comm MB':>12s} {'step s':>7s} {'x bytes':>8s} {'x time':>7s}")
+        for name, counts, t in rows:
+            grad = counts.get("reduce_scatter_tensor", {}).get("bytes", 0) + counts.get("all_reduce", {}).get("bytes", 0)
+            ag = counts.get("all_gather_into_tensor", {}).get("bytes", 0)
+            if base_bytes is None:
+                base_bytes, base_time = ag + grad, t
+            print(f"{name:66s} {ag / 1e6:13.2f} {grad / 1e6:12.2f} {t:7.3f} {(ag + grad) / base_bytes:8.2f} {t / base_time:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
