@@ -50,7 +50,9 @@ class TokenizerConfig:
 @dataclass
 class DataConfig:
     task: str = "builtin"
-    source: str | None = None  # None: the hub (SuperGLUE) / the shipped files (builtin); else a local dir or file
+    # None: the hub's SuperGLUE (or the shipped builtin files); "hub:NAME": another hub copy of
+    # SuperGLUE; else a local directory ({train,validation}.{jsonl,parquet}) or a single training file
+    source: str | None = None
     train_file: str | None = None  # explicit files win over `source`
     eval_file: str | None = None
     train_samples: int = 1000  # the first N of a seeded permutation of the train split
@@ -205,6 +207,8 @@ def _validate(cfg: RunConfig, raw: dict, check_files: bool) -> None:
     if d.task == "instruction" and d.source is None and d.train_file is None:
         raise ConfigError("data.source: the 'instruction' task needs a JSONL file of prompt/response "
                           "records in data.source or data.train_file")
+    if d.source is not None and d.source.startswith("hub:") and d.task in ("builtin", "instruction"):
+        raise ConfigError(f"data.source: 'hub:NAME' is for the SuperGLUE tasks; task {d.task!r} reads local files")
     if check_files:
         for name in ("source", "train_file", "eval_file"):
             p = getattr(d, name)
