@@ -52,6 +52,7 @@ class LomoConfig:
     grad_reduction: str = "reduce_scatter"  # reduce_scatter | all_reduce (the reference code's way; benchmarks only)
     two_pass_mode: str = "retain_graph"  # retain_graph | recompute: how the second backward gets its graph
     seed: int = 1234  # for stochastic rounding
+    exclude_params: list = field(default_factory=list)  # fnmatch patterns of parameter names LOMO leaves alone
 
 
 _SCHEDULE_TYPES = ("constant", "linear", "cosine")
@@ -101,6 +102,10 @@ def _coerce(value: Any, type_name: Any, key: str):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
+    if base == "list":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+        return value
     if base == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")

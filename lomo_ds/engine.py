@@ -15,6 +15,7 @@ in place (see fused_update.py). One step = one forward and one or two backward p
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 from typing import Any
@@ -58,8 +59,10 @@ class LomoEngine:
         self.module = self.ds_engine.module
         self.offload = ds_compat.offload_of(self.ds_engine)
         # module.parameters() lists a tied tensor once: it gets one hook and one update with the
-        # gradient autograd has already summed over its uses.
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        # gradient autograd has already summed over its uses. Parameters matching
+        # lomo.exclude_params (e.g. LoRA adapters stepped by another optimizer) keep plain .grad.
+        self.params = [p for n, p in self.module.named_parameters()
+                       if p.requires_grad and not any(fnmatch.fnmatch(n, pat) for pat in lomo.exclude_params)]
         if not self.params:
             raise ValueError("model has no trainable parameters")
         missing = ds_compat.check_param_attrs(self.params[0])
@@ -148,12 +151,13 @@ class LomoEngine:
             retain = self.config.two_pass_mode == "retain_graph"
             counters = ds_compat.snapshot_backward_counters(self.module) if retain else None
             self.updater.measuring = True
-            self.updater.stats.sum_sq.zero_()
+            self.updater.stats.sum_sq = 0.0
             self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale)
             self._backward(loss * loss_scale, retain_graph=retain)
             self.updater.measuring = False
-            total = torch.stack([self.updater.stats.sum_sq, torch.zeros((), dtype=torch.float64)])
-            total[1] = 0.0 if torch.isfinite(total[0]) else 1.0
+            sum_sq = self.updater.stats.sum_sq
+            total = torch.tensor([sum_sq if math.isfinite(sum_sq) else 0.0, 0.0 if math.isfinite(sum_sq) else 1.0],
+                                 dtype=torch.float64)
             if self.world > 1:
                 ds_compat.all_reduce(total, group=self.group)
             norm = math.sqrt(total[0].item()) if total[1].item() == 0 and math.isfinite(total[0].item()) else math.inf

@@ -13,7 +13,7 @@ may hold no real element at all when numel < world.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -59,8 +59,7 @@ class UpdateRule:
 class PassStats:
     """What the measuring pass learns: this rank's share of the global squared norm."""
 
-    sum_sq: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
-    nonfinite: bool = False
+    sum_sq: float = 0.0
 
 
 class ShardUpdater:
@@ -92,18 +91,20 @@ class ShardUpdater:
             return
         g = grad_shard[:n].float()
         if self.measuring:
-            self.stats.sum_sq += g.double().pow(2).sum() * (self.rule.grad_scale**2)
+            # fp32 norm per tensor, accumulated in fp64 across tensors (as clip_grad_norm_ does).
+            self.stats.sum_sq += float(torch.linalg.vector_norm(g)) ** 2 * self.rule.grad_scale**2
             return
-        # `g` may alias the received bucket or the freed gradient: both are ours to overwrite.
-        g.mul_(self.rule.grad_scale)
+        step_scale = self.rule.grad_scale
         if self.rule.clip_value is not None:
-            g.clamp_(-self.rule.clip_value, self.rule.clip_value)
+            # `g` may alias the received bucket or the freed gradient: both are ours to overwrite.
+            g.mul_(self.rule.grad_scale).clamp_(-self.rule.clip_value, self.rule.clip_value)
+            step_scale = 1.0
         shard = ds_compat.shard(param)[:n]
         master = self.masters.get(ds_compat.param_id(param))
         weights = master if master is not None else shard.float()
         if self.rule.weight_decay:
             weights.mul_(1.0 - self.rule.lr * self.rule.weight_decay)
-        weights.add_(g, alpha=-self.rule.lr)
+        weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
         if weights.data_ptr() == shard.data_ptr():
             return  # fp32 shard updated in place
         if shard.dtype == torch.bfloat16 and self.stochastic_rounding and master is None:

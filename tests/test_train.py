@@ -1,0 +1,108 @@
+"""The training program end to end on a tiny LLaMA: kill a rank mid-run and resume to the same
+parameters as an uninterrupted run; the exported directory loads in transformers with the
+engine's logits; dry-run and error paths."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, free_port, launch
+from helpers_data import byte_bpe_tokenizer
+from tiny import tiny_llama_config
+
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny LLaMA + tokenizer saved as a Hugging Face directory, and a run config for it."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    tok = byte_bpe_tokenizer()
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(vocab=len(tok)))
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    with open(os.path.join(ROOT, "ds_configs", "tiny_cpu.json")) as f:
+        cfg = json.load(f)
+    cfg["model"]["path"] = str(root / "model")
+    cfg["train"].update({"max_steps": 6, "epochs": 1})
+    cfg["data"].update({"train_samples": 40, "eval_samples": 8})
+    cfg["output"].update({"checkpoint_every": 2, "export_hf": True, "keep_last": 2})
+    path = root / "run.json"
+    path.write_text(json.dumps(cfg))
+    return root, path
+
+
+def run_train(config, out_dir, *extra, env=None, check=True):
+    args = ["--config", str(config), "--output-dir", str(out_dir), *extra]
+    if check:
+        return launch(TRAIN, 2, args, env=env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), TRAIN, *args]
+    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_killed_run_resumes_to_identical_parameters(tiny_run):
+    root, config = tiny_run
+    straight, interrupted = root / "straight", root / "interrupted"
+    run_train(config, straight)
+    # Rank 1 is SIGKILLed after step 5: the step-4 checkpoint is the newest complete one.
+    killed = run_train(config, interrupted, env={"LOMO_DS_KILL_RANK_AT_STEP": "5"}, check=False)
+    assert killed.returncode != 0
+    ckpts = sorted(os.listdir(interrupted / "checkpoints"))
+    assert "step_00000004" in ckpts and "step_00000006" not in ckpts
+    assert not (interrupted / "hf_model").exists()
+    resumed = run_train(config, interrupted, "--resume")
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    a = load_file(straight / "hf_model" / "model.safetensors")
+    b = load_file(interrupted / "hf_model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
+    assert max(diffs.values()) == 0.0, diffs
+    # The steps after the resume logged the same losses as the uninterrupted run.
+    def losses(d):
+        rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    la, lb = losses(straight), losses(interrupted)
+    assert all(la[s] == lb[s] for s in (5, 6))
+    # keep_last=2: only the two newest complete checkpoints remain
+    assert sorted(os.listdir(straight / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
+
+
+@pytest.mark.parametrize("tie", ["untied", "tied"])
+def test_export_loads_in_transformers_with_engine_logits(tmp_path, tie):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "export"
+    launch(os.path.join(ROOT, "tests", "dist_export_check.py"), 2, [str(out), tie])
+    saved = torch.load(out / "engine_logits.pt")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        logits = model(input_ids=saved["input_ids"]).logits
+    assert torch.allclose(logits, saved["logits"], atol=1e-5), (logits - saved["logits"]).abs().max()
+
+
+def test_dry_run_prints_config_and_memory_plan():
+    out = subprocess.run([sys.executable, TRAIN, "--config", "ds_configs/llama65b.json", "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert '"lomo"' in out.stdout and "65" in out.stdout
+    assert "GB" in out.stdout or "GiB" in out.stdout
+
+
+def test_bad_config_fails_before_any_model(tmp_path):
+    bad = tmp_path / "bad.json"
+    cfg = json.load(open(os.path.join(ROOT, "ds_configs", "tiny_cpu.json")))
+    cfg["lomo"]["lr"] = "fast"
+    bad.write_text(json.dumps(cfg))
+    out = subprocess.run([sys.executable, TRAIN, "--config", str(bad)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert "lomo.lr" in out.stderr and "expected a number" in out.stderr
