@@ -18,8 +18,8 @@ Methods
   "lora"          peft LoRA (rank 2 on q_proj and v_proj, alpha 16), base frozen, the adapters
                   trained by AdamW (LR 5e-4) through DeepSpeed ZeRO-3 as above.
   "lora_lomo"     LoRA adapters trained by AdamW while LOMO updates the base weights, from one
-                  backward: a LomoEngine is built over the peft model with the adapters hidden from
-                  it (requires_grad False while the engine registers its hooks, see LoraLomoEngine);
+                  backward: a LomoEngine is built over the peft model with the adapters excluded
+                  from it (lomo.exclude_params ["*lora_*"], see LoraLomoEngine);
                   after the engine's step the adapters' gradients are averaged over ranks and a torch
                   AdamW steps fp32 copies of them, which are written back to their ZeRO-3 shards.
   "lomo"          lomo_ds.initialize.
@@ -423,27 +423,32 @@ class LomoMethodEngine(_Base):
 class LoraLomoEngine(LomoMethodEngine):
     """LOMO on the base weights, AdamW on the LoRA adapters, from one backward pass.
 
-    The engine hooks the parameters that require grad when it is built; the adapters are frozen
-    for that moment and unfrozen afterwards, so LOMO never sees them and their gradients stay in
+    The engine is told to leave the adapters alone (`lomo.exclude_params`, ADAPTER_PATTERNS added
+    to whatever the caller excludes), so LOMO never hooks them and their gradients stay in
     `.grad` (full, tiny, unreduced) after the engine's step. They are then averaged over ranks and
     a torch AdamW steps fp32 copies of the adapters; each rank writes its slice back into the
     adapters' ZeRO-3 shards and persistent (always-gathered) adapters are re-gathered.
     """
 
     method = "lora_lomo"
+    ADAPTER_PATTERNS = ("*lora_*",)
 
     def __init__(self, model, ds_config, lomo_cfg=None, *, lora_lr: float = LORA_LR, total_steps: int = 0,
                  warmup_steps: int = 0, clip: float | None = 1.0):
-        adapters = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+        import fnmatch
+
+        adapters = [(n, p) for n, p in model.named_parameters()
+                    if any(fnmatch.fnmatch(n, pat) for pat in self.ADAPTER_PATTERNS)]
         if not adapters:
             raise ValueError("lora_lomo needs a peft LoRA model (no lora_ parameters found)")
-        for _, p in model.named_parameters():
-            p.requires_grad_("lora_" not in _)
+        for _, p in adapters:
+            p.requires_grad_(True)
+        lomo_cfg = copy.deepcopy(lomo_cfg if lomo_cfg is not None else ds_config.get("lomo", {}))
+        excluded = list(lomo_cfg.get("exclude_params") or [])
+        lomo_cfg["exclude_params"] = excluded + [p for p in self.ADAPTER_PATTERNS if p not in excluded]
         super().__init__(model, ds_config, lomo_cfg)
         by_name = dict(self.module.named_parameters())
         self.adapters = [by_name[n] for n, _ in adapters]
-        for p in self.adapters:
-            p.requires_grad_(True)
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(self.adapters, modifier_rank=None):
@@ -533,8 +538,10 @@ class ZeroShotEngine(_Base):
 def apply_lora(model: torch.nn.Module, **lora_kwargs) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
+    # The run config's names (train.lora: rank, alpha, targets) are accepted beside peft's own.
+    aliases = {"rank": "r", "alpha": "lora_alpha", "targets": "target_modules"}
     kw = dict(LORA_DEFAULTS)
-    kw.update(lora_kwargs)
+    kw.update({aliases.get(k, k): v for k, v in lora_kwargs.items()})
     return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **kw))
 
 
