@@ -241,7 +241,7 @@ class _Base:
     def _param_bytes(self) -> int:
         peak = self.tracker.peak if self.tracker is not None and self.tracker.samples else None
         if peak is not None:
-            return peak.shard_bytes - getattr(self.tracker, "master_bytes", 0) + peak.gathered_bytes + peak.persistent_bytes
+            return self.tracker.peak_param_bytes - getattr(self.tracker, "master_bytes", 0)
         return sum(_tensor_bytes(ds_compat.shard(p)) if hasattr(p, "ds_tensor") else _tensor_bytes(p.data)
                    for p in self._all_params())
 

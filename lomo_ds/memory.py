@@ -34,6 +34,7 @@ class MemoryTracker:
     master_bytes: int = 0
     peak: MemorySample = field(default_factory=MemorySample)
     peak_gathered_plus_grad: int = 0
+    peak_param_bytes: int = 0  # shards + gathered + persistent, at their own peak
     samples: int = 0
     _bucket_bytes: int = 0
 
@@ -43,6 +44,7 @@ class MemoryTracker:
     def reset(self) -> None:
         self.peak = MemorySample()
         self.peak_gathered_plus_grad = 0
+        self.peak_param_bytes = 0
         self.samples = 0
         self._bucket_bytes = 0
 
@@ -64,6 +66,7 @@ class MemoryTracker:
         if s.total > self.peak.total:
             self.peak = s
         self.peak_gathered_plus_grad = max(self.peak_gathered_plus_grad, s.gathered_bytes + s.grad_bytes)
+        self.peak_param_bytes = max(self.peak_param_bytes, s.shard_bytes + s.gathered_bytes + s.persistent_bytes)
         return s
 
 

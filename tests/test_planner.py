@@ -127,6 +127,10 @@ def _worker(out_path: str) -> None:
         eng.enable_memory_tracking()
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, TINY["vocab"], (MICRO, SEQ), generator=g)
+        # The first step records DeepSpeed's module trace (no prefetch, no reuse); the second is
+        # the steady state the planner predicts.
+        eng.train_step({"input_ids": ids, "labels": ids.clone()})
+        eng.reset_memory()
         eng.train_step({"input_ids": ids, "labels": ids.clone()})
         results[name] = {"world": eng.world, **eng.memory_breakdown(),
                          "tracker_total": eng.tracker.peak.total}
