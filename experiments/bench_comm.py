@@ -49,29 +49,33 @@ def main() -> None:
                       max_position_embeddings=args.seq)
     torch.manual_seed(0)
     base = LlamaForCausalLM(cfg)
-    rows = []
+    engines = {}
     for name, extra in VARIANTS.items():
         ds = {"train_micro_batch_size_per_gpu": args.micro,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
               "lomo": {"lr": 1e-3, "bucket_size": 5_000_000, **extra}}
-        engine = lomo_ds.initialize(copy.deepcopy(base), ds)
-        g = torch.Generator().manual_seed(engine.rank)
-        times = []
-        for step in range(args.warmup + args.steps):
-            ids = torch.randint(0, args.vocab, (args.micro, args.seq), generator=g)
-            batch = {"input_ids": ids, "labels": ids}
+        engines[name] = lomo_ds.initialize(copy.deepcopy(base), ds)
+    rank = torch.distributed.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    times = {name: [] for name in engines}
+    counts = {}
+    # Variants take turns step by step, so a slow spell on a shared machine hits them all alike.
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(0, args.vocab, (args.micro, args.seq), generator=g)
+        batch = {"input_ids": ids, "labels": ids}
+        for name, engine in engines.items():
             torch.distributed.barrier()
             t0 = time.perf_counter()
             if step == args.warmup:
-                with count_comm() as counts:
+                with count_comm() as counted:
                     engine.train_step(batch)
+                counts[name] = counted.as_dict()
             else:
                 engine.train_step(batch)
             if step >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        rows.append((name, counts.as_dict(), statistics.median(times)))
-        del engine
+                times[name].append(time.perf_counter() - t0)
+    rows = [(name, counts[name], statistics.median(times[name])) for name in engines]
     if torch.distributed.get_rank() == 0:
         params = sum(p.numel() for p in base.parameters())
         print(f"\n{params / 1e6:.1f}M parameters, {torch.distributed.get_world_size()} ranks, "

@@ -194,8 +194,13 @@ def main(argv=None) -> int:
     engine = build_engine(cfg, model, total_steps)
     metrics = Metrics(cfg, rank, args.resume)
 
+    # Sharded resumable checkpoints are LOMO's; the baselines (DeepSpeed optimizers, LoRA) are
+    # comparison runs and only export at the end.
+    resumable = hasattr(engine, "shard_state_dict")
+    if not resumable and (args.resume or cfg.output.checkpoint_every):
+        print(f"train.method={cfg.train.method}: resumable checkpoints are written for LOMO runs only", file=sys.stderr)
     start_step = 0
-    if args.resume:
+    if args.resume and resumable:
         ckpt = checkpoint.latest_checkpoint(cfg.output.dir)
         if ckpt is None:
             print(f"resume: no checkpoint in {cfg.output.dir}; starting from scratch", file=sys.stderr)
@@ -255,7 +260,7 @@ def main(argv=None) -> int:
         done = step + 1
         if rank == 1 and done == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if cfg.output.checkpoint_every and done % cfg.output.checkpoint_every == 0 and done < total_steps:
+        if resumable and cfg.output.checkpoint_every and done % cfg.output.checkpoint_every == 0 and done < total_steps:
             checkpoint.save_checkpoint(cfg.output.dir, engine, {"config": cfg.to_dict()}, cfg.output.keep_last, barrier)
         if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and done < total_steps:
             run_eval("eval", done)
@@ -264,7 +269,7 @@ def main(argv=None) -> int:
     # ---- the end: evaluate, checkpoint, export
     if cfg.eval.at_end and total_steps > 0:
         results["final"] = run_eval("final", total_steps)
-    if total_steps > 0 and start_step < total_steps and hasattr(engine, "shard_state_dict") and (
+    if total_steps > 0 and start_step < total_steps and resumable and (
             cfg.output.checkpoint_every or cfg.output.export_hf):
         checkpoint.save_checkpoint(cfg.output.dir, engine, {"config": cfg.to_dict()}, cfg.output.keep_last, barrier)
     if cfg.output.export_hf and total_steps > 0:
