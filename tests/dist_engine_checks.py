@@ -244,6 +244,9 @@ def main(out_path):
         "grad_checkpointing": lambda: equivalence(
             lambda: tiny_llama(9), ds_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5},
             prepare=lambda m: m.gradient_checkpointing_enable()),
+        "grad_checkpointing_reentrant": lambda: equivalence(
+            lambda: tiny_llama(9), ds_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5},
+            prepare=lambda m: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})),
         "overflow": check_overflow,
         "bf16": check_bf16,
         "memory": check_memory,

@@ -8,7 +8,7 @@ import pytest
 TOL = 1e-6  # fp32, 3 steps
 WORLDS = [1, 2, 3]
 EQUIVALENCE = ["sgd", "sgd_zero_init", "clip_norm", "clip_norm_recompute", "clip_value", "weight_decay", "tied",
-               "persistent", "persistent_mixed", "small_param", "grad_checkpointing"]
+               "persistent", "persistent_mixed", "small_param", "grad_checkpointing", "grad_checkpointing_reentrant"]
 
 
 def ok(results, name):
