@@ -50,12 +50,20 @@ def _dummy_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": one, "attention_mask": torch.ones_like(one)}  # same keys as the real batches
 
 
+ALL_CANDIDATES = -1
+
+
 def _rows(examples: Sequence[EvalExample]) -> list[tuple[int, int, list[int], int]]:
     """One row per (example, candidate): (example index, candidate index, token ids, context length)."""
     rows = []
     for ei, ex in enumerate(examples):
         if not ex.context_ids:
             raise ValueError(f"evaluate: example {ei} has an empty context; nothing predicts its first answer token")
+        if all(len(c) == 1 for c in ex.candidate_ids):
+            # Single-token answers (Yes/No): one forward of the context scores them all, exactly
+            # as separate rows would (ci = ALL_CANDIDATES).
+            rows.append((ei, ALL_CANDIDATES, list(ex.context_ids), len(ex.context_ids)))
+            continue
         for ci, cand in enumerate(ex.candidate_ids):
             rows.append((ei, ci, list(ex.context_ids) + list(cand), len(ex.context_ids)))
     return rows
@@ -92,7 +100,12 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
         with torch.no_grad():
             logits = forward_logits({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
             for row, (ei, ci, ids, start) in enumerate(batch):
-                scores[ei][ci] = mean_logprob(logits[row], ids, start)
+                if ci == ALL_CANDIDATES:
+                    last = logits[row, len(ids) - 1].float().log_softmax(-1)
+                    for k, cand in enumerate(mine[ei].candidate_ids):
+                        scores[ei][k] = last[cand[0]].item()
+                else:
+                    scores[ei][ci] = mean_logprob(logits[row], ids, start)
 
     # Every rank knows every task name (all ranks hold the full example list): same tensor layout.
     tasks = sorted({ex.task for ex in examples})

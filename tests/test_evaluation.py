@@ -52,7 +52,7 @@ def test_per_task_accuracy_and_batching():
     assert out["accuracy/a"] == 0.5 and out["n/a"] == 2
     assert out["accuracy/b"] == 1.0 and out["n"] == 3
     assert out["accuracy"] == pytest.approx(2 / 3)
-    assert len(fwd.calls) == 2  # 6 sequences, 4 per forward
+    assert len(fwd.calls) == 1  # single-token candidates: one context row per example, 3 rows, 4 per forward
 
 
 def test_padding_does_not_change_scores():
@@ -80,7 +80,8 @@ def _worker(rank, world, init_file, n_examples, q):
 
 
 def test_equal_forward_calls_across_ranks():
-    # 7 examples on 3 ranks: 3/2/2 examples -> 6/4/4 sequences -> 3/2/2 batches; all must run 3.
+    # 7 examples on 3 ranks: 3/2/2 examples -> 3/2/2 rows (one per single-token-answer example)
+    # -> 2/1/1 batches; every rank must run 2 (ranks 1 and 2 pad with a dummy forward).
     import torch.multiprocessing as mp
 
     world = 3
@@ -123,4 +124,5 @@ def test_with_tiny_model_and_tokenizer():
     out = evaluate(fwd, exs, tok.pad_token_id, batch_size=3)
     assert out["n"] == 6 and set(k for k in out if k.startswith("n/")) == {f"n/{t}" for t in RECORDS}
     # batching and padding do not change the predictions
-    assert evaluate(fwd, exs, tok.pad_token_id, batch_size=1) == {**out, "forward_calls": 12}
+    # 5 Yes/No tasks score both answers from one context row; COPA's two multi-token answers are 2 rows
+    assert evaluate(fwd, exs, tok.pad_token_id, batch_size=1) == {**out, "forward_calls": 7}
