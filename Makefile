@@ -3,6 +3,11 @@
 PYTHON ?= python3
 NPROC ?= 2
 PYTEST_ARGS ?=
+# Paper reproduction on GPUs: MODEL_PATH = a LLaMA HF folder ([SIZE=]PATH, e.g. 13b=/m/llama-13b);
+# NGPUS = GPUs per run (Table 2 uses the paper's count per row instead); MODEL = what `plan` sizes.
+MODEL_PATH ?=
+NGPUS ?= 8
+MODEL ?= 7b
 
 .PHONY: install demo test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu clean
 
@@ -22,6 +27,30 @@ demo: .installed
 
 test: .installed
 	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
+
+plan: .installed
+	lomo-ds plan --model $(MODEL) --gpus $(NGPUS) --gpu-mem 24
+
+table1: .installed
+	@test -n "$(MODEL_PATH)" || { echo "make table1 MODEL_PATH=/path/to/llama-7b"; exit 2; }
+	$(PYTHON) experiments/table1.py --model-path $(MODEL_PATH)
+
+table2: .installed
+	@test -n "$(MODEL_PATH)" || { echo "make table2 MODEL_PATH=7b=/path/to/llama-7b (or a folder of llama-7b, llama-13b, ...: python3 experiments/table2.py --model-root DIR)"; exit 2; }
+	$(PYTHON) experiments/table2.py --model-path $(MODEL_PATH)
+
+table3: .installed
+	@test -n "$(MODEL_PATH)" || { echo "make table3 MODEL_PATH=/path/to/llama-7b NGPUS=8"; exit 2; }
+	$(PYTHON) experiments/table3.py --model-path $(MODEL_PATH) --gpus $(NGPUS)
+
+table1-cpu: .installed
+	$(PYTHON) experiments/table1.py --cpu
+
+table2-cpu: .installed
+	$(PYTHON) experiments/table2.py --cpu
+
+table3-cpu: .installed
+	$(PYTHON) experiments/table3.py --cpu
 
 clean:
 	rm -rf runs outputs .installed

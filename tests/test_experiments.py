@@ -1,0 +1,167 @@
+"""The table scripts' plumbing (no training, no timing): their command lines, the Markdown they write
+in the paper's layout from hand-made rows, and Table 4's hyperparameters in the YAML files."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXP = os.path.join(ROOT, "experiments")
+TASKS = ("rte", "boolq", "wsc", "wic", "multirc", "copa")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"exp_{name}", os.path.join(EXP, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def table2():
+    return _load("table2")
+
+
+@pytest.fixture(scope="module")
+def table3():
+    return _load("table3")
+
+
+@pytest.mark.parametrize("script", ["table2.py", "table3.py"])
+def test_help(script):
+    proc = subprocess.run([sys.executable, os.path.join(EXP, script), "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "--cpu" in proc.stdout and "--model-path" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- Table 2
+def _t2_row(size, method, world, peak_gib, step_s, tokens=1024, **kw):
+    gib = 2**30
+    return dict(size=size, method=method, world=world, n_params=6.74e9, peak_bytes=peak_gib * gib, step_time_s=step_s,
+                tgs=tokens / step_s, memory_source="cuda_max_memory_allocated", params=0, grads=0,
+                optimizer_states=0, activations=0, peak_rss=0, planner_bytes=peak_gib * gib, **kw)
+
+
+def test_table2_markdown_gpu_layout(table2):
+    a = SimpleNamespace(cpu=False, seq=1024, batch=1, dtype="fp16", ac=True, steps=5, rounds=1, warmup=2)
+    rows = [_t2_row("7b", "adamw", 8, 15.0, 16.0), _t2_row("7b", "sgd", 8, 9.0, 14.0), _t2_row("7b", "lomo", 1, 13.0, 1.4),
+            {"size": "13b", "method": "adamw", "world": 8, "oom": True, "predicted": True}]
+    md = table2.markdown(rows, a)
+    lines = md.splitlines()
+    assert "| model | optimizer | GPUs | memory | TGS | step time s | planner |" in lines
+    lomo = next(l for l in lines if l.startswith("| 7b | LOMO |"))
+    assert "[13.61]" in lomo and "[769.92]" in lomo  # the paper's figures beside ours
+    assert "| 7b | AdamW | 8 | 15.00 [15.76] |" in md
+    assert any(l.startswith("| 13b | AdamW | 8 | OOM") and "[OOM]" in l for l in lines)
+    # paper row order: 7b AdamW, SGD, LOMO, then 13b
+    order = [l.split("|")[1:3] for l in lines if l.startswith("| 7b") or l.startswith("| 13b")]
+    assert [o[1].strip() for o in order] == ["AdamW", "SGD", "LOMO", "AdamW"]
+    # the ratios are only printed for a size where all three ran on the same rank count (7b: LOMO on 1 GPU)
+    assert table2.ratios(rows)[0]["mem_lomo_over_adamw"] is None
+
+
+def test_table2_ratios_and_cpu_layout(table2):
+    a = SimpleNamespace(cpu=True, seq=128, batch=1, dtype="fp32", ac=True, steps=1, rounds=4, warmup=1)
+    mib = 2**20
+    rows = [dict(_t2_row("46m", m, 2, 0, t, tokens=128), peak_bytes=p * mib, planner_bytes=p * mib, n_params=46.4e6)
+            for m, p, t in (("adamw", 500, 6.0), ("sgd", 400, 5.0), ("lomo", 90, 4.0))]
+    q = table2.ratios(rows)
+    assert len(q) == 1
+    assert q[0]["mem_lomo_over_adamw"] == pytest.approx(0.18)
+    assert q[0]["mem_lomo_over_sgd"] == pytest.approx(0.225)
+    assert q[0]["time_lomo_over_sgd"] == pytest.approx(0.8)
+    md = table2.markdown(rows, a)
+    assert "| 46m (46.4M) | LOMO | 2 | 90.00 |" in md
+    assert "LOMO peak / AdamW peak = 0.180" in md and "LOMO step time / SGD step time = 0.800" in md
+    assert "| 65b | LOMO | 8 | 19.18 | 4.93 |" in md  # the paper's table below ours
+    assert table2.check(rows, a) == 0
+    slow = [dict(r, step_time_s=r["step_time_s"] * (2 if r["method"] == "lomo" else 1)) for r in rows]
+    assert table2.check(slow, a) != 0
+
+
+def test_table2_paper_layout(table2):
+    layout = table2.paper_layout()
+    assert ("7b", "lomo", 1) in layout and ("65b", "lomo", 8) in layout and ("13b", "sgd", 8) in layout
+    assert ("30b", "sgd", 8) in layout  # an out-of-memory row
+    assert len(layout) == 12
+
+
+# ----------------------------------------------------------------------------- Table 3
+def test_table4_hyperparameters(table3):
+    for task in TASKS:
+        hp = table3.load_hparams(task)
+        assert hp["task"] == task
+        sh = hp["shared"]
+        assert sh["schedule"] == "linear" and sh["clip_grad_norm"] == 1.0
+        assert sh["global_batch"] == 16 and sh["epochs"] == 10
+        assert sorted(hp["lomo"]["lr"]) == [3e-2, 5e-2]
+        assert sorted(hp["lomo"]["warmup_ratio"]) == [0.05, 0.1, 0.2]
+        lora = hp["lora"]
+        assert (lora["optimizer"], lora["lr"], lora["warmup_ratio"], lora["rank"], lora["alpha"]) == ("adamw", 5e-4, 0.05, 2, 16)
+        assert lora["targets"] == ["q_proj", "v_proj"]
+        ll = hp["lora_lomo"]
+        assert (ll["lora"]["lr"], ll["lora"]["warmup_ratio"], ll["lora"]["alpha"]) == (5e-4, 0.05, 16)
+        assert sorted(ll["lora"]["rank"]) == [1, 2, 4, 8]
+        assert sorted(ll["lomo"]["lr"]) == [5e-4, 1e-3, 5e-3]
+        assert sorted(ll["lomo"]["warmup_ratio"]) == [0.05, 0.1]
+        assert len(table3.settings("lomo", hp)) == 6
+        assert len(table3.settings("lora", hp)) == 1
+        assert len(table3.settings("lora_lomo", hp)) == 24
+        assert table3.settings("zero_shot", hp) == [{}]
+
+
+@pytest.mark.parametrize("method", ["zero_shot", "lora", "lomo", "lora_lomo"])
+def test_overrides_are_valid_run_configs(table3, method):
+    """Every override the sweep produces is accepted by the training program's own config loader."""
+    sys.path.insert(0, ROOT)
+    from lomo_ds.run_config import load_run_config
+
+    hp = table3.load_hparams("boolq")
+    setting = table3.settings(method, hp)[-1]
+    o = table3.train_overrides(method, setting, hp, 8, "/tmp/x")
+    o["model.path"] = "/path/to/llama-7b"
+    cfg = load_run_config(os.path.join(ROOT, "ds_configs", "llama7b.json"), o, check_files=False)
+    assert cfg.train.method == method and cfg.micro_batch == 2 and cfg.train.epochs == 10
+    assert cfg.data.task == "boolq" and cfg.lomo.clip_grad_norm == 1.0 and cfg.lomo.clip_grad_value is None
+    if method == "lomo":
+        assert cfg.lomo.lr == setting["lr"] and cfg.lomo.scheduler.warmup_ratio == setting["warmup_ratio"]
+    if method == "lora_lomo":
+        assert cfg.train.lora.rank == setting["lora.rank"] and cfg.lomo.lr == setting["lomo.lr"]
+    cpu = table3.load_hparams("cpu")
+    o = table3.train_overrides(method, table3.settings(method, cpu)[0], cpu, cpu["ranks"], "/tmp/x")
+    cfg = load_run_config(os.path.join(ROOT, cpu["config"]), o, check_files=False)
+    assert cfg.micro_batch * cpu["ranks"] == cpu["shared"]["global_batch"]
+
+
+def test_table3_markdown_gpu_layout(table3):
+    rows = [{"size": "7b", "task": t, "method": m, "accuracy": acc} for t in TASKS
+            for m, acc in (("zero_shot", 50.0), ("lora", 80.0), ("lomo", 82.0), ("lora_lomo", 83.0))]
+    md = table3.markdown(rows, cpu=False)
+    lines = md.splitlines()
+    assert "| size | method | RTE | BoolQ | WSC | WiC | MultiRC | COPA | Avg. |" in lines
+    lomo = next(l for l in lines if l.startswith("| 7B | LOMO |"))
+    assert lomo.startswith("| 7B | LOMO | 82.0 [86.6] | 82.0 [87.5] |") and lomo.endswith("82.0 [80.8] |")
+    assert "| 7B | Zero-shot | 50.0 [57.0] |" in md
+    assert any(l.startswith("| 7B | LoRA+LOMO | 83.0 |") for l in lines)  # no paper figure for it
+
+
+def test_table3_markdown_cpu(table3):
+    rows = [{"size": "cpu", "task": "builtin", "method": "zero_shot", "accuracy": 50.0, "setting": {}},
+            {"size": "cpu", "task": "builtin", "method": "lomo", "accuracy": 75.0, "steps": 30,
+             "setting": {"lr": 0.03, "warmup_ratio": 0.1}}]
+    md = table3.markdown(rows, cpu=True)
+    assert "| LOMO | 75.0 | +25.0 | 30 | lr=0.03, warmup_ratio=0.1 |" in md
+
+
+def test_makefile_targets():
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        text = f.read()
+    for target in ("table1", "table2", "table3", "table1-cpu", "table2-cpu", "table3-cpu", "plan"):
+        assert f"\n{target}: .installed" in text, target
+    assert "lomo-ds plan --model $(MODEL) --gpus $(NGPUS) --gpu-mem 24" in text
