@@ -20,7 +20,8 @@ optimizer states + activations). The figure is the largest over the ranks.
 TGS: lomo_ds.baselines.measure_tgs: warm-up steps excluded, median of the timed steps, every step
 ended by a barrier (the slowest rank's time); tokens = batch x seq per rank.
 LOMO runs one backward pass per step (no norm clipping: the paper's value-clipping mode) unless
---lomo-clip-norm; AdamW / SGD use DeepSpeed's own path with gradient_clipping 1.0.
+--lomo-clip-norm, or fp16, whose dynamic loss scale needs the first pass's overflow check (use
+--dtype bf16 for one pass on GPUs); AdamW / SGD use DeepSpeed's own path with gradient_clipping 1.0.
 
 Writes experiments/results/table2{,_cpu}.{csv,md,png} with the paper's figures beside ours, and
 prints LOMO/AdamW and LOMO/SGD peak-memory ratios and the LOMO/SGD step-time ratio.

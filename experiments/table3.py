@@ -370,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "table3"), help="where each run's output.dir goes")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per run (default 1800 CPU, none GPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the training commands, run nothing")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the rows of the methods not run now from the previous results file")
     return ap
 
 
@@ -420,6 +422,11 @@ def main(argv=None) -> int:
                     write_outputs(rows, False)  # after every task: a long sweep leaves a table behind
     if a.dry_run:
         return 0
+    prev = os.path.join(RESULTS, f"table3{'_cpu' if a.cpu else ''}.json")
+    if a.update and os.path.exists(prev):
+        with open(prev) as f:
+            done = {(r["size"], r["task"], r["method"]) for r in rows}
+            rows = [r for r in json.load(f) if (r["size"], r["task"], r["method"]) not in done] + rows
     if not rows:
         print("no run finished", file=sys.stderr)
         return 1
