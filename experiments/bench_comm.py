@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -43,6 +44,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
 
+    # DeepSpeed's CPU accelerator shells out to numactl on every collective bucket unless
+    # LOCAL_SIZE is set (its own launcher sets it; torchrun sets LOCAL_WORLD_SIZE instead).
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     lomo_ds.init_distributed()
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
                       num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
