@@ -313,33 +313,6 @@ def passthrough(a) -> list[str]:
     return out
 
 
-def model_paths(a) -> dict[str, str]:
-    """size -> HF folder, from --model-path [SIZE=]PATH (repeatable) and --model-root."""
-    paths = {}
-    for item in a.model_path or []:
-        size, sep, path = item.partition("=")
-        if not sep:
-            path, size = item, guess_size(item)
-        paths[size.lower().removeprefix("llama-")] = path
-    if a.model_root:
-        for size in GPU_SIZES:
-            for name in (f"llama-{size}", f"llama{size}", size):
-                p = os.path.join(a.model_root, name)
-                if os.path.isdir(p) and size not in paths:
-                    paths[size] = p
-    return paths
-
-
-def guess_size(path: str) -> str:
-    """7b/13b/30b/65b from an HF folder's config.json (nearest parameter count)."""
-    from lomo_ds import planner
-
-    with open(os.path.join(path, "config.json")) as f:
-        spec = planner.spec_from_hf_config(json.load(f))
-    return min(GPU_SIZES, key=lambda s: abs(planner.LLAMA[s].n_params - spec.n_params))
-
-
-# ----------------------------------------------------------------------------- output
 def row_key(r: dict) -> tuple:
     sizes = list(CPU_SIZES) + list(GPU_SIZES)
     return (sizes.index(r["size"]) if r["size"] in sizes else 99,
@@ -563,7 +536,10 @@ def main(argv=None) -> int:
     else:
         import torch
 
-        paths = model_paths(a)
+        sys.path.insert(0, ROOT)
+        from lomo_ds import planner
+
+        paths = planner.llama_model_paths(a.model_path, a.model_root)
         sizes = a.sizes.split(",") if a.sizes else [s for s in GPU_SIZES if s in paths]
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for size, method, gpus in paper_layout():

@@ -331,31 +331,6 @@ def plot(rows: list[dict], path: str, cpu: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- main
-def model_paths(a) -> dict[str, str]:
-    paths = {}
-    for item in a.model_path or []:
-        size, sep, path = item.partition("=")
-        if not sep:
-            path, size = item, guess_size(item)
-        paths[size.lower().removeprefix("llama-")] = path
-    if a.model_root:
-        for size in SIZES:
-            for name in (f"llama-{size}", f"llama{size}", size):
-                p = os.path.join(a.model_root, name)
-                if os.path.isdir(p) and size not in paths:
-                    paths[size] = p
-    return paths
-
-
-def guess_size(path: str) -> str:
-    sys.path.insert(0, ROOT)
-    from lomo_ds import planner
-
-    with open(os.path.join(path, "config.json")) as f:
-        spec = planner.spec_from_hf_config(json.load(f))
-    return min(SIZES, key=lambda s: abs(planner.LLAMA[s].n_params - spec.n_params))
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="built-in model and task on 2 CPU ranks (table3_hparams/cpu.yaml)")
@@ -405,7 +380,10 @@ def main(argv=None) -> int:
             if best:
                 rows.append(best)
     else:
-        paths = model_paths(a)
+        sys.path.insert(0, ROOT)
+        from lomo_ds import planner
+
+        paths = planner.llama_model_paths(a.model_path, a.model_root)
         if not paths and a.dry_run:
             paths = {"7b": "/path/to/llama-7b"}
         nproc = a.gpus or 8

@@ -160,17 +160,24 @@ def parse_lomo_section(raw: Any, where: str = "lomo") -> LomoConfig:
     return validate_lomo(build_dataclass(LomoConfig, raw, where), where)
 
 
+def read_json_config(path: str | os.PathLike) -> Any:
+    """A config file's JSON, or a ConfigError naming the file and what is wrong with it."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a JSON file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
 def load_config(config: dict | str | os.PathLike) -> tuple[dict, LomoConfig]:
     """Split a config (dict or JSON path) into DeepSpeed's dict and the validated LOMO section."""
     if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raw = read_json_config(config)
     elif isinstance(config, dict):
         raw = copy.deepcopy(config)
     else:

