@@ -41,12 +41,6 @@ def process_group(p):
     return p.ds_process_group
 
 
-def is_gathered(p) -> bool:
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return p.ds_status == ZeroParamStatus.AVAILABLE
-
-
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
     import deepspeed.comm as dist
 

@@ -101,11 +101,6 @@ class LomoEngine:
         warmup = s.warmup_steps or int(round(s.warmup_ratio * s.total_steps))
         return Schedule(s.type, lomo.lr, s.total_steps, warmup, s.min_lr_ratio)
 
-    def set_total_steps(self, total_steps: int) -> None:
-        """Trainers know the step count only after loading data; the schedule is rebuilt from it."""
-        self.config.scheduler.total_steps = total_steps
-        self.schedule = self._make_schedule(self.config)
-
     @property
     def two_passes(self) -> bool:
         return self.config.clip_grad_norm is not None or self.loss_scaler is not None

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from . import ds_compat
+from .precision import stochastic_round_to_bf16
 
 
 @dataclass(frozen=True)
@@ -108,15 +109,9 @@ class ShardUpdater:
         if weights.data_ptr() == shard.data_ptr():
             return  # fp32 shard updated in place
         if shard.dtype == torch.bfloat16 and self.stochastic_rounding and master is None:
-            shard.copy_(stochastic_round_to_bf16_(weights, self.generator))
+            shard.copy_(stochastic_round_to_bf16(weights, self.generator))
         else:
             shard.copy_(weights)
-
-
-def stochastic_round_to_bf16_(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    from .precision import stochastic_round_to_bf16
-
-    return stochastic_round_to_bf16(weights, generator)
 
 
 class ReduceScatterBuckets:
