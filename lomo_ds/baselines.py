@@ -69,6 +69,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import ds_compat
+from .engine import gather_full_state_dict, loss_of, mean_over_ranks
 from .memory import MemoryTracker, process_peak_rss_bytes
 
 METHODS = ("adamw", "sgd", "lora", "lora_lomo", "lomo", "zero_shot")
@@ -159,41 +160,6 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def _full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
-    """Collective: full parameters by name on rank 0 (None elsewhere), one at a time."""
-    import deepspeed
-
-    state: dict[str, torch.Tensor] = {}
-    seen: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            if rank == 0:
-                state[name] = state[seen[id(p)]]
-            continue
-        seen[id(p)] = name
-        if hasattr(p, "ds_id"):
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                if rank == 0:
-                    state[name] = p.data.detach().to("cpu", copy=True)
-        elif rank == 0:
-            state[name] = p.data.detach().to("cpu", copy=True)
-    return state if rank == 0 else None
-
-
-def _mean_over_ranks(value: float, world: int, group=None) -> float:
-    v = torch.tensor([float(value)], dtype=torch.float64)
-    if world > 1:
-        ds_compat.all_reduce(v, group=group)
-    return v.item() / world
-
-
-def _loss_of(out) -> torch.Tensor:
-    loss = out if torch.is_tensor(out) else out["loss"]
-    if loss is None:
-        raise ValueError("the model returned no loss: pass `labels` in the batch")
-    return loss
-
-
 def _ds_config_for(ds_config: dict, *, clip: float | None) -> dict:
     cfg = copy.deepcopy(ds_config)
     cfg.pop("lomo", None)
@@ -282,7 +248,7 @@ class _Base:
             return self.module(**batch)
 
     def full_state_dict(self):
-        return _full_state_dict(self.module, self.rank)
+        return gather_full_state_dict(self.module, self.rank)
 
 
 class DeepSpeedOptimizerEngine(_Base):
@@ -335,7 +301,7 @@ class DeepSpeedOptimizerEngine(_Base):
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
         self.module.train()
         lr = self.torch_optimizer.param_groups[0]["lr"]
-        loss = _loss_of(self.ds_engine(**batch))
+        loss = loss_of(self.ds_engine(**batch))
         self.ds_engine.backward(loss)
         if self.tracker is not None:
             self._note_step_grads()
@@ -345,7 +311,7 @@ class DeepSpeedOptimizerEngine(_Base):
         norm = self.ds_engine.get_global_grad_norm()
         opt = self.ds_engine.optimizer
         scale = float(getattr(opt, "loss_scale", 1.0) or 1.0)
-        return {"loss": _mean_over_ranks(loss.detach().float().item(), self.world, self.group), "lr": lr,
+        return {"loss": mean_over_ranks(loss.detach().float().item(), self.world, self.group), "lr": lr,
                 "grad_norm": float(norm) if norm is not None else None, "skipped": not applied,
                 "loss_scale": scale}
 
@@ -525,12 +491,12 @@ class ZeroShotEngine(_Base):
 
     def train_step(self, batch):
         with torch.no_grad():
-            loss = _loss_of(self.module(**batch))
+            loss = loss_of(self.module(**batch))
         if self.tracker is not None:
             self.tracker.sample()
         ds_compat.release_all(ds_compat.offload_of(self.ds_engine))
         self.global_step += 1
-        return {"loss": _mean_over_ranks(loss.float().item(), self.world, self.group), "lr": 0.0,
+        return {"loss": mean_over_ranks(loss.float().item(), self.world, self.group), "lr": 0.0,
                 "grad_norm": None, "skipped": True, "loss_scale": 1.0}
 
 

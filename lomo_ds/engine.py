@@ -46,6 +46,43 @@ def init_distributed() -> None:
         deepspeed.init_distributed()
 
 
+def loss_of(outputs) -> torch.Tensor:
+    """The loss of a model's outputs (a tensor, or a dict/ModelOutput with "loss")."""
+    loss = outputs if torch.is_tensor(outputs) else outputs["loss"]
+    if loss is None:
+        raise ValueError("the model returned no loss: pass `labels` in the batch")
+    return loss
+
+
+def mean_over_ranks(value: float, world: int, group=None) -> float:
+    v = torch.tensor([float(value)], dtype=torch.float64)
+    if world > 1:
+        ds_compat.all_reduce(v, group=group)
+    return v.item() / world
+
+
+def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
+    """Collective: full parameters by name on rank 0 (None elsewhere), gathered one at a time.
+    A tied tensor appears under each of its names."""
+    import deepspeed
+
+    state: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            if rank == 0:
+                state[name] = state[seen[id(p)]]
+            continue
+        seen[id(p)] = name
+        if ds_compat.is_zero_param(p):
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if rank == 0:
+                    state[name] = p.data.detach().to("cpu", copy=True)
+        elif rank == 0:
+            state[name] = p.data.detach().to("cpu", copy=True)
+    return state if rank == 0 else None
+
+
 class LomoEngine:
     def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig):
         import deepspeed
@@ -126,12 +163,6 @@ class LomoEngine:
     def forward(self, batch: dict[str, Any]):
         return self.module(**batch)
 
-    def _loss_of(self, outputs) -> torch.Tensor:
-        loss = outputs if torch.is_tensor(outputs) else outputs["loss"]
-        if loss is None:
-            raise ValueError("the model returned no loss: pass `labels` in the batch")
-        return loss
-
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
         """One optimizer step on this rank's micro-batch."""
         self.module.train()
@@ -141,7 +172,7 @@ class LomoEngine:
         grad_scale = 1.0 / (self.world * loss_scale)  # averaged over ranks, unscaled
         result = {"lr": lr, "loss_scale": loss_scale, "grad_norm": None, "skipped": False}
 
-        loss = self._loss_of(self.forward(batch))
+        loss = loss_of(self.forward(batch))
         if self.two_passes:
             retain = self.config.two_pass_mode == "retain_graph"
             counters = ds_compat.snapshot_backward_counters(self.module) if retain else None
@@ -173,7 +204,7 @@ class LomoEngine:
             if retain:
                 ds_compat.restore_backward_counters(counters)
             else:
-                loss = self._loss_of(self.forward(batch))
+                loss = loss_of(self.forward(batch))
             self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale * coef, clip_value=self.config.clip_grad_value,
                                            weight_decay=self.config.weight_decay)
             self._backward(loss * loss_scale, retain_graph=False)
@@ -185,7 +216,7 @@ class LomoEngine:
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         self.global_step += 1
-        result["loss"] = self._mean_over_ranks(loss.detach())
+        result["loss"] = mean_over_ranks(loss.detach().float().item(), self.world, self.group)
         return result
 
     def _end_step(self, updated: bool = False) -> None:
@@ -194,12 +225,6 @@ class LomoEngine:
             ds_compat.regather_persistent(self.offload)
         for p in self.params:
             p.grad = None
-
-    def _mean_over_ranks(self, value: torch.Tensor) -> float:
-        v = value.float().reshape(1).clone()
-        if self.world > 1:
-            ds_compat.all_reduce(v, group=self.group)
-        return v.item() / self.world
 
     # ----------------------------------------------------------------- evaluation and state
     @torch.no_grad()
@@ -210,20 +235,7 @@ class LomoEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full parameters by name on rank 0 (None elsewhere), one at a time."""
-        import deepspeed
-
-        state = {}
-        seen: dict[int, str] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if id(p) in seen:
-                if self.rank == 0:
-                    state[name] = state[seen[id(p)]]
-                continue
-            seen[id(p)] = name
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                if self.rank == 0:
-                    state[name] = p.data.detach().to("cpu", copy=True)
-        return state if self.rank == 0 else None
+        return gather_full_state_dict(self.module, self.rank)
 
     def shard_state_dict(self) -> dict[str, Any]:
         """This rank's part of a resumable checkpoint: its shards, masters and the step state."""
