@@ -55,7 +55,8 @@ def loss_of(outputs) -> torch.Tensor:
 
 
 def mean_over_ranks(value: float, world: int, group=None) -> float:
-    v = torch.tensor([float(value)], dtype=torch.float64)
+    # fp32: 4 bytes on the wire per step are enough for a reported loss.
+    v = torch.tensor([float(value)], dtype=torch.float32)
     if world > 1:
         ds_compat.all_reduce(v, group=group)
     return v.item() / world
