@@ -119,7 +119,7 @@ class LomoEngine:
         self.memory: MemoryTracker | None = None
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
         self.buckets = ReduceScatterBuckets(self.group, self.world, self.rank, lomo.bucket_size, reduce_dtype,
-                                            self.updater.apply, all_reduce=lomo.grad_reduction == "all_reduce")
+                                            self.updater.apply_bucket, all_reduce=lomo.grad_reduction == "all_reduce")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16

@@ -86,6 +86,10 @@ class ShardUpdater:
             n = geometry(p, self.world, self.rank).local
             self.masters[ds_compat.param_id(p)] = ds_compat.shard(p)[:n].detach().float().clone()
 
+    def apply_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        for param, grad_shard in items:
+            self.apply(param, grad_shard)
+
     def apply(self, param: torch.nn.Parameter, grad_shard: torch.Tensor) -> None:
         n = geometry(param, self.world, self.rank).local
         if n == 0:
@@ -124,7 +128,7 @@ class ReduceScatterBuckets:
     """
 
     def __init__(self, group, world: int, rank: int, capacity: int, reduce_dtype: torch.dtype | None,
-                 on_shard: Callable[[torch.nn.Parameter, torch.Tensor], None], tracker=None,
+                 on_bucket: Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]]], None], tracker=None,
                  all_reduce: bool = False):
         self.group, self.world, self.rank = group, world, rank
         # all_reduce=True is the public reference implementation's way (all-reduce each full
@@ -133,7 +137,10 @@ class ReduceScatterBuckets:
         self.all_reduce = all_reduce
         self.capacity = capacity
         self.reduce_dtype = reduce_dtype
-        self.on_shard = on_shard
+        # Called once per reduced bucket with [(param, this rank's reduced slice)], the slice
+        # `part` long (padding included): an update rule that needs a collective per bucket
+        # (e.g. AdaLomo's row/column statistics) gets every parameter of the bucket at once.
+        self.on_bucket = on_bucket
         self.tracker = tracker
         self.pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.pending_elems = 0
@@ -141,13 +148,13 @@ class ReduceScatterBuckets:
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         if self.world == 1:
             # One rank: the shard is the whole parameter and there is nothing to reduce.
-            self.on_shard(param, grad.reshape(-1))
+            self.on_bucket([(param, grad.reshape(-1))])
             return
         if self.all_reduce:
             full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)
             ds_compat.all_reduce(full, group=self.group)
             start = self.rank * math.ceil(grad.numel() / self.world)
-            self.on_shard(param, full[start:start + math.ceil(grad.numel() / self.world)])
+            self.on_bucket([(param, full[start:start + math.ceil(grad.numel() / self.world)])])
             return
         part = math.ceil(grad.numel() / self.world)
         if self.pending and self.pending_elems + part > self.capacity:
@@ -191,8 +198,10 @@ class ReduceScatterBuckets:
         ds_compat.reduce_scatter(received, send, self.group)
         self.pending, self.pending_elems = [], 0
         del send
-        col = 0
+        items, col = [], 0
         for param, g in grads:
             part = math.ceil(g.numel() / self.world)
-            self.on_shard(param, received[col:col + part])
+            items.append((param, received[col:col + part]))
             col += part
+        del grads
+        self.on_bucket(items)
