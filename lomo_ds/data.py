@@ -1,15 +1,9 @@
-"""Tasks, prompts, sampling, tokenization and batching for LOMO runs.
+"""Loading, sampling, tokenization and batching for LOMO runs; the tasks themselves (schemas,
+prompts, candidates, where their data lives) are the registry in tasks.py.
 
-Tasks are classification into candidate answers (the MeZO protocol the LOMO paper follows):
-the prompt is followed by an answer word, the training loss is on the answer tokens and EOS
-only, and evaluation scores every candidate by its mean token log-probability (evaluation.py).
-
-  SuperGLUE  rte boolq wsc(wsc.fixed) wic multirc copa: from the hub, or local JSONL/Parquet of
-             the same schema
-  builtin    a small review-sentiment task in BoolQ's schema, shipped in lomo_ds/builtin/
-  instruction  JSONL of {"prompt", "response"}; trained like the others (loss on the response
-             and EOS); it has no candidates, so its evaluation is the mean token loss on
-             `eval_file` (Datasets.eval_lm), or nothing when there is no eval file.
+The training loss is on the answer tokens and EOS only; evaluation scores every candidate by its
+mean token log-probability (evaluation.py). The instruction task has no candidates, so its
+evaluation is the mean token loss on `eval_file` (Datasets.eval_lm), or nothing without one.
 
 Data order is a pure function of (seed, epoch, step), so a resumed run replays it exactly.
 """
@@ -24,28 +18,10 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
-# super_glue's canonical copy; its loading script is not run by datasets >= 4, so the loader
-# falls back to the hub's Parquet export of the same data.
-SUPERGLUE_HUB = "aps/super_glue"
-SUPERGLUE_PARQUET_REVISION = "refs/convert/parquet"
-SUPERGLUE_CONFIGS = {"rte": "rte", "boolq": "boolq", "wsc": "wsc.fixed", "wic": "wic",
-                     "multirc": "multirc", "copa": "copa"}
-SPLITS = {"train": "train", "eval": "validation"}
-YES_NO = ["Yes", "No"]
+from .tasks import SUPERGLUE_HUB, TASKS
 
-# Fields each task's records must have, with their types (label: int or bool).
-_STR, _LABEL = (str,), (int, bool)
-SCHEMAS: dict[str, dict[str, tuple]] = {
-    "rte": {"premise": _STR, "hypothesis": _STR, "label": _LABEL},
-    "boolq": {"passage": _STR, "question": _STR, "label": _LABEL},
-    "builtin": {"passage": _STR, "question": _STR, "label": _LABEL},
-    "wsc": {"text": _STR, "span1_text": _STR, "span2_text": _STR, "label": _LABEL},
-    "wic": {"word": _STR, "sentence1": _STR, "sentence2": _STR, "label": _LABEL},
-    "multirc": {"paragraph": _STR, "question": _STR, "answer": _STR, "label": _LABEL},
-    "copa": {"premise": _STR, "choice1": _STR, "choice2": _STR, "question": _STR, "label": _LABEL},
-    "instruction": {"prompt": _STR, "response": _STR},
-}
+SUPERGLUE_PARQUET_REVISION = "refs/convert/parquet"
+SPLITS = {"train": "train", "eval": "validation"}
 
 
 class DataError(ValueError):
@@ -78,68 +54,30 @@ class Datasets:
     stats: dict = field(default_factory=dict)
 
 
-# ----------------------------------------------------------------------------- prompts
-
-def _upper_first(s: str) -> str:
-    return s[:1].upper() + s[1:]
-
-
-def _copa_choice(choice: str) -> str:
-    # MeZO: the choice continues the premise's sentence, so its first word is lower-cased, except "I".
-    first, sep, rest = choice.partition(" ")
-    if first != "I":
-        first = first.lower()
-    return first + sep + rest
-
-
-def _yes_no(label_is_yes: bool) -> int:
-    return 0 if label_is_yes else 1
-
+# ----------------------------------------------------------------------------- records
 
 def format_example(task: str, r: dict) -> PromptExample:
-    """The MeZO prompt for one record (see shared/reference/paper-facts.md)."""
-    if task == "rte":  # label 0 = entailment
-        prompt = f'{r["premise"]}\nDoes this mean that "{r["hypothesis"]}" is true? Yes or No?\n'
-        return PromptExample(task, prompt, YES_NO, _yes_no(int(r["label"]) == 0))
-    if task in ("boolq", "builtin"):  # label 1 = true
-        q = _upper_first(r["question"])
-        if not q.endswith("?"):  # SuperGLUE's questions have none; the builtin task's do
-            q += "?"
-        return PromptExample(task, f'{r["passage"]} {q}\n', YES_NO, _yes_no(int(r["label"]) == 1))
-    if task == "wsc":
-        prompt = (f'{r["text"]}\nIn the previous sentence, does the pronoun "{r["span2_text"].lower()}" '
-                  f'refer to {r["span1_text"]}? Yes or No?\n')
-        return PromptExample(task, prompt, YES_NO, _yes_no(int(r["label"]) == 1))
-    if task == "wic":
-        prompt = (f'Does the word "{r["word"]}" have the same meaning in these two sentences? Yes, No?\n'
-                  f'{r["sentence1"]}\n{r["sentence2"]}\n')
-        return PromptExample(task, prompt, YES_NO, _yes_no(int(r["label"]) == 1))
-    if task == "multirc":
-        prompt = (f'{r["paragraph"]}\nQuestion: {r["question"]}\nI found this answer "{r["answer"]}". '
-                  f'Is that correct? Yes or No?\n')
-        return PromptExample(task, prompt, YES_NO, _yes_no(int(r["label"]) == 1))
-    if task == "copa":
-        premise = r["premise"][:-1] if r["premise"].endswith(".") else r["premise"]
-        conn = " so " if r["question"] == "effect" else " because "
-        return PromptExample(task, premise + conn, [_copa_choice(r["choice1"]), _copa_choice(r["choice2"])],
-                             int(r["label"]))
-    raise ValueError(f"no prompt for task {task!r}")
+    """The prompt, candidates and answer of one record of a task with candidates (tasks.py)."""
+    spec = TASKS[task]
+    if not spec.has_candidates:
+        raise ValueError(f"task {task!r} has no prompt: its records are prompt/response pairs")
+    return PromptExample(task, spec.prompt(r), spec.candidates(r), spec.answer(r))
 
 
 def check_record(task: str, r: Any, where: str) -> dict:
     """Raise DataError (naming `where`, e.g. 'file.jsonl:12') unless `r` has the task's fields."""
+    fields = TASKS[task].fields
     if not isinstance(r, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(r).__name__}")
-    for name, types in SCHEMAS[task].items():
+    for name, types in fields.items():
         if name not in r:
-            raise DataError(f"{where}: missing field {name!r} (task {task!r} needs {sorted(SCHEMAS[task])})")
+            raise DataError(f"{where}: missing field {name!r} (task {task!r} needs {sorted(fields)})")
         if not isinstance(r[name], types):
             raise DataError(f"{where}: field {name!r}: expected {'/'.join(t.__name__ for t in types)}, "
                             f"got {type(r[name]).__name__} {r[name]!r}")
-    if "label" in SCHEMAS[task] and int(r["label"]) not in (0, 1):
-        raise DataError(f"{where}: field 'label': expected 0 or 1, got {r['label']!r}")
-    if task == "copa" and r["question"] not in ("cause", "effect"):
-        raise DataError(f"{where}: field 'question': expected 'cause' or 'effect', got {r['question']!r}")
+    for name, allowed in TASKS[task].values.items():
+        if r[name] not in allowed:
+            raise DataError(f"{where}: field {name!r}: expected {' or '.join(map(repr, allowed))}, got {r[name]!r}")
     return r
 
 
@@ -196,7 +134,7 @@ def _load_hub(task: str, split: str, name: str | None) -> list[tuple[dict, str]]
     import datasets
 
     hub = name or SUPERGLUE_HUB
-    config = SUPERGLUE_CONFIGS[task]
+    config = TASKS[task].hub_config
     try:
         ds = datasets.load_dataset(hub, config, split=split)
     except RuntimeError as e:  # "Dataset scripts are no longer supported"
@@ -211,23 +149,22 @@ def split_path(data_cfg, split: str) -> str | None:
     explicit = data_cfg.train_file if split == "train" else data_cfg.eval_file
     if explicit:
         return explicit
-    source = data_cfg.source
-    if source is None and data_cfg.task == "builtin":
-        source = BUILTIN_DIR
+    source = data_cfg.source or TASKS[data_cfg.task].default_source
+    needs_eval = TASKS[data_cfg.task].has_candidates  # a task without candidates need not have an eval set
     if source is None or source.startswith("hub:"):
         return None
     if os.path.isdir(source):
         try:
             return _split_file(source, SPLITS[split])
         except DataError:
-            if split == "eval" and data_cfg.task == "instruction":
-                return None  # an instruction run need not have an eval set
+            if split == "eval" and not needs_eval:
+                return None
             raise
     # A single file is the training data; evaluation then needs data.eval_file (or is skipped
-    # for the instruction task).
+    # for a task without candidates).
     if split == "train":
         return source
-    if data_cfg.task == "instruction":
+    if not needs_eval:
         return None
     raise DataError(f"data.source {source!r} is a single file (used for training); "
                     f"set data.eval_file for the evaluation split")
@@ -239,11 +176,11 @@ def load_split(data_cfg, split: str) -> list[dict]:
     path = split_path(data_cfg, split)
     if path is not None:
         rows = read_records(path)
-    elif task in SUPERGLUE_CONFIGS:
+    elif TASKS[task].hub_config is not None:
         hub = data_cfg.source[len("hub:"):] if data_cfg.source else None
         rows = _load_hub(task, SPLITS[split], hub)
     else:
-        return []  # instruction task without an eval file
+        return []  # a task without candidates and without an eval file
     return [check_record(task, r, where) for r, where in rows]
 
 
@@ -354,6 +291,7 @@ def build_datasets(run_cfg, tokenizer) -> Datasets:
     stats: available/sampled records, examples kept, truncated and rejected counts, per split.
     """
     d, t = run_cfg.data, run_cfg.tokenizer
+    scored = TASKS[d.task].has_candidates  # else records are prompt/response pairs, evaluated by their loss
     stats: dict[str, Any] = {"task": d.task}
     out = Datasets(train=[], eval=[], eval_lm=[], stats=stats)
     for split, n_wanted in (("train", d.train_samples), ("eval", d.eval_samples)):
@@ -362,8 +300,8 @@ def build_datasets(run_cfg, tokenizer) -> Datasets:
         truncated = rejected = 0
         for i in idx:
             r = records[i]
-            if split == "train" or d.task == "instruction":
-                ex = r if d.task == "instruction" else format_example(d.task, r)
+            if split == "train" or not scored:
+                ex = format_example(d.task, r) if scored else r
                 tok = tokenize_train_example(ex, tokenizer, t.max_length, t.overlong)
                 if tok is None:
                     rejected += 1

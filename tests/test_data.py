@@ -7,6 +7,7 @@ import os
 import pytest
 
 from lomo_ds import data as D
+from lomo_ds.tasks import BUILTIN_DIR, TASKS
 from lomo_ds.run_config import load_run_config
 from tests.helpers_data import RECORDS, boolq_records, byte_bpe_tokenizer, write_jsonl
 
@@ -27,6 +28,24 @@ def test_prompt_exactly_as_mezo(task):
     assert ex.label == label
 
 
+def test_registry_covers_every_task():
+    # every SuperGLUE task has a pinned prompt above and a hub configuration; only builtin and
+    # instruction have none (run_config validates data.task against the same registry)
+    assert sorted(RECORDS) == sorted(t for t, spec in TASKS.items() if spec.hub_config is not None)
+    assert TASKS["wsc"].hub_config == "wsc.fixed"
+    assert [t for t, spec in TASKS.items() if not spec.has_candidates] == ["instruction"]
+    with pytest.raises(ValueError, match="no prompt"):
+        D.format_example("instruction", {"prompt": "p", "response": "r"})
+
+
+def test_record_values_checked_and_bool_labels_accepted():
+    record = dict(RECORDS["copa"][0], question="why")
+    with pytest.raises(D.DataError, match="here: field 'question': expected 'cause' or 'effect', got 'why'"):
+        D.check_record("copa", record, "here")
+    r = dict(RECORDS["boolq"][0], label=True)
+    assert D.format_example("boolq", D.check_record("boolq", r, "here")).label == 0
+
+
 def test_copa_effect_and_I_kept():
     r = {"premise": "I ran out of milk.", "choice1": "I went to the store.", "choice2": "The Cat slept.",
          "question": "effect", "label": 0}
@@ -36,8 +55,8 @@ def test_copa_effect_and_I_kept():
 
 
 def test_builtin_uses_boolq_prompt_and_files_are_balanced_and_disjoint():
-    train = [r for r, _ in D.read_jsonl(os.path.join(D.BUILTIN_DIR, "train.jsonl"))]
-    val = [r for r, _ in D.read_jsonl(os.path.join(D.BUILTIN_DIR, "validation.jsonl"))]
+    train = [r for r, _ in D.read_jsonl(os.path.join(BUILTIN_DIR, "train.jsonl"))]
+    val = [r for r, _ in D.read_jsonl(os.path.join(BUILTIN_DIR, "validation.jsonl"))]
     assert sum(r["label"] for r in train) * 2 == len(train)
     assert sum(r["label"] for r in val) * 2 == len(val)
     assert not {r["passage"] for r in train} & {r["passage"] for r in val}
@@ -49,8 +68,8 @@ def test_builtin_generator_is_reproducible():
     from lomo_ds.builtin.make_builtin_task import generate
 
     train, val = generate()
-    assert train == [r for r, _ in D.read_jsonl(os.path.join(D.BUILTIN_DIR, "train.jsonl"))]
-    assert val == [r for r, _ in D.read_jsonl(os.path.join(D.BUILTIN_DIR, "validation.jsonl"))]
+    assert train == [r for r, _ in D.read_jsonl(os.path.join(BUILTIN_DIR, "train.jsonl"))]
+    assert val == [r for r, _ in D.read_jsonl(os.path.join(BUILTIN_DIR, "validation.jsonl"))]
 
 
 # ----------------------------------------------------------------------------- loading
