@@ -1,4 +1,5 @@
-"""Sharded, resumable checkpoints written atomically, and export to a Hugging Face directory.
+"""Sharded, resumable checkpoints written atomically, and export to a Hugging Face directory
+(sharded safetensors with an index).
 
 Layout under <output.dir>/checkpoints/:
     step_00000040/rank_00000.pt ...   each rank's parameter shards (+ fp32 masters) and step state
@@ -20,6 +21,9 @@ from typing import Any
 import torch
 
 CKPT_DIR = "checkpoints"
+# The largest safetensors file export_hf writes (huggingface_hub's default): a 65B model in fp16
+# becomes ~26 files, not one of 130 GB.
+MAX_SHARD_SIZE = "5GB"
 
 
 def _fsync_dir(path: str) -> None:
@@ -107,31 +111,30 @@ def load_checkpoint(path: str, engine) -> dict[str, Any]:
     return meta
 
 
-def export_hf(engine, tokenizer, out_dir: str, barrier) -> str | None:
-    """Collective: write the full fine-tuned model as a Hugging Face directory (safetensors) that
-    `AutoModelForCausalLM.from_pretrained(out_dir)` loads. Parameters are gathered one at a time."""
-    from safetensors.torch import save_file
+def export_hf(engine, tokenizer, out_dir: str, barrier, max_shard_size: int | str = MAX_SHARD_SIZE) -> str | None:
+    """Collective: write the full fine-tuned model as a Hugging Face directory that
+    `AutoModelForCausalLM.from_pretrained(out_dir)` loads: safetensors shards of at most
+    `max_shard_size` (bytes, or "5GB"-style) with an index, or one model.safetensors when it all
+    fits in one, as `save_pretrained` writes them. Parameters are gathered one at a time."""
+    from huggingface_hub import save_torch_state_dict
 
     state = engine.full_state_dict()
     if engine.rank == 0:
         module = engine.module
-        config = module.config
-        tied = getattr(config, "tie_word_embeddings", False)
-        tensors = {}
-        seen = set()
+        # Tied weights are one tensor under several names; safetensors stores it once (under its
+        # first name, the input embedding) and transformers re-ties on load.
+        tensors, seen = {}, set()
         for name, t in state.items():
-            # Tied weights are one tensor; safetensors stores it once and HF re-ties on load.
-            if tied and id(t) in seen:
-                continue
-            seen.add(id(t))
-            tensors[name] = t.contiguous()
+            if id(t) not in seen:
+                seen.add(id(t))
+                tensors[name] = t
         staging = f"{out_dir}.partial"
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-        config.save_pretrained(staging)
+        module.config.save_pretrained(staging)
         if getattr(module, "generation_config", None) is not None:
             module.generation_config.save_pretrained(staging)
-        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        save_torch_state_dict(tensors, staging, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         shutil.rmtree(out_dir, ignore_errors=True)

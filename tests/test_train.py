@@ -81,7 +81,19 @@ def test_export_loads_in_transformers_with_engine_logits(tmp_path, tie):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "export"
-    launch(os.path.join(ROOT, "tests", "dist_export_check.py"), 2, [str(out), tie])
+    max_shard = 40_000  # bytes: the ~0.2 MB tiny model in several shards, as a 65B one is in 5 GB ones
+    launch(os.path.join(ROOT, "tests", "dist_export_check.py"), 2, [str(out), tie, str(max_shard)])
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == shards
+    for shard in shards:
+        tensors = load_file(out / shard)
+        assert set(tensors) == {k for k, v in index["weight_map"].items() if v == shard}
+        # a shard may pass the limit only when it holds a single tensor bigger than the limit
+        assert sum(t.numel() * t.element_size() for t in tensors.values()) <= max_shard or len(tensors) == 1
+    # a tied LM head is stored once, as the input embedding
+    assert ("lm_head.weight" in index["weight_map"]) == (tie == "untied")
     saved = torch.load(out / "engine_logits.pt")
     model = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
