@@ -12,17 +12,14 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import lomo_ds  # noqa: E402
-from lomo_ds.comm_stats import count_comm  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import common
+import lomo_ds
+from lomo_ds.comm_stats import count_comm
+from lomo_ds.planner import ModelSpec
 
 VARIANTS = {
     "reduce-scatter, 1 pass": {},
@@ -44,15 +41,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
 
-    # DeepSpeed's CPU accelerator shells out to numactl on every collective bucket unless
-    # LOCAL_SIZE is set (its own launcher sets it; torchrun sets LOCAL_WORLD_SIZE instead).
-    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    common.set_local_size(os.environ, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     lomo_ds.init_distributed()
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                      num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                      max_position_embeddings=args.seq)
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg)
+    spec = ModelSpec("bench", hidden=args.hidden, layers=args.layers, intermediate=args.hidden * 8 // 3,
+                     vocab=args.vocab, heads=max(1, args.hidden // 64))
+    base = common.random_llama(spec, args.seq, "fp32")
     engines = {}
     for name, extra in VARIANTS.items():
         ds = {"train_micro_batch_size_per_gpu": args.micro,
@@ -60,14 +53,12 @@ def main() -> None:
                                     "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
               "lomo": {"lr": 1e-3, "bucket_size": 5_000_000, **extra}}
         engines[name] = lomo_ds.initialize(copy.deepcopy(base), ds)
-    rank = torch.distributed.get_rank()
-    g = torch.Generator().manual_seed(rank)
+    batches = common.random_batches(args.vocab, args.micro, args.seq, args.warmup + args.steps,
+                                    seed=torch.distributed.get_rank(), device=common.rank_device())
     times = {name: [] for name in engines}
     counts = {}
     # Variants take turns step by step, so a slow spell on a shared machine hits them all alike.
-    for step in range(args.warmup + args.steps):
-        ids = torch.randint(0, args.vocab, (args.micro, args.seq), generator=g)
-        batch = {"input_ids": ids, "labels": ids}
+    for step, batch in enumerate(batches):
         for name, engine in engines.items():
             torch.distributed.barrier()
             t0 = time.perf_counter()

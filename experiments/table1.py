@@ -12,24 +12,19 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-RESULTS = os.path.join(ROOT, "experiments", "results")
-GIB = 2**30
-MIB = 2**20
+import common
+from common import GIB, MIB, RESULTS
+from lomo_ds.planner import ModelSpec
 
 # Built-in random-init LLaMA shapes for --cpu (vocab 8192 so the embedding does not dominate).
 CPU_SIZES = {
-    "20m": dict(hidden=384, layers=8, intermediate=1024, vocab=8192, heads=6),
-    "40m": dict(hidden=512, layers=10, intermediate=1376, vocab=8192, heads=8),
-    "70m": dict(hidden=640, layers=12, intermediate=1728, vocab=8192, heads=10),
+    "20m": ModelSpec("20m", hidden=384, layers=8, intermediate=1024, vocab=8192, heads=6),
+    "40m": ModelSpec("40m", hidden=512, layers=10, intermediate=1376, vocab=8192, heads=8),
+    "70m": ModelSpec("70m", hidden=640, layers=12, intermediate=1728, vocab=8192, heads=10),
 }
 # Paper Table 1 (GB): LLaMA-7B, seq 512, batch 8, one GPU.
 PAPER_T1 = {
@@ -41,95 +36,34 @@ METHODS = ("adamw", "sgd", "lomo")
 CATS = ("params", "grads", "optimizer_states", "activations", "total")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def build_model(args, size: str | None = None):
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    if args.model_path:
-        return AutoModelForCausalLM.from_pretrained(args.model_path, torch_dtype=dtype)
-    s = CPU_SIZES[size or args.size]
-    cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
-                      max_position_embeddings=max(2048, args.seq), tie_word_embeddings=False,
-                      attn_implementation="eager" if args.cpu else "sdpa", use_cache=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(dtype)
-
-
-def ds_config(args, n_params: int) -> dict:
-    """The same ZeRO-3 settings for every method. On a CPU the buckets and the gathered working set
-    are scaled to the small model (as DeepSpeed's defaults are to a 7B one: ~15% of the parameters)."""
-    zero = {"stage": 3}
-    if args.cpu:
-        zero.update(reduce_bucket_size=1_000_000, stage3_prefetch_bucket_size=0,
-                    stage3_max_live_parameters=1_000_000, stage3_max_reuse_distance=1_000_000,
-                    stage3_param_persistence_threshold=10_000)
-    cfg = {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": zero, "gradient_clipping": 1.0}
-    if args.dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif args.dtype == "fp16":
-        cfg["fp16"] = {"enabled": True}
-    return cfg
-
-
-def lomo_section(args) -> dict:
-    # Table 4: LR 3e-2 (within the sweep); clipping by norm 1.0 (the paper's shared setting).
-    # Norm clipping is left off here: with reentrant activation checkpointing the engine's
-    # two-pass (retain_graph) backward did not finish on the CPU (reported to the engine owner).
-    return {"lr": 3e-2, "bucket_size": 1_000_000 if args.cpu else 25_000_000}
-
-
-def method_opts(method: str) -> dict:
-    return {"adamw": {"lr": 1e-5, "clip": 1.0}, "sgd": {"lr": 1e-3, "clip": 1.0}}.get(method, {})
-
-
-def make_batches(args, vocab: int, rank: int, n: int):
-    import torch
-
-    g = torch.Generator().manual_seed(100 + rank)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+# LOMO's gradient bucket: scaled to the small models on a CPU, DeepSpeed's reduce bucket on GPUs.
+# Norm clipping is left off: with reentrant activation checkpointing the engine's two-pass
+# (retain_graph) backward did not finish on the CPU (reported to the engine owner).
+def lomo_bucket(args) -> int:
+    return 1_000_000 if args.cpu else 25_000_000
 
 
 def run_one(args) -> dict:
     """One configuration in this process (one rank): two steps, then the breakdown."""
     import torch
 
-    from lomo_ds.baselines import build_engine
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    model = build_model(args)
-    n_params = sum(p.numel() for p in model.parameters())
-    vocab = model.config.vocab_size
-    eng = build_engine(model, ds_config(args, n_params), args.one, lomo_cfg=lomo_section(args),
-                       activation_checkpointing=args.ac, **method_opts(args.one))
+    ds_cfg = common.ds_config(args.cpu, args.dtype, args.batch)
+    if args.model_path:
+        model = common.pretrained_llama(args.model_path, args.dtype, ds_cfg)
+    else:
+        model = common.random_llama(CPU_SIZES[args.size], args.seq, args.dtype, attn="eager" if args.cpu else "sdpa")
+    n_params = common.count_params(model)
+    eng = common.build_method_engine(model, ds_cfg, args.one, common.lomo_section(lomo_bucket(args)), args.ac)
     eng.enable_memory_tracking()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    for b in make_batches(args, vocab, eng.rank, 2):
+    for b in common.random_batches(model.config.vocab_size, args.batch, args.seq, 2, seed=100 + eng.rank,
+                                   device=common.rank_device()):
         out = eng.train_step(b)
     mem = eng.memory_breakdown()
     return {"method": args.one, "ac": args.ac, "n_params": n_params, "world": eng.world, "loss": out["loss"],
             "seconds": time.perf_counter() - t0, **mem}
-
-
-def child_env() -> dict:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    return env
 
 
 def passthrough(args) -> list[str]:
@@ -225,21 +159,22 @@ def main(argv=None) -> int:
     args.batch = args.batch or (2 if args.cpu else 8)
     args.dtype = args.dtype or ("bf16" if args.cpu else "fp16")
     if args.one:
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        common.print_result(run_one(args))
         return 0
     rows = []
     for method in args.methods.split(","):
         for ac in (False, True):
-            cmd = [sys.executable, os.path.abspath(__file__), "--one", method, *passthrough(args)] + (["--ac"] if ac else [])
             t0 = time.time()
-            proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, cwd=ROOT)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
+            # Each configuration is its own one-rank launch, so that nothing of one is left in the next.
+            proc = common.run_ranks(os.path.abspath(__file__), 1, ["--one", method, *passthrough(args)]
+                                    + (["--ac"] if ac else []), cpu=args.cpu, timeout=3600)
+            got = common.results_of(proc.stdout)
+            if proc.returncode != 0 or not got:
                 oom = "out of memory" in proc.stderr.lower()
                 print(f"{method} AC={ac}: {'OUT OF MEMORY' if oom else 'FAILED'} (rc {proc.returncode})\n{proc.stderr[-3000:]}",
                       file=sys.stderr)
                 continue
-            r = json.loads(lines[-1][7:])
+            r = got[-1]
             rows.append(r)
             print(f"{method:6s} AC={'yes' if ac else 'no ':3s} total {r['total'] / MIB:9.1f} MiB  "
                   f"({time.time() - t0:.0f} s)", flush=True)

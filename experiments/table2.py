@@ -33,18 +33,15 @@ import csv
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-RESULTS = os.path.join(HERE, "results")
-GIB = 2**30
-MIB = 2**20
+import common
+from common import GIB, LLAMA_PARAMS_B, MIB, RESULTS
+from lomo_ds.planner import ModelSpec
+
 METHODS = ("adamw", "sgd", "lomo")
 
 # Random-init LLaMA shapes for --cpu, picked with the planner (lomo_ds.planner.estimate) so that
@@ -53,8 +50,8 @@ METHODS = ("adamw", "sgd", "lomo")
 # activation checkpointing keeps activations to a few MiB at seq 128. fp32, because bf16 matmuls
 # on this CPU run ~15x slower than fp32 ones (measured: 3.5 vs 56 GFLOP/s on one core).
 CPU_SIZES = {
-    "46m": dict(hidden=512, layers=14, intermediate=1376, vocab=2048, heads=8),
-    "72m": dict(hidden=640, layers=14, intermediate=1728, vocab=2048, heads=10),
+    "46m": ModelSpec("46m", hidden=512, layers=14, intermediate=1376, vocab=2048, heads=8),
+    "72m": ModelSpec("72m", hidden=640, layers=14, intermediate=1728, vocab=2048, heads=10),
 }
 # The paper's Table 2 (8x RTX 3090, seq 1024, batch 1, ZeRO-3): (GPUs, memory GB, TGS).
 PAPER_T2 = {
@@ -79,44 +76,10 @@ def paper_layout() -> list[tuple[str, str, int]]:
     return rows
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ----------------------------------------------------------------------------- configuration
-def ds_config(cpu: bool, dtype: str, batch: int) -> dict:
-    """The same ZeRO-3 settings for every method. On a CPU the buckets and the gathered working set
-    are scaled to the small models (as DeepSpeed's defaults are to a 7B one)."""
-    zero = {"stage": 3}
-    if cpu:
-        zero.update(reduce_bucket_size=1_000_000, stage3_prefetch_bucket_size=0,
-                    stage3_max_live_parameters=1_000_000, stage3_max_reuse_distance=1_000_000,
-                    stage3_param_persistence_threshold=10_000)
-    else:
-        zero.update(stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000,
-                    stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000)
-    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-           "gradient_clipping": 1.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    elif dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
-    return cfg
-
-
-def lomo_section(cpu: bool, clip_norm: bool) -> dict:
-    # Table 4: LR within {5e-2, 3e-2}. One backward pass per step unless norm clipping is asked for.
+def lomo_cfg(a, clip_norm: bool) -> dict:
     # The CPU bucket, 500k shard elements, is DeepSpeed's reduce_bucket_size (1M) at 2 ranks.
-    sec = {"lr": 3e-2, "bucket_size": 500_000 if cpu else 25_000_000}
-    if clip_norm:
-        sec["clip_grad_norm"] = 1.0
-    return sec
-
-
-def method_opts(method: str) -> dict:
-    return {"adamw": {"lr": 1e-5, "clip": 1.0}, "sgd": {"lr": 1e-3, "clip": 1.0}}.get(method, {})
+    return common.lomo_section(500_000 if a.cpu else 25_000_000, clip_norm)
 
 
 def planner_estimate(size: str, method: str, world: int, a) -> float | None:
@@ -124,14 +87,10 @@ def planner_estimate(size: str, method: str, world: int, a) -> float | None:
     try:
         from lomo_ds import planner
 
-        if size in CPU_SIZES:
-            s = CPU_SIZES[size]
-            spec = planner.ModelSpec(size, s["hidden"], s["layers"], s["intermediate"], s["vocab"], s["heads"])
-        else:
-            spec = planner.LLAMA[size]
-        run = planner.run_spec(**dict(planner.run_overrides_from_ds(ds_config(a.cpu, a.dtype, a.batch)),
+        spec = CPU_SIZES.get(size) or planner.LLAMA[size]
+        run = planner.run_spec(**dict(planner.run_overrides_from_ds(common.ds_config(a.cpu, a.dtype, a.batch)),
                                       seq=a.seq, batch=a.batch, checkpointing=a.ac, dtype=a.dtype,
-                                      lomo_bucket=lomo_section(a.cpu, False)["bucket_size"]))
+                                      lomo_bucket=lomo_cfg(a, False)["bucket_size"]))
         est = planner.estimate(spec, method, world, run)
         return est.accounted if a.cpu else est.total
     except Exception:  # the planner is a guide here, never a reason to fail
@@ -139,43 +98,16 @@ def planner_estimate(size: str, method: str, world: int, a) -> float | None:
 
 
 # ----------------------------------------------------------------------------- the worker
-def build_model(job: dict, a, ds_cfg: dict):
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-    if job.get("path"):
-        # Built partitioned: with an HfDeepSpeedConfig alive, from_pretrained runs under zero.Init and
-        # loads the checkpoint shard by shard, so no rank holds the whole model.
-        from transformers.integrations import HfDeepSpeedConfig
-
-        build_model.keep = HfDeepSpeedConfig(ds_cfg)  # must stay alive while the model is built
-        model = AutoModelForCausalLM.from_pretrained(job["path"], dtype=dtype,
-                                                     attn_implementation="sdpa")
-    else:
-        s = CPU_SIZES[job["size"]]
-        cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                          num_key_value_heads=s["heads"], max_position_embeddings=max(2048, a.seq),
-                          tie_word_embeddings=False, attn_implementation="eager" if a.cpu else "sdpa",
-                          use_cache=False)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).to(dtype)
-    model.config.use_cache = False
-    return model
-
-
 def make_engine(job: dict, a):
-    from lomo_ds import ds_compat
-    from lomo_ds.baselines import build_engine
-
     method = job["method"]
-    cfg = ds_config(a.cpu, a.dtype, a.batch)
-    model = build_model(job, a, cfg)
-    n_params = sum(ds_compat.full_numel(p) if hasattr(p, "ds_id") else p.numel() for p in model.parameters())
-    eng = build_engine(model, cfg, "lomo" if method.startswith("lomo") else method,
-                       lomo_cfg=lomo_section(a.cpu, method == "lomo_clip" or a.lomo_clip_norm),
-                       activation_checkpointing=a.ac, **method_opts(method))
+    cfg = common.ds_config(a.cpu, a.dtype, a.batch)
+    if job.get("path"):
+        model = common.pretrained_llama(job["path"], a.dtype, cfg)
+    else:
+        model = common.random_llama(CPU_SIZES[job["size"]], a.seq, a.dtype, attn="eager" if a.cpu else "sdpa")
+    n_params = common.count_params(model)
+    eng = common.build_method_engine(model, cfg, "lomo" if method.startswith("lomo") else method,
+                                     lomo_cfg(a, method == "lomo_clip" or a.lomo_clip_norm), a.ac)
     return eng, n_params, model.config.vocab_size
 
 
@@ -195,12 +127,7 @@ def run_group(jobs: list[dict], a) -> list[dict]:
     built = []
     for job in jobs:
         eng, n_params, vocab = make_engine(job, a)
-        g = torch.Generator().manual_seed(100 + eng.rank)
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        batches = []
-        for _ in range(4):
-            ids = torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(dev)
-            batches.append({"input_ids": ids, "labels": ids.clone()})
+        batches = common.random_batches(vocab, a.batch, a.seq, 4, seed=100 + eng.rank, device=common.rank_device())
         built.append((job, eng, n_params, batches))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -223,8 +150,7 @@ def run_group(jobs: list[dict], a) -> list[dict]:
         vals = torch.tensor([peak, float(mem["peak_rss"]), *[float(mem[k]) for k in
                              ("params", "grads", "optimizer_states", "activations", "total")]], dtype=torch.float64)
         if eng.world > 1:
-            if torch.cuda.is_available():
-                vals = vals.cuda()
+            vals = vals.to(common.rank_device())
             torch.distributed.all_reduce(vals, op=torch.distributed.ReduceOp.MAX, group=eng.group)
             vals = vals.cpu()
         step = statistics.median(times[i])
@@ -262,32 +188,21 @@ def worker(a) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         for r in rows:
-            print("RESULT " + json.dumps(r), flush=True)
+            common.print_result(r)
     return 0
 
 
 # ----------------------------------------------------------------------------- the launcher
 def launch(jobs: list[dict], nproc: int, a, timeout: float) -> list[dict]:
-    # LOCAL_SIZE as DeepSpeed's own launcher sets it: without it DeepSpeed's CPU accelerator runs
-    # `numactl --hardware` in a subprocess on every device_count() call, i.e. on every
-    # reduce-scatter bucket of its ZeRO-3 optimizer (~58 per step here, ~0.2 s per SGD/AdamW step).
-    env = dict(os.environ, LOCAL_SIZE=str(nproc),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if a.cpu:
-        # Two ranks on two cores: one thread each, or they fight over the cores.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-        env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), os.path.abspath(__file__), "--worker", "--jobs", json.dumps(jobs),
-           *passthrough(a)]
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        proc = common.run_ranks(os.path.abspath(__file__), nproc, ["--worker", "--jobs", json.dumps(jobs), *passthrough(a)],
+                                cpu=a.cpu, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         print(f"launch of {[j['method'] + '@' + j['size'] for j in jobs]} on {nproc} rank(s) timed out after "
               f"{timeout:.0f} s\n{(e.stderr or b'')[-2000:]}", file=sys.stderr)
         return []
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = common.results_of(proc.stdout)
     if proc.returncode != 0:
         oom = "out of memory" in (proc.stderr + proc.stdout).lower()
         print(f"launch on {nproc} rank(s) {'ran OUT OF MEMORY' if oom else 'FAILED'} (rc {proc.returncode}) after "
@@ -451,7 +366,7 @@ def plot(rows: list[dict], path: str, a) -> None:
         for method in METHODS:
             pts = [(PAPER_T2[(s, method)], s) for s in GPU_SIZES if (s, method) in PAPER_T2]
             if pts:
-                xs = [LLAMA_PARAMS[s] for _, s in pts]
+                xs = [LLAMA_PARAMS_B[s] for _, s in pts]
                 axes[0].plot(xs, [p[2] for p, _ in pts], "x--", color=colors[method], alpha=0.6, label=f"paper {label(method)}")
                 axes[1].plot(xs, [p[1] for p, _ in pts], "x--", color=colors[method], alpha=0.6, label=f"paper {label(method)}")
     xl = "parameters (M)" if a.cpu else "parameters (B)"
@@ -466,9 +381,6 @@ def plot(rows: list[dict], path: str, a) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-LLAMA_PARAMS = {"7b": 6.74, "13b": 13.0, "30b": 32.5, "65b": 65.2}
 
 
 # ----------------------------------------------------------------------------- main
@@ -536,7 +448,6 @@ def main(argv=None) -> int:
     else:
         import torch
 
-        sys.path.insert(0, ROOT)
         from lomo_ds import planner
 
         paths = planner.llama_model_paths(a.model_path, a.model_root)

@@ -3,6 +3,7 @@ in the paper's layout from hand-made rows, and Table 4's hyperparameters in the 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,9 @@ TASKS = ("rte", "boolq", "wsc", "wic", "multirc", "copa")
 
 
 def _load(name: str):
+    # A table script imports its sibling `common` as it does when run (its own directory is on the path).
+    if EXP not in sys.path:
+        sys.path.insert(0, EXP)
     spec = importlib.util.spec_from_file_location(f"exp_{name}", os.path.join(EXP, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -32,12 +36,40 @@ def table3():
     return _load("table3")
 
 
-@pytest.mark.parametrize("script", ["table2.py", "table3.py"])
-def test_help(script):
+@pytest.fixture(scope="module")
+def common():
+    return _load("common")
+
+
+@pytest.mark.parametrize("script, flags", [("table1.py", ("--cpu", "--model-path")), ("table2.py", ("--cpu", "--model-path")),
+                                           ("table3.py", ("--cpu", "--model-path")), ("bench_comm.py", ("--layers", "--steps"))])
+def test_help(script, flags):
+    # run from elsewhere than the repository: the scripts rely on the installed package, not on the working directory
     proc = subprocess.run([sys.executable, os.path.join(EXP, script), "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+                          timeout=60, cwd=EXP)
     assert proc.returncode == 0, proc.stderr
-    assert "--cpu" in proc.stdout and "--model-path" in proc.stdout
+    assert all(f in proc.stdout for f in flags), proc.stdout
+
+
+# ----------------------------------------------------------------------------- common
+def test_common_models_configs_and_results(common):
+    from lomo_ds.planner import LLAMA, ModelSpec
+
+    assert common.LLAMA_PARAMS_B["7b"] == pytest.approx(6.74, abs=0.01) and set(common.LLAMA_PARAMS_B) == set(LLAMA)
+    spec = ModelSpec("t", hidden=32, layers=2, intermediate=48, vocab=50, heads=4)
+    model = common.random_llama(spec, seq=16, dtype="bf16", attn="eager")
+    assert common.count_params(model) == spec.n_params  # the planner's count is the real one
+    assert next(model.parameters()).dtype == common.torch_dtype("bf16")
+    a, b = (common.random_batches(50, 2, 16, 3, seed=7) for _ in range(2))
+    assert len(a) == 3 and all((x["input_ids"] == y["input_ids"]).all() for x, y in zip(a, b))
+    assert a[0]["input_ids"].shape == (2, 16) and (a[0]["labels"] == a[0]["input_ids"]).all()
+    cpu, gpu = common.ds_config(True, "fp32", 1), common.ds_config(False, "fp16", 1)
+    assert cpu["zero_optimization"]["reduce_bucket_size"] == 1_000_000 and "fp16" not in cpu
+    assert gpu["fp16"]["enabled"] and gpu["zero_optimization"]["stage"] == 3
+    assert common.lomo_section(500, clip_norm=True) == {"lr": 3e-2, "bucket_size": 500, "clip_grad_norm": 1.0}
+    rows = [{"method": "lomo", "peak": 1.5}, {"method": "sgd"}]
+    out = "noise\n" + "\n".join(common.RESULT_PREFIX + json.dumps(r) for r in rows) + "\nmore noise"
+    assert common.results_of(out) == rows
 
 
 # ----------------------------------------------------------------------------- Table 2

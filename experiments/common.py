@@ -1,0 +1,162 @@
+"""What the experiment scripts share: the models they build, the DeepSpeed and lomo settings every
+method runs under, the methods' options, random batches, and launching ranks on this machine.
+
+The scripts run as `python experiments/tableN.py`, so this directory is on their path and they
+`import common`. Heavy imports (torch, transformers, DeepSpeed) happen inside the functions: a
+launcher that only starts workers, or prints --help, never loads them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from lomo_ds.planner import LLAMA, ModelSpec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+GIB = 2**30
+MIB = 2**20
+# Parameters (billions) of the paper's LLaMA sizes: the x axis of the plots.
+LLAMA_PARAMS_B = {size: spec.n_params / 1e9 for size, spec in LLAMA.items()}
+# The baselines' options: the LR each was tuned to, and DeepSpeed's gradient clipping by norm
+# (the paper's shared setting). LOMO's options are its lomo section (lomo_section).
+METHOD_OPTS = {"adamw": {"lr": 1e-5, "clip": 1.0}, "sgd": {"lr": 1e-3, "clip": 1.0}}
+RESULT_PREFIX = "RESULT "  # a worker's result line on stdout: the prefix, then one JSON object
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- configuration
+def ds_config(cpu: bool, dtype: str, batch: int) -> dict:
+    """The same ZeRO-3 settings for every method. On a CPU the buckets and the gathered working set
+    are scaled to the small models (as DeepSpeed's defaults, used on GPUs, are to a 7B one)."""
+    zero = {"stage": 3}
+    if cpu:
+        zero.update(reduce_bucket_size=1_000_000, stage3_prefetch_bucket_size=0,
+                    stage3_max_live_parameters=1_000_000, stage3_max_reuse_distance=1_000_000,
+                    stage3_param_persistence_threshold=10_000)
+    else:
+        zero.update(stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000,
+                    stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000)
+    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+           "gradient_clipping": 1.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return cfg
+
+
+def lomo_section(bucket_size: int, clip_norm: bool = False) -> dict:
+    """LOMO's options: LR 3e-2 (within Table 4's sweep); one backward pass per step (the paper's
+    value-clipping mode) unless norm clipping, which needs a second, is asked for."""
+    sec = {"lr": 3e-2, "bucket_size": bucket_size}
+    if clip_norm:
+        sec["clip_grad_norm"] = 1.0
+    return sec
+
+
+def build_method_engine(model, ds_cfg: dict, method: str, lomo_cfg: dict, activation_checkpointing: bool):
+    """`method`'s engine (lomo_ds.baselines) with the options every experiment gives it."""
+    from lomo_ds.baselines import build_engine
+
+    return build_engine(model, ds_cfg, method, lomo_cfg=lomo_cfg, activation_checkpointing=activation_checkpointing,
+                        **METHOD_OPTS.get(method, {}))
+
+
+# ----------------------------------------------------------------------------- models and data
+def torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def random_llama(spec: ModelSpec, seq: int, dtype: str, attn: str = "sdpa"):
+    """A random-init LLaMA of `spec`'s shape, the same weights every time."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                      num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.k,
+                      max_position_embeddings=max(2048, seq), tie_word_embeddings=spec.tie,
+                      attn_implementation=attn, use_cache=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(torch_dtype(dtype))
+
+
+def pretrained_llama(path: str, dtype: str, ds_cfg: dict):
+    """LLaMA weights from a Hugging Face folder, built partitioned: with an HfDeepSpeedConfig alive,
+    from_pretrained runs under zero.Init and loads the checkpoint shard by shard, so no rank holds
+    the whole model."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    pretrained_llama.keep = HfDeepSpeedConfig(ds_cfg)  # transformers holds it weakly; it must outlive the build
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def count_params(model) -> int:
+    """Full parameter count, also of a model already partitioned by ZeRO-3."""
+    from lomo_ds import ds_compat
+
+    return sum(ds_compat.full_numel(p) if ds_compat.is_zero_param(p) else p.numel() for p in model.parameters())
+
+
+def rank_device():
+    """This rank's device (DeepSpeed's accelerator: the rank's GPU, or the CPU)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def random_batches(vocab: int, batch: int, seq: int, n: int, seed: int, device=None) -> list[dict]:
+    """`n` language-modelling batches of random tokens (labels = inputs), reproducible from `seed`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device or "cpu")
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+# ----------------------------------------------------------------------------- ranks
+def set_local_size(env, nproc: int) -> None:
+    """LOCAL_SIZE as DeepSpeed's own launcher sets it (torch.distributed.run sets only
+    LOCAL_WORLD_SIZE): without it DeepSpeed's CPU accelerator runs `numactl --hardware` in a
+    subprocess on every device_count() call, i.e. on every reduce-scatter bucket of its ZeRO-3
+    optimizer (~0.2 s per SGD/AdamW step on the CPU tables)."""
+    env.setdefault("LOCAL_SIZE", str(nproc))
+
+
+def run_ranks(script: str, nproc: int, args: list[str], cpu: bool, timeout: float) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` local ranks (torch.distributed.run); raises subprocess.TimeoutExpired."""
+    env = dict(os.environ)
+    set_local_size(env, nproc)
+    if cpu:
+        # Ranks on a few cores: the cores split between them, or they fight over every core.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+def print_result(row: dict) -> None:
+    print(RESULT_PREFIX + json.dumps(row), flush=True)
+
+
+def results_of(stdout: str) -> list[dict]:
+    return [json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
