@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from lomo_ds import data as D
-from lomo_ds.tasks import BUILTIN_DIR, TASKS
+from lomo_ds.tasks import BUILTIN_DIR, SUPERGLUE_TASKS, TASKS, Task
 from lomo_ds.run_config import load_run_config
 from tests.helpers_data import RECORDS, boolq_records, byte_bpe_tokenizer, write_jsonl
 
@@ -33,9 +34,23 @@ def test_registry_covers_every_task():
     # instruction have none (run_config validates data.task against the same registry)
     assert sorted(RECORDS) == sorted(t for t, spec in TASKS.items() if spec.hub_config is not None)
     assert TASKS["wsc"].hub_config == "wsc.fixed"
+    assert SUPERGLUE_TASKS == ("rte", "boolq", "wsc", "wic", "multirc", "copa")  # the paper's Table 3 column order
     assert [t for t, spec in TASKS.items() if not spec.has_candidates] == ["instruction"]
     with pytest.raises(ValueError, match="no prompt"):
         D.format_example("instruction", {"prompt": "p", "response": "r"})
+
+
+def test_a_new_task_is_one_registry_entry(tmp_path, monkeypatch):
+    sst2 = Task("sst2", {"sentence": (str,), "label": (int,)}, lambda r: f'{r["sentence"]}\nIt was',
+                candidates=lambda r: [" terrible", " great"], values={"label": (0, 1)})
+    monkeypatch.setitem(TASKS, "sst2", sst2)
+    write_jsonl(str(tmp_path / "train.jsonl"), [{"sentence": "Fine film.", "label": 1}, {"sentence": "Dull.", "label": 0}])
+    write_jsonl(str(tmp_path / "validation.jsonl"), [{"sentence": "Bad.", "label": 2}])
+    data = SimpleNamespace(task="sst2", source=str(tmp_path), train_file=None, eval_file=None)
+    ex = D.format_example("sst2", D.load_split(data, "train")[0])
+    assert (ex.prompt, ex.candidates, ex.label) == ("Fine film.\nIt was", [" terrible", " great"], 1)
+    with pytest.raises(D.DataError, match=r"validation\.jsonl:1: field 'label': expected 0 or 1, got 2"):
+        D.load_split(data, "eval")
 
 
 def test_record_values_checked_and_bool_labels_accepted():
