@@ -40,6 +40,7 @@ class Task:
     values: dict[str, tuple] = field(default_factory=dict)  # fields restricted to these values
     hub_config: str | None = None  # the task's configuration of the SuperGLUE hub dataset
     default_source: str | None = None  # where its data comes from when data.source is not set
+    title: str = ""  # the name tables print (the paper's spelling)
 
     @property
     def has_candidates(self) -> bool:
@@ -76,27 +77,28 @@ _BOOLQ_FIELDS = {"passage": _STR, "question": _STR, "label": _LABEL}
 _BINARY = {"label": (0, 1)}
 
 TASKS: dict[str, Task] = {t.name: t for t in (
-    Task("builtin", _BOOLQ_FIELDS, _boolq_prompt, answer=_yes_when(1), values=_BINARY, default_source=BUILTIN_DIR),
+    Task("builtin", _BOOLQ_FIELDS, _boolq_prompt, answer=_yes_when(1), values=_BINARY, default_source=BUILTIN_DIR,
+         title="built-in"),
     Task("rte", {"premise": _STR, "hypothesis": _STR, "label": _LABEL},
          lambda r: f'{r["premise"]}\nDoes this mean that "{r["hypothesis"]}" is true? Yes or No?\n',
-         answer=_yes_when(0), values=_BINARY, hub_config="rte"),  # label 0 = entailment
-    Task("boolq", _BOOLQ_FIELDS, _boolq_prompt, answer=_yes_when(1), values=_BINARY, hub_config="boolq"),
+         answer=_yes_when(0), values=_BINARY, hub_config="rte", title="RTE"),  # label 0 = entailment
+    Task("boolq", _BOOLQ_FIELDS, _boolq_prompt, answer=_yes_when(1), values=_BINARY, hub_config="boolq", title="BoolQ"),
     Task("wsc", {"text": _STR, "span1_text": _STR, "span2_text": _STR, "label": _LABEL},
          lambda r: (f'{r["text"]}\nIn the previous sentence, does the pronoun "{r["span2_text"].lower()}" '
                     f'refer to {r["span1_text"]}? Yes or No?\n'),
-         answer=_yes_when(1), values=_BINARY, hub_config="wsc.fixed"),
+         answer=_yes_when(1), values=_BINARY, hub_config="wsc.fixed", title="WSC"),
     Task("wic", {"word": _STR, "sentence1": _STR, "sentence2": _STR, "label": _LABEL},
          lambda r: (f'Does the word "{r["word"]}" have the same meaning in these two sentences? Yes, No?\n'
                     f'{r["sentence1"]}\n{r["sentence2"]}\n'),
-         answer=_yes_when(1), values=_BINARY, hub_config="wic"),
+         answer=_yes_when(1), values=_BINARY, hub_config="wic", title="WiC"),
     Task("multirc", {"paragraph": _STR, "question": _STR, "answer": _STR, "label": _LABEL},
          lambda r: (f'{r["paragraph"]}\nQuestion: {r["question"]}\nI found this answer "{r["answer"]}". '
                     f'Is that correct? Yes or No?\n'),
-         answer=_yes_when(1), values=_BINARY, hub_config="multirc"),
+         answer=_yes_when(1), values=_BINARY, hub_config="multirc", title="MultiRC"),
     Task("copa", {"premise": _STR, "choice1": _STR, "choice2": _STR, "question": _STR, "label": _LABEL},
          _copa_prompt, candidates=lambda r: [_copa_choice(r["choice1"]), _copa_choice(r["choice2"])],
-         values={**_BINARY, "question": ("cause", "effect")}, hub_config="copa"),
-    Task("instruction", {"prompt": _STR, "response": _STR}),
+         values={**_BINARY, "question": ("cause", "effect")}, hub_config="copa", title="COPA"),
+    Task("instruction", {"prompt": _STR, "response": _STR}, title="instruction"),
 )}
 TASK_NAMES = tuple(TASKS)
 SUPERGLUE_TASKS = tuple(name for name, t in TASKS.items() if t.hub_config is not None)
