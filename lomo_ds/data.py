@@ -20,6 +20,8 @@ import torch
 
 from .tasks import SUPERGLUE_HUB, TASKS
 
+# SuperGLUE's loading script is not run by datasets >= 4: the loader falls back to the hub's
+# Parquet export of the same data.
 SUPERGLUE_PARQUET_REVISION = "refs/convert/parquet"
 SPLITS = {"train": "train", "eval": "validation"}
 

@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
-# super_glue's canonical copy; its loading script is not run by datasets >= 4, so the loader
-# falls back to the hub's Parquet export of the same data.
-SUPERGLUE_HUB = "aps/super_glue"
+SUPERGLUE_HUB = "aps/super_glue"  # super_glue's canonical copy on the hub
 YES_NO = ["Yes", "No"]
 _STR, _LABEL = (str,), (int, bool)
 
