@@ -118,8 +118,9 @@ def explain(cls: type[BaseModel], err: dict) -> tuple[str, str]:
         if field is not None and field.description:
             return key, f"expected {field.description}, got {got!r}"
         name, op = _BOUNDS[kind]
-        number = "an integer" if isinstance(got, int) else "a number"
-        return key, f"expected {number} {op} {ctx[name]}, got {got!r}"
+        bound = ctx[name]  # pydantic gives an int field's bound as an int, a float field's as a float
+        number = "an integer" if isinstance(bound, int) else "a number"
+        return key, f"expected {number} {op} {bound:g}, got {got!r}"
     if kind == "value_error":
         return key, str(ctx["error"])
     if kind == "string_too_short":

@@ -86,7 +86,11 @@ OPTIONS: tuple[DsOption, ...] = (
     # ---- zero_optimization: every key DeepSpeed 0.19 knows
     DsOption(_Z + "stage", REFUSED, "LOMO runs on ZeRO stage 3: it updates the shards inside the backward; expected 3", accepts=(3,),
              all_methods=True),
-    DsOption(_Z + "reduce_bucket_size", MAPPED, "elements per gradient reduce-scatter bucket", lomo="bucket_size"),
+    # Not mapped: DeepSpeed counts a bucket in full-gradient elements, lomo.bucket_size in this
+    # rank's shard elements, and the ratio (the world size) is unknown until the ranks start;
+    # copied as it is, a DeepSpeed-sized bucket would hold world times the gradients.
+    DsOption(_Z + "reduce_bucket_size", REFUSED, "sizes DeepSpeed's gradient buckets in full-gradient elements: "
+             "set lomo.bucket_size instead, in shard elements (reduce_bucket_size / data-parallel ranks)"),
     DsOption(_Z + "contiguous_gradients", SUPPORTED, _GRAD_SIDE),
     DsOption(_Z + "reduce_scatter", SUPPORTED, _GRAD_SIDE + " (lomo.grad_reduction)"),
     DsOption(_Z + "overlap_comm", SUPPORTED, _GRAD_SIDE),
@@ -180,4 +184,5 @@ def table_markdown() -> str:
             status += " (every method)"
         rows.append(f"| {key} | {status} | {o.reason} |")
     return "\n".join(rows) + "\n"
+
 
