@@ -95,7 +95,7 @@ class LomoConfig(Section):
 
 def validated(cls: type[BaseModel], raw: Any, where: str = ""):
     """`cls` validated from `raw`; pydantic's first error becomes a ConfigError naming the dotted key
-    (`where` is the prefix of every key) and what was expected. The one place errors are translated."""
+    (`where` is the prefix of every key) and what was expected (in the words of `explain`)."""
     try:
         return cls.model_validate(raw)
     except ValidationError as e:
@@ -104,7 +104,8 @@ def validated(cls: type[BaseModel], raw: Any, where: str = ""):
 
 
 def explain(cls: type[BaseModel], err: dict) -> tuple[str, str]:
-    """(dotted key, what was expected) for one pydantic error of a `cls` validation."""
+    """(dotted key, what was expected) for one pydantic error of a `cls` validation: the one place
+    pydantic's errors are put into this project's words."""
     loc, kind, got, ctx = err["loc"], err["type"], err.get("input"), err.get("ctx") or {}
     key = ".".join(str(p) if isinstance(p, str) else f"[{p}]" for p in loc).replace(".[", "[")
     field = _field_at(cls, loc)
@@ -113,7 +114,8 @@ def explain(cls: type[BaseModel], err: dict) -> tuple[str, str]:
     if kind == "extra_forbidden":
         return key, f"unknown key; expected some of {sorted(_model_at(cls, loc[:-1]).model_fields)}"
     if kind == "literal_error":
-        return key, f"expected one of {_literal_choices(field.annotation)}, got {got!r}"
+        choices = _literal_choices(field.annotation) if field is not None else ctx["expected"]
+        return key, f"expected one of {choices}, got {got!r}"
     if kind in _BOUNDS:
         if field is not None and field.description:
             return key, f"expected {field.description}, got {got!r}"

@@ -1,10 +1,11 @@
 """A whole training run's configuration: DeepSpeed's keys, the engine's "lomo" section, and the
 sections the training program needs (model, tokenizer, data, train, eval, output).
 
-    cfg = load_run_config("ds_configs/llama7b.json", {"train.max_steps": 10})
+    cfg = load_run_config("ds_configs/llama7b.json", {"train.max_steps": 10})   # or a .yaml/.yml file
 
-Everything is checked here, before a model is imported or allocated, and every problem is a
-`ConfigError` whose message names the file, the dotted key, and what was expected:
+The sections are frozen pydantic models (see lomo_ds/config.py). Everything is checked here,
+before a model is imported or allocated, and every problem is a `ConfigError` whose message names
+the file, the dotted key, and what was expected:
 
     ds_configs/x.json: data.task: expected one of ['builtin', 'rte', ...], got 'foo'
 """
