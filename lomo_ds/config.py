@@ -106,7 +106,8 @@ def validated(cls: type[BaseModel], raw: Any, where: str = ""):
 def explain(cls: type[BaseModel], err: dict) -> tuple[str, str]:
     """(dotted key, what was expected) for one pydantic error of a `cls` validation: the one place
     pydantic's errors are put into this project's words."""
-    loc, kind, got, ctx = err["loc"], err["type"], err.get("input"), err.get("ctx") or {}
+    loc, kind, ctx = err["loc"], err["type"], err.get("ctx") or {}
+    got = "null" if err.get("input") is None else repr(err.get("input"))  # the file's word for None
     key = ".".join(str(p) if isinstance(p, str) else f"[{p}]" for p in loc).replace(".[", "[")
     field = _field_at(cls, loc)
     if kind == "missing":
@@ -115,30 +116,29 @@ def explain(cls: type[BaseModel], err: dict) -> tuple[str, str]:
         return key, f"unknown key; expected some of {sorted(_model_at(cls, loc[:-1]).model_fields)}"
     if kind == "literal_error":
         choices = _literal_choices(field.annotation) if field is not None else ctx["expected"]
-        return key, f"expected one of {choices}, got {got!r}"
+        return key, f"expected one of {choices}, got {got}"
     if kind in _BOUNDS:
         if field is not None and field.description:
-            return key, f"expected {field.description}, got {got!r}"
+            return key, f"expected {field.description}, got {got}"
         name, op = _BOUNDS[kind]
         bound = ctx[name]  # pydantic gives an int field's bound as an int, a float field's as a float
         number = "an integer" if isinstance(bound, int) else "a number"
-        return key, f"expected {number} {op} {bound:g}, got {got!r}"
+        return key, f"expected {number} {op} {bound:g}, got {got}"
     if kind == "value_error":
         return key, str(ctx["error"])
     if kind == "string_too_short":
         return key, "expected a non-empty string"
     if kind == "too_short":
-        return key, f"expected at least {ctx['min_length']} item(s)"
+        return key, f"expected a list of at least {ctx['min_length']} item(s), got {got}"
     if kind in _TYPES:
-        return key, f"expected {_TYPES[kind]}, got {got!r}"
-    return key, f"{err['msg']}, got {got!r}"
+        return key, f"expected {_TYPES[kind]}, got {got}"
+    return key, f"{err['msg']}, got {got}"
 
 
 _BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="),
            "less_than": ("lt", "<"), "less_than_equal": ("le", "<=")}
-_TYPES = {"int_type": "an integer", "int_from_float": "an integer", "float_type": "a number",
-          "bool_type": "true or false", "string_type": "a string", "tuple_type": "a list of strings",
-          "model_type": "an object", "dict_type": "an object"}
+_TYPES = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+          "string_type": "a string", "tuple_type": "a list of strings", "model_type": "an object"}
 
 
 def _dotted(where: str, key: str) -> str:
