@@ -235,7 +235,8 @@ def _check_deepspeed_keys(ds: dict) -> None:
 
 def load_run_config(config: dict | str | os.PathLike, overrides: dict | None = None,
                     check_files: bool = True) -> RunConfig:
-    """Read (a JSON or YAML path) or copy (a dict) a run config, apply dotted `overrides`, validate everything.
+    """Read (a JSON or YAML path) or copy (a dict) a run config, apply dotted `overrides`, and
+    validate everything.
 
     check_files: whether local data paths (data.source/train_file/eval_file) must exist now.
     """
@@ -256,6 +257,7 @@ def load_run_config(config: dict | str | os.PathLike, overrides: dict | None = N
         _check_deepspeed_keys(ds)
         given = {name: raw[name] for name in (*SECTIONS, "lomo") if raw.get(name) is not None}
         cfg = validated(RunConfig, {**given, "ds": {}, "source_path": source_path})
+        # DeepSpeed's part is checked against the method, and may set lomo keys (the mapped options).
         ds, lomo = validate_deepspeed_section(ds, cfg.lomo, lomo_method=cfg.train.method in LOMO_METHODS)
         cfg = cfg.model_copy(update={"ds": ds, "lomo": lomo})
         _check_run(cfg, raw, check_files)
