@@ -74,8 +74,9 @@ class LomoConfig(Section):
     optimizer: Literal["sgd", "adalomo"] = "sgd"
     adalomo: AdaLomoConfig = AdaLomoConfig()
     lr: float = Field(1e-3, gt=0, description="a positive learning rate")
-    clip_grad_norm: float | None = Field(None, gt=0, description="a positive number or null")  # global L2 norm; a second backward
-    clip_grad_value: float | None = Field(None, gt=0, description="a positive number or null")  # elementwise clamp; free
+    # global L2 norm (costs a second backward); elementwise clamp (free)
+    clip_grad_norm: float | None = Field(None, gt=0, description="a positive number or null")
+    clip_grad_value: float | None = Field(None, gt=0, description="a positive number or null")
     weight_decay: float = Field(0.0, ge=0)  # decoupled: p <- p - lr * (g + wd * p)
     scheduler: ScheduleConfig = ScheduleConfig()
     loss_scale: LossScaleConfig = LossScaleConfig()
@@ -84,7 +85,8 @@ class LomoConfig(Section):
     reduce_dtype: Literal["fp32", "fp16", "bf16"] | None = None  # dtype of the reduce-scatter; default: the model's
     stochastic_rounding: bool = True  # bf16 shards without a master copy
     fp32_master_weights: bool = False  # keep an fp32 copy of this rank's shard (4 bytes/param/world)
-    grad_reduction: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"  # all_reduce: the reference code's way (benchmarks)
+    # all_reduce: the reference code's way, twice the bytes (benchmarks only)
+    grad_reduction: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
     two_pass_mode: Literal["retain_graph", "recompute"] = "retain_graph"  # how the second backward gets its graph
     seed: Int = 1234  # for stochastic rounding
     # fnmatch patterns of parameter names LOMO leaves alone (a JSON list)

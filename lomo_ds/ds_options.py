@@ -84,8 +84,8 @@ OPTIONS: tuple[DsOption, ...] = (
     DsOption("bf16.bf16_master_weights_and_grads", REFUSED, "optimizer-side; LOMO's master copy is "
              "lomo.fp32_master_weights; expected false", accepts=(False,)),
     # ---- zero_optimization: every key DeepSpeed 0.19 knows
-    DsOption(_Z + "stage", REFUSED, "LOMO runs on ZeRO stage 3: it updates the shards inside the backward; expected 3", accepts=(3,),
-             all_methods=True),
+    DsOption(_Z + "stage", REFUSED, "LOMO runs on ZeRO stage 3: it updates the shards inside the backward; expected 3",
+             accepts=(3,), all_methods=True),
     # Not mapped: DeepSpeed counts a bucket in full-gradient elements, lomo.bucket_size in this
     # rank's shard elements, and the ratio (the world size) is unknown until the ranks start;
     # copied as it is, a DeepSpeed-sized bucket would hold world times the gradients.

@@ -51,7 +51,8 @@ class ModelConfig(Section):
 class TokenizerConfig(Section):
     path: str | None = None  # default: the model's path (and its GGUF file)
     max_length: Int = Field(512, ge=8)  # tokens per training sequence, answer and EOS included
-    overlong: Literal["truncate", "reject"] = "truncate"  # truncate (drop prompt tokens from the left) | reject (skip the example)
+    # truncate (drop prompt tokens from the left) | reject (skip the example)
+    overlong: Literal["truncate", "reject"] = "truncate"
 
 
 class DataConfig(Section):
