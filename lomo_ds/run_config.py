@@ -38,6 +38,9 @@ class ModelConfig:
     gguf_file: str | None = None  # a GGUF file inside `path` (set automatically for the builtin)
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # The architecture (7b|13b|30b|65b) the memory planner assumes when `path` is not on this
+    # machine yet (the shipped LLaMA configs name placeholder paths); unused by training.
+    planner_size: str | None = None
 
 
 @dataclass
@@ -167,6 +170,10 @@ def _validate(cfg: RunConfig, raw: dict, check_files: bool) -> None:
         raise ConfigError("model.path: expected a non-empty string")
     if m.path.startswith("builtin:") and m.path != BUILTIN_MODEL:
         raise ConfigError(f"model.path: the only builtin model is {BUILTIN_MODEL!r}, got {m.path!r}")
+    if m.planner_size is not None:
+        from .planner import LLAMA
+
+        _choice(m.planner_size, LLAMA, "model.planner_size")
     _at_least(t.max_length, 8, "tokenizer.max_length")
     _choice(t.overlong, OVERLONG, "tokenizer.overlong")
 
