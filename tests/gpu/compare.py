@@ -2,7 +2,11 @@
 device-independent so that tests/gpu/test_helpers.py proves it on a CPU."""
 from __future__ import annotations
 
+import glob
+import json
+import os
 import statistics
+import sys
 
 from lomo_ds.planner import GIB, plan_for_run
 from lomo_ds.run_config import load_run_config
@@ -69,3 +73,24 @@ def format_summary(results: dict[int, dict]) -> str:
             else:
                 lines.append(f"{head} {r}")
     return "\n".join(lines)
+
+
+def summarize_dir(path: str) -> str:
+    """The summary of a results folder: results_<world>.json from the workers, train_builtin.json."""
+    results = {}
+    for name in glob.glob(os.path.join(path, "results_*.json")):
+        with open(name) as f:
+            results[int(os.path.basename(name)[len("results_"):-len(".json")])] = json.load(f)
+    lines = [format_summary(results)] if results else ["no worker results (did the launches fail?)"]
+    train = os.path.join(path, "train_builtin.json")
+    if os.path.exists(train):
+        with open(train) as f:
+            t = json.load(f)
+        lines.append(f"[1 GPU] launch/train.py builtin, bf16 + clip_grad_norm, {len(t['losses'])} steps: loss "
+                     f"{t['losses'][0]:.3f} -> {t['losses'][-1]:.3f}; peak {t['peak_measured'] / GIB:.3f} GiB "
+                     f"(model loading included), planner {t['peak_predicted'] / GIB:.3f} GiB")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summarize_dir(sys.argv[1]))
