@@ -66,7 +66,14 @@ The shards live in host RAM, and the update runs there on a copy of the reduced 
   host    b P (+ 4 P fp32 masters)       every rank's shards, for the whole node (one node)
         + N (b n + update temporaries)   each rank's gradient slice copied over, and its update
 Host RAM is for the N ranks on one machine; it leaves out the processes' own footprint (CUDA
-context, Python, the DeepSpeed runtime) and the dataset.
+context, Python, the DeepSpeed runtime) and the dataset. `lomo-ds plan --offload` prints, for the
+shipped configs' settings on 24 GiB GPUs:
+
+  | model | micro-batch | LOMO GPUs | GiB/GPU | host RAM GiB (node) |    without offload:
+  | 7b    | 16          | 1         | 7.91    | 15.4                |    1 GPU, 20.83 GiB
+  | 13b   | 8           | 1         | 6.18    | 27.8                |    2 GPUs, 20.21 GiB
+  | 30b   | 4           | 1         | 5.53    | 65.2                |    4 GPUs, 22.12 GiB
+  | 65b   | 2           | 1         | 4.93    | 127.2               |    8 GPUs, 21.26 GiB
 
 Activations (bytes autograd saves in the forward; what lomo_ds.baselines.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------

@@ -220,6 +220,17 @@ def test_offload_rows(capsys):
         assert host == 2 * model.n_params + 2 * max(model.param_numels()) + resident.update
         # 8 ranks on the node: 8 slices and updates at once, each 1/8 as large
         assert p.estimates[("lomo", 8)].host == pytest.approx(host, rel=1e-6)
+    # the table in the planner's docstring is these figures
+    from lomo_ds import planner
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:]]
+            for line in planner.__doc__.splitlines() if line.strip().startswith("| ") and "b " in line[:12]}
+    resident = planner.shipped_plans()
+    for size, p in planner.shipped_plans(offload=True).items():
+        e = p.estimates[("lomo", 1)]
+        n = resident[size].min_gpus["lomo"]
+        assert rows[size][:4] == [str(p.run.batch), "1", f"{e.total / GIB:.2f}", f"{e.host / GIB:.1f}"], size
+        assert rows[size][4].endswith(f"{n} GPU{'s' if n > 1 else ''}, "
+                                      f"{resident[size].estimates[('lomo', n)].total / GIB:.2f} GiB"), size
     with pytest.raises(ValueError, match="LOMO only"):
         estimate(LLAMA["7b"], "sgd", 1, replace(RunSpec(), offload=True))
     assert main(["plan", "--offload"]) == 0
