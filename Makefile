@@ -33,6 +33,11 @@ demo: .installed
 test: .installed
 	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
 
+# The GPU check suite (tests/gpu, skipped without CUDA) on every GPU here, with a summary.
+.PHONY: test-gpu
+test-gpu: .installed
+	PYTHON=$(PYTHON) tests/gpu/run_all.sh
+
 plan: .installed
 	lomo-ds plan --model $(MODEL) --gpus $(NGPUS) --gpu-mem 24
 

@@ -51,34 +51,18 @@ def overrides_from(args) -> dict:
 
 def dry_run(cfg) -> None:
     """The resolved config, then the memory planner's per-GPU prediction for it."""
-    import re
-
     from lomo_ds import planner
 
-    resolved = cfg.to_dict()
-    print(json.dumps(resolved, indent=2))
+    print(json.dumps(cfg.to_dict(), indent=2))
+    world = int(os.environ.get("WORLD_SIZE", "0")) or None  # the launcher's rank count, if launched
     try:
-        spec, overrides = planner.resolve_model(cfg.source_path or cfg.model.path)
+        p = planner.plan_for_run(cfg, world)
     except ValueError as e:
-        # The shipped LLaMA configs name a placeholder path; their size is in the name.
-        size = re.search(r"(\d+)b", os.path.basename(cfg.model.path.rstrip("/")).lower())
-        if not size or f"{size.group(1)}b" not in planner.LLAMA:
-            print(f"memory plan: not available ({e})")
-            return
-        spec = planner.LLAMA[f"{size.group(1)}b"]
-        overrides = planner.run_overrides_from_ds(resolved)
-        overrides["checkpointing"] = cfg.model.gradient_checkpointing
-        overrides["seq"] = cfg.tokenizer.max_length
-    from deepspeed.accelerator import get_accelerator  # noqa: F401  (world size below is the launcher's)
-
-    world = int(os.environ.get("WORLD_SIZE", "0")) or None
-    gpu_mem = 24.0
-    p = planner.plan(spec, gpu_mem, planner.run_spec(**overrides))
+        print(f"memory plan: not available ({e})")
+        return
     print(planner.format_plan(p))
     if world:
-        est = p.estimates.get(("lomo", world))
-        if est is not None:
-            print(f"this launch ({world} ranks): LOMO needs {est.total / planner.GIB:.2f} GiB per GPU")
+        print(f"this launch ({world} ranks): LOMO needs {p.estimates[('lomo', world)].total / planner.GIB:.2f} GiB per GPU")
 
 
 def check_runtime(cfg) -> None:

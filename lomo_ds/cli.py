@@ -1,64 +1,105 @@
 """`lomo-ds` command line. Subcommands are argparse subparsers; add one with a `_add_<name>` function
 registered in `_SUBCOMMANDS`.
 
-    lomo-ds plan --model 13b --gpus 8 --gpu-mem 24 --seq 1024 --batch 1 --dtype fp16 --checkpointing
+    lomo-ds plan --model 65b --gpu-mem 24          # the shipped config's settings, assumptions printed
+    lomo-ds plan --offload                         # LLaMA 7B-65B with offload_param: GPUs and host RAM
+    lomo-ds plan --model ds_configs/llama13b.json --size 13b --gpus 2
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="predict per-GPU memory for LOMO / SGD / AdamW under ZeRO-3",
-                       description="Predict per-GPU memory (model states + activations) for LOMO, SGD and "
-                                   "AdamW under DeepSpeed ZeRO-3, and the smallest GPU count that fits. "
+                       description="Predict per-GPU memory (model states + activations + the update's "
+                                   "temporaries) for LOMO, SGD and AdamW under DeepSpeed ZeRO-3, and the "
+                                   "smallest GPU count that fits; with --offload, LOMO with its parameters in "
+                                   "host RAM and the RAM that needs. Defaults are the shipped configs' "
+                                   "(ds_configs/llama*.json); every plan prints its assumptions. "
                                    "Formulas: lomo_ds/planner.py.")
-    p.add_argument("--model", required=True,
-                   help="7b|13b|30b|65b (LLaMA), an HF config.json (or its folder), or a run config JSON")
+    p.add_argument("--model", default=None,
+                   help="7b|13b|30b|65b (LLaMA, with its shipped config's settings), an HF config.json (or its "
+                        "folder), or a run config; without it, a summary for every LLaMA size")
+    p.add_argument("--size", default=None,
+                   help="the architecture (7b|13b|30b|65b) of a run config whose model.path is not on this machine")
     p.add_argument("--gpus", type=int, default=None,
-                   help="the GPU count you have: its row is marked, and whether each method fits on it")
+                   help="the GPU count you have: its row is added, and whether each method fits on it")
     p.add_argument("--gpu-mem", type=float, default=24.0, help="GiB per GPU (default 24: RTX 3090)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024)")
-    p.add_argument("--batch", type=int, default=None, help="micro-batch per GPU (default 1)")
-    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None, help="model dtype (default fp16)")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 512)")
+    p.add_argument("--batch", type=int, default=None, help="micro-batch per GPU (default: the shipped config's)")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None, help="model dtype (default bf16)")
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="activation checkpointing (default on)")
+    p.add_argument("--offload", action="store_true", help="zero_optimization.offload_param.device = cpu (LOMO)")
     p.add_argument("--lomo-bucket", type=int, default=None, help="lomo.bucket_size in elements (default 25e6)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_run_plan)
 
 
+def _plan_overrides(args) -> dict:
+    flags = {"seq": args.seq, "batch": args.batch, "dtype": args.dtype, "checkpointing": args.checkpointing,
+             "lomo_bucket": args.lomo_bucket, "offload": args.offload or None}
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def _make_plan(args):
+    """A Plan for --model, or None for the all-sizes summary. Raises ValueError / ConfigError."""
+    from dataclasses import replace
+
+    from . import planner
+    from .run_config import load_run_config
+
+    overrides = _plan_overrides(args)
+    counts = set(planner.GPU_COUNTS) | ({args.gpus} if args.gpus else set())
+    if args.model is None:
+        return None
+    if os.path.isfile(args.model) and planner.hf_config_path(args.model) is None:
+        cfg = load_run_config(args.model, check_files=False)
+        return planner.plan_for_run(cfg, args.gpus, args.size, args.gpu_mem, overrides)
+    if args.size is not None:
+        raise ValueError("--size: only for a run config (--model names the architecture itself)")
+    spec = planner.resolve_model(args.model)
+    size = next((s for s, m in planner.LLAMA.items() if m is spec), None)
+    run, source = ((planner.shipped_run(size), f"ds_configs/llama{size}.json defaults") if size else
+                   (planner.RunSpec(), "planner defaults"))
+    return planner.plan(spec, args.gpu_mem, replace(run, **overrides), gpu_counts=counts, source=source)
+
+
 def _run_plan(args) -> int:
     import json
+    from dataclasses import asdict
 
-    from .planner import GIB, GPU_COUNTS, METHODS, format_plan, plan, resolve_model, run_spec
+    from . import planner
+    from .config import ConfigError
 
     try:
-        model, overrides = resolve_model(args.model)
-    except ValueError as e:
+        p = _make_plan(args)
+    except (ValueError, ConfigError) as e:
         print(f"lomo-ds plan: {e}", file=sys.stderr)
         return 2
-    for name, value in (("seq", args.seq), ("batch", args.batch), ("dtype", args.dtype), ("lomo_bucket", args.lomo_bucket)):
-        if value is not None:
-            overrides[name] = value
-    if args.checkpointing:
-        overrides["checkpointing"] = True
-    counts = tuple(sorted(set(GPU_COUNTS) | ({args.gpus} if args.gpus else set())))
-    p = plan(model, args.gpu_mem, run_spec(**overrides), gpu_counts=counts)
+    if p is None:
+        plans = planner.shipped_plans(args.gpu_mem, **_plan_overrides(args))
+        if args.json:
+            print(json.dumps({size: {"min_gpus": q.min_gpus, "run": asdict(q.run)} for size, q in plans.items()}, indent=1))
+        else:
+            print(planner.format_summary(plans))
+        return 0
     if args.json:
-        out = {"model": model.name, "params": model.n_params, "gpu_mem_gib": args.gpu_mem,
-               "run": vars(p.run) if hasattr(p.run, "__dict__") else str(p.run),
-               "min_gpus": p.min_gpus,
+        out = {"model": p.model.name, "params": p.model.n_params, "gpu_mem_gib": args.gpu_mem, "source": p.source,
+               "assumptions": p.run.assumptions(), "run": asdict(p.run), "min_gpus": p.min_gpus,
                "estimates": [dict(e.gib(), fits=p.fits(e.method, e.gpus)) for e in p.estimates.values()]}
-        print(json.dumps(out, indent=1, default=str))
-    else:
-        print(format_plan(p, counts))
-        if args.gpus:
-            print()
-            for m in METHODS:
-                e = p.estimates[(m, args.gpus)]
-                print(f"on {args.gpus} GPU(s): {m} needs {e.total / GIB:.2f} GiB per GPU -> "
-                      f"{'fits' if p.fits(m, args.gpus) else 'out of memory'}")
+        print(json.dumps(out, indent=1))
+        return 0
+    print(planner.format_plan(p))
+    if args.gpus:
+        print()
+        for m in p.min_gpus:
+            e = p.estimates[(m, args.gpus)]
+            print(f"on {args.gpus} GPU(s): {m} needs {e.total / planner.GIB:.2f} GiB per GPU -> "
+                  f"{'fits' if p.fits(m, args.gpus) else 'out of memory'}")
     return 0
 
 

@@ -1,14 +1,20 @@
-"""Per-GPU memory planner for LOMO, SGD and AdamW under DeepSpeed ZeRO-3, and the smallest GPU count
-that fits.
+"""Per-GPU memory planner for LOMO, SGD and AdamW under DeepSpeed ZeRO-3, the smallest GPU count
+that fits, and (with `offload_param: cpu`) the host RAM a LOMO run needs.
 
-    est = estimate(LLAMA["7b"], "lomo", gpus=1, run=RunSpec(seq=1024, batch=1, checkpointing=True))
+    p = plan_for_run(load_run_config("ds_configs/llama7b.json"), world=1, model_size="7b")
+    print(format_plan(p))     # assumptions, per-method rows, the smallest GPU count for each
+    est = estimate(LLAMA["13b"], "lomo", gpus=2, run=shipped_run("13b"))
     est.total                 # predicted peak bytes per GPU
-    plan(LLAMA["13b"], gpu_mem_gib=24, run=...)   # every method x (1, 2, 4, 8) GPUs + the smallest that fits
+
+Defaults are the shipped GPU configs' (ds_configs/llama*.json): bf16 weights, sequences of 512
+tokens, activation checkpointing on, stochastic rounding on, lomo.bucket_size 25e6, and their
+ZeRO-3 settings; `shipped_run(size)` adds that size's micro-batch (global batch 16 over the
+paper's GPU count). Every printed plan starts with the assumptions it made.
 
 Notation: P parameters, N GPUs (ZeRO-3 data-parallel ranks), b bytes of the model dtype (2 for
 fp16/bf16, 4 for fp32), T = batch x seq tokens per GPU, L layers, h hidden, f intermediate, V vocab,
-H / K query / key-value heads of width d. All figures are bytes per GPU; GiB = 2^30 bytes (the
-paper's "GB" are GiB: 2 x 6.74e9 bytes = 12.55).
+H / K query / key-value heads of width d, n = ceil(max_p / N) the largest local slice. All figures
+are bytes per GPU; GiB = 2^30 bytes (the paper's "GB" are GiB: 2 x 6.74e9 bytes = 12.55).
 
 Model states
 ------------
@@ -40,6 +46,35 @@ Model states
   activations) and the step-phase sum (states + buffers + the fp32 sub-group gradient; activations
   and gathered parameters are gone by then).
 
+The update's transient memory (LOMO; lomo_ds/fused_update.py, ShardUpdater.apply)
+-------------------------------------------------------------------------------------
+The update of one slice of n elements allocates, while the backward's other memory is alive:
+  4 n   g = grad_shard.float()           unless the gradient is fp32 already (then a view)
+  4 n   weights = shard.float()          unless the shard is fp32, or an fp32 master copy is kept
+ 13 n   stochastic_round_to_bf16         bf16 shards without masters: the int32 noise (4 n), the
+                                         isfinite mask (1 n), the rounded bits (4 n) and
+                                         torch.where's result (4 n) live together
+so 21 n bytes for bf16 with stochastic rounding, 8 n for fp16 (or bf16 without it), 0 for fp32.
+The largest slice is the largest parameter's (the embedding / LM head): n = ceil(max_p / N).
+
+Offloaded parameters (zero_optimization.offload_param.device = "cpu", LOMO only)
+------------------------------------------------------------------------------
+The shards live in host RAM, and the update runs there on a copy of the reduced gradient slice.
+  GPU     b P_persist + b W              persistent parameters and the gathered working set (on
+                                         any N: a gathered parameter is never the host shard)
+        + LOMO grads (as above) + activations; no shard, no update temporaries
+  host    b P (+ 4 P fp32 masters)       every rank's shards, for the whole node (one node)
+        + N (b n + update temporaries)   each rank's gradient slice copied over, and its update
+Host RAM is for the N ranks on one machine; it leaves out the processes' own footprint (CUDA
+context, Python, the DeepSpeed runtime) and the dataset. `lomo-ds plan --offload` prints, for the
+shipped configs' settings on 24 GiB GPUs:
+
+  | model | micro-batch | LOMO GPUs | GiB/GPU | host RAM GiB (node) |    without offload:
+  | 7b    | 16          | 1         | 7.91    | 15.4                |    1 GPU, 20.83 GiB
+  | 13b   | 8           | 1         | 6.18    | 27.8                |    2 GPUs, 20.21 GiB
+  | 30b   | 4           | 1         | 5.53    | 65.2                |    4 GPUs, 22.12 GiB
+  | 65b   | 2           | 1         | 4.93    | 127.2               |    8 GPUs, 21.26 GiB
+
 Activations (bytes autograd saves in the forward; what lomo_ds.baselines.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------
   per layer, no checkpointing (HF LLaMA, eager attention):
@@ -56,8 +91,8 @@ Activations (bytes autograd saves in the forward; what lomo_ds.baselines.Activat
   head: T h (4 + b) (final norm) + 4 T V (fp32 log-softmax of the loss) + 8 T (targets)
         + 2 S d b (rotary cos/sin, shared by all layers).
 
-The total is a conservative peak: model states + forward activations (+ recompute), all at once.
-`accounted` is the same without the recompute term: what the engines' accounting (the
+The total is a conservative peak: model states + forward activations (+ recompute) + the update's
+temporaries, all at once. `accounted` is the same without the recompute and update terms: what the engines' accounting (the
 MemoryTracker peak + the saved-tensor count) measures, and what tests/test_planner.py compares
 against measured runs.
 """
@@ -118,25 +153,51 @@ LLAMA = {
 }
 
 
+# Micro-batch per GPU of each shipped config (ds_configs/llama<size>.json): the paper's global batch
+# of 16 over the GPU count Table 2 gives the size. tests/test_planner.py checks these against the files.
+SHIPPED_MICRO_BATCH = {"7b": 16, "13b": 8, "30b": 4, "65b": 2}
+
+# DeepSpeed's own defaults for the zero_optimization keys the planner reads, for configs that leave
+# them out (RunSpec's defaults are the shipped configs' values instead).
+DEEPSPEED_ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                           "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+                           "stage3_param_persistence_threshold": 100_000, "sub_group_size": 1_000_000_000}
+_ZERO_FIELDS = {"reduce_bucket_size": "reduce_bucket", "stage3_prefetch_bucket_size": "prefetch",
+                "stage3_max_live_parameters": "max_live", "stage3_max_reuse_distance": "max_reuse",
+                "stage3_param_persistence_threshold": "persistence", "sub_group_size": "sub_group"}
+
+
 @dataclass(frozen=True)
 class RunSpec:
-    seq: int = 1024
-    batch: int = 1
-    dtype: str = "fp16"
-    checkpointing: bool = False
+    """What a run does that the memory depends on. Defaults: the shipped GPU configs'."""
+
+    seq: int = 512  # tokenizer.max_length
+    batch: int = 1  # train_micro_batch_size_per_gpu (shipped_run(size) sets the shipped one)
+    dtype: str = "bf16"
+    checkpointing: bool = True  # model.gradient_checkpointing
+    offload: bool = False  # zero_optimization.offload_param.device == "cpu"
     lomo_bucket: int = 25_000_000  # lomo.bucket_size (shard elements)
     lomo_fp32_master: bool = False
+    stochastic_rounding: bool = True  # lomo.stochastic_rounding (bf16 shards without masters)
     reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size
     prefetch: int = 50_000_000  # stage3_prefetch_bucket_size
     max_live: int = 1_000_000_000  # stage3_max_live_parameters
     max_reuse: int = 1_000_000_000  # stage3_max_reuse_distance
-    persistence: int = 100_000  # stage3_param_persistence_threshold
+    persistence: int = 10_000  # stage3_param_persistence_threshold
     sub_group: int = 1_000_000_000  # sub_group_size
     sgd_momentum: bool = False  # the paper's SGD has none (Table 1: optimizer states = fp32 master only)
 
     @property
     def b(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    def assumptions(self, batch: bool = True) -> str:
+        return ", ".join([f"{self.dtype} weights", f"seq {self.seq}"] + ([f"micro-batch {self.batch} per GPU"] if batch else []) + [
+            f"activation checkpointing {'on' if self.checkpointing else 'off'}",
+            f"offload_param {'cpu' if self.offload else 'none'}", f"lomo.bucket_size {self.lomo_bucket:,}",
+            f"stochastic rounding {'on' if self.stochastic_rounding else 'off'}",
+            f"fp32 masters {'on' if self.lomo_fp32_master else 'off'}",
+            f"persistence threshold {self.persistence:,}", f"max live parameters {self.max_live:,}"])
 
 
 @dataclass
@@ -148,7 +209,9 @@ class Estimate:
     optimizer_states: float
     activations: float
     recompute: float
+    update: float  # the update's transient fp32 memory on the GPU (LOMO)
     total: float
+    host: float = 0.0  # host RAM for the whole node (all `gpus` ranks) with offloaded parameters
 
     @property
     def accounted(self) -> float:
@@ -179,32 +242,52 @@ def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
     return m.layers * layer + head, 0.0
 
 
-def _params_bytes(m: ModelSpec, run: RunSpec, n: int) -> float:
+def _working_set(m: ModelSpec, run: RunSpec) -> tuple[int, int]:
+    """(persistent elements, elements of the gathered working set W)."""
     numels = m.param_numels()
-    P = sum(numels)
-    b = run.b
-    shard = b * sum(math.ceil(x / n) for x in numels)
-    if n == 1:
-        return shard
     persist = sum(x for x in numels if x <= run.persistence)
-    work = min(P - persist, min(run.max_live, run.max_reuse) + max(numels) + run.prefetch)
-    return shard + b * persist + b * work
+    work = min(sum(numels) - persist, min(run.max_live, run.max_reuse) + max(numels) + run.prefetch)
+    return persist, work
+
+
+def update_temp_bytes(n: int, run: RunSpec) -> int:
+    """Transient bytes of the fused update of an n-element slice (module docstring)."""
+    if run.b == 4:
+        return 0
+    grad32 = weights32 = 4 * n
+    if run.lomo_fp32_master:
+        return grad32  # the master is the fp32 weight: updated in place, then cast
+    rounding = 13 * n if run.dtype == "bf16" and run.stochastic_rounding else 0
+    return grad32 + weights32 + rounding
 
 
 def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> Estimate:
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    if run.offload and method != "lomo":
+        raise ValueError(f"offload_param: the planner models parameter offload for LOMO only, not {method!r}")
     numels = m.param_numels()
     P, n, b = sum(numels), gpus, run.b
     max_p = max(numels)
     shard_numel = sum(math.ceil(x / n) for x in numels)
-    params = _params_bytes(m, run, n)
+    persist, work = _working_set(m, run)
+    gathered = b * (persist + work) if n > 1 or run.offload else 0  # on one GPU the shard is the parameter
+    shard = 0 if run.offload else b * shard_numel
+    params = shard + gathered
     acts, recompute = activation_bytes(m, run)
     if method == "lomo":
         grads = b * max_p if n == 1 else 2 * b * min(P, max(run.lomo_bucket * n, max_p))
-        optim = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
-        total = params + grads + optim + acts + recompute
-        return Estimate(method, n, float(params), float(grads), float(optim), float(acts), float(recompute), float(total))
+        masters = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
+        slice_n = math.ceil(max_p / n)
+        update = update_temp_bytes(slice_n, run)
+        host = 0.0
+        if run.offload:
+            # the masters live with the shards: in host RAM, like the update
+            host = float(n * (b * shard_numel + masters + b * slice_n + update))
+            masters = update = 0
+        total = params + grads + masters + acts + recompute + update
+        return Estimate(method, n, float(params), float(grads), float(masters), float(acts), float(recompute),
+                        float(update), float(total), host)
     grad_buf = b * shard_numel + b * run.reduce_bucket
     fp32_grad = 4 * min(shard_numel, run.sub_group)
     optim = 4 * shard_numel
@@ -213,18 +296,11 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     elif run.sgd_momentum:
         optim += 4 * shard_numel
     backward = params + grad_buf + b * max_p + optim + acts + recompute
-    step = params - _work_only(m, run, n) + grad_buf + fp32_grad + optim
+    step = params - (b * work if n > 1 else 0) + grad_buf + fp32_grad + optim  # gathered layers are released
     grads = grad_buf + b * max_p + fp32_grad
     total = max(backward, step)
-    return Estimate(method, n, float(params), float(grads), float(optim), float(acts), float(recompute), float(total))
-
-
-def _work_only(m: ModelSpec, run: RunSpec, n: int) -> float:
-    if n == 1:
-        return 0.0
-    numels = m.param_numels()
-    persist = sum(x for x in numels if x <= run.persistence)
-    return run.b * min(sum(numels) - persist, min(run.max_live, run.max_reuse) + max(numels) + run.prefetch)
+    return Estimate(method, n, float(params), float(grads), float(optim), float(acts), float(recompute), 0.0,
+                    float(total))
 
 
 @dataclass
@@ -232,6 +308,7 @@ class Plan:
     model: ModelSpec
     run: RunSpec
     gpu_mem_gib: float
+    source: str = "planner defaults"  # where the run's figures came from, printed with the assumptions
     estimates: dict = field(default_factory=dict)  # (method, gpus) -> Estimate
     min_gpus: dict = field(default_factory=dict)  # method -> smallest count that fits, or None
 
@@ -240,11 +317,13 @@ class Plan:
 
 
 def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_counts=GPU_COUNTS,
-         methods=METHODS) -> Plan:
-    p = Plan(m, run, gpu_mem_gib)
+         methods=None, source: str = "planner defaults") -> Plan:
+    """Every method x GPU count, and the smallest count that fits. Offloaded runs plan LOMO only."""
+    methods = methods or (("lomo",) if run.offload else METHODS)
+    p = Plan(m, run, gpu_mem_gib, source)
     for method in methods:
         p.min_gpus[method] = None
-        for n in gpu_counts:
+        for n in sorted(gpu_counts):
             est = estimate(m, method, n, run)
             p.estimates[(method, n)] = est
             if p.min_gpus[method] is None and est.total <= gpu_mem_gib * GIB:
@@ -252,30 +331,66 @@ def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_
     return p
 
 
-def format_plan(p: Plan, gpu_counts=GPU_COUNTS) -> str:
+def format_plan(p: Plan) -> str:
     m, run = p.model, p.run
+    columns = ["method", "GPUs", "params", "grads", "optimizer states", "activations (+recompute)", "update tmp",
+               "total GiB/GPU", *(["host RAM GiB (node)"] if run.offload else []), "fits"]
     lines = [f"# {m.name}: {m.n_params / 1e9:.2f}B parameters (h={m.hidden}, L={m.layers}, f={m.intermediate}, "
-             f"V={m.vocab}); seq {run.seq}, batch {run.batch}, {run.dtype}, "
-             f"activation checkpointing {'on' if run.checkpointing else 'off'}; {p.gpu_mem_gib:g} GiB per GPU",
+             f"V={m.vocab}); {p.gpu_mem_gib:g} GiB per GPU",
+             f"assumptions ({p.source}): {run.assumptions()}",
              "",
-             "| method | GPUs | params | grads | optimizer states | activations (+recompute) | total GiB/GPU | fits |",
-             "|---|---|---|---|---|---|---|---|"]
-    for method in METHODS:
-        for n in gpu_counts:
-            if (method, n) not in p.estimates:
-                continue
-            e = p.estimates[(method, n)]
-            lines.append(f"| {method} | {n} | {e.params / GIB:.2f} | {e.grads / GIB:.2f} | {e.optimizer_states / GIB:.2f} | "
-                         f"{e.activations / GIB:.2f} (+{e.recompute / GIB:.2f}) | {e.total / GIB:.2f} | "
-                         f"{'yes' if p.fits(method, n) else 'OOM'} |")
+             "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for (method, n), e in p.estimates.items():
+        host_cell = f" {e.host / GIB:.1f} |" if run.offload else ""
+        lines.append(f"| {method} | {n} | {e.params / GIB:.2f} | {e.grads / GIB:.2f} | {e.optimizer_states / GIB:.2f} | "
+                     f"{e.activations / GIB:.2f} (+{e.recompute / GIB:.2f}) | {e.update / GIB:.2f} | {e.total / GIB:.2f} |"
+                     f"{host_cell} {'yes' if p.fits(method, n) else 'OOM'} |")
     lines.append("")
-    for method in METHODS:
-        g = p.min_gpus.get(method)
-        lines.append(f"smallest GPU count for {method}: {g if g else 'none of ' + ','.join(map(str, gpu_counts))}")
+    counts = sorted({n for _, n in p.estimates})
+    for method, g in p.min_gpus.items():
+        lines.append(f"smallest GPU count for {method}: {g if g else 'none of ' + ','.join(map(str, counts))}")
+    return "\n".join(lines)
+
+
+def shipped_plans(gpu_mem_gib: float = 24.0, offload: bool = False, **overrides) -> dict[str, Plan]:
+    """One plan per LLaMA size, each with its shipped config's settings (and `overrides`)."""
+    return {size: plan(spec, gpu_mem_gib, replace(shipped_run(size), offload=offload, **overrides),
+                       source=f"ds_configs/llama{size}.json defaults")
+            for size, spec in LLAMA.items()}
+
+
+def format_summary(plans: dict[str, Plan]) -> str:
+    """Smallest GPU count per size and method (with offload: LOMO's, and the host RAM it needs)."""
+    first = next(iter(plans.values()))
+    offload = first.run.offload
+    columns = ["model", "params", "micro-batch", "LOMO GPUs", "GiB/GPU",
+               *(["host RAM GiB (node)"] if offload else ["SGD GPUs", "AdamW GPUs"])]
+    lines = [f"# the smallest number of {first.gpu_mem_gib:g} GiB GPUs for each LLaMA size with its shipped config "
+             f"(ds_configs/llama<size>.json): {first.run.assumptions(batch=False)}", "",
+             "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for size, p in plans.items():
+        g = p.min_gpus["lomo"]
+        e = p.estimates[("lomo", g)] if g else None
+        cells = [size, f"{p.model.n_params / 1e9:.2f}B", str(p.run.batch), str(g or "none"),
+                 f"{e.total / GIB:.2f}" if e else "-"]
+        if offload:
+            cells.append(f"{e.host / GIB:.1f}" if e else "-")
+        else:
+            cells += [str(p.min_gpus[m] or "none") for m in ("sgd", "adamw")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- inputs
+def run_spec(**overrides) -> RunSpec:
+    return replace(RunSpec(), **overrides)
+
+
+def shipped_run(size: str) -> RunSpec:
+    """The shipped config's run for a LLaMA size (ds_configs/llama<size>.json)."""
+    return RunSpec(batch=SHIPPED_MICRO_BATCH[size])
+
+
 def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
     try:
         return ModelSpec(name=name, hidden=int(cfg["hidden_size"]), layers=int(cfg["num_hidden_layers"]),
@@ -288,76 +403,93 @@ def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
 
 
 def run_overrides_from_ds(ds: dict) -> dict:
-    """RunSpec fields a DeepSpeed / lomo_ds run config sets."""
-    out = {}
-    zero = ds.get("zero_optimization", {}) or {}
-    keys = {"reduce_bucket_size": "reduce_bucket", "stage3_prefetch_bucket_size": "prefetch",
-            "stage3_max_live_parameters": "max_live", "stage3_max_reuse_distance": "max_reuse",
-            "stage3_param_persistence_threshold": "persistence", "sub_group_size": "sub_group"}
-    for k, f in keys.items():
-        if k in zero:
-            out[f] = int(float(zero[k]))
-    if ds.get("bf16", {}).get("enabled"):
-        out["dtype"] = "bf16"
-    elif ds.get("fp16", {}).get("enabled"):
-        out["dtype"] = "fp16"
-    lomo = ds.get("lomo", {}) or {}
-    if "bucket_size" in lomo:
-        out["lomo_bucket"] = int(lomo["bucket_size"])
-    if lomo.get("fp32_master_weights"):
-        out["lomo_fp32_master"] = True
+    """RunSpec fields a DeepSpeed config decides: precision, micro-batch, ZeRO-3 sizes and parameter
+    offload. A zero_optimization key left out is DeepSpeed's default, not the planner's."""
+    zero = ds.get("zero_optimization") or {}
+    out = {f: int(float(zero.get(k, DEEPSPEED_ZERO_DEFAULTS[k]))) for k, f in _ZERO_FIELDS.items()}
+    out["dtype"] = ("bf16" if (ds.get("bf16") or {}).get("enabled") else
+                    "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32")
+    out["offload"] = ((zero.get("offload_param") or {}).get("device") or "none") == "cpu"
     if "train_micro_batch_size_per_gpu" in ds:
         out["batch"] = int(ds["train_micro_batch_size_per_gpu"])
     return out
 
 
-def resolve_model(arg: str) -> tuple[ModelSpec, dict]:
-    """`7b|13b|30b|65b`, an HF config.json (or a folder holding one), or a lomo_ds run config (JSON
-    with DeepSpeed keys, "lomo", and "model": {"path": ...} naming one of those; its
-    model.gradient_checkpointing, tokenizer.max_length, micro-batch, precision and bucket sizes
-    are taken too).
-    Returns the model and the RunSpec overrides the run config sets."""
-    key = arg.lower().removeprefix("llama-").removeprefix("llama")
-    if key in LLAMA:
-        return LLAMA[key], {}
-    path = arg
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
+def run_spec_for(cfg) -> RunSpec:
+    """The RunSpec of a validated run config (lomo_ds.run_config.RunConfig)."""
+    return replace(RunSpec(), **run_overrides_from_ds(cfg.ds), seq=cfg.tokenizer.max_length,
+                   checkpointing=cfg.model.gradient_checkpointing, lomo_bucket=cfg.lomo.bucket_size,
+                   lomo_fp32_master=cfg.lomo.fp32_master_weights, stochastic_rounding=cfg.lomo.stochastic_rounding)
+
+
+def model_spec_for(cfg, model_size: str | None = None) -> ModelSpec:
+    """The architecture a run config trains: `model_size` (7b|13b|30b|65b), else the config's
+    model.planner_size, else read from model.path (an HF folder's config.json, or the GGUF file's
+    metadata: the builtin model). A path that is not on this machine (the shipped configs'
+    placeholders, a hub name) needs one of the first two."""
+    from .run_config import resolve_model_source
+
+    model_size = model_size or cfg.model.planner_size
+    if model_size is not None:
+        return llama_spec(model_size)
+    source, gguf = resolve_model_source(cfg.model.path, cfg.model.gguf_file)
+    if gguf:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        hf = load_gguf_checkpoint(os.path.join(source, gguf), return_tensors=False)["config"]
+        return spec_from_hf_config(hf, name=os.path.splitext(gguf)[0])
+    config_json = os.path.join(source, "config.json")
+    if not os.path.isfile(config_json):
+        raise ValueError(f"model.path {cfg.model.path!r}: no config.json there to read the architecture from; "
+                         f"set model.planner_size (or lomo-ds plan --size) to one of {list(LLAMA)}")
+    with open(config_json) as f:
+        return spec_from_hf_config(json.load(f), name=os.path.basename(os.path.abspath(source)))
+
+
+def plan_for_run(cfg, world: int | None = None, model_size: str | None = None, gpu_mem_gib: float = 24.0,
+                 overrides: dict | None = None) -> Plan:
+    """The plan for a validated run config: its model, precision, micro-batch, sequence length,
+    checkpointing, buckets and offload (RunSpec fields in `overrides` win), over 1, 2, 4, 8 GPUs
+    and `world` (this launch's count)."""
+    counts = set(GPU_COUNTS) | ({world} if world else set())
+    run = replace(run_spec_for(cfg), **(overrides or {}))
+    return plan(model_spec_for(cfg, model_size), gpu_mem_gib, run, gpu_counts=counts,
+                source=cfg.source_path or "run config")
+
+
+def llama_spec(size: str) -> ModelSpec:
+    key = size.lower().removeprefix("llama-").removeprefix("llama")
+    if key not in LLAMA:
+        raise ValueError(f"model size {size!r}: expected one of {list(LLAMA)}, an HF config.json or a run config")
+    return LLAMA[key]
+
+
+def hf_config_path(arg: str) -> str | None:
+    """The config.json `arg` names (the file, or the folder holding it), if it is an HF model config."""
+    path = os.path.join(arg, "config.json") if os.path.isdir(arg) else arg
     if not os.path.isfile(path):
-        raise ValueError(f"--model {arg!r}: expected one of {sorted(LLAMA)}, a config.json or a run config")
+        return None
     with open(path) as f:
-        cfg = json.load(f)
-    if "hidden_size" in cfg:
-        return spec_from_hf_config(cfg, name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path), {}
-    model = cfg.get("model")
-    ref = model.get("path") if isinstance(model, dict) else model
-    ref = ref if isinstance(ref, str) else cfg.get("model_path") or cfg.get("model_name_or_path")
-    if isinstance(ref, str):
-        if ref.startswith("builtin:"):
-            raise ValueError(f"{path}: model.path {ref!r}: give its HF config.json to the planner instead")
-        if not os.path.isabs(ref) and ref.lower().removeprefix("llama-").removeprefix("llama") not in LLAMA:
-            cand = os.path.join(os.path.dirname(os.path.abspath(path)), ref)
-            ref = cand if os.path.exists(cand) else ref
-        spec, _ = resolve_model(ref)
-        overrides = run_overrides_from_ds(cfg)
-        if isinstance(model, dict) and model.get("gradient_checkpointing"):
-            overrides["checkpointing"] = True
-        tok = cfg.get("tokenizer") or {}
-        if isinstance(tok, dict) and "max_length" in tok:
-            overrides["seq"] = int(tok["max_length"])
-        return spec, overrides
-    raise ValueError(f"{path}: neither an HF config (hidden_size ...) nor a run config with a 'model' entry")
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError:
+            return None
+    return path if isinstance(raw, dict) and "hidden_size" in raw else None
 
 
-def run_spec(**overrides) -> RunSpec:
-    return replace(RunSpec(), **overrides)
+def resolve_model(arg: str) -> ModelSpec:
+    """`7b|13b|30b|65b` (LLaMA), or an HF config.json (or a folder holding one)."""
+    path = hf_config_path(arg)
+    if path is None:
+        return llama_spec(arg)
+    with open(path) as f:
+        return spec_from_hf_config(json.load(f), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
 
 
 def llama_size_of(path: str) -> str:
     """7b/13b/30b/65b for an HF LLaMA folder: the size whose parameter count is nearest."""
-    with open(os.path.join(path, "config.json")) as f:
-        spec = spec_from_hf_config(json.load(f))
-    return min(LLAMA, key=lambda s: abs(LLAMA[s].n_params - spec.n_params))
+    n_params = resolve_model(path).n_params
+    return min(LLAMA, key=lambda s: abs(LLAMA[s].n_params - n_params))
 
 
 def llama_model_paths(model_path_items: list[str] | None, model_root: str | None) -> dict[str, str]:

@@ -39,6 +39,9 @@ class ModelConfig(Section):
     gguf_file: str | None = None  # a GGUF file inside `path` (set automatically for the builtin)
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # The architecture (7b|13b|30b|65b) the memory planner assumes when `path` is not on this
+    # machine yet (the shipped LLaMA configs name placeholder paths); unused by training.
+    planner_size: Literal["7b", "13b", "30b", "65b"] | None = None
 
     @field_validator("path")
     @classmethod

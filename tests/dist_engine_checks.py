@@ -95,10 +95,13 @@ def scaled_forward(m, b):
     return m(**b)
 
 
-def check_overflow():
-    """A non-finite gradient on the last rank only: every rank skips, parameters bit-identical."""
+def check_overflow(fp16: bool = False):
+    """A non-finite gradient on the last rank only: every rank skips, parameters bit-identical.
+    fp16=True: real fp16 weights (GPUs; DeepSpeed refuses fp16 on a CPU), else fp32 with the scaler forced on."""
     model = tiny_llama(3)
     cfg = ds_cfg(loss_scale={"enabled": True, "initial_scale_power": 8, "window": 2})
+    if fp16:
+        cfg["fp16"] = {"enabled": True}
     engine = lomo_ds.initialize(model, cfg)
     world, rank = engine.world, engine.rank
     target = engine.module.model.layers[0].mlp.down_proj.weight

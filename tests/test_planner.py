@@ -1,5 +1,7 @@
-"""The planner: the paper's Table 2 GPU counts and out-of-memory rows, the CLI, and agreement with
-memory measured on small CPU runs of LomoEngine (1 and 2 ranks) within 10%."""
+"""The planner: the paper's Table 2 GPU counts and out-of-memory rows, the shipped configs as its
+defaults, the typed run config as its input, the update's temporaries counted from the real update,
+offload rows, the CLI, and agreement with memory measured on small CPU runs of LomoEngine (1 and 2
+ranks) within 10%."""
 from __future__ import annotations
 
 import json
@@ -7,11 +9,18 @@ import os
 import socket
 import subprocess
 import sys
+import weakref
+from dataclasses import replace
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lomo_ds.cli import main
-from lomo_ds.planner import GIB, LLAMA, ModelSpec, estimate, plan, resolve_model, run_spec
+from lomo_ds.planner import (GIB, LLAMA, ModelSpec, RunSpec, estimate, model_spec_for, plan, plan_for_run, resolve_model,
+                             run_overrides_from_ds, run_spec, run_spec_for, shipped_run, update_temp_bytes)
+from lomo_ds.run_config import load_run_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -69,41 +78,165 @@ def test_table1_model_states():
 
 def test_checkpointing_shrinks_activations():
     m = LLAMA["7b"]
-    off = estimate(m, "lomo", 1, run_spec(seq=512, batch=8))
+    off = estimate(m, "lomo", 1, run_spec(seq=512, batch=8, checkpointing=False))
     on = estimate(m, "lomo", 1, run_spec(seq=512, batch=8, checkpointing=True))
     assert on.activations < 0.1 * off.activations and on.recompute > 0
 
 
-# ----------------------------------------------------------------------------- inputs and CLI
-def test_resolve_hf_and_run_config(tmp_path):
+# ----------------------------------------------------------------------------- defaults and the run config
+@pytest.mark.parametrize("size", list(LLAMA))
+def test_defaults_are_the_shipped_configs(size):
+    """RunSpec's defaults + the per-size micro-batch are exactly what ds_configs/llama<size>.json says,
+    read through the typed run config (model.planner_size names the architecture)."""
+    cfg = load_run_config(os.path.join(ROOT, "ds_configs", f"llama{size}.json"), check_files=False)
+    assert run_spec_for(cfg) == shipped_run(size)
+    assert model_spec_for(cfg) is LLAMA[size]
+
+
+def test_cli_65b_answers_8_gpus_and_prints_assumptions(capsys):
+    # As the README types it: no flags, the shipped config's settings.
+    assert main(["plan", "--model", "65b", "--gpu-mem", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "smallest GPU count for lomo: 8" in out
+    assert ("assumptions (ds_configs/llama65b.json defaults): bf16 weights, seq 512, micro-batch 2 per GPU, "
+            "activation checkpointing on, offload_param none") in out
+
+
+def test_run_config_plan_takes_the_typed_config(tmp_path):
     hf = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008, "vocab_size": 32000,
           "num_attention_heads": 32}
     d = tmp_path / "llama7"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(hf))
-    spec, over = resolve_model(str(d))
-    assert spec.n_params == LLAMA["7b"].n_params and over == {}
-    run = {"model": {"path": str(d), "gradient_checkpointing": True}, "tokenizer": {"max_length": 512},
-           "bf16": {"enabled": True}, "lomo": {"bucket_size": 1000},
-           "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e8}}
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    spec, over = resolve_model(str(tmp_path / "run.json"))
-    assert spec.n_params == LLAMA["7b"].n_params
-    assert over == {"checkpointing": True, "seq": 512, "dtype": "bf16", "lomo_bucket": 1000, "max_live": 100_000_000}
+    assert resolve_model(str(d)).n_params == LLAMA["7b"].n_params
+    raw = {"model": {"path": str(d), "gradient_checkpointing": False}, "tokenizer": {"max_length": 256},
+           "train_micro_batch_size_per_gpu": 3, "fp16": {"enabled": True},
+           "lomo": {"bucket_size": 1000, "fp32_master_weights": True},
+           "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e8,
+                                 "offload_param": {"device": "cpu"}}}
+    cfg = load_run_config(raw)
+    p = plan_for_run(cfg, world=3)
+    assert p.model.n_params == LLAMA["7b"].n_params
+    assert sorted({n for _, n in p.estimates}) == [1, 2, 3, 4, 8]
+    # every field from the config; zero_optimization keys it leaves out are DeepSpeed's defaults
+    assert p.run == RunSpec(seq=256, batch=3, dtype="fp16", checkpointing=False, offload=True, lomo_bucket=1000,
+                            lomo_fp32_master=True, max_live=100_000_000, persistence=100_000)
+    with pytest.raises(ValueError, match="planner_size"):
+        plan_for_run(load_run_config(dict(raw, model={"path": "/not/here"})))
+    assert plan_for_run(load_run_config(dict(raw, model={"path": "/not/here"})), model_size="13b").model is LLAMA["13b"]
     with pytest.raises(ValueError, match="expected one of"):
         resolve_model("17b")
 
 
-def test_cli_plan(capsys):
+def test_deepspeed_defaults_for_keys_a_config_leaves_out():
+    over = run_overrides_from_ds({"zero_optimization": {"stage": 3}})
+    assert over["persistence"] == 100_000 and over["dtype"] == "fp32" and over["offload"] is False
+    assert RunSpec().persistence == 10_000  # the shipped configs' value is the planner's own default
+
+
+def test_cli_plan(capsys, tmp_path):
     assert main(["plan", "--model", "13b", "--gpus", "8", "--gpu-mem", "24", "--seq", "1024", "--batch", "1",
                  "--dtype", "fp16", "--checkpointing"]) == 0
     out = capsys.readouterr().out
     assert "smallest GPU count for lomo: 2" in out
     assert "on 8 GPU(s): adamw" in out and "out of memory" in out
-    assert main(["plan", "--model", "7b", "--json", "--checkpointing"]) == 0
+    assert main(["plan", "--model", "7b", "--json", "--no-checkpointing", "--batch", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["min_gpus"]["lomo"] == 1
+    assert data["min_gpus"]["lomo"] == 1 and data["run"]["checkpointing"] is False
+    assert main(["plan", "--model", os.path.join(ROOT, "ds_configs", "llama30b.json"), "--gpus", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "assumptions (" in out and "llama30b.json): bf16 weights, seq 512, micro-batch 4 per GPU" in out
+    assert "| lomo | 3 |" in out and "smallest GPU count for lomo: 4" in out
     assert main(["plan", "--model", "nonsense"]) == 2
+    assert main(["plan", "--model", "7b", "--size", "7b"]) == 2  # --size is for run configs only
+
+
+# ----------------------------------------------------------------------------- the update's temporaries
+class _NewStorageBytes(TorchDispatchMode):
+    """Peak bytes of the storages the ops inside allocate (views and in-place results are not new)."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in existing}
+        self.live = self.peak = 0
+
+    def _freed(self, ptr, nbytes):
+        self.live -= nbytes
+        self.known.discard(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.known:
+                st = t.untyped_storage()
+                self.known.add(st.data_ptr())
+                self.live += st.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._freed, st.data_ptr(), st.nbytes())
+        return out
+
+
+@pytest.mark.parametrize("dtype,rounding,master", [("bf16", True, False), ("bf16", False, False), ("fp16", False, False),
+                                                   ("bf16", True, True), ("fp32", True, False)])
+def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, master):
+    """The planner's count of the update's transient bytes is what ShardUpdater.apply allocates."""
+    from lomo_ds.fused_update import ShardUpdater, UpdateRule
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    n = 10_007
+    param = torch.nn.Parameter(torch.empty(0, dtype=torch_dtype))
+    # The three ZeRO-3 attributes the update reads (lomo_ds.ds_compat): a one-rank shard.
+    param.ds_tensor, param.ds_numel, param.ds_id = torch.randn(n).to(torch_dtype), n, 0
+    grad = torch.randn(n).to(torch_dtype)
+    updater = ShardUpdater(world=1, rank=0, stochastic_rounding=rounding, fp32_master=master, seed=0)
+    if master:
+        updater.init_masters([param])
+    updater.rule = UpdateRule(lr=0.1, grad_scale=0.5, weight_decay=0.01)
+    counter = _NewStorageBytes([param.ds_tensor, grad, *updater.masters.values()])
+    with counter:
+        updater.apply(param, grad)
+    assert counter.peak == update_temp_bytes(n, RunSpec(dtype=dtype, stochastic_rounding=rounding,
+                                                        lomo_fp32_master=master))
+
+
+def test_update_temporaries_in_the_total():
+    run = shipped_run("65b")
+    est = estimate(LLAMA["65b"], "lomo", 8, run)
+    assert est.update == 21 * -(-max(LLAMA["65b"].param_numels()) // 8)  # bf16 + stochastic rounding
+    assert est.total == pytest.approx(est.params + est.grads + est.activations + est.recompute + est.update)
+
+
+# ----------------------------------------------------------------------------- offloaded parameters
+def test_offload_rows(capsys):
+    for size, model in LLAMA.items():
+        run = replace(shipped_run(size), offload=True)
+        p = plan(model, 24, run)
+        assert list(p.min_gpus) == ["lomo"]  # DeepSpeed's optimizers are not modelled with offload
+        assert p.min_gpus["lomo"] == 1, size
+        on_gpu, host = p.estimates[("lomo", 1)], p.estimates[("lomo", 1)].host
+        resident = estimate(model, "lomo", 1, shipped_run(size))
+        # no shard and no update temporaries on the GPU; both in host RAM, with the whole model
+        assert on_gpu.update == 0 and on_gpu.params < resident.params / 4
+        assert host == 2 * model.n_params + 2 * max(model.param_numels()) + resident.update
+        # 8 ranks on the node: 8 slices and updates at once, each 1/8 as large
+        assert p.estimates[("lomo", 8)].host == pytest.approx(host, rel=1e-6)
+    # the table in the planner's docstring is these figures
+    from lomo_ds import planner
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:]]
+            for line in planner.__doc__.splitlines() if line.strip().startswith("| ") and "b " in line[:12]}
+    resident = planner.shipped_plans()
+    for size, p in planner.shipped_plans(offload=True).items():
+        e = p.estimates[("lomo", 1)]
+        n = resident[size].min_gpus["lomo"]
+        assert rows[size][:4] == [str(p.run.batch), "1", f"{e.total / GIB:.2f}", f"{e.host / GIB:.1f}"], size
+        assert rows[size][4].endswith(f"{n} GPU{'s' if n > 1 else ''}, "
+                                      f"{resident[size].estimates[('lomo', n)].total / GIB:.2f} GiB"), size
+    with pytest.raises(ValueError, match="LOMO only"):
+        estimate(LLAMA["7b"], "sgd", 1, replace(RunSpec(), offload=True))
+    assert main(["plan", "--offload"]) == 0
+    out = capsys.readouterr().out
+    assert "host RAM GiB (node)" in out and "offload_param cpu" in out
+    assert "| 65b | 65.29B | 2 | 1 |" in out
 
 
 # ----------------------------------------------------------------------------- measured runs
@@ -177,10 +310,9 @@ def test_planner_matches_measured_lomo(measured, case):
     r = results[case]
     assert r["world"] == world
     zero_extra, ac = CASES[case]
-    keys = {"stage3_max_live_parameters": "max_live", "stage3_max_reuse_distance": "max_reuse",
-            "stage3_prefetch_bucket_size": "prefetch", "stage3_param_persistence_threshold": "persistence"}
-    run = run_spec(seq=SEQ, batch=MICRO, dtype="fp32", checkpointing=ac, lomo_bucket=BUCKET,
-                   **{keys[k]: v for k, v in zero_extra.items()})
+    # the run as the planner reads the DeepSpeed config the worker used (DeepSpeed's defaults for the rest)
+    ds = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **zero_extra}}
+    run = run_spec(**run_overrides_from_ds(ds), seq=SEQ, checkpointing=ac, lomo_bucket=BUCKET)
     spec = ModelSpec("tiny", TINY["hidden"], TINY["layers"], TINY["intermediate"], TINY["vocab"], TINY["heads"],
                      TINY["kv_heads"], TINY["head_dim"])
     est = estimate(spec, "lomo", world, run)

@@ -1,0 +1,212 @@
+"""The multi-rank GPU checks, run once per world size by tests/gpu/test_gpu.py (NCCL, one GPU per rank).
+
+    python -m torch.distributed.run --nproc_per_node N tests/gpu/gpu_checks.py OUT.json
+    ... tests/gpu/gpu_checks.py OUT.json --smoke --only step_time,offload   # the same code, tiny, on a CPU
+
+Each check builds its own engines and rank 0 records figures; the pytest side asserts on them. The
+equivalence, bf16 and overflow checks are the CPU suite's (tests/dist_engine_checks.py) run on CUDA;
+new here: parameter offload, peak memory against the planner, and step time against the floor and
+DeepSpeed's own ZeRO-3 SGD. --smoke runs the new ones with tiny sizes on whatever device there is,
+so a CPU proves they run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: the CPU suite's helpers
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+import deepspeed  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import lomo_ds  # noqa: E402
+from compare import memory_run_config, predicted_peak_bytes, step_time_table  # noqa: E402
+from dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence  # noqa: E402
+from lomo_ds import ds_compat  # noqa: E402
+from lomo_ds.baselines import build_engine  # noqa: E402
+from tiny import tiny_llama  # noqa: E402
+
+# Model sizes: (GPU, --smoke). The memory model's states (0.9 GB bf16 + the update's 0.35 GB) dwarf
+# the allocator's fixed costs; its activations (checkpointed, 2 x 256 tokens) stay small, so the
+# planner's conservative sum of peaks that do not quite coincide is tested where it matters.
+MEMORY_MODEL = {"gpu": dict(vocab_size=8192, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                            num_attention_heads=16, micro=2, seq=256)}
+STEP_MODEL = {"gpu": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                          num_attention_heads=16, micro=4, seq=512, warmup=3, steps=10),
+              "smoke": dict(vocab_size=97, hidden_size=40, intermediate_size=83, num_hidden_layers=2,
+                            num_attention_heads=4, micro=2, seq=16, warmup=1, steps=2)}
+
+
+def llama_config(sizes: dict) -> LlamaConfig:
+    arch = {k: v for k, v in sizes.items() if k not in ("micro", "seq", "warmup", "steps")}
+    return LlamaConfig(**arch, max_position_embeddings=sizes["seq"], tie_word_embeddings=False, use_cache=False)
+
+
+def llama(sizes: dict, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(sizes))
+
+
+def random_batch(sizes: dict, device: torch.device, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, sizes["vocab_size"], (sizes["micro"], sizes["seq"]), generator=g)
+    return {"input_ids": ids.to(device), "labels": ids.to(device)}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    torch.distributed.barrier()
+
+
+def check_offload(pin: bool):
+    """offload_param: cpu. The update must follow the shard to the host and still equal SGD."""
+    cfg = ds_cfg()
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    result = equivalence(lambda: tiny_llama(0), cfg)
+    engine = lomo_ds.initialize(tiny_llama(0), cfg)
+    result["shard_device"] = ds_compat.shard(engine.params[0]).device.type
+    return result
+
+
+def check_memory(device: torch.device, workdir: str):
+    """torch.cuda.max_memory_allocated over a steady-state step against the planner's prediction for
+    the same run config (plan_for_run, as --dry-run prints it)."""
+    sizes = MEMORY_MODEL["gpu"]
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    model_dir = os.path.join(workdir, "memory_model")
+    if rank == 0:
+        llama_config(sizes).save_pretrained(model_dir)  # the planner reads the architecture from it
+    torch.distributed.barrier()
+    run = memory_run_config(model_dir, sizes["micro"], sizes["seq"])
+    # cuBLAS keeps a workspace per thread (the autograd thread's included) once it has multiplied:
+    # make both exist before the baseline, so the measured peak is this run's own memory.
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
+        (a @ a).sum().backward()
+    del a
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    model = llama(sizes)
+    model.gradient_checkpointing_enable()  # as lomo_ds.models.load_model does for the run config
+    engine = lomo_ds.initialize(model, {k: v for k, v in run.items() if k not in ("model", "tokenizer")})
+    batch = random_batch(sizes, device, seed=rank)
+    engine.train_step(batch)  # the first step records DeepSpeed's module trace
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    engine.train_step(batch)
+    sync(device)
+    measured = torch.cuda.max_memory_allocated(device) - base
+    per_rank = [None] * world
+    torch.distributed.all_gather_object(per_rank, measured)
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"measured": max(per_rank), "per_rank": per_rank, "predicted": predicted_peak_bytes(run, world),
+            "base": base}
+
+
+class FloorEngine:
+    """The same ZeRO-3 forward + backward with every gradient dropped on arrival: no reduction, no
+    update. What a step costs before the optimizer does anything."""
+
+    def __init__(self, model: torch.nn.Module, ds_config: dict):
+        self.ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=None, optimizer=None)
+        self.module = self.ds_engine.module
+        self.offload = ds_compat.offload_of(self.ds_engine)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._drop) for p in self.module.parameters()]
+
+    @staticmethod
+    def _drop(param: torch.nn.Parameter) -> None:
+        param.grad = None
+
+    def train_step(self, batch: dict) -> dict:
+        self.module.train()
+        loss = self.module(**batch).loss
+        loss.backward()
+        ds_compat.release_all(self.offload)
+        return {"loss": loss.item()}
+
+
+def check_step_time(device: torch.device, sizes: dict):
+    """LOMO, the floor and DeepSpeed ZeRO-3 SGD on the same model and batches, taking turns step by
+    step (so drifts in clocks and neighbours hit all three alike); per-step times, and medians."""
+    ds = {"train_micro_batch_size_per_gpu": sizes["micro"], "zero_optimization": {"stage": 3}}
+    if device.type == "cuda":
+        ds["bf16"] = {"enabled": True}
+    engines = {"floor": FloorEngine(llama(sizes), ds),
+               "lomo": lomo_ds.initialize(llama(sizes), {**ds, "lomo": {"lr": 1e-3}}),
+               "deepspeed_sgd": build_engine(llama(sizes), ds, "sgd", lr=1e-3, clip=None)}
+    rank = torch.distributed.get_rank()
+    batches = [random_batch(sizes, device, seed=1000 * step + rank) for step in range(sizes["warmup"] + sizes["steps"])]
+    times = {name: [] for name in engines}
+    for step, batch in enumerate(batches):
+        for name, engine in engines.items():
+            sync(device)
+            t0 = time.perf_counter()
+            engine.train_step(batch)
+            sync(device)
+            if step >= sizes["warmup"]:
+                times[name].append(time.perf_counter() - t0)
+    return {"times": times, "table": step_time_table(times), "model": sizes,
+            "world": torch.distributed.get_world_size()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: proves the new checks run")
+    ap.add_argument("--only", default=None, help="comma-separated check names")
+    args = ap.parse_args()
+
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    if on_gpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    lomo_ds.init_distributed()
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    workdir = os.path.dirname(os.path.abspath(args.out)) or tempfile.gettempdir()
+    checks = {
+        "sgd": lambda: equivalence(lambda: tiny_llama(0), ds_cfg()),
+        "clip_norm": lambda: equivalence(lambda: tiny_llama(1), ds_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5}),
+        "bf16": check_bf16,
+        "overflow": lambda: check_overflow(fp16=True),
+        "offload": lambda: check_offload(pin=on_gpu),
+        "memory": lambda: check_memory(device, workdir),
+        "step_time": lambda: check_step_time(device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
+    }
+    if not on_gpu:  # DeepSpeed refuses fp16 on a CPU, and only CUDA reports allocator peaks
+        checks.pop("overflow"), checks.pop("memory")
+    if world < 2 and not args.smoke:
+        checks.pop("step_time")  # side by side on 2+ GPUs: one GPU has no reduction to overlap
+    results = {}
+    for name, fn in checks.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        torch.distributed.barrier()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
