@@ -5,7 +5,7 @@ SGD and LOMO, with and without activation checkpointing, on one rank.
     python3 experiments/table1.py --model-path /path/to/llama-7b     # the paper's setting (GPU)
 
 Each configuration runs in its own process (one rank) so that nothing of one is left in the next.
-Accounting: lomo_ds/baselines.py (tensor accounting on a CPU, the CUDA allocator's peak beside it
+Accounting: lomo_ds/methods (tensor accounting on a CPU, the CUDA allocator's peak beside it
 on a GPU). Writes experiments/results/table1{,_cpu}.{csv,md,png}, with the paper's figures beside ours.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def ds_config(args, n_params: int) -> dict:
         zero.update(reduce_bucket_size=1_000_000, stage3_prefetch_bucket_size=0,
                     stage3_max_live_parameters=1_000_000, stage3_max_reuse_distance=1_000_000,
                     stage3_param_persistence_threshold=10_000)
-    cfg = {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": zero, "gradient_clipping": 1.0}
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": zero}
     if args.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif args.dtype == "fp16":
@@ -87,7 +87,10 @@ def lomo_section(args) -> dict:
 
 
 def method_opts(method: str) -> dict:
-    return {"adamw": {"lr": 1e-5, "clip": 1.0}, "sgd": {"lr": 1e-3, "clip": 1.0}}.get(method, {})
+    """Run-config fields of the DeepSpeed baselines: their LR, and clipping by norm 1.0 (lomo.clip_grad_norm
+    is every method's clipping setting; LOMO's own runs leave it to lomo_section)."""
+    return {"adamw": {"train": {"baseline_lr": 1e-5}, "lomo": {"clip_grad_norm": 1.0}},
+            "sgd": {"train": {"baseline_lr": 1e-3}, "lomo": {"clip_grad_norm": 1.0}}}.get(method, {})
 
 
 def make_batches(args, vocab: int, rank: int, n: int):
@@ -105,15 +108,16 @@ def run_one(args) -> dict:
     """One configuration in this process (one rank): two steps, then the breakdown."""
     import torch
 
-    from lomo_ds.baselines import build_engine
+    from common import build_method_engine
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
-    eng = build_engine(model, ds_config(args, n_params), args.one, lomo_cfg=lomo_section(args),
-                       activation_checkpointing=args.ac, **method_opts(args.one))
+    opts = method_opts(args.one)
+    eng = build_method_engine(model, ds_config(args, n_params), args.one, {**lomo_section(args), **opts.get("lomo", {})},
+                              opts.get("train"), activation_checkpointing=args.ac)
     eng.enable_memory_tracking()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -159,7 +163,7 @@ def write_outputs(rows: list[dict], args, tag: str) -> None:
                         *PAPER_T1[(r["method"], r["ac"])]])
     model = args.model_path or f"random-init LLaMA {args.size} ({rows[0]['n_params'] / 1e6:.1f}M params)"
     lines = [f"# Table 1: memory per rank, {model}, seq {args.seq}, batch {args.batch}, {args.dtype}, one rank",
-             "", f"Ours in {uname} (tensor accounting, lomo_ds/baselines.py); the paper's (LLaMA-7B, GB) in brackets.", "",
+             "", f"Ours in {uname} (tensor accounting, lomo_ds/methods); the paper's (LLaMA-7B, GB) in brackets.", "",
              "| optimizer | AC | params | gradients | optimizer states | activations | total | process peak RSS MiB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -15,9 +15,9 @@ on 8), weights loaded partitioned (HfDeepSpeedConfig + from_pretrained: zero.Ini
 reports as out of memory are predicted by lomo_ds.planner and skipped unless --try-oom.
 
 Memory: on a GPU `torch.cuda.max_memory_allocated` after the engine is built (the paper's "peak
-allocated"); on a CPU the engines' tensor accounting (lomo_ds/baselines.py: params + grads +
+allocated"); on a CPU the engines' tensor accounting (lomo_ds/methods: params + grads +
 optimizer states + activations). The figure is the largest over the ranks.
-TGS: lomo_ds.baselines.measure_tgs: warm-up steps excluded, median of the timed steps, every step
+TGS: common.measure_tgs: warm-up steps excluded, median of the timed steps, every step
 ended by a barrier (the slowest rank's time); tokens = batch x seq per rank.
 LOMO runs one backward pass per step (no norm clipping: the paper's value-clipping mode) unless
 --lomo-clip-norm, or fp16, whose dynamic loss scale needs the first pass's overflow check (use
@@ -98,7 +98,7 @@ def ds_config(cpu: bool, dtype: str, batch: int) -> dict:
         zero.update(stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000,
                     stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000)
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-           "gradient_clipping": 1.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+           "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -116,7 +116,10 @@ def lomo_section(cpu: bool, clip_norm: bool) -> dict:
 
 
 def method_opts(method: str) -> dict:
-    return {"adamw": {"lr": 1e-5, "clip": 1.0}, "sgd": {"lr": 1e-3, "clip": 1.0}}.get(method, {})
+    """Run-config fields of the DeepSpeed baselines: their LR, and clipping by norm 1.0 (lomo.clip_grad_norm
+    is every method's clipping setting; LOMO's own runs leave it to lomo_section)."""
+    return {"adamw": {"train": {"baseline_lr": 1e-5}, "lomo": {"clip_grad_norm": 1.0}},
+            "sgd": {"train": {"baseline_lr": 1e-3}, "lomo": {"clip_grad_norm": 1.0}}}.get(method, {})
 
 
 def planner_estimate(size: str, method: str, world: int, a) -> float | None:
@@ -167,22 +170,23 @@ def build_model(job: dict, a, ds_cfg: dict):
 
 def make_engine(job: dict, a):
     from lomo_ds import ds_compat
-    from lomo_ds.baselines import build_engine
+    from common import build_method_engine
 
     method = job["method"]
     cfg = ds_config(a.cpu, a.dtype, a.batch)
     model = build_model(job, a, cfg)
     n_params = sum(ds_compat.full_numel(p) if hasattr(p, "ds_id") else p.numel() for p in model.parameters())
-    eng = build_engine(model, cfg, "lomo" if method.startswith("lomo") else method,
-                       lomo_cfg=lomo_section(a.cpu, method == "lomo_clip" or a.lomo_clip_norm),
-                       activation_checkpointing=a.ac, **method_opts(method))
+    opts = method_opts(method)
+    lomo = {**lomo_section(a.cpu, method == "lomo_clip" or a.lomo_clip_norm), **opts.get("lomo", {})}
+    eng = build_method_engine(model, cfg, "lomo" if method.startswith("lomo") else method, lomo, opts.get("train"),
+                              activation_checkpointing=a.ac)
     return eng, n_params, model.config.vocab_size
 
 
 def run_group(jobs: list[dict], a) -> list[dict]:
     """Jobs of one model size on this launch's ranks, all engines alive at once.
 
-    Timing: `a.rounds` rounds, each running lomo_ds.baselines.measure_tgs for `a.steps` steps on
+    Timing: `a.rounds` rounds, each running common.measure_tgs for `a.steps` steps on
     every engine in turn (the first round after `a.warmup` warm-up steps), so a change in the
     machine's background load hits every method alike; the step time is the median of all timed
     steps. Memory: then one more step per engine with the accounting on (its sampling costs time,
@@ -190,7 +194,7 @@ def run_group(jobs: list[dict], a) -> list[dict]:
     """
     import torch
 
-    from lomo_ds.baselines import measure_tgs
+    from common import measure_tgs
 
     built = []
     for job in jobs:
@@ -359,7 +363,7 @@ def markdown(rows: list[dict], a) -> str:
     if a.cpu:
         head = (f"# Table 2 (CPU): random-init LLaMA, seq {a.seq}, batch {a.batch}, {a.dtype}, ZeRO-3, "
                 f"AC {'on' if a.ac else 'off'}")
-        note = (f"Memory: peak per rank in {uname} (tensor accounting, lomo_ds/baselines.py; the planner's "
+        note = (f"Memory: peak per rank in {uname} (tensor accounting, lomo_ds/methods; the planner's "
                 f"prediction beside it). TGS: tokens per rank per second, median of {a.steps * a.rounds} steps after "
                 f"{a.warmup} warm-up, the methods taking turns step by step. The paper's figures (LLaMA-7B..65B on RTX 3090s, GB) are below for the layout.")
     else:

@@ -1,6 +1,7 @@
 """`lomo-ds` command line. Subcommands are argparse subparsers; add one with a `_add_<name>` function
 registered in `_SUBCOMMANDS`.
 
+    lomo-ds train --config ds_configs/cpu_default.json        # under a launcher: deepspeed --num_gpus 2 -m lomo_ds.cli train ...
     lomo-ds plan --model 13b --gpus 8 --gpu-mem 24 --seq 1024 --batch 1 --dtype fp16 --checkpointing
 """
 from __future__ import annotations
@@ -62,7 +63,16 @@ def _run_plan(args) -> int:
     return 0
 
 
-_SUBCOMMANDS = [_add_plan]
+def _add_train(sub) -> None:
+    from . import train
+
+    p = sub.add_parser("train", help="fine-tune a model as one run config describes (lomo_ds/train.py)",
+                       description=train.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_arguments(p)
+    p.set_defaults(func=train.run)
+
+
+_SUBCOMMANDS = [_add_train, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ Model states
   activations) and the step-phase sum (states + buffers + the fp32 sub-group gradient; activations
   and gathered parameters are gone by then).
 
-Activations (bytes autograd saves in the forward; what lomo_ds.baselines.ActivationCounter counts)
+Activations (bytes autograd saves in the forward; what lomo_ds.memory.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------
   per layer, no checkpointing (HF LLaMA, eager attention):
       2 T h (4 + b)                 two RMSNorms: the fp32 input and the normalised output
