@@ -77,6 +77,8 @@ _SUBCOMMANDS = [_add_train, _add_plan]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lomo-ds", description="LOMO on DeepSpeed ZeRO-3")
+    # `deepspeed --module lomo_ds.cli train ...` puts --local_rank=N before the subcommand.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for add in _SUBCOMMANDS:

@@ -89,20 +89,28 @@ def check_runtime(cfg) -> None:
 
 def show_what_matters(rank: int) -> None:
     """Rank 0 prints progress, results, and each library warning once; the other ranks print only
-    errors (every rank would otherwise repeat the same DeepSpeed/torch/transformers messages)."""
+    errors (every rank would otherwise repeat the same DeepSpeed/torch/transformers messages).
+    Called before DeepSpeed is imported: it logs from its first import on."""
     import logging
     import warnings
-
-    import datasets
-    import transformers
-    from deepspeed.utils import logger as deepspeed_logger
 
     if rank == 0:
         warnings.simplefilter("once")
         return
     warnings.simplefilter("ignore")
-    for log in (deepspeed_logger, logging.getLogger("torch")):
-        log.setLevel(logging.ERROR)
+    # DeepSpeed resets its logger's level when it creates it; a filter stays.
+    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    import functools
+
+    import datasets
+    import tqdm
+    import transformers
+
+    # Libraries draw their own bars (transformers' GGUF conversion among them): off by default
+    # here, as the TQDM_DISABLE variable would do had tqdm not been imported already.
+    tqdm.tqdm.__init__ = functools.partialmethod(tqdm.tqdm.__init__, disable=True)
+
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity_error()
@@ -130,13 +138,13 @@ def run(args: argparse.Namespace) -> int:
         if args.dry_run:
             dry_run(cfg)
             return 0
+        show_what_matters(int(os.environ.get("RANK", "0")))  # the launcher's rank, before any library speaks
         check_runtime(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
     # Heavy imports only once the config is known to be good.
-    show_what_matters(int(os.environ.get("RANK", "0")))
     import torch
     from tqdm import tqdm
 

@@ -111,26 +111,20 @@ class DeepSpeedOptimizerEngine(MethodEngine):
 
     def _note_step_grads(self) -> None:
         # At step time DeepSpeed flattens each sub-group's gradient partition into the master dtype.
-        for flat in getattr(self.ds_engine.optimizer, "fp32_partitioned_groups_flat", []):
+        for flat in ds_compat.zero3_optimizer_tensors(self.ds_engine.optimizer)["masters"]:
             self._peak_fp32_grad = max(self._peak_fp32_grad, tensor_bytes(flat))
 
     def _grad_bytes(self) -> int:
-        opt = self.ds_engine.optimizer
-        total = tensor_bytes(getattr(opt, "grad_partitions_flat_buffer", None))
-        for bucket in getattr(opt, "ipg_buckets", {}).values():
-            total += tensor_bytes(getattr(bucket, "buffer", None))
+        total = sum(tensor_bytes(t) for t in ds_compat.zero3_optimizer_tensors(self.ds_engine.optimizer)["grads"])
         total += self._peak_fp32_grad
         if self.tracker is not None and self.tracker.samples:
             total += self.tracker.peak.grad_bytes
         return total
 
     def _optimizer_bytes(self) -> int:
-        opt = self.ds_engine.optimizer
-        shard_ptrs = {ds_compat.shard(p).untyped_storage().data_ptr() for p in self.params
-                      if ds_compat.is_zero_param(p)}
-        for flat in getattr(opt, "fp16_partitioned_groups_flat", []):
-            if flat is not None:
-                shard_ptrs.add(flat.untyped_storage().data_ptr())
-        masters = sum(tensor_bytes(f) for f in getattr(opt, "fp32_partitioned_groups_flat", [])
-                      if f.untyped_storage().data_ptr() not in shard_ptrs)
+        held = ds_compat.zero3_optimizer_tensors(self.ds_engine.optimizer)
+        # A master partition that is the parameter shard itself (an fp32 model) is not extra state.
+        shards = {t.untyped_storage().data_ptr() for t in held["low_precision"]}
+        shards |= {ds_compat.shard(p).untyped_storage().data_ptr() for p in self.params if ds_compat.is_zero_param(p)}
+        masters = sum(tensor_bytes(f) for f in held["masters"] if f.untyped_storage().data_ptr() not in shards)
         return masters + optimizer_state_bytes(self.torch_optimizer)
