@@ -4,7 +4,8 @@ On a GPU the caching allocator gives peak figures; on a CPU there is no allocato
 engine can count, at every gradient hook in the backward pass, the bytes held by the tensors it
 is responsible for: this rank's parameter shards, parameters DeepSpeed has gathered, gradients
 still alive, and the gradient buckets in flight. The peak of that sum is what the memory tests
-bound and the tables report.
+bound and the tables report. ActivationCounter adds what autograd saves in the forward pass, and
+`breakdown` assembles a method's categories (the rules: lomo_ds/methods/base.py).
 """
 from __future__ import annotations
 
