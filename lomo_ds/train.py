@@ -107,14 +107,11 @@ def show_what_matters(rank: int) -> None:
     import tqdm
     import transformers
 
-    # Libraries draw their own bars (transformers' GGUF conversion among them): off by default
-    # here, as the TQDM_DISABLE variable would do had tqdm not been imported already.
+    # Libraries draw their own bars (transformers' loading and GGUF conversion, datasets' maps): off
+    # by default here, as the TQDM_DISABLE variable would do had tqdm not been imported already.
     tqdm.tqdm.__init__ = functools.partialmethod(tqdm.tqdm.__init__, disable=True)
-
     transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity_error()
-    datasets.utils.logging.disable_progress_bar()
 
 
 def planned_steps(cfg, n_train: int, world: int) -> tuple[int, int]:
