@@ -3,6 +3,7 @@ parameters as an uninterrupted run; the exported directory loads in transformers
 engine's logits; dry-run and error paths."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def test_killed_run_resumes_to_identical_parameters(tiny_run):
     # Rank 0 alone reports; a DeepSpeed start-up warning shows once, not once per rank.
     assert out.stdout.count("data: ") == 1 and out.stdout.count("[final] step 6") == 1
     assert (out.stdout + out.stderr).count("Setting accelerator to CPU") <= 1
-    assert "eval: 100%" in out.stderr  # the evaluation's progress bar
+    assert re.search(r"eval: +\d+%\|", out.stderr)  # the evaluation's progress bar
     # Rank 1 dies right after step 5 (checkpoints every 2 steps, 6 in all): the step-4 checkpoint
     # was sealed before step 5 began, and the next one is only written after step 6 and the final
     # evaluation, long after the kill.
