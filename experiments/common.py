@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
+import time
+from typing import Iterable
 
 from lomo_ds.planner import LLAMA, ModelSpec
 
@@ -47,7 +50,7 @@ def ds_config(cpu: bool, dtype: str, batch: int) -> dict:
         zero.update(stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000,
                     stage3_max_live_parameters=1_000_000_000, stage3_max_reuse_distance=1_000_000_000)
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-           "gradient_clipping": 1.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+           "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -64,12 +67,28 @@ def lomo_section(bucket_size: int, clip_norm: bool = False) -> dict:
     return sec
 
 
-def build_method_engine(model, ds_cfg: dict, method: str, lomo_cfg: dict, activation_checkpointing: bool):
-    """`method`'s engine (lomo_ds.baselines) with the options every experiment gives it."""
-    from lomo_ds.baselines import build_engine
+def build_method_engine(model, ds_cfg: dict, method: str, lomo_cfg: dict, activation_checkpointing: bool = False):
+    """`method`'s engine (lomo_ds.methods.build_engine) with the options every experiment gives it: a
+    run config made of these sections, for a model built in memory. The baselines get their tuned LR
+    and norm clipping (every method clips by lomo.clip_grad_norm); LOMO keeps `lomo_cfg` as given."""
+    from lomo_ds.methods import build_engine
+    from lomo_ds.run_config import LOMO_METHODS, load_run_config
 
-    return build_engine(model, ds_cfg, method, lomo_cfg=lomo_cfg, activation_checkpointing=activation_checkpointing,
-                        **METHOD_OPTS.get(method, {}))
+    if activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        model.config.use_cache = False
+    lomo, train = dict(lomo_cfg), {"method": method}
+    if method in LOMO_METHODS:
+        # DeepSpeed's reduce bucket sizes its own optimizer's gradient path; LOMO's is lomo.bucket_size
+        # (lomo_ds refuses the DeepSpeed key for LOMO rather than guess the conversion).
+        ds_cfg = {**ds_cfg, "zero_optimization": {k: v for k, v in ds_cfg["zero_optimization"].items()
+                                                  if k != "reduce_bucket_size"}}
+    if method in METHOD_OPTS:
+        lomo["clip_grad_norm"] = METHOD_OPTS[method]["clip"]
+        train["baseline_lr"] = METHOD_OPTS[method]["lr"]
+    cfg = load_run_config({**ds_cfg, "lomo": lomo, "model": {"path": "<built in memory>"}, "train": train},
+                          check_files=False)
+    return build_engine(cfg, model, total_steps=0)
 
 
 # ----------------------------------------------------------------------------- models and data
@@ -160,3 +179,36 @@ def print_result(row: dict) -> None:
 
 def results_of(stdout: str) -> list[dict]:
     return [json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+
+
+# ----------------------------------------------------------------------------- throughput
+def measure_tgs(engine, batches: Iterable[dict], warmup: int = 2, steps: int = 5,
+                tokens_per_step: int | None = None) -> dict[str, float]:
+    """Tokens per rank (GPU) per second, the paper's TGS: `warmup` steps excluded, median of `steps`
+    timed steps. `batches` yields this rank's micro-batches (cycled when short). Each step ends
+    with a barrier so the time is the slowest rank's."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("measure_tgs: no batches")
+    times = []
+    for i in range(warmup + steps):
+        batch = batches[i % len(batches)]
+        _sync()
+        t0 = time.perf_counter()
+        engine.train_step(batch)
+        _sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    tokens = tokens_per_step if tokens_per_step is not None else int(batches[0]["input_ids"].numel())
+    med = statistics.median(times)
+    return {"step_time_s": med, "tgs": tokens / med, "tokens_per_step": tokens, "steps": steps,
+            "warmup": warmup, "all_times_s": times}
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()

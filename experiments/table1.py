@@ -5,7 +5,7 @@ SGD and LOMO, with and without activation checkpointing, on one rank.
     python3 experiments/table1.py --model-path /path/to/llama-7b     # the paper's setting (GPU)
 
 Each configuration runs in its own process (one rank) so that nothing of one is left in the next.
-Accounting: lomo_ds/baselines.py (tensor accounting on a CPU, the CUDA allocator's peak beside it
+Accounting: lomo_ds/methods (tensor accounting on a CPU, the CUDA allocator's peak beside it
 on a GPU). Writes experiments/results/table1{,_cpu}.{csv,md,png}, with the paper's figures beside ours.
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def write_outputs(rows: list[dict], args, tag: str) -> None:
                         *PAPER_T1[(r["method"], r["ac"])]])
     model = args.model_path or f"random-init LLaMA {args.size} ({rows[0]['n_params'] / 1e6:.1f}M params)"
     lines = [f"# Table 1: memory per rank, {model}, seq {args.seq}, batch {args.batch}, {args.dtype}, one rank",
-             "", f"Ours in {uname} (tensor accounting, lomo_ds/baselines.py); the paper's (LLaMA-7B, GB) in brackets.", "",
+             "", f"Ours in {uname} (tensor accounting, lomo_ds/methods); the paper's (LLaMA-7B, GB) in brackets.", "",
              "| optimizer | AC | params | gradients | optimizer states | activations | total | process peak RSS MiB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -15,9 +15,9 @@ on 8), weights loaded partitioned (HfDeepSpeedConfig + from_pretrained: zero.Ini
 reports as out of memory are predicted by lomo_ds.planner and skipped unless --try-oom.
 
 Memory: on a GPU `torch.cuda.max_memory_allocated` after the engine is built (the paper's "peak
-allocated"); on a CPU the engines' tensor accounting (lomo_ds/baselines.py: params + grads +
+allocated"); on a CPU the engines' tensor accounting (lomo_ds/methods: params + grads +
 optimizer states + activations). The figure is the largest over the ranks.
-TGS: lomo_ds.baselines.measure_tgs: warm-up steps excluded, median of the timed steps, every step
+TGS: common.measure_tgs: warm-up steps excluded, median of the timed steps, every step
 ended by a barrier (the slowest rank's time); tokens = batch x seq per rank.
 LOMO runs one backward pass per step (no norm clipping: the paper's value-clipping mode) unless
 --lomo-clip-norm, or fp16, whose dynamic loss scale needs the first pass's overflow check (use
@@ -114,7 +114,7 @@ def make_engine(job: dict, a):
 def run_group(jobs: list[dict], a) -> list[dict]:
     """Jobs of one model size on this launch's ranks, all engines alive at once.
 
-    Timing: `a.rounds` rounds, each running lomo_ds.baselines.measure_tgs for `a.steps` steps on
+    Timing: `a.rounds` rounds, each running common.measure_tgs for `a.steps` steps on
     every engine in turn (the first round after `a.warmup` warm-up steps), so a change in the
     machine's background load hits every method alike; the step time is the median of all timed
     steps. Memory: then one more step per engine with the accounting on (its sampling costs time,
@@ -122,7 +122,7 @@ def run_group(jobs: list[dict], a) -> list[dict]:
     """
     import torch
 
-    from lomo_ds.baselines import measure_tgs
+    from common import measure_tgs
 
     built = []
     for job in jobs:
@@ -274,7 +274,7 @@ def markdown(rows: list[dict], a) -> str:
     if a.cpu:
         head = (f"# Table 2 (CPU): random-init LLaMA, seq {a.seq}, batch {a.batch}, {a.dtype}, ZeRO-3, "
                 f"AC {'on' if a.ac else 'off'}")
-        note = (f"Memory: peak per rank in {uname} (tensor accounting, lomo_ds/baselines.py; the planner's "
+        note = (f"Memory: peak per rank in {uname} (tensor accounting, lomo_ds/methods; the planner's "
                 f"prediction beside it). TGS: tokens per rank per second, median of {a.steps * a.rounds} steps after "
                 f"{a.warmup} warm-up, the methods taking turns step by step. The paper's figures (LLaMA-7B..65B on RTX 3090s, GB) are below for the layout.")
     else:

@@ -2,7 +2,9 @@
 (sharded safetensors with an index).
 
 Layout under <output.dir>/checkpoints/:
-    step_00000040/rank_00000.pt ...   each rank's parameter shards (+ fp32 masters) and step state
+    step_00000040/...                 the engine's own files (engine.save_state: LOMO's rank_00000.pt
+                                      shards + step state, DeepSpeed's checkpoint for its optimizers)
+    step_00000040/rng_00000.pt ...    each rank's torch RNG state
     step_00000040/meta.json           written last: world size, step, data position, config
     latest                            the name of the newest complete checkpoint
 
@@ -34,7 +36,8 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_file(path: str, write) -> None:
+def write_atomic(path: str, write) -> None:
+    """`write(f)` into a temporary file, synced, then renamed over `path`."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         write(f)
@@ -53,22 +56,26 @@ def save_checkpoint(output_dir: str, engine, extra: dict[str, Any], keep_last: i
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     barrier()
-    state = engine.shard_state_dict()
-    state["rng"] = {"torch": torch.get_rng_state()}
-    _write_file(os.path.join(staging, f"rank_{engine.rank:05d}.pt"), lambda f: torch.save(state, f))
+    engine.save_state(staging)
+    rng = {"torch": torch.get_rng_state()}
+    write_atomic(_rng_file(staging, engine.rank), lambda f: torch.save(rng, f))
     barrier()
     if engine.rank == 0:
         meta = {"step": engine.global_step, "world": engine.world, **extra}
-        _write_file(os.path.join(staging, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        write_atomic(os.path.join(staging, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
         _fsync_dir(staging)
         if os.path.exists(final):  # a re-save of the same step (e.g. the end of a resumed run)
             shutil.rmtree(final)
         os.replace(staging, final)
         _fsync_dir(root)
-        _write_file(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
+        write_atomic(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
         _prune(root, keep_last)
     barrier()
     return final
+
+
+def _rng_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"rng_{rank:05d}.pt")
 
 
 def _complete_checkpoints(root: str) -> list[str]:
@@ -96,18 +103,17 @@ def latest_checkpoint(output_dir: str) -> str | None:
 
 
 def load_checkpoint(path: str, engine) -> dict[str, Any]:
-    """Load this rank's shards and step state; returns the checkpoint's meta (with `extra`)."""
+    """Collective: load the engine's state and this rank's RNG; returns the checkpoint's meta (with `extra`)."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     if meta["world"] != engine.world:
         raise ValueError(f"{path}: written by {meta['world']} ranks, this run has {engine.world}; "
                          f"resume with the same number of ranks")
-    shard_file = os.path.join(path, f"rank_{engine.rank:05d}.pt")
-    if not os.path.exists(shard_file):
-        raise FileNotFoundError(f"{shard_file}: missing shard file for rank {engine.rank}")
-    state = torch.load(shard_file, map_location="cpu", weights_only=False)
-    engine.load_shard_state_dict(state)
-    torch.set_rng_state(state["rng"]["torch"])
+    rng_file = _rng_file(path, engine.rank)
+    if not os.path.exists(rng_file):
+        raise FileNotFoundError(f"{rng_file}: missing RNG state file for rank {engine.rank}")
+    engine.load_state(path)
+    torch.set_rng_state(torch.load(rng_file, weights_only=False)["torch"])
     return meta
 
 

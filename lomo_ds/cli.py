@@ -1,6 +1,7 @@
 """`lomo-ds` command line. Subcommands are argparse subparsers; add one with a `_add_<name>` function
 registered in `_SUBCOMMANDS`.
 
+    lomo-ds train --config ds_configs/cpu_default.json        # under a launcher: deepspeed --num_gpus 2 -m lomo_ds.cli train ...
     lomo-ds plan --model 65b --gpu-mem 24          # the shipped config's settings, assumptions printed
     lomo-ds plan --offload                         # LLaMA 7B-65B with offload_param: GPUs and host RAM
     lomo-ds plan --model ds_configs/llama13b.json --size 13b --gpus 2
@@ -103,11 +104,22 @@ def _run_plan(args) -> int:
     return 0
 
 
-_SUBCOMMANDS = [_add_plan]
+def _add_train(sub) -> None:
+    from . import train
+
+    p = sub.add_parser("train", help="fine-tune a model as one run config describes (lomo_ds/train.py)",
+                       description=train.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_arguments(p)
+    p.set_defaults(func=train.run)
+
+
+_SUBCOMMANDS = [_add_train, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lomo-ds", description="LOMO on DeepSpeed ZeRO-3")
+    # `deepspeed --module lomo_ds.cli train ...` puts --local_rank=N before the subcommand.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for add in _SUBCOMMANDS:

@@ -63,6 +63,18 @@ def offload_of(engine):
     return opt
 
 
+def zero3_optimizer_tensors(opt) -> dict[str, list[torch.Tensor]]:
+    """What DeepSpeed's ZeRO-3 optimizer (DeepSpeedZeroOptimizer_Stage3) holds besides the
+    parameter shards, for the baselines' memory accounting: its flat gradient shard buffer and
+    reduce buckets ("grads"), its fp32 master partitions ("masters") and the low-precision flat
+    partitions the masters may alias ("low_precision")."""
+    buckets = [getattr(b, "buffer", None) for b in getattr(opt, "ipg_buckets", {}).values()]
+    grads = [getattr(opt, "grad_partitions_flat_buffer", None), *buckets]
+    return {"grads": [t for t in grads if torch.is_tensor(t)],
+            "masters": list(getattr(opt, "fp32_partitioned_groups_flat", [])),
+            "low_precision": [t for t in getattr(opt, "fp16_partitioned_groups_flat", []) if t is not None]}
+
+
 def release_all(offload) -> None:
     """Release every gathered parameter (backward can leave some gathered) and reset the trace."""
     offload.get_param_coordinator().release_and_reset_all(offload.module)

@@ -76,8 +76,15 @@ def mean_logprob(logits: torch.Tensor, ids: list[int], start: int) -> float:
     return pred.gather(-1, target[:, None]).mean().item()
 
 
+def _calls(n_calls: int, progress: bool):
+    """range(n_calls), shown as a progress bar like training's when `progress` (rank 0)."""
+    from tqdm import tqdm
+
+    return tqdm(range(n_calls), desc="eval", disable=not progress, dynamic_ncols=True, leave=False)
+
+
 def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad_id: int,
-             batch_size: int, rank: int = 0, world: int = 1) -> dict:
+             batch_size: int, rank: int = 0, world: int = 1, progress: bool = False) -> dict:
     """Accuracy per task and overall over all ranks' share of `examples` (the full list on every rank).
 
     batch_size counts sequences (context + one candidate); the candidates of several examples
@@ -91,7 +98,7 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
     n_calls = agree_on_calls(len(batches), world)
 
     scores = [[-math.inf] * len(ex.candidate_ids) for ex in mine]
-    for call in range(n_calls):
+    for call in _calls(n_calls, progress):
         if call >= len(batches):
             forward_logits(_dummy_batch())  # keeps this rank in step with the others' collectives
             continue
@@ -128,14 +135,14 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
 
 
 def evaluate_loss(forward_logits: ForwardLogits, examples: Sequence[dict], pad_id: int,
-                  batch_size: int, rank: int = 0, world: int = 1) -> dict:
+                  batch_size: int, rank: int = 0, world: int = 1, progress: bool = False) -> dict:
     """Mean token cross-entropy over the labelled tokens of tokenized examples ({"input_ids",
     "labels"}), for tasks without candidates (instruction). Same rank split and padding as evaluate."""
     mine = sorted(examples[rank::world], key=lambda e: len(e["input_ids"]))
     batches = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
     n_calls = agree_on_calls(len(batches), world)
     sums = torch.zeros(2, dtype=torch.float64)  # summed loss, token count
-    for call in range(n_calls):
+    for call in _calls(n_calls, progress):
         if call >= len(batches):
             forward_logits(_dummy_batch())
             continue

@@ -4,7 +4,8 @@ On a GPU the caching allocator gives peak figures; on a CPU there is no allocato
 engine can count, at every gradient hook in the backward pass, the bytes held by the tensors it
 is responsible for: this rank's parameter shards, parameters DeepSpeed has gathered, gradients
 still alive, and the gradient buckets in flight. The peak of that sum is what the memory tests
-bound and the tables report.
+bound and the tables report. ActivationCounter adds what autograd saves in the forward pass, and
+`breakdown` assembles a method's categories (the rules: lomo_ds/methods/base.py).
 """
 from __future__ import annotations
 
@@ -74,6 +75,91 @@ def model_state_bytes(params) -> dict:
     """Full-model sizes, for comparing against a rank's accounting."""
     full = sum(ds_compat.full_numel(p) * p.element_size() for p in params)
     return {"param_bytes": full}
+
+
+class ActivationCounter:
+    """Counts the bytes of unique storages autograd saves while the model's forward runs.
+
+    Installed as forward pre/post hooks on the top module, so it sees every forward the engine
+    runs (LOMO's second forward in recompute mode included) and keeps the largest.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.peak = 0
+        self._ctx = None
+        self._seen: dict[int, int] = {}
+        self._param_ptrs: set[int] = set()
+        self._handles = [module.register_forward_pre_hook(self._enter),
+                         module.register_forward_hook(self._exit)]
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            if isinstance(t, torch.nn.Parameter) or hasattr(t, "ds_id"):
+                return t
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr == 0 or ptr in self._seen or t.device.type == "meta":
+                return t
+            if ptr in self._param_ptrs:
+                return t
+            self._seen[ptr] = st.nbytes()
+        except Exception:  # a tensor subclass without storage
+            pass
+        return t
+
+    def _enter(self, module, args):
+        if not torch.is_grad_enabled() or self._ctx is not None:
+            return
+        self._seen = {}
+        self._param_ptrs = set()
+        for p in module.parameters():
+            self._param_ptrs.add(p.data.untyped_storage().data_ptr())
+            if hasattr(p, "ds_tensor"):
+                self._param_ptrs.add(p.ds_tensor.untyped_storage().data_ptr())
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+
+    def _exit(self, module, args, output):
+        if self._ctx is None:
+            return
+        self._ctx.__exit__(None, None, None)
+        self._ctx = None
+        self.peak = max(self.peak, sum(self._seen.values()))
+        self._seen = {}
+
+    def reset(self) -> None:
+        self.peak = 0
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if torch.is_tensor(t) else 0
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v) and v.numel() > 1:  # skip the scalar `step`
+                total += tensor_bytes(v)
+    return total
+
+
+def breakdown(params: int, grads: int, optimizer_states: int, activations: int) -> dict[str, int]:
+    """A method's per-rank peak bytes by category, their total, and the process's own peaks beside
+    them (peak_rss always; cuda_peak on GPUs). The rules for each category: lomo_ds/methods/base.py."""
+    b = {"params": int(params), "grads": int(grads), "optimizer_states": int(optimizer_states),
+         "activations": int(activations)}
+    b["total"] = sum(b.values())
+    b["peak_rss"] = process_peak_rss_bytes()
+    cuda = cuda_peak_bytes()
+    if cuda is not None:
+        b["cuda_peak"] = cuda
+    return b
 
 
 def process_peak_rss_bytes() -> int:

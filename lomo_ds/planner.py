@@ -75,7 +75,7 @@ shipped configs' settings on 24 GiB GPUs:
   | 30b   | 4           | 1         | 5.53    | 65.2                |    4 GPUs, 22.12 GiB
   | 65b   | 2           | 1         | 4.93    | 127.2               |    8 GPUs, 21.26 GiB
 
-Activations (bytes autograd saves in the forward; what lomo_ds.baselines.ActivationCounter counts)
+Activations (bytes autograd saves in the forward; what lomo_ds.memory.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------
   per layer, no checkpointing (HF LLaMA, eager attention):
       2 T h (4 + b)                 two RMSNorms: the fp32 input and the normalised output

@@ -6,12 +6,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import lomo_ds  # noqa: E402
-from lomo_ds.checkpoint import export_hf  # noqa: E402
-from tiny import global_batch, tiny_llama  # noqa: E402
+import lomo_ds
+from lomo_ds.checkpoint import export_hf
+from tiny import global_batch, tiny_llama  # this script's own directory is on sys.path
 
 
 def main(out_dir: str, tie: bool, max_shard_size: int) -> None:

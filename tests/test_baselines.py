@@ -1,91 +1,28 @@
-"""Every baseline method runs on 2 ranks behind LomoEngine's interface, with a sane memory breakdown.
-
-One multi-rank launch (this file run as a script) runs all the checks and writes a JSON file the
-tests below read.
-"""
+"""Every method behind the one engine interface on 2 ranks: steps, memory breakdown, resume, and
+LoRA+LOMO's adapter gradients. One launch (tests/dist_methods_checks.py) runs all the checks and
+writes a JSON file the tests below read."""
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
+import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-METHODS = ["adamw", "sgd", "lora", "lora_lomo", "lomo", "zero_shot"]
-BUCKET = 2000  # LOMO reduce-scatter bucket (elements)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import ROOT, launch
+from lomo_ds.methods import METHODS
 
 
-# ----------------------------------------------------------------------------- the worker
-def _worker(out_path: str) -> None:
-    sys.path.insert(0, ROOT)
-    sys.path.insert(0, HERE)
-    import torch
-
-    from lomo_ds.baselines import build_engine
-    from lomo_ds.memory import model_state_bytes
-    from tiny import global_batch, tiny_llama
-
-    results = {}
-    ds_config = {"train_micro_batch_size_per_gpu": 2,
-                 "zero_optimization": {"stage": 3, "reduce_bucket_size": 5000,
-                                       "stage3_prefetch_bucket_size": 0}}
-    opts = {"adamw": {"lr": 1e-3}, "sgd": {"lr": 0.1}, "lora": {}, "lora_lomo": {},
-            "lomo": {}, "zero_shot": {}}
-    for method in METHODS:
-        torch.manual_seed(0)
-        model = tiny_llama(seed=0, layers=2, hidden=48)
-        n_params = sum(p.numel() for p in model.parameters())
-        lomo_cfg = {"lr": 0.05 if method == "lomo" else 1e-3, "bucket_size": BUCKET}
-        eng = build_engine(model, ds_config, method, lomo_cfg=lomo_cfg, **opts[method])
-        world, rank = eng.world, eng.rank
-        batch = global_batch(0, world)[rank]
-        before_state = eng.full_state_dict()
-        with torch.no_grad():
-            loss0 = eng.eval_forward(batch).loss.item()
-        eng.enable_memory_tracking()
-        steps = [eng.train_step(batch) for _ in range(2)]
-        mem = eng.memory_breakdown()
-        with torch.no_grad():
-            loss1 = eng.eval_forward(batch).loss.item()
-        after_state = eng.full_state_dict()
-        changed = {}
-        if rank == 0:
-            for name, t in before_state.items():
-                changed[name] = bool((after_state[name].float() - t.float()).abs().max().item() > 0)
-        results[method] = {
-            "world": world, "loss_before": loss0, "loss_after": loss1,
-            "steps": [{k: v for k, v in s.items() if k in ("loss", "lr", "grad_norm", "skipped", "loss_scale")}
-                      for s in steps],
-            "global_step": eng.global_step, "memory": mem, "n_params": n_params,
-            "changed": changed, "fp32_param_bytes": n_params * 4,
-        }
-        del eng
-    if torch.distributed.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-
-
-# ----------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("baselines") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), os.path.abspath(__file__), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"2-rank baseline run failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+def all_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("methods") / "results.json"
+    launch(os.path.join(ROOT, "tests", "dist_methods_checks.py"), 2, [str(out)])
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(all_results):
+    return all_results["interface"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -140,5 +77,48 @@ def test_memory_breakdown_categories(results):
     assert lomo["total"] < sgd["total"] < adamw["total"]
 
 
-if __name__ == "__main__":
-    _worker(sys.argv[1])
+
+def test_every_method_is_an_engine_on_the_accelerator_device(results):
+    for method, r in results.items():
+        assert r["is_engine"], method
+        assert r["device"] == "cpu", method  # DeepSpeed's CPU accelerator here
+        assert r["supports_resume"] == (method != "zero_shot"), method
+    assert "lora_grad_norm" in results["lora_lomo"]["step_keys"]
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "zero_shot"])
+def test_resume_equals_an_uninterrupted_run(all_results, method):
+    """2 steps, checkpoint, a fresh engine (other LoRA adapters) loads it, 2 more steps == 4 steps
+    straight. fp32 on 2 ranks: the same arithmetic in the same order, so exactly equal."""
+    r = all_results["resume"][method]
+    assert r["step_after_load"] == 2
+    assert r["lrs_resumed"] == r["lrs_straight"]
+    assert r["max_abs_diff"] == 0.0, r
+
+
+def test_lora_lomo_adapter_gradient_is_one_unscaled_pass(all_results):
+    r = all_results["lora_lomo_two_passes"]
+    assert not r["one_pass"]["two_passes"] and r["two_passes"]["two_passes"]
+    assert r["two_passes"]["loss_scale"] == 32.0
+    # Before the fix the two-pass gradient was 2 passes x 32 = 64 times the one-pass one.
+    assert r["two_passes"]["lora_grad_norm"] == pytest.approx(r["one_pass"]["lora_grad_norm"], rel=1e-6)
+
+
+def test_missing_adapter_gradient_is_built_on_the_engine_device():
+    """An adapter without .grad contributes zeros made on the engine's device, not the CPU
+    (the meta device stands in for a GPU: mixing it with a CPU tensor fails like cuda would)."""
+    from lomo_ds.methods.lora import one_pass_adapter_grads
+
+    reached = torch.nn.Parameter(torch.empty(3, 2, device="meta"))
+    reached.grad = torch.empty(3, 2, device="meta")
+    unreached = torch.nn.Parameter(torch.empty(0, device="meta"))
+    for p, shape in ((reached, (3, 2)), (unreached, (4,))):
+        p.ds_shape = shape
+    flat = one_pass_adapter_grads([reached, unreached], torch.device("meta"), passes=2, loss_scale=8.0)
+    assert flat.device.type == "meta" and flat.shape == (10,)
+
+
+def test_method_registry_matches_the_run_config():
+    from lomo_ds import run_config
+
+    assert METHODS is run_config.METHODS

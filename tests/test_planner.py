@@ -245,7 +245,8 @@ def _worker(out_path: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lomo_ds.baselines import build_engine
+    from lomo_ds.methods import build_engine
+    from lomo_ds.run_config import load_run_config
 
     results = {}
     for name, (zero_extra, ac) in CASES.items():
@@ -256,7 +257,11 @@ def _worker(out_path: str) -> None:
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg)
         ds = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **zero_extra}}
-        eng = build_engine(model, ds, "lomo", lomo_cfg={"lr": 1e-3, "bucket_size": BUCKET}, activation_checkpointing=ac)
+        if ac:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        run = load_run_config({**ds, "lomo": {"lr": 1e-3, "bucket_size": BUCKET}, "model": {"path": "tiny"}},
+                              check_files=False)
+        eng = build_engine(run, model, total_steps=0)
         eng.enable_memory_tracking()
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, TINY["vocab"], (MICRO, SEQ), generator=g)

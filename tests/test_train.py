@@ -3,8 +3,11 @@ parameters as an uninterrupted run; the exported directory loads in transformers
 engine's logits; dry-run and error paths."""
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -39,27 +42,63 @@ def tiny_run(tmp_path_factory):
     return root, path
 
 
-def run_train(config, out_dir, *extra, env=None, check=True):
-    args = ["--config", str(config), "--output-dir", str(out_dir), *extra]
-    if check:
-        return launch(TRAIN, 2, args, env=env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), TRAIN, *args]
-    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+TRAIN_SCRIPT = [TRAIN]  # deepspeed launch/train.py ...
+TRAIN_CLI = ["-m", "lomo_ds.cli", "train"]  # lomo-ds train ...
+
+
+def train_cmd(entry, config, out_dir, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), *entry, "--config", str(config), "--output-dir", str(out_dir), *extra]
+
+
+def run_train(entry, config, out_dir, *extra):
+    proc = subprocess.run(train_cmd(entry, config, out_dir, *extra), cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
+
+
+def logged_steps(out_dir) -> list[int]:
+    path = out_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if '"loss"' in line]
+
+
+def run_and_kill_rank1(config, out_dir, after_step: int):
+    """Start a 2-rank run and SIGKILL rank 1's process as soon as metrics.jsonl shows `after_step`
+    done (rank 0 logs a step once both ranks have finished it: the loss is a rank mean)."""
+    import psutil
+
+    with open(out_dir.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen(train_cmd(TRAIN_SCRIPT, config, out_dir), cwd=ROOT, stdout=log, stderr=log,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 600
+        while after_step not in logged_steps(out_dir):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
+            time.sleep(0.005)
+        ranks = {p.environ().get("RANK"): p for p in psutil.Process(proc.pid).children(recursive=True)}
+        ranks["1"].send_signal(signal.SIGKILL)
+        return proc.wait(timeout=300)
 
 
 def test_killed_run_resumes_to_identical_parameters(tiny_run):
     root, config = tiny_run
     straight, interrupted = root / "straight", root / "interrupted"
-    run_train(config, straight)
-    # Rank 1 is SIGKILLed after step 5: the step-4 checkpoint is the newest complete one.
-    killed = run_train(config, interrupted, env={"LOMO_DS_KILL_RANK_AT_STEP": "5"}, check=False)
-    assert killed.returncode != 0
+    out = run_train(TRAIN_SCRIPT, config, straight)
+    # Rank 0 alone reports; a DeepSpeed start-up warning shows once, not once per rank.
+    assert out.stdout.count("data: ") == 1 and out.stdout.count("[final] step 6") == 1
+    assert (out.stdout + out.stderr).count("Setting accelerator to CPU") <= 1
+    assert re.search(r"eval: +\d+%\|", out.stderr)  # the evaluation's progress bar
+    # Rank 1 dies right after step 5 (checkpoints every 2 steps, 6 in all): the step-4 checkpoint
+    # was sealed before step 5 began, and the next one is only written after step 6 and the final
+    # evaluation, long after the kill.
+    assert run_and_kill_rank1(config, interrupted, after_step=5) != 0
     ckpts = sorted(os.listdir(interrupted / "checkpoints"))
     assert "step_00000004" in ckpts and "step_00000006" not in ckpts
+    assert (interrupted / "checkpoints" / "latest").read_text() == "step_00000004"
     assert not (interrupted / "hf_model").exists()
-    resumed = run_train(config, interrupted, "--resume")
+    resumed = run_train(TRAIN_CLI, config, interrupted, "--resume")  # the console command's entry point
     assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
     a = load_file(straight / "hf_model" / "model.safetensors")
     b = load_file(interrupted / "hf_model" / "model.safetensors")

@@ -1,0 +1,53 @@
+"""Every training method behind one interface (methods.base.Engine), built from the typed run config.
+
+    engine = build_engine(cfg, model, total_steps)   # cfg: lomo_ds.run_config.RunConfig
+
+  "lomo"                    lomo_ds's fused SGD-in-backward (methods/lomo.py)
+  "adamw", "sgd"            DeepSpeed ZeRO-3 with its own optimizer (methods/deepspeed_optim.py)
+  "lora", "lora_lomo"       peft LoRA on DeepSpeed's AdamW; LoRA adapters + LOMO on the base (methods/lora.py)
+  "zero_shot"               no training (methods/zero_shot.py)
+
+Every setting comes from the run config's fields, where the defaults live: the LOMO section for
+lomo/lora_lomo (and the clipping of every method), train.baseline_lr / baseline_weight_decay for
+adamw/sgd, train.lora for the adapters.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..run_config import METHODS, RunConfig
+from .base import Engine, MethodEngine
+
+
+def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> Engine:
+    """The engine for cfg.train.method over `model`, whose schedules span `total_steps` steps."""
+    method = cfg.train.method
+    if method not in METHODS:
+        raise ValueError(f"train.method: expected one of {list(METHODS)}, got {method!r}")
+    if method == "lomo":
+        from .lomo import LomoMethodEngine
+
+        return LomoMethodEngine(model, cfg.ds, cfg.lomo, total_steps)
+    if method == "zero_shot":
+        from .zero_shot import ZeroShotEngine
+
+        return ZeroShotEngine(model, cfg.ds)
+    from .deepspeed_optim import DeepSpeedOptimizerEngine
+
+    lora = cfg.train.lora
+    if method in ("adamw", "sgd"):
+        warmup = int(round(cfg.lomo.scheduler.warmup_ratio * total_steps))
+        return DeepSpeedOptimizerEngine(model, cfg.ds, method, method, lr=cfg.train.baseline_lr,
+                                        clip=cfg.lomo.clip_grad_norm, total_steps=total_steps, warmup_steps=warmup,
+                                        weight_decay=cfg.train.baseline_weight_decay)
+    from .lora import LoraLomoEngine, apply_lora
+
+    model = apply_lora(model, lora)
+    warmup = int(round(lora.warmup_ratio * total_steps))
+    if method == "lora":
+        return DeepSpeedOptimizerEngine(model, cfg.ds, method, "adamw", lr=lora.lr, clip=cfg.lomo.clip_grad_norm,
+                                        total_steps=total_steps, warmup_steps=warmup)
+    return LoraLomoEngine(model, cfg.ds, cfg.lomo, total_steps, lora_lr=lora.lr, warmup_steps=warmup)
+
+
+__all__ = ["METHODS", "Engine", "MethodEngine", "build_engine"]

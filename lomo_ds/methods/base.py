@@ -1,0 +1,149 @@
+"""The interface every training method implements, and what the methods share.
+
+    engine.train_step(batch)      # one optimizer step -> {"loss", "lr", "grad_norm", "skipped", "loss_scale"}
+    engine.eval_forward(batch)    # the model's outputs, no gradients
+    engine.full_state_dict()      # collective: full parameters on rank 0 (None elsewhere)
+    engine.save_state(directory)  # collective: every rank writes its part of a resumable checkpoint
+    engine.load_state(directory)  # collective: every rank reads its part back
+    engine.supports_resume        # whether save_state/load_state exist for this method
+
+Resume goes through a directory rather than a state dict because DeepSpeed's own optimizers
+checkpoint themselves (`save_checkpoint` writes its files into a directory); lomo_ds.checkpoint
+hands every method a staging directory and makes the whole checkpoint appear atomically.
+
+Memory accounting (per rank, bytes; the same rules for every method)
+--------------------------------------------------------------------
+On CUDA the caching allocator's `max_memory_allocated` is reported beside the accounting
+(`cuda_peak`). On a CPU there is no allocator to ask, so the categories are counted from the
+tensors each method holds:
+
+  params            this rank's parameter shards (ZeRO-3 `ds_tensor`) + the peak of gathered full
+                    parameters (persistent small parameters included), sampled at every gradient
+                    hook of the backward pass by lomo_ds.memory.MemoryTracker.
+  grads             gradient memory held: DeepSpeed's gradient shard buffer, reduce buckets and
+                    step-time fp32 copy; LOMO's `.grad` alive + the reduce-scatter bucket in flight;
+                    LoRA+LOMO also the adapters' gradients.
+  optimizer_states  fp32 master copies that are not the parameter shard itself + every tensor in a
+                    torch optimizer's `state`. As in the paper's Table 1 the fp32 masters count here.
+  activations       bytes of the unique storages autograd saves during the forward pass
+                    (lomo_ds.memory.ActivationCounter), parameters excluded.
+  total             the sum of the four; peak_rss (the process's resident peak) is an upper bound beside it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .. import ds_compat
+from ..engine import gather_full_state_dict
+from ..memory import ActivationCounter, MemoryTracker, breakdown, tensor_bytes
+
+
+@runtime_checkable
+class Engine(Protocol):
+    method: str
+    module: torch.nn.Module
+    device: torch.device
+    rank: int
+    world: int
+    global_step: int
+    supports_resume: bool
+
+    def train_step(self, batch: dict[str, Any]) -> dict[str, Any]: ...
+
+    def eval_forward(self, batch: dict[str, Any]) -> Any: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+
+    def save_state(self, directory: str) -> None: ...
+
+    def load_state(self, directory: str) -> None: ...
+
+
+def accelerator_device() -> torch.device:
+    """This rank's device as DeepSpeed's accelerator names it (cuda:LOCAL_RANK on GPUs, cpu here)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def rank_state_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank_{rank:05d}.pt")
+
+
+def load_rank_state(directory: str, rank: int) -> dict[str, Any]:
+    path = rank_state_file(directory, rank)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: missing state file for rank {rank}")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+class MethodEngine:
+    """What every method shares: device, batch placement, evaluation, the memory breakdown."""
+
+    method = "base"
+    supports_resume = True
+    module: torch.nn.Module
+    params: list  # what the memory tracker samples
+    rank: int
+    world: int
+    group = None
+
+    def __init__(self):
+        self.device = accelerator_device()
+        self.tracker: MemoryTracker | None = None
+        self.activations: ActivationCounter | None = None
+
+    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    @torch.no_grad()
+    def eval_forward(self, batch: dict[str, Any]):
+        self.module.eval()
+        return self.module(**self.to_device(batch))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return gather_full_state_dict(self.module, self.rank)
+
+    def save_state(self, directory: str) -> None:
+        raise NotImplementedError(f"train.method={self.method!r} has nothing to resume")
+
+    def load_state(self, directory: str) -> None:
+        raise NotImplementedError(f"train.method={self.method!r} has nothing to resume")
+
+    # ----------------------------------------------------------------- memory accounting
+    def enable_memory_tracking(self) -> MemoryTracker:
+        self.activations = ActivationCounter(self.module)
+        self.tracker = self._make_tracker()
+        return self.tracker
+
+    def _make_tracker(self) -> MemoryTracker:
+        return MemoryTracker(self.params)
+
+    def reset_memory(self) -> None:
+        if self.tracker is not None:
+            self.tracker.reset()
+        if self.activations is not None:
+            self.activations.reset()
+
+    def all_params(self) -> list:
+        return list(self.module.parameters())  # a tied tensor once
+
+    def _param_bytes(self) -> int:
+        if self.tracker is not None and self.tracker.samples:
+            return self.tracker.peak_param_bytes - self.tracker.master_bytes
+        return sum(tensor_bytes(ds_compat.shard(p)) if ds_compat.is_zero_param(p) else tensor_bytes(p.data)
+                   for p in self.all_params())
+
+    def _grad_bytes(self) -> int:
+        return 0
+
+    def _optimizer_bytes(self) -> int:
+        return 0
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Per-rank peak bytes by category (rules in this module's docstring)."""
+        return breakdown(self._param_bytes(), self._grad_bytes(), self._optimizer_bytes(),
+                         self.activations.peak if self.activations is not None else 0)

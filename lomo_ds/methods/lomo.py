@@ -1,0 +1,69 @@
+"""LOMO: lomo_ds's own engine behind the method interface."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import LomoConfig
+from ..engine import LomoEngine
+from ..memory import MemoryTracker, tensor_bytes
+from .base import MethodEngine, load_rank_state, rank_state_file
+
+
+def with_total_steps(lomo: LomoConfig, total_steps: int) -> LomoConfig:
+    """A copy of the validated section whose schedule knows the run's length (the original is untouched)."""
+    return lomo.model_copy(update={"scheduler": lomo.scheduler.model_copy(update={"total_steps": total_steps})})
+
+
+class LomoMethodEngine(MethodEngine):
+    method = "lomo"
+
+    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int):
+        super().__init__()
+        self.engine = LomoEngine(model, ds_config, with_total_steps(lomo, total_steps))
+        self.module = self.engine.module
+        self.params = self.engine.params
+        self.group = self.engine.group
+        self.world, self.rank = self.engine.world, self.engine.rank
+
+    @property
+    def global_step(self) -> int:
+        return self.engine.global_step
+
+    def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return self.engine.train_step(self.to_device(batch))
+
+    def eval_forward(self, batch: dict[str, Any]):
+        return self.engine.eval_forward(self.to_device(batch))
+
+    def full_state_dict(self):
+        return self.engine.full_state_dict()
+
+    # ----------------------------------------------------------------- resume: one file per rank
+    def state_dict(self) -> dict[str, Any]:
+        return {"lomo": self.engine.shard_state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_shard_state_dict(state["lomo"])
+
+    def save_state(self, directory: str) -> None:
+        from ..checkpoint import write_atomic
+
+        state = self.state_dict()
+        write_atomic(rank_state_file(directory, self.rank), lambda f: torch.save(state, f))
+
+    def load_state(self, directory: str) -> None:
+        self.load_state_dict(load_rank_state(directory, self.rank))
+
+    # ----------------------------------------------------------------- memory accounting
+    def _make_tracker(self) -> MemoryTracker:
+        return self.engine.enable_memory_tracking()
+
+    def _grad_bytes(self) -> int:
+        if self.tracker is None or not self.tracker.samples:
+            return 0
+        return self.tracker.peak.grad_bytes + self.tracker.peak.bucket_bytes
+
+    def _optimizer_bytes(self) -> int:
+        return sum(tensor_bytes(m) for m in self.engine.updater.masters.values())

@@ -1,0 +1,43 @@
+"""Zero-shot: no training. DeepSpeed ZeRO-3 partitions the model (no optimizer); train_step only
+reports the loss, so the method fits the same loop and tables as the others."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import ds_compat
+from ..engine import init_distributed, loss_of, mean_over_ranks
+from .base import MethodEngine
+from .deepspeed_optim import baseline_ds_config
+
+
+class ZeroShotEngine(MethodEngine):
+    method = "zero_shot"
+    supports_resume = False  # nothing is trained, so there is nothing to resume
+
+    def __init__(self, model: torch.nn.Module, ds_config: dict):
+        import deepspeed
+
+        super().__init__()
+        init_distributed()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.ds_engine, *_ = deepspeed.initialize(model=model, config=baseline_ds_config(ds_config, clip=None),
+                                                  model_parameters=None, optimizer=None)
+        self.module = self.ds_engine.module
+        self.params = self.all_params()
+        self.group = ds_compat.process_group(self.params[0])
+        self.world = torch.distributed.get_world_size(self.group)
+        self.rank = torch.distributed.get_rank(self.group)
+        self.global_step = 0
+
+    def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        with torch.no_grad():
+            loss = loss_of(self.module(**self.to_device(batch)))
+        if self.tracker is not None:
+            self.tracker.sample()
+        ds_compat.release_all(ds_compat.offload_of(self.ds_engine))
+        self.global_step += 1
+        return {"loss": mean_over_ranks(loss.float().item(), self.world, self.group), "lr": 0.0,
+                "grad_norm": None, "skipped": True, "loss_scale": 1.0}

@@ -1,0 +1,113 @@
+"""Every training method on this launch's ranks, through lomo_ds.methods.build_engine: the
+interface and memory breakdown, resume (k steps, save, a fresh engine loads, N-k more == N steps
+straight), and LoRA+LOMO's adapter gradients with two backward passes. Writes a JSON file that
+tests/test_baselines.py reads."""
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from lomo_ds import checkpoint
+from lomo_ds.methods import METHODS, Engine, build_engine
+from lomo_ds.run_config import load_run_config
+from tiny import global_batch, tiny_llama
+
+BUCKET = 2000  # LOMO reduce-scatter bucket (elements)
+DS = {"train_micro_batch_size_per_gpu": 2,
+      "zero_optimization": {"stage": 3, "reduce_bucket_size": 5000, "stage3_prefetch_bucket_size": 0}}
+BASELINE_LR = {"adamw": 1e-3, "sgd": 0.1}
+
+
+def run_config(method: str, **lomo):
+    lomo = {"lr": 0.05 if method == "lomo" else 1e-3, "bucket_size": BUCKET, **lomo}
+    train = {"method": method, "baseline_lr": BASELINE_LR.get(method, 1e-5), "lora": {"warmup_ratio": 0.25}}
+    return load_run_config({**DS, "lomo": lomo, "model": {"path": "tiny-llama-in-memory"}, "train": train},
+                           check_files=False)
+
+
+def fresh_engine(cfg, total_steps: int, seed: int = 0):
+    model = tiny_llama(seed=0, layers=2, hidden=48)  # the same pretrained weights every time
+    torch.manual_seed(seed)  # LoRA's adapter initialisation
+    return build_engine(cfg, model, total_steps)
+
+
+def batch_for(step: int, eng) -> dict:
+    return global_batch(step, eng.world)[eng.rank]
+
+
+def interface_and_memory(method: str) -> dict:
+    eng = fresh_engine(run_config(method), total_steps=0)
+    n_params = sum(p.numel() for p in tiny_llama(seed=0, layers=2, hidden=48).parameters())
+    batch = batch_for(0, eng)
+    before = eng.full_state_dict()
+    loss0 = eng.eval_forward(batch).loss.item()
+    eng.enable_memory_tracking()
+    steps = [eng.train_step(batch) for _ in range(2)]
+    mem = eng.memory_breakdown()
+    loss1 = eng.eval_forward(batch).loss.item()
+    after = eng.full_state_dict()
+    changed = {n: bool((after[n].float() - t.float()).abs().max().item() > 0) for n, t in before.items()} \
+        if eng.rank == 0 else {}
+    return {"world": eng.world, "device": str(eng.device), "is_engine": isinstance(eng, Engine), "supports_resume": eng.supports_resume,
+            "loss_before": loss0, "loss_after": loss1,
+            "steps": [{k: s[k] for k in ("loss", "lr", "grad_norm", "skipped", "loss_scale")} for s in steps],
+            "step_keys": sorted(steps[0]), "global_step": eng.global_step, "memory": mem, "n_params": n_params,
+            "changed": changed, "fp32_param_bytes": n_params * 4}
+
+
+def resume(method: str, root: str, total: int = 4, k: int = 2) -> dict:
+    cfg = run_config(method, scheduler={"type": "linear", "warmup_ratio": 0.25})
+    barrier = torch.distributed.barrier
+    straight = fresh_engine(cfg, total)
+    lrs_straight = [straight.train_step(batch_for(s, straight))["lr"] for s in range(total)]
+    want = straight.full_state_dict()
+    del straight
+
+    first = fresh_engine(cfg, total)
+    for s in range(k):
+        first.train_step(batch_for(s, first))
+    out_dir = os.path.join(root, method)
+    path = checkpoint.save_checkpoint(out_dir, first, {}, keep_last=1, barrier=barrier)
+    del first
+    second = fresh_engine(cfg, total, seed=1234)  # other adapters: only the checkpoint can make them equal
+    checkpoint.load_checkpoint(path, second)
+    step_after_load = second.global_step
+    lrs_resumed = [second.train_step(batch_for(s, second))["lr"] for s in range(k, total)]
+    got = second.full_state_dict()
+    diff = max((want[n].float() - got[n].float()).abs().max().item() for n in want) if second.rank == 0 else None
+    return {"max_abs_diff": diff, "step_after_load": step_after_load, "lrs_straight": lrs_straight[k:],
+            "lrs_resumed": lrs_resumed}
+
+
+def lora_lomo_two_passes() -> dict:
+    """One step of LoRA+LOMO with one backward vs two (norm clipping that never binds, and a
+    loss scale of 32): the adapters' gradient must be the same."""
+    out = {}
+    for name, extra in (("one_pass", {}),
+                        ("two_passes", {"clip_grad_norm": 1e9, "loss_scale": {"enabled": True,
+                                                                               "initial_scale_power": 5}})):
+        eng = fresh_engine(run_config("lora_lomo", **extra), total_steps=0)
+        res = eng.train_step(batch_for(0, eng))
+        out[name] = {"lora_grad_norm": res["lora_grad_norm"], "loss_scale": res["loss_scale"],
+                     "two_passes": eng.engine.two_passes}
+        del eng
+    return out
+
+
+def main(out_path: str) -> None:
+    results = {"interface": {m: interface_and_memory(m) for m in METHODS}}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = [tmp]
+        torch.distributed.broadcast_object_list(root, src=0)  # one directory for all ranks
+        results["resume"] = {m: resume(m, root[0]) for m in METHODS if m != "zero_shot"}
+        torch.distributed.barrier()
+    results["lora_lomo_two_passes"] = lora_lomo_two_passes()
+    if torch.distributed.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
