@@ -34,7 +34,7 @@ import lomo_ds  # noqa: E402
 from compare import memory_run_config, predicted_peak_bytes, step_time_table  # noqa: E402
 from dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence  # noqa: E402
 from lomo_ds import ds_compat  # noqa: E402
-from lomo_ds.baselines import build_engine  # noqa: E402
+from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine  # noqa: E402
 from tiny import tiny_llama  # noqa: E402
 
 # Model sizes: (GPU, --smoke). The memory model's states (0.9 GB bf16 + the update's 0.35 GB) dwarf
@@ -148,7 +148,8 @@ def check_step_time(device: torch.device, sizes: dict):
         ds["bf16"] = {"enabled": True}
     engines = {"floor": FloorEngine(llama(sizes), ds),
                "lomo": lomo_ds.initialize(llama(sizes), {**ds, "lomo": {"lr": 1e-3}}),
-               "deepspeed_sgd": build_engine(llama(sizes), ds, "sgd", lr=1e-3, clip=None)}
+               "deepspeed_sgd": DeepSpeedOptimizerEngine(llama(sizes), ds, "sgd", "sgd", lr=1e-3, clip=None,
+                                                          total_steps=0, warmup_steps=0)}
     rank = torch.distributed.get_rank()
     batches = [random_batch(sizes, device, seed=1000 * step + rank) for step in range(sizes["warmup"] + sizes["steps"])]
     times = {name: [] for name in engines}
