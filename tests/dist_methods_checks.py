@@ -11,19 +11,22 @@ import torch
 
 from lomo_ds import checkpoint
 from lomo_ds.methods import METHODS, Engine, build_engine
-from lomo_ds.run_config import load_run_config
+from lomo_ds.run_config import LOMO_METHODS, load_run_config
 from tiny import global_batch, tiny_llama
 
-BUCKET = 2000  # LOMO reduce-scatter bucket (elements)
-DS = {"train_micro_batch_size_per_gpu": 2,
-      "zero_optimization": {"stage": 3, "reduce_bucket_size": 5000, "stage3_prefetch_bucket_size": 0}}
+BUCKET = 2000  # LOMO reduce-scatter bucket (shard elements)
+DS = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}
+DS_BASELINE_BUCKET = 5000  # DeepSpeed's own reduce bucket (full-gradient elements); refused for LOMO methods
 BASELINE_LR = {"adamw": 1e-3, "sgd": 0.1}
 
 
 def run_config(method: str, **lomo):
     lomo = {"lr": 0.05 if method == "lomo" else 1e-3, "bucket_size": BUCKET, **lomo}
     train = {"method": method, "baseline_lr": BASELINE_LR.get(method, 1e-5), "lora": {"warmup_ratio": 0.25}}
-    return load_run_config({**DS, "lomo": lomo, "model": {"path": "tiny-llama-in-memory"}, "train": train},
+    zero = dict(DS["zero_optimization"])
+    if method not in LOMO_METHODS:
+        zero["reduce_bucket_size"] = DS_BASELINE_BUCKET
+    return load_run_config({**DS, "zero_optimization": zero, "lomo": lomo, "model": {"path": "tiny-llama-in-memory"}, "train": train},
                            check_files=False)
 
 
