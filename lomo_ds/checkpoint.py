@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .device import capture_rng, restore_rng
+
 CKPT_DIR = "checkpoints"
 
 
@@ -50,7 +52,7 @@ def save_checkpoint(output_dir: str, engine, extra: dict[str, Any], keep_last: i
         os.makedirs(staging)
     barrier()
     state = engine.shard_state_dict()
-    state["rng"] = {"torch": torch.get_rng_state()}
+    state["rng"] = capture_rng(engine.device)  # dropout continues as in an uninterrupted run
     _write_file(os.path.join(staging, f"rank_{engine.rank:05d}.pt"), lambda f: torch.save(state, f))
     barrier()
     if engine.rank == 0:
@@ -103,7 +105,7 @@ def load_checkpoint(path: str, engine) -> dict[str, Any]:
         raise FileNotFoundError(f"{shard_file}: missing shard file for rank {engine.rank}")
     state = torch.load(shard_file, map_location="cpu", weights_only=False)
     engine.load_shard_state_dict(state)
-    torch.set_rng_state(state["rng"]["torch"])
+    restore_rng(state["rng"], engine.device)
     return meta
 
 

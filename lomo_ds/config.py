@@ -53,6 +53,7 @@ class LomoConfig:
     two_pass_mode: str = "retain_graph"  # retain_graph | recompute: how the second backward gets its graph
     seed: int = 1234  # for stochastic rounding
     exclude_params: list = field(default_factory=list)  # fnmatch patterns of parameter names LOMO leaves alone
+    max_consecutive_skips: int = 20  # stop with an error after this many skipped steps in a row
 
 
 _SCHEDULE_TYPES = ("constant", "linear", "cosine")
@@ -137,6 +138,8 @@ def validate_lomo(cfg: LomoConfig, where: str = "lomo") -> LomoConfig:
         raise ConfigError(f"{where}.two_pass_mode: expected one of {list(_TWO_PASS_MODES)}, got {cfg.two_pass_mode!r}")
     if cfg.grad_reduction not in ("reduce_scatter", "all_reduce"):
         raise ConfigError(f"{where}.grad_reduction: expected 'reduce_scatter' or 'all_reduce', got {cfg.grad_reduction!r}")
+    if cfg.max_consecutive_skips < 1:
+        raise ConfigError(f"{where}.max_consecutive_skips: expected a positive step count, got {cfg.max_consecutive_skips}")
     s = cfg.scheduler
     if s.type not in _SCHEDULE_TYPES:
         raise ConfigError(f"{where}.scheduler.type: expected one of {list(_SCHEDULE_TYPES)}, got {s.type!r}")
