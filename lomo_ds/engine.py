@@ -299,8 +299,8 @@ class LomoEngine:
         if self.consecutive_skips >= self.config.max_consecutive_skips:
             scale = f", loss scale {self.loss_scaler.scale}" if self.loss_scaler is not None else ""
             raise RuntimeError(f"lomo.max_consecutive_skips: the last {self.consecutive_skips} steps were all skipped "
-                               f"(non-finite loss or gradients, or no labelled tokens on any rank{scale}) at step "
-                               f"{self.global_step}; lower lomo.lr, check the data, or raise the limit")
+                               f"(non-finite loss or gradients, or no labelled tokens on any rank{scale}), "
+                               f"{self.global_step} steps into the run; lower lomo.lr, check the data, or raise the limit")
         return result
 
     def _end_step(self, updated: bool = False) -> None:
