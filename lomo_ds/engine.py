@@ -123,9 +123,10 @@ class LomoEngine:
         missing = ds_compat.check_param_attrs(self.params[0])
         if missing:
             raise RuntimeError(f"DeepSpeed ZeRO-3 parameter attributes missing: {missing}")
-        # The data-parallel group: the loss and the norm are reduced over it. The shard index is
-        # this rank's place in it: right on any number of nodes, unlike LOCAL_RANK.
-        self.group = ds_compat.process_group(self.params[0])
+        # Every rank is a data-parallel rank (no tensor or pipeline parallelism): the loss and the
+        # norm are reduced over all of them, and every parameter must be sharded over all of them
+        # (_check_group). Shard indices come from each parameter's own group (ShardUpdater).
+        self.group = torch.distributed.group.WORLD
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
 
@@ -170,14 +171,14 @@ class LomoEngine:
         return Schedule(s.type, lomo.lr, total, warmup, s.min_lr_ratio)
 
     def _check_group(self, group, param) -> None:
-        """Each element must be owned by exactly one rank of the data-parallel group, or the
-        summed norm and the rank average of the gradient are wrong: a parameter sharded over a
-        smaller group (MoE experts, hpZ/MiCS sub-groups) would need a second, cross-replica reduction."""
+        """Each element must be owned by exactly one rank, or the summed norm and the rank mean
+        of the gradient are wrong: a parameter sharded over fewer ranks (MoE experts, MiCS shard
+        groups) would need a second reduction across its replicas, which LOMO does not do."""
         size = torch.distributed.get_world_size(group)
         if size != self.world:
             name = next(n for n, p in self.module.named_parameters() if p is param)
-            raise ValueError(f"parameter {name!r} is sharded over a process group of {size} ranks, the data-parallel "
-                             f"group has {self.world}: LOMO updates parameters sharded over every data-parallel rank only")
+            raise ValueError(f"parameter {name!r} is sharded over a process group of {size} ranks, the job has "
+                             f"{self.world}: LOMO updates only parameters sharded over every rank")
 
     @property
     def two_passes(self) -> bool:
@@ -244,7 +245,8 @@ class LomoEngine:
             return self._skip(result, touched=False)
         if not labelled:
             # Nothing to learn on this rank, but its backward still runs (ZeRO-3's gathers and
-            # the reduce-scatter are collectives): it contributes a zero gradient.
+            # the reduce-scatter are collectives) and contributes a zero gradient. transformers'
+            # 0/0 loss already back-propagates zeros; a model's own loss may not.
             loss = loss * 0.0
         if self.two_passes:
             retain = not recompute
