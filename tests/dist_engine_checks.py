@@ -239,15 +239,15 @@ def check_max_consecutive_skips():
     world, rank = engine.world, engine.rank
     inject = {"on": False}
     poison_grad_hook(engine.module.model.layers[0].mlp.down_proj.weight, lambda: inject["on"])
-    error, raised_at = "", -1
+    message, raised_at = "", -1
     for step in range(8):
         inject["on"] = step not in (0, 2)  # skips: 1, (clean 2), 3, 4, 5 -> the third in a row at step 5
         try:
             engine.train_step(global_batch(step, world)[rank])
         except RuntimeError as e:
-            error, raised_at = str(e), step
+            message, raised_at = str(e), step
             break
-    return {"raised_at": [int(g[0]) for g in on_every_rank(raised_at)], "error": error}
+    return {"raised_at": [int(g[0]) for g in on_every_rank(raised_at)], "message": message}
 
 
 def check_resume_masters():
@@ -427,8 +427,9 @@ def main(out_path):
         "grad_checkpointing_reentrant": lambda: equivalence(
             lambda: tiny_llama(9), ds_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5},
             prepare=lambda m: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})),
+        # Built under zero.Init as from_pretrained loads it: shards go straight to host memory.
         "offload_param": lambda: equivalence(lambda: tiny_llama(0), offload_cfg(clip_grad_norm=0.5),
-                                             {"clip_norm": 0.5}),
+                                             {"clip_norm": 0.5}, zero_init=True),
         "dropout_recompute": lambda: equivalence(
             lambda: with_dropout(tiny_llama(1)), ds_cfg(clip_grad_norm=0.5, two_pass_mode="recompute"),
             {"clip_norm": 0.5}, seeded=True),

@@ -140,7 +140,7 @@ def test_rank_without_labels_contributes_a_zero_gradient_and_no_nan(engine_resul
 def test_consecutive_skips_stop_the_run_with_a_clear_error(engine_results, world):
     r = ok(engine_results(world), "max_consecutive_skips")
     assert r["raised_at"] == [5] * world, "the third skip in a row (steps 3, 4, 5) raises on every rank"
-    assert "lomo.max_consecutive_skips" in r["error"] and "3 steps" in r["error"]
+    assert "lomo.max_consecutive_skips" in r["message"] and "3 steps" in r["message"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
