@@ -184,18 +184,23 @@ def check_nonfinite_loss():
     return {"steps": record, "skipped_steps": engine.skipped_steps}
 
 
-def check_nonfinite_grad():
-    """One pass: a gradient turns infinite in the last rank's backward only (finite loss). The
-    buckets flag it (interfaces item 2); every rank marks the step skipped and no non-finite
-    value reaches a shard; the poisoned parameter is untouched everywhere."""
-    engine = lomo_ds.initialize(tiny_llama(3), ds_cfg())
+def nonfinite_grad_steps(cfg, poison_pass: int) -> dict:
+    """At step 1 a gradient turns infinite in the last rank's `poison_pass`-th backward only
+    (the loss is finite). Every rank must mark the step skipped, no non-finite value may reach
+    a shard, and the poisoned parameter stays untouched everywhere; step 2 trains again."""
+    engine = lomo_ds.initialize(tiny_llama(3), cfg)
     world, rank = engine.world, engine.rank
     target = engine.module.model.layers[0].mlp.down_proj.weight
-    inject = {"on": False}
-    poison_grad_hook(target, lambda: inject["on"])
+    passes = {"step": -1, "seen": 0}
+
+    def poisoned():
+        passes["seen"] += 1
+        return passes["step"] == 1 and passes["seen"] == poison_pass
+
+    poison_grad_hook(target, poisoned)
     record = []
     for step in range(3):
-        inject["on"] = step == 1
+        passes.update(step=step, seen=0)
         before = ds_compat.shard(target).clone().view(torch.uint8)
         out = engine.train_step(global_batch(step, world)[rank])
         target_unchanged = torch.equal(before, ds_compat.shard(target).clone().view(torch.uint8))
@@ -205,6 +210,13 @@ def check_nonfinite_grad():
         record.append({"skipped": [bool(x[0]) for x in g], "target_unchanged": [bool(x[1]) for x in g],
                        "finite": [bool(x[2]) for x in g]})
     return {"steps": record, "skipped_steps": engine.skipped_steps}
+
+
+def check_nonfinite_grad():
+    """Found by the buckets' non-finite flag (interfaces item 2): in a one-pass step, and in the
+    updating pass of a two-pass step (norm clipping, recompute) whose measuring pass was clean."""
+    return {"one_pass": nonfinite_grad_steps(ds_cfg(), poison_pass=1),
+            "update_pass": nonfinite_grad_steps(ds_cfg(clip_grad_norm=0.5, two_pass_mode="recompute"), poison_pass=2)}
 
 
 def labelled(mb):
