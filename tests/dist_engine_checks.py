@@ -73,14 +73,17 @@ def reference_step(ref, mbs, world, clip_norm=None, clip_value=None, wd=0.0, for
 
 
 def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_batch=None, zero_init=False,
-                steps=STEPS, prepare=None, seeded=False):
+                steps=STEPS, prepare=None, seeded=False, own_group=False):
     ref_kwargs = ref_kwargs or {}
     ref = make_model()
     if zero_init:
         # Built already partitioned (no rank ever holds the whole model), then loaded from rank 0
         # the way from_pretrained loads a checkpoint under zero.Init.
         ds_conf = {k: v for k, v in cfg.items() if k != "lomo"}
-        with deepspeed.zero.Init(config_dict_or_path=ds_conf):
+        # own_group: sharded over a process group of every rank that is not the default group
+        # object, so the engine must take each parameter's ds_process_group, not assume WORLD.
+        group = torch.distributed.new_group(list(range(torch.distributed.get_world_size()))) if own_group else None
+        with deepspeed.zero.Init(config_dict_or_path=ds_conf, data_parallel_group=group):
             model = make_model()
         for p, src in zip(model.parameters(), ref.parameters()):
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
@@ -103,7 +106,8 @@ def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_b
     diff = max_diff(engine, ref)
     return {"max_abs_diff": diff, "loss": losses, "ref_loss": ref_losses, "grad_norm": norms, "ref_grad_norm": ref_norms,
             "n_persistent": len(engine.offload.persistent_parameters), "n_params": len(engine.params),
-            "shard_device": str(ds_compat.shard(engine.params[0]).device)}
+            "shard_device": str(ds_compat.shard(engine.params[0]).device),
+            "param_group_is_world": ds_compat.process_group(engine.params[0]) is torch.distributed.group.WORLD}
 
 
 def with_dropout(model, p=0.3):
@@ -420,6 +424,8 @@ def main(out_path):
     checks = {
         "sgd": lambda: equivalence(lambda: tiny_llama(0), ds_cfg()),
         "sgd_zero_init": lambda: equivalence(lambda: tiny_llama(0), ds_cfg(), zero_init=True),
+        "own_process_group": lambda: equivalence(lambda: tiny_llama(0), ds_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5},
+                                                 zero_init=True, own_group=True),
         "clip_norm": lambda: equivalence(lambda: tiny_llama(1), ds_cfg(clip_grad_norm=0.5),
                                          {"clip_norm": 0.5}),
         "clip_norm_recompute": lambda: equivalence(lambda: tiny_llama(1), ds_cfg(clip_grad_norm=0.5,

@@ -9,7 +9,7 @@ TOL = 1e-6  # fp32, 3 steps
 WORLDS = [1, 2, 3]
 EQUIVALENCE = ["sgd", "sgd_zero_init", "clip_norm", "clip_norm_recompute", "clip_value", "weight_decay", "tied",
                "persistent", "persistent_mixed", "small_param", "grad_checkpointing", "grad_checkpointing_reentrant",
-               "offload_param", "dropout_recompute"]
+               "offload_param", "dropout_recompute", "own_process_group"]
 
 
 def ok(results, name):
@@ -32,7 +32,7 @@ def test_matches_sgd(engine_results, world, check):
 @pytest.mark.parametrize("world", WORLDS)
 def test_norm_clipping_reports_exact_global_norm(engine_results, world):
     for name in ("clip_norm", "clip_norm_recompute", "persistent_mixed", "grad_checkpointing", "offload_param",
-                 "dropout_recompute"):
+                 "dropout_recompute", "own_process_group"):
         r = ok(engine_results(world), name)
         assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
         assert all(n > 0.5 for n in r["ref_grad_norm"])  # the clip was active, not a no-op
@@ -44,6 +44,9 @@ def test_checks_cover_the_hard_cases(engine_results, world):
     assert ok(res, "persistent")["n_persistent"] == ok(res, "persistent")["n_params"]  # all persistent
     assert 0 < ok(res, "persistent_mixed")["n_persistent"] < ok(res, "persistent_mixed")["n_params"]
     assert ok(res, "sgd")["n_persistent"] == 0
+    # Sharded over a group object other than the default one: the engine reduces over each
+    # parameter's own ds_process_group.
+    assert ok(res, "own_process_group")["param_group_is_world"] is False
 
 
 @pytest.mark.parametrize("world", WORLDS)
