@@ -46,9 +46,14 @@ def _sum_over_ranks(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.cpu()
 
 
-def _dummy_batch() -> dict[str, torch.Tensor]:
-    one = torch.zeros((1, 1), dtype=torch.long)
+def _dummy_batch(device: torch.device) -> dict[str, torch.Tensor]:
+    one = torch.zeros((1, 1), dtype=torch.long, device=device)
     return {"input_ids": one, "attention_mask": torch.ones_like(one)}  # same keys as the real batches
+
+
+def _model_inputs(enc: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A collated batch's model inputs, on the device the forward runs on."""
+    return move_batch({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, device)
 
 
 ALL_CANDIDATES = -1
@@ -96,13 +101,12 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
     scores = [[-math.inf] * len(ex.candidate_ids) for ex in mine]
     for call in range(n_calls):
         if call >= len(batches):
-            forward_logits(move_batch(_dummy_batch(), device))  # keeps this rank in step with the others' collectives
+            forward_logits(_dummy_batch(device))  # keeps this rank in step with the others' collectives
             continue
         batch = batches[call]
         enc = collate([{"input_ids": ids, "labels": ids} for _, _, ids, _ in batch], pad_id)
         with torch.no_grad():
-            logits = forward_logits(move_batch({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]},
-                                               device))
+            logits = forward_logits(_model_inputs(enc, device))
             for row, (ei, ci, ids, start) in enumerate(batch):
                 if ci == ALL_CANDIDATES:
                     last = logits[row, len(ids) - 1].float().log_softmax(-1)
@@ -113,7 +117,7 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
 
     # Every rank knows every task name (all ranks hold the full example list): same tensor layout.
     tasks = sorted({ex.task for ex in examples})
-    counts = torch.zeros((len(tasks), 2), dtype=torch.float64)
+    counts = torch.zeros((len(tasks), 2), dtype=torch.float64, device="cpu")  # host-side tallies
     for ex, sc in zip(mine, scores):
         k = tasks.index(ex.task)
         counts[k, 0] += int(max(range(len(sc)), key=sc.__getitem__) == ex.label)
@@ -138,15 +142,14 @@ def evaluate_loss(forward_logits: ForwardLogits, examples: Sequence[dict], pad_i
     mine = sorted(examples[rank::world], key=lambda e: len(e["input_ids"]))
     batches = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
     n_calls = agree_on_calls(len(batches), world)
-    sums = torch.zeros(2, dtype=torch.float64)  # summed loss, token count
+    sums = torch.zeros(2, dtype=torch.float64, device="cpu")  # host-side: summed loss, token count
     for call in range(n_calls):
         if call >= len(batches):
-            forward_logits(move_batch(_dummy_batch(), device))
+            forward_logits(_dummy_batch(device))
             continue
         enc = collate(batches[call], pad_id)
         with torch.no_grad():
-            logits = forward_logits(move_batch({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]},
-                                               device))
+            logits = forward_logits(_model_inputs(enc, device))
             labels = enc["labels"][:, 1:].to(logits.device)
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)),
                                                      labels.reshape(-1), ignore_index=-100, reduction="sum")
