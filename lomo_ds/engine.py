@@ -12,6 +12,11 @@ in place (see fused_update.py). One step = one forward and one or two backward p
              min(1, max_norm / norm), or the whole step is skipped on every rank on overflow.
              The second pass reuses the first pass's graph (retain_graph) instead of paying a
              second forward, unless two_pass_mode is "recompute".
+
+Before any backward, one all-reduce of three numbers agrees on the loss: a non-finite loss on
+any rank skips the step on every rank with no weight touched. A gradient that turns non-finite
+only in a backward is flagged by the buckets on every rank at once; the step is then skipped
+from that bucket on. After lomo.max_consecutive_skips skipped steps in a row the run stops.
 """
 from __future__ import annotations
 
@@ -212,17 +217,17 @@ class LomoEngine:
     def forward(self, batch: dict[str, Any]):
         return self.module(**batch)
 
-    def _agree_on_loss(self, loss: torch.Tensor, labelled: bool) -> tuple[float, bool]:
+    def _agree_on_loss(self, loss: torch.Tensor, labelled: bool) -> tuple[float, bool, bool]:
         """Before any backward, ONE all-reduce of three fp32 numbers: the summed loss of the ranks
         with labelled tokens, how many such ranks, and how many of them have a non-finite loss.
-        Returns (the mean loss over the labelled ranks, whether every rank must skip the step)."""
+        Returns (the mean loss over the labelled ranks, some loss is non-finite, no rank has labels)."""
         value = float(loss.detach()) if labelled else 0.0  # an unlabelled batch's loss is 0/0
         finite = math.isfinite(value)
         total, n_labelled, n_nonfinite = sum_over_ranks(
             [value if finite else 0.0, float(labelled), float(not finite)], self.world, self.group, name="loss")
         if n_nonfinite or not n_labelled:
-            return math.nan, True
-        return total / n_labelled, False
+            return math.nan, n_nonfinite > 0, n_labelled == 0
+        return total / n_labelled, False, False
 
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
         """One optimizer step on this rank's micro-batch."""
@@ -238,11 +243,12 @@ class LomoEngine:
 
         labelled = has_labelled_tokens(batch)
         loss = loss_of(self.forward(batch))
-        result["loss"], skip = self._agree_on_loss(loss, labelled)
-        if skip:
-            # A non-finite loss on some rank: known before the backward, so no rank starts one.
+        result["loss"], nonfinite, unlabelled = self._agree_on_loss(loss, labelled)
+        if nonfinite or unlabelled:
+            # A non-finite loss on some rank (or nothing to learn anywhere): known before the
+            # backward, so no rank starts one.
             del loss
-            return self._skip(result, touched=False)
+            return self._skip(result, touched=False, overflow=nonfinite)
         if not labelled:
             # Nothing to learn on this rank, but its backward still runs (ZeRO-3's gathers and
             # the reduce-scatter are collectives) and contributes a zero gradient. transformers'
@@ -264,7 +270,7 @@ class LomoEngine:
             if not math.isfinite(norm):
                 # Overflow somewhere on some rank: every rank skips, no parameter is touched.
                 del loss
-                return self._skip(result, touched=False)
+                return self._skip(result, touched=False, overflow=True)
             coef = 1.0
             if self.config.clip_grad_norm is not None:
                 coef = min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
@@ -281,7 +287,7 @@ class LomoEngine:
                                        weight_decay=self.config.weight_decay)
         if self._backward(loss * loss_scale, retain_graph=False):
             # Non-finite in the updating pass: the buckets before it were applied, none after.
-            return self._skip(result, touched=True)
+            return self._skip(result, touched=True, overflow=True)
         self._end_step(updated=True)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
@@ -289,10 +295,10 @@ class LomoEngine:
         self.global_step += 1
         return result
 
-    def _skip(self, result: dict[str, Any], touched: bool) -> dict[str, Any]:
+    def _skip(self, result: dict[str, Any], touched: bool, overflow: bool) -> dict[str, Any]:
         """End a step every rank skips; stop the run when skipping has become the rule."""
         self._end_step(updated=touched)
-        if self.loss_scaler is not None:
+        if self.loss_scaler is not None and overflow:
             self.loss_scaler.update(overflow=True)
         self.skipped_steps += 1
         self.consecutive_skips += 1
