@@ -244,7 +244,18 @@ def check_unlabelled_rank():
             ref_losses.append(sum(ref(**mb).loss.item() for mb in mbs if labelled(mb)) / sum(map(labelled, mbs)))
         reference_step(ref, mbs, world, forward=lambda m, b: m(**b).loss if labelled(b) else 0.0)
         losses.append(out["loss"]), skipped.append(out["skipped"])
-    return {"max_abs_diff": max_diff(engine, ref), "loss": losses, "ref_loss": ref_losses, "skipped": skipped}
+    diff = max_diff(engine, ref)
+    # No labelled token on any rank: nothing to learn, the step is skipped, and it is no
+    # overflow: the loss scale stays.
+    scaled = lomo_ds.initialize(tiny_llama(4), ds_cfg(loss_scale={"enabled": True}))
+    mb = global_batch(0, world)[rank]
+    mb["labels"][:] = -100
+    before = raw_shards(scaled)
+    out = scaled.train_step(mb)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, raw_shards(scaled)))
+    return {"max_abs_diff": diff, "loss": losses, "ref_loss": ref_losses, "skipped": skipped,
+            "none_labelled": {"skipped": out["skipped"], "unchanged": unchanged,
+                              "scale_kept": scaled.loss_scaler.scale == out["loss_scale"]}}
 
 
 def check_max_consecutive_skips():

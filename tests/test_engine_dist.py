@@ -138,6 +138,7 @@ def test_rank_without_labels_contributes_a_zero_gradient_and_no_nan(engine_resul
     assert not any(r["skipped"])
     assert r["max_abs_diff"] <= TOL
     assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)  # the mean over the ranks with labels
+    assert r["none_labelled"] == {"skipped": True, "unchanged": True, "scale_kept": True}
 
 
 @pytest.mark.parametrize("world", WORLDS)
