@@ -4,7 +4,7 @@
 Layout under <output.dir>/checkpoints/:
     step_00000040/...                 the engine's own files (engine.save_state: LOMO's rank_00000.pt
                                       shards + step state, DeepSpeed's checkpoint for its optimizers)
-    step_00000040/rng_00000.pt ...    each rank's torch RNG state
+    step_00000040/rng_00000.pt ...    each rank's random state (CPU and device)
     step_00000040/meta.json           written last: world size, step, data position, config
     latest                            the name of the newest complete checkpoint
 
@@ -21,6 +21,8 @@ import shutil
 from typing import Any
 
 import torch
+
+from .device import capture_rng, restore_rng
 
 CKPT_DIR = "checkpoints"
 # The largest safetensors file export_hf writes (huggingface_hub's default): a 65B model in fp16
@@ -57,7 +59,7 @@ def save_checkpoint(output_dir: str, engine, extra: dict[str, Any], keep_last: i
         os.makedirs(staging)
     barrier()
     engine.save_state(staging)
-    rng = {"torch": torch.get_rng_state()}
+    rng = capture_rng(engine.device)  # dropout continues as in an uninterrupted run (CPU and device)
     write_atomic(_rng_file(staging, engine.rank), lambda f: torch.save(rng, f))
     barrier()
     if engine.rank == 0:
@@ -113,7 +115,7 @@ def load_checkpoint(path: str, engine) -> dict[str, Any]:
     if not os.path.exists(rng_file):
         raise FileNotFoundError(f"{rng_file}: missing RNG state file for rank {engine.rank}")
     engine.load_state(path)
-    torch.set_rng_state(torch.load(rng_file, weights_only=False)["torch"])
+    restore_rng(torch.load(rng_file, weights_only=False), engine.device)
     return meta
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .device import group_device
+
 PARAM_ATTRS = ("ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status", "ds_persist", "ds_process_group",
                "partition_numel", "all_gather", "partition")
 
@@ -41,16 +43,34 @@ def process_group(p):
     return p.ds_process_group
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
+def check_device(tensor: torch.Tensor, device: torch.device, name: str) -> None:
+    """A collective given a tensor off its group's device fails deep inside the backend (NCCL
+    cannot reduce a CPU tensor, gloo a CUDA one), or not at all on a CPU test: refuse it here."""
+    if tensor.device != device:
+        raise ValueError(f"{name}: a collective on this process group takes tensors on {device}, "
+                         f"got one on {tensor.device}")
+
+
+def _comm():
+    """deepspeed.comm once DeepSpeed started it (its collectives are the ones comm_stats counts);
+    torch.distributed for code that runs without DeepSpeed (evaluation in a plain process group)."""
     import deepspeed.comm as dist
 
+    return dist if dist.is_initialized() else torch.distributed
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, name: str = "gradient bucket") -> None:
+    dist = _comm()
+    device = group_device(group)
+    check_device(input, device, f"{name} (reduce-scatter input)")
+    check_device(output, device, f"{name} (reduce-scatter output)")
     dist.reduce_scatter_tensor(output, input, group=group)
 
 
-def all_reduce(tensor: torch.Tensor, group=None) -> None:
-    import deepspeed.comm as dist
-
-    dist.all_reduce(tensor, group=group)
+def all_reduce(tensor: torch.Tensor, group=None, name: str = "all-reduce tensor", op: str = "sum") -> None:
+    dist = _comm()
+    check_device(tensor, group_device(group), name)
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group)
 
 
 def offload_of(engine):
@@ -124,7 +144,7 @@ def check_internals() -> list[str]:
             problems.append(f"ZeroParamStatus.{status}")
     import deepspeed.comm as dist
 
-    for fn in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"):
+    for fn in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor", "is_initialized", "ReduceOp"):
         if not hasattr(dist, fn):
             problems.append(f"deepspeed.comm.{fn}")
     if not hasattr(deepspeed.zero, "Init") or not hasattr(deepspeed.zero, "GatheredParameters"):

@@ -12,6 +12,11 @@ in place (see fused_update.py). One step = one forward and one or two backward p
              min(1, max_norm / norm), or the whole step is skipped on every rank on overflow.
              The second pass reuses the first pass's graph (retain_graph) instead of paying a
              second forward, unless two_pass_mode is "recompute".
+
+Before any backward, one all-reduce of three numbers agrees on the loss: a non-finite loss on
+any rank skips the step on every rank with no weight touched. A gradient that turns non-finite
+only in a backward is flagged by the buckets on every rank at once; the step is then skipped
+from that bucket on. After lomo.max_consecutive_skips skipped steps in a row the run stops.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch
 
 from . import ds_compat
 from .config import LomoConfig, load_config, model_dtype
+from .device import accelerator_device, capture_rng, group_device, move_batch, restore_rng
 from .fused_update import ReduceScatterBuckets, ShardUpdater, UpdateRule
 from .memory import MemoryTracker
 from .precision import DynamicLossScaler
@@ -32,10 +38,11 @@ from .schedule import Schedule
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def initialize(model: torch.nn.Module, config: dict | str | os.PathLike) -> "LomoEngine":
-    """Wrap `model` (already partitioned by zero.Init, or a plain module) in a LomoEngine."""
+def initialize(model: torch.nn.Module, config: dict | str | os.PathLike, total_steps: int | None = None) -> "LomoEngine":
+    """Wrap `model` (already partitioned by zero.Init, or a plain module) in a LomoEngine.
+    `total_steps`, when given, wins over lomo.scheduler.total_steps."""
     ds_config, lomo = load_config(config)
-    return LomoEngine(model, ds_config, lomo)
+    return LomoEngine(model, ds_config, lomo, total_steps=total_steps)
 
 
 def init_distributed() -> None:
@@ -54,12 +61,24 @@ def loss_of(outputs) -> torch.Tensor:
     return loss
 
 
+def sum_over_ranks(values: list[float], world: int, group=None, dtype=torch.float32, name="step statistics") -> list[float]:
+    """Element-wise sums over the group's ranks, in one all-reduce of a few bytes."""
+    t = torch.tensor(values, dtype=dtype, device=group_device(group) if world > 1 else "cpu")
+    if world > 1:
+        ds_compat.all_reduce(t, group=group, name=name)
+    return t.tolist()
+
+
 def mean_over_ranks(value: float, world: int, group=None) -> float:
     # fp32: 4 bytes on the wire per step are enough for a reported loss.
-    v = torch.tensor([float(value)], dtype=torch.float32)
-    if world > 1:
-        ds_compat.all_reduce(v, group=group)
-    return v.item() / world
+    return sum_over_ranks([float(value)], world, group, name="loss")[0] / world
+
+
+def has_labelled_tokens(batch: dict[str, Any]) -> bool:
+    """Whether any label is a target. Causal LMs shift labels inside the model (position t
+    predicts labels[t + 1]), so the first column is never one. No labels: the model's own loss."""
+    labels = batch.get("labels")
+    return labels is None or bool((labels[..., 1:] != -100).any())
 
 
 def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
@@ -85,13 +104,16 @@ def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torc
 
 
 class LomoEngine:
-    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig):
+    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int | None = None):
         import deepspeed
 
         init_distributed()
         self.config = lomo
         self.ds_config = ds_config
         self.dtype = model_dtype(ds_config)
+        self.schedule = self._make_schedule(lomo, total_steps)
+        # This rank's device: batches are moved here and every tensor the engine makes lives here.
+        self.device = accelerator_device()
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config,
                                                   model_parameters=None, optimizer=None)
         self.module = self.ds_engine.module
@@ -106,38 +128,62 @@ class LomoEngine:
         missing = ds_compat.check_param_attrs(self.params[0])
         if missing:
             raise RuntimeError(f"DeepSpeed ZeRO-3 parameter attributes missing: {missing}")
-        self.group = ds_compat.process_group(self.params[0])
-        # The shard index is this rank's place in the parameters' data-parallel group: right on
-        # any number of nodes, unlike LOCAL_RANK.
+        # Every rank is a data-parallel rank (no tensor or pipeline parallelism): the loss and the
+        # norm are reduced over all of them, and every parameter must be sharded over all of them
+        # (_check_group). Shard indices come from each parameter's own group (ShardUpdater).
+        self.group = torch.distributed.group.WORLD
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
 
-        self.updater = ShardUpdater(self.world, self.rank, lomo.stochastic_rounding, lomo.fp32_master_weights,
-                                    lomo.seed)
+        # Shards live on the accelerator, or in host memory with offload_param: the update runs there.
+        shard_device = ds_compat.shard(self.params[0]).device
+        self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.fp32_master_weights, lomo.seed, shard_device)
         if lomo.fp32_master_weights and self.dtype != torch.float32:
             self.updater.init_masters(self.params)
         self.memory: MemoryTracker | None = None
+        # Each parameter is reduced over its own ds_process_group: one bucket set per group.
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
-        self.buckets = ReduceScatterBuckets(self.group, self.world, self.rank, lomo.bucket_size, reduce_dtype,
-                                            self.updater.apply_bucket, all_reduce=lomo.grad_reduction == "all_reduce")
+        self.bucket_sets: dict[Any, ReduceScatterBuckets] = {}
+        for p in self.params:
+            group = ds_compat.process_group(p)
+            if group not in self.bucket_sets:
+                self._check_group(group, p)
+                self.bucket_sets[group] = ReduceScatterBuckets(
+                    group, torch.distributed.get_world_size(group), torch.distributed.get_rank(group),
+                    lomo.bucket_size, reduce_dtype, self.updater.apply_bucket,
+                    all_reduce=lomo.grad_reduction == "all_reduce")
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
         self.loss_scaler = DynamicLossScaler(scale=2.0**lomo.loss_scale.initial_scale_power,
                                              window=lomo.loss_scale.window,
                                              min_scale=lomo.loss_scale.min_scale) if scale_on else None
-        self.schedule = self._make_schedule(lomo)
         self.global_step = 0  # optimizer steps taken (skipped ones included: the schedule moves on)
         self.skipped_steps = 0
+        self.consecutive_skips = 0
 
     # ----------------------------------------------------------------- configuration
     @staticmethod
-    def _make_schedule(lomo: LomoConfig) -> Schedule:
+    def _make_schedule(lomo: LomoConfig, total_steps: int | None) -> Schedule:
         s = lomo.scheduler
-        if s.type != "constant" and s.total_steps <= 0:
-            raise ValueError(f"lomo.scheduler.total_steps: a {s.type} schedule needs the total step count")
-        warmup = s.warmup_steps or int(round(s.warmup_ratio * s.total_steps))
-        return Schedule(s.type, lomo.lr, s.total_steps, warmup, s.min_lr_ratio)
+        total = s.total_steps if total_steps is None else total_steps
+        if total < 0:
+            raise ValueError(f"total_steps: expected >= 0, got {total}")
+        if s.type != "constant" and total <= 0:
+            raise ValueError(f"lomo.scheduler.total_steps: a {s.type} schedule needs the total step count "
+                             f"(or pass total_steps= to the engine)")
+        warmup = s.warmup_steps or int(round(s.warmup_ratio * total))
+        return Schedule(s.type, lomo.lr, total, warmup, s.min_lr_ratio)
+
+    def _check_group(self, group, param) -> None:
+        """Each element must be owned by exactly one rank, or the summed norm and the rank mean
+        of the gradient are wrong: a parameter sharded over fewer ranks (MoE experts, MiCS shard
+        groups) would need a second reduction across its replicas, which LOMO does not do."""
+        size = torch.distributed.get_world_size(group)
+        if size != self.world:
+            name = next(n for n, p in self.module.named_parameters() if p is param)
+            raise ValueError(f"parameter {name!r} is sharded over a process group of {size} ranks, the job has "
+                             f"{self.world}: LOMO updates only parameters sharded over every rank")
 
     @property
     def two_passes(self) -> bool:
@@ -145,7 +191,8 @@ class LomoEngine:
 
     def enable_memory_tracking(self) -> MemoryTracker:
         self.memory = MemoryTracker(self.params, master_bytes=sum(m.numel() * 4 for m in self.updater.masters.values()))
-        self.buckets.tracker = self.memory
+        for buckets in self.bucket_sets.values():
+            buckets.tracker = self.memory
         return self.memory
 
     # ----------------------------------------------------------------- the step
@@ -154,70 +201,114 @@ class LomoEngine:
             self.memory.sample()
         grad = param.grad
         param.grad = None  # the bucket holds the only reference now; freed after the reduce-scatter
-        self.buckets.add(param, grad)
+        self.bucket_sets[ds_compat.process_group(param)].add(param, grad)
         del grad
 
-    def _backward(self, loss: torch.Tensor, retain_graph: bool) -> None:
+    def _backward(self, loss: torch.Tensor, retain_graph: bool) -> bool:
+        """One backward pass; True when some rank's gradient was non-finite (every rank agrees:
+        the buckets carry the flag, and from the first such bucket on apply nothing more)."""
+        for buckets in self.bucket_sets.values():
+            buckets.reset()
         loss.backward(retain_graph=retain_graph)
-        self.buckets.flush()
+        for buckets in self.bucket_sets.values():
+            buckets.flush()
+        return any(buckets.found_nonfinite for buckets in self.bucket_sets.values())
 
     def forward(self, batch: dict[str, Any]):
         return self.module(**batch)
 
+    def _agree_on_loss(self, loss: torch.Tensor, labelled: bool) -> tuple[float, bool, bool]:
+        """Before any backward, ONE all-reduce of three fp32 numbers: the summed loss of the ranks
+        with labelled tokens, how many such ranks, and how many of them have a non-finite loss.
+        Returns (the mean loss over the labelled ranks, some loss is non-finite, no rank has labels)."""
+        value = float(loss.detach()) if labelled else 0.0  # an unlabelled batch's loss is 0/0
+        finite = math.isfinite(value)
+        total, n_labelled, n_nonfinite = sum_over_ranks(
+            [value if finite else 0.0, float(labelled), float(not finite)], self.world, self.group, name="loss")
+        if n_nonfinite or not n_labelled:
+            return math.nan, n_nonfinite > 0, n_labelled == 0
+        return total / n_labelled, False, False
+
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
         """One optimizer step on this rank's micro-batch."""
         self.module.train()
+        batch = move_batch(batch, self.device)
         lr = self.schedule.lr_at(self.global_step)
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.updater.reseed(self.config.seed, self.global_step)
         grad_scale = 1.0 / (self.world * loss_scale)  # averaged over ranks, unscaled
         result = {"lr": lr, "loss_scale": loss_scale, "grad_norm": None, "skipped": False}
+        recompute = self.two_passes and self.config.two_pass_mode == "recompute"
+        rng = capture_rng(self.device) if recompute else None
 
+        labelled = has_labelled_tokens(batch)
         loss = loss_of(self.forward(batch))
+        result["loss"], nonfinite, unlabelled = self._agree_on_loss(loss, labelled)
+        if nonfinite or unlabelled:
+            # A non-finite loss on some rank (or nothing to learn anywhere): known before the
+            # backward, so no rank starts one.
+            del loss
+            return self._skip(result, touched=False, overflow=nonfinite)
+        if not labelled:
+            # Nothing to learn on this rank, but its backward still runs (ZeRO-3's gathers and
+            # the reduce-scatter are collectives) and contributes a zero gradient. transformers'
+            # 0/0 loss already back-propagates zeros; a model's own loss may not.
+            loss = loss * 0.0
         if self.two_passes:
-            retain = self.config.two_pass_mode == "retain_graph"
+            retain = not recompute
             counters = ds_compat.snapshot_backward_counters(self.module) if retain else None
             self.updater.measuring = True
             self.updater.stats.sum_sq = 0.0
             self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale)
-            self._backward(loss * loss_scale, retain_graph=retain)
+            nonfinite = self._backward(loss * loss_scale, retain_graph=retain)
             self.updater.measuring = False
-            sum_sq = self.updater.stats.sum_sq
-            total = torch.tensor([sum_sq if math.isfinite(sum_sq) else 0.0, 0.0 if math.isfinite(sum_sq) else 1.0],
-                                 dtype=torch.float64)
-            if self.world > 1:
-                ds_compat.all_reduce(total, group=self.group)
-            norm = math.sqrt(total[0].item()) if total[1].item() == 0 and math.isfinite(total[0].item()) else math.inf
+            # fp64, and a non-finite sum stays non-finite through the sum: 8 bytes carry both.
+            sum_sq = math.inf if nonfinite else self.updater.stats.sum_sq
+            (total,) = sum_over_ranks([sum_sq], self.world, self.group, dtype=torch.float64, name="squared norm")
+            norm = math.sqrt(total) if math.isfinite(total) else math.inf
             result["grad_norm"] = norm
             if not math.isfinite(norm):
                 # Overflow somewhere on some rank: every rank skips, no parameter is touched.
                 del loss
-                self._end_step()
-                if self.loss_scaler is not None:
-                    self.loss_scaler.update(overflow=True)
-                self.skipped_steps += 1
-                self.global_step += 1
-                result.update(skipped=True, loss=math.nan)
-                return result
+                return self._skip(result, touched=False, overflow=True)
             coef = 1.0
             if self.config.clip_grad_norm is not None:
                 coef = min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
             if retain:
                 ds_compat.restore_backward_counters(counters)
             else:
+                # The same random draws (dropout) as the measured forward: the same graph.
+                restore_rng(rng, self.device)
                 loss = loss_of(self.forward(batch))
-            self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale * coef, clip_value=self.config.clip_grad_value,
-                                           weight_decay=self.config.weight_decay)
-            self._backward(loss * loss_scale, retain_graph=False)
-        else:
-            self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
-                                           weight_decay=self.config.weight_decay)
-            self._backward(loss * loss_scale, retain_graph=False)
+                if not labelled:
+                    loss = loss * 0.0
+            grad_scale *= coef
+        self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
+                                       weight_decay=self.config.weight_decay)
+        if self._backward(loss * loss_scale, retain_graph=False):
+            # Non-finite in the updating pass: the buckets before it were applied, none after.
+            return self._skip(result, touched=True, overflow=True)
         self._end_step(updated=True)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
+        self.consecutive_skips = 0
         self.global_step += 1
-        result["loss"] = mean_over_ranks(loss.detach().float().item(), self.world, self.group)
+        return result
+
+    def _skip(self, result: dict[str, Any], touched: bool, overflow: bool) -> dict[str, Any]:
+        """End a step every rank skips; stop the run when skipping has become the rule."""
+        self._end_step(updated=touched)
+        if self.loss_scaler is not None and overflow:
+            self.loss_scaler.update(overflow=True)
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.global_step += 1
+        result["skipped"] = True
+        if self.consecutive_skips >= self.config.max_consecutive_skips:
+            scale = f", loss scale {self.loss_scaler.scale}" if self.loss_scaler is not None else ""
+            raise RuntimeError(f"lomo.max_consecutive_skips: the last {self.consecutive_skips} steps were all skipped "
+                               f"(non-finite loss or gradients, or no labelled tokens on any rank{scale}), "
+                               f"{self.global_step} steps into the run; lower lomo.lr, check the data, or raise the limit")
         return result
 
     def _end_step(self, updated: bool = False) -> None:
@@ -231,8 +322,7 @@ class LomoEngine:
     @torch.no_grad()
     def eval_forward(self, batch: dict[str, Any]):
         self.module.eval()
-        out = self.forward(batch)
-        return out
+        return self.forward(move_batch(batch, self.device))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full parameters by name on rank 0 (None elsewhere), one at a time."""
@@ -249,6 +339,7 @@ class LomoEngine:
                         for p in self.params if ds_compat.param_id(p) in self.updater.masters},
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
         }
 
@@ -260,11 +351,25 @@ class LomoEngine:
         for name, tensor in state["shards"].items():
             if name not in by_name:
                 raise ValueError(f"checkpoint has parameter {name!r}, the model does not")
+        names = {id(p): n for n, p in by_name.items()}
+        for p in self.params:
+            name = names[id(p)]
+            if name not in state["shards"]:
+                raise ValueError(f"checkpoint has no shard of {name!r}, which this run trains")
+            if ds_compat.param_id(p) in self.updater.masters and name not in state["masters"]:
+                # Left at its pretrained value, the master would overwrite the trained shard at
+                # the first update.
+                raise ValueError(f"checkpoint has no fp32 master of {name!r}: it was written without "
+                                 f"lomo.fp32_master_weights; resume with the setting it was written with")
+        for name, tensor in state["shards"].items():
             ds_compat.shard(by_name[name]).copy_(tensor)
-        for name, tensor in state["masters"].items():
-            self.updater.masters[ds_compat.param_id(by_name[name])].copy_(tensor)
+        for name in state["masters"]:
+            master = self.updater.masters.get(ds_compat.param_id(by_name[name]))
+            if master is not None:
+                master.copy_(state["masters"][name])
         self.global_step = state["global_step"]
         self.skipped_steps = state["skipped_steps"]
+        self.consecutive_skips = state.get("consecutive_skips", 0)
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         ds_compat.release_all(self.offload)

@@ -16,16 +16,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import ds_compat
 from .data import EvalExample, collate
+from .device import accelerator_device, group_device, move_batch
 
 ForwardLogits = Callable[[dict], torch.Tensor]  # batch dict -> logits [B, T, V]
-
-
-def _comm_device() -> torch.device:
-    # NCCL only moves CUDA tensors; gloo (CPU) only CPU ones.
-    if torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _distributed(world: int) -> bool:
@@ -40,14 +35,25 @@ def agree_on_calls(n_calls: int, world: int) -> int:
     """The largest number of forward calls any rank needs (every rank must make that many)."""
     if not _distributed(world):
         return n_calls
-    t = torch.tensor([n_calls], dtype=torch.long, device=_comm_device())
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    t = torch.tensor([n_calls], dtype=torch.long, device=group_device())
+    ds_compat.all_reduce(t, name="evaluation forward count", op="max")
     return int(t.item())
 
 
-def _dummy_batch() -> dict[str, torch.Tensor]:
-    one = torch.zeros((1, 1), dtype=torch.long)
+def _sum_over_ranks(t: torch.Tensor, name: str) -> torch.Tensor:
+    t = t.to(group_device())
+    ds_compat.all_reduce(t, name=name)
+    return t.cpu()
+
+
+def _dummy_batch(device: torch.device) -> dict[str, torch.Tensor]:
+    one = torch.zeros((1, 1), dtype=torch.long, device=device)
     return {"input_ids": one, "attention_mask": torch.ones_like(one)}  # same keys as the real batches
+
+
+def _model_inputs(enc: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A collated batch's model inputs, on the device the forward runs on."""
+    return move_batch({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, device)
 
 
 ALL_CANDIDATES = -1
@@ -84,12 +90,15 @@ def _calls(n_calls: int, progress: bool):
 
 
 def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad_id: int,
-             batch_size: int, rank: int = 0, world: int = 1, progress: bool = False) -> dict:
+             batch_size: int, rank: int = 0, world: int = 1, device: torch.device | None = None,
+             progress: bool = False) -> dict:
     """Accuracy per task and overall over all ranks' share of `examples` (the full list on every rank).
 
     batch_size counts sequences (context + one candidate); the candidates of several examples
-    share a forward. Returns {"accuracy", "n", "accuracy/<task>", "n/<task>", "forward_calls"}.
+    share a forward, on `device` (default: this rank's accelerator device, the engine's).
+    Returns {"accuracy", "n", "accuracy/<task>", "n/<task>", "forward_calls"}.
     """
+    device = device or accelerator_device()
     mine = list(examples[rank::world])
     rows = _rows(mine)
     # Similar lengths together: less padding. The order does not change any score.
@@ -100,12 +109,12 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
     scores = [[-math.inf] * len(ex.candidate_ids) for ex in mine]
     for call in _calls(n_calls, progress):
         if call >= len(batches):
-            forward_logits(_dummy_batch())  # keeps this rank in step with the others' collectives
+            forward_logits(_dummy_batch(device))  # keeps this rank in step with the others' collectives
             continue
         batch = batches[call]
         enc = collate([{"input_ids": ids, "labels": ids} for _, _, ids, _ in batch], pad_id)
         with torch.no_grad():
-            logits = forward_logits({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+            logits = forward_logits(_model_inputs(enc, device))
             for row, (ei, ci, ids, start) in enumerate(batch):
                 if ci == ALL_CANDIDATES:
                     last = logits[row, len(ids) - 1].float().log_softmax(-1)
@@ -116,15 +125,13 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
 
     # Every rank knows every task name (all ranks hold the full example list): same tensor layout.
     tasks = sorted({ex.task for ex in examples})
-    counts = torch.zeros((len(tasks), 2), dtype=torch.float64)
+    counts = torch.zeros((len(tasks), 2), dtype=torch.float64, device="cpu")  # host-side tallies
     for ex, sc in zip(mine, scores):
         k = tasks.index(ex.task)
         counts[k, 0] += int(max(range(len(sc)), key=sc.__getitem__) == ex.label)
         counts[k, 1] += 1
     if _distributed(world):
-        c = counts.to(_comm_device())
-        torch.distributed.all_reduce(c)
-        counts = c.cpu()
+        counts = _sum_over_ranks(counts, "evaluation counts")
     total = counts.sum(0)
     out = {"accuracy": float(total[0] / total[1]) if total[1] else float("nan"), "n": int(total[1]),
            "forward_calls": n_calls}
@@ -135,28 +142,29 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
 
 
 def evaluate_loss(forward_logits: ForwardLogits, examples: Sequence[dict], pad_id: int,
-                  batch_size: int, rank: int = 0, world: int = 1, progress: bool = False) -> dict:
+                  batch_size: int, rank: int = 0, world: int = 1, device: torch.device | None = None,
+                  progress: bool = False) -> dict:
     """Mean token cross-entropy over the labelled tokens of tokenized examples ({"input_ids",
-    "labels"}), for tasks without candidates (instruction). Same rank split and padding as evaluate."""
+    "labels"}), for tasks without candidates (instruction). Same rank split, padding and device
+    as evaluate."""
+    device = device or accelerator_device()
     mine = sorted(examples[rank::world], key=lambda e: len(e["input_ids"]))
     batches = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
     n_calls = agree_on_calls(len(batches), world)
-    sums = torch.zeros(2, dtype=torch.float64)  # summed loss, token count
+    sums = torch.zeros(2, dtype=torch.float64, device="cpu")  # host-side: summed loss, token count
     for call in _calls(n_calls, progress):
         if call >= len(batches):
-            forward_logits(_dummy_batch())
+            forward_logits(_dummy_batch(device))
             continue
         enc = collate(batches[call], pad_id)
         with torch.no_grad():
-            logits = forward_logits({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+            logits = forward_logits(_model_inputs(enc, device))
             labels = enc["labels"][:, 1:].to(logits.device)
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)),
                                                      labels.reshape(-1), ignore_index=-100, reduction="sum")
         sums[0] += loss.item()
         sums[1] += int((labels != -100).sum())
     if _distributed(world):
-        s = sums.to(_comm_device())
-        torch.distributed.all_reduce(s)
-        sums = s.cpu()
+        sums = _sum_over_ranks(sums, "evaluation loss sums")
     return {"loss": float(sums[0] / sums[1]) if sums[1] else float("nan"), "n_tokens": int(sums[1]),
             "forward_calls": n_calls}

@@ -64,26 +64,43 @@ class PassStats:
 
 
 class ShardUpdater:
-    """Applies one reduced gradient shard to this rank's slice of a parameter."""
+    """Applies one reduced gradient shard to this rank's slice of a parameter.
 
-    def __init__(self, world: int, rank: int, stochastic_rounding: bool, fp32_master: bool, seed: int):
-        self.world, self.rank = world, rank
+    Each parameter is sharded over its own process group (`ds_process_group`): its shard
+    geometry comes from that group's size and this rank's place in it. The update runs where the
+    shard lives: on the accelerator, or in host memory under `offload_param: {device: cpu}`.
+    """
+
+    def __init__(self, stochastic_rounding: bool, fp32_master: bool, seed: int, device: torch.device):
         self.stochastic_rounding = stochastic_rounding
         self.fp32_master = fp32_master
         self.masters: dict[int, torch.Tensor] = {}  # ds_id -> fp32 copy of the local real elements
-        self.generator = torch.Generator()
-        self.generator.manual_seed(seed * 1000 + rank)
+        # Stochastic rounding draws its noise on the shards' device (torch refuses a generator
+        # on another device); reseeded every step, so resumed runs round as uninterrupted ones.
+        self.generator = torch.Generator(device=device)
         self.rule = UpdateRule()
         self.measuring = False
         self.stats = PassStats()
+        self._geometry: dict[int, ShardGeometry] = {}
 
     def reseed(self, seed: int, step: int) -> None:
         # A pure function of (seed, rank, step): resumed runs round exactly as uninterrupted ones.
-        self.generator.manual_seed((seed * 1_000_003 + step) * 4099 + self.rank)
+        self.generator.manual_seed((seed * 1_000_003 + step) * 4099 + torch.distributed.get_rank())
+
+    def geometry(self, param: torch.nn.Parameter) -> ShardGeometry:
+        pid = ds_compat.param_id(param)
+        if pid not in self._geometry:
+            if torch.distributed.is_initialized():
+                group = ds_compat.process_group(param)
+                world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+            else:  # a single process without a process group holds the whole parameter
+                world, rank = 1, 0
+            self._geometry[pid] = geometry(param, world, rank)
+        return self._geometry[pid]
 
     def init_masters(self, params) -> None:
         for p in params:
-            n = geometry(p, self.world, self.rank).local
+            n = self.geometry(p).local
             self.masters[ds_compat.param_id(p)] = ds_compat.shard(p)[:n].detach().float().clone()
 
     def apply_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
@@ -91,10 +108,12 @@ class ShardUpdater:
             self.apply(param, grad_shard)
 
     def apply(self, param: torch.nn.Parameter, grad_shard: torch.Tensor) -> None:
-        n = geometry(param, self.world, self.rank).local
+        n = self.geometry(param).local
         if n == 0:
             return
-        g = grad_shard[:n].float()
+        shard = ds_compat.shard(param)[:n]
+        # An offloaded shard is updated in host memory: the slice goes there, not the shard here.
+        g = grad_shard[:n].to(shard.device, torch.float32)
         if self.measuring:
             # fp32 norm per tensor, accumulated in fp64 across tensors (as clip_grad_norm_ does).
             self.stats.sum_sq += float(torch.linalg.vector_norm(g)) ** 2 * self.rule.grad_scale**2
@@ -104,15 +123,26 @@ class ShardUpdater:
             # `g` may alias the received bucket or the freed gradient: both are ours to overwrite.
             g.mul_(self.rule.grad_scale).clamp_(-self.rule.clip_value, self.rule.clip_value)
             step_scale = 1.0
-        shard = ds_compat.shard(param)[:n]
-        master = self.masters.get(ds_compat.param_id(param))
-        weights = master if master is not None else shard.float()
+        weights = self.weights(param)
         if self.rule.weight_decay:
             weights.mul_(1.0 - self.rule.lr * self.rule.weight_decay)
         weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
+        self.write_back(param, weights)
+
+    def weights(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """fp32 weights of this rank's real elements to update in place: the master copy, the
+        shard itself when it is fp32, else an fp32 copy that write_back rounds into the shard."""
+        master = self.masters.get(ds_compat.param_id(param))
+        if master is not None:
+            return master
+        return ds_compat.shard(param)[:self.geometry(param).local].float()
+
+    def write_back(self, param: torch.nn.Parameter, weights: torch.Tensor) -> None:
+        """Store updated fp32 `weights` (from `weights(param)`) into the parameter's shard."""
+        shard = ds_compat.shard(param)[:self.geometry(param).local]
         if weights.data_ptr() == shard.data_ptr():
             return  # fp32 shard updated in place
-        if shard.dtype == torch.bfloat16 and self.stochastic_rounding and master is None:
+        if shard.dtype == torch.bfloat16 and self.stochastic_rounding and ds_compat.param_id(param) not in self.masters:
             shard.copy_(stochastic_round_to_bf16(weights, self.generator))
         else:
             shard.copy_(weights)
@@ -144,6 +174,11 @@ class ReduceScatterBuckets:
         self.tracker = tracker
         self.pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.pending_elems = 0
+        self.found_nonfinite = False  # some rank's gradient was non-finite in this backward
+
+    def reset(self) -> None:
+        """Start of a backward."""
+        self.found_nonfinite = False
 
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         if self.world == 1:

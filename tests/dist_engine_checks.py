@@ -45,11 +45,23 @@ def max_diff(engine, ref):
     return max((full[k] - ref_params[k].detach()).abs().max().item() for k in ref_params)
 
 
-def reference_step(ref, mbs, world, clip_norm=None, clip_value=None, wd=0.0, forward=None):
+def forward_seed(step, index):
+    """The random state micro-batch `index` of `step` is forwarded with (dropout), by the engine
+    on rank `index` and by the reference alike."""
+    return 7919 * step + index
+
+
+def reference_step(ref, mbs, world, clip_norm=None, clip_value=None, wd=0.0, forward=None, step=None):
     forward = forward or (lambda m, b: m(**b).loss)
     opt = torch.optim.SGD(ref.parameters(), lr=LR, weight_decay=wd)
     opt.zero_grad()
-    loss = sum(forward(ref, mb) for mb in mbs) / world
+
+    def micro(i, mb):
+        if step is not None:
+            torch.manual_seed(forward_seed(step, i))
+        return forward(ref, mb)
+
+    loss = sum(micro(i, mb) for i, mb in enumerate(mbs)) / world
     loss.backward()
     norm = None
     if clip_norm is not None:
@@ -61,14 +73,17 @@ def reference_step(ref, mbs, world, clip_norm=None, clip_value=None, wd=0.0, for
 
 
 def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_batch=None, zero_init=False,
-                steps=STEPS, prepare=None):
+                steps=STEPS, prepare=None, seeded=False, own_group=False):
     ref_kwargs = ref_kwargs or {}
     ref = make_model()
     if zero_init:
         # Built already partitioned (no rank ever holds the whole model), then loaded from rank 0
         # the way from_pretrained loads a checkpoint under zero.Init.
         ds_conf = {k: v for k, v in cfg.items() if k != "lomo"}
-        with deepspeed.zero.Init(config_dict_or_path=ds_conf):
+        # own_group: sharded over a process group of every rank that is not the default group
+        # object, so the engine must take each parameter's ds_process_group, not assume WORLD.
+        group = torch.distributed.new_group(list(range(torch.distributed.get_world_size()))) if own_group else None
+        with deepspeed.zero.Init(config_dict_or_path=ds_conf, data_parallel_group=group):
             model = make_model()
         for p, src in zip(model.parameters(), ref.parameters()):
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
@@ -83,16 +98,51 @@ def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_b
     losses, ref_losses, norms, ref_norms = [], [], [], []
     for step in range(steps):
         mbs = global_batch(step, world)
+        if seeded:
+            torch.manual_seed(forward_seed(step, rank))
         out = engine.train_step(mbs[rank])
-        rl, rn = reference_step(ref, mbs, world, forward=forward, **ref_kwargs)
+        rl, rn = reference_step(ref, mbs, world, forward=forward, step=step if seeded else None, **ref_kwargs)
         losses.append(out["loss"]), ref_losses.append(rl), norms.append(out["grad_norm"]), ref_norms.append(rn)
     diff = max_diff(engine, ref)
     return {"max_abs_diff": diff, "loss": losses, "ref_loss": ref_losses, "grad_norm": norms, "ref_grad_norm": ref_norms,
-            "n_persistent": len(engine.offload.persistent_parameters), "n_params": len(engine.params)}
+            "n_persistent": len(engine.offload.persistent_parameters), "n_params": len(engine.params),
+            "shard_device": str(ds_compat.shard(engine.params[0]).device),
+            "param_group_is_world": ds_compat.process_group(engine.params[0]) is torch.distributed.group.WORLD}
+
+
+def with_dropout(model, p=0.3):
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = p
+    return model
+
+
+def offload_cfg(**lomo):
+    cfg = ds_cfg(**lomo)
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    return cfg
 
 
 def scaled_forward(m, b):
     return m(**b)
+
+
+def on_every_rank(*values: float) -> list[list[float]]:
+    """values from every rank, rank by rank."""
+    mine = torch.tensor([float(v) for v in values])
+    gathered = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(gathered, mine)
+    return [g.tolist() for g in gathered]
+
+
+def raw_shards(engine):
+    # Raw bytes: "bit-identical" includes the padding tail, which may hold NaN patterns.
+    return [ds_compat.shard(p).clone().view(torch.uint8) for p in engine.params]
+
+
+def poison_grad_hook(param, when):
+    """Make `param`'s gradient infinite on the last rank while when() is true."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    param.register_hook(lambda g: g * float("inf") if when() and rank == world - 1 else g)
 
 
 def check_overflow(fp16: bool = False):
@@ -104,34 +154,191 @@ def check_overflow(fp16: bool = False):
         cfg["fp16"] = {"enabled": True}
     engine = lomo_ds.initialize(model, cfg)
     world, rank = engine.world, engine.rank
-    target = engine.module.model.layers[0].mlp.down_proj.weight
     inject = {"on": False}
-
-    def poison(grad):
-        if inject["on"] and rank == world - 1:
-            return grad * float("inf")
-        return grad
-
-    target.register_hook(poison)
+    poison_grad_hook(engine.module.model.layers[0].mlp.down_proj.weight, lambda: inject["on"])
     record = []
-
-    def shards():
-        # Raw bytes: "bit-identical" includes the padding tail, which may hold NaN patterns.
-        return [ds_compat.shard(p).clone().view(torch.uint8) for p in engine.params]
-
     for step in range(5):
         inject["on"] = step == 1
-        before = shards()
+        before = raw_shards(engine)
         out = engine.train_step(global_batch(step, world)[rank])
-        after = shards()
-        identical = all(torch.equal(a, b) for a, b in zip(before, after))
-        flags = torch.tensor([float(out["skipped"]), float(identical)])
-        gathered = [torch.zeros_like(flags) for _ in range(world)]
-        torch.distributed.all_gather(gathered, flags) if world > 1 else gathered.__setitem__(0, flags)
+        identical = all(torch.equal(a, b) for a, b in zip(before, raw_shards(engine)))
+        gathered = on_every_rank(out["skipped"], identical)
         record.append({"step": step, "skipped_all_ranks": [bool(g[0]) for g in gathered],
                        "unchanged_all_ranks": [bool(g[1]) for g in gathered],
                        "loss_scale_used": out["loss_scale"], "scale_after": engine.loss_scaler.scale})
     return {"steps": record}
+
+
+def check_nonfinite_loss():
+    """One pass (fp32, no loss scaling): NaN activations on the last rank at step 1. Every rank
+    knows before the backward and skips: no shard touched anywhere; the next step trains."""
+    engine = lomo_ds.initialize(tiny_llama(3), ds_cfg())
+    world, rank = engine.world, engine.rank
+    inject = {"on": False}
+    engine.module.model.embed_tokens.register_forward_hook(
+        lambda m, i, out: out * float("nan") if inject["on"] and rank == world - 1 else out)
+    record = []
+    for step in range(3):
+        inject["on"] = step == 1
+        before = raw_shards(engine)
+        out = engine.train_step(global_batch(step, world)[rank])
+        identical = all(torch.equal(a, b) for a, b in zip(before, raw_shards(engine)))
+        finite = all(bool(torch.isfinite(ds_compat.shard(p)[:engine.updater.geometry(p).local]).all())
+                     for p in engine.params)
+        g = on_every_rank(out["skipped"], identical, finite)
+        record.append({"skipped": [bool(x[0]) for x in g], "unchanged": [bool(x[1]) for x in g],
+                       "finite": [bool(x[2]) for x in g]})
+    return {"steps": record, "skipped_steps": engine.skipped_steps}
+
+
+def nonfinite_grad_steps(cfg, poison_pass: int) -> dict:
+    """At step 1 a gradient turns infinite in the last rank's `poison_pass`-th backward only
+    (the loss is finite). Every rank must mark the step skipped, no non-finite value may reach
+    a shard, and the poisoned parameter stays untouched everywhere; step 2 trains again."""
+    engine = lomo_ds.initialize(tiny_llama(3), cfg)
+    world, rank = engine.world, engine.rank
+    target = engine.module.model.layers[0].mlp.down_proj.weight
+    passes = {"step": -1, "seen": 0}
+
+    def poisoned():
+        passes["seen"] += 1
+        return passes["step"] == 1 and passes["seen"] == poison_pass
+
+    poison_grad_hook(target, poisoned)
+    record = []
+    for step in range(3):
+        passes.update(step=step, seen=0)
+        before = ds_compat.shard(target).clone().view(torch.uint8)
+        out = engine.train_step(global_batch(step, world)[rank])
+        target_unchanged = torch.equal(before, ds_compat.shard(target).clone().view(torch.uint8))
+        finite = all(bool(torch.isfinite(ds_compat.shard(p)[:engine.updater.geometry(p).local]).all())
+                     for p in engine.params)
+        g = on_every_rank(out["skipped"], target_unchanged, finite)
+        record.append({"skipped": [bool(x[0]) for x in g], "target_unchanged": [bool(x[1]) for x in g],
+                       "finite": [bool(x[2]) for x in g]})
+    return {"steps": record, "skipped_steps": engine.skipped_steps}
+
+
+def check_nonfinite_grad():
+    """Found by the buckets' non-finite flag (interfaces item 2): in a one-pass step, and in the
+    updating pass of a two-pass step (norm clipping, recompute) whose measuring pass was clean."""
+    return {"one_pass": nonfinite_grad_steps(ds_cfg(), poison_pass=1),
+            "update_pass": nonfinite_grad_steps(ds_cfg(clip_grad_norm=0.5, two_pass_mode="recompute"), poison_pass=2)}
+
+
+def labelled(mb):
+    return bool((mb["labels"][..., 1:] != -100).any())
+
+
+def check_unlabelled_rank():
+    """Rank 0's micro-batch has no labelled token at step 1 (its loss alone would be 0/0 = NaN):
+    it contributes a zero gradient; the others' update is SGD's on their mean loss over `world`,
+    and the reported loss is the mean over the ranks with labels. Several ranks only."""
+    ref = tiny_llama(4)
+    engine = lomo_ds.initialize(copy.deepcopy(ref), ds_cfg())
+    world, rank = engine.world, engine.rank
+    losses, ref_losses, skipped = [], [], []
+    for step in range(STEPS):
+        mbs = global_batch(step, world)
+        if step == 1:
+            mbs[0]["labels"][:] = -100
+        out = engine.train_step(mbs[rank])
+        with torch.no_grad():
+            ref_losses.append(sum(ref(**mb).loss.item() for mb in mbs if labelled(mb)) / sum(map(labelled, mbs)))
+        reference_step(ref, mbs, world, forward=lambda m, b: m(**b).loss if labelled(b) else 0.0)
+        losses.append(out["loss"]), skipped.append(out["skipped"])
+    diff = max_diff(engine, ref)
+    # No labelled token on any rank: nothing to learn, the step is skipped, and it is no
+    # overflow: the loss scale stays.
+    scaled = lomo_ds.initialize(tiny_llama(4), ds_cfg(loss_scale={"enabled": True}))
+    mb = global_batch(0, world)[rank]
+    mb["labels"][:] = -100
+    before = raw_shards(scaled)
+    out = scaled.train_step(mb)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, raw_shards(scaled)))
+    return {"max_abs_diff": diff, "loss": losses, "ref_loss": ref_losses, "skipped": skipped,
+            "none_labelled": {"skipped": out["skipped"], "unchanged": unchanged,
+                              "scale_kept": scaled.loss_scaler.scale == out["loss_scale"]}}
+
+
+def check_max_consecutive_skips():
+    """Overflow on every step (the loss scaler stuck): a clear error on every rank at the third
+    skip in a row (max_consecutive_skips: 3), after a clean step reset the count."""
+    engine = lomo_ds.initialize(tiny_llama(3), ds_cfg(max_consecutive_skips=3,
+                                                      loss_scale={"enabled": True, "initial_scale_power": 4}))
+    world, rank = engine.world, engine.rank
+    inject = {"on": False}
+    poison_grad_hook(engine.module.model.layers[0].mlp.down_proj.weight, lambda: inject["on"])
+    message, raised_at = "", -1
+    for step in range(8):
+        inject["on"] = step not in (0, 2)  # skips: 1, (clean 2), 3, 4, 5 -> the third in a row at step 5
+        try:
+            engine.train_step(global_batch(step, world)[rank])
+        except RuntimeError as e:
+            message, raised_at = str(e), step
+            break
+    return {"raised_at": [int(g[0]) for g in on_every_rank(raised_at)], "message": message}
+
+
+def check_resume_masters():
+    """bf16 with fp32 masters: a resumed engine takes its masters from the checkpoint (its next
+    step matches the uninterrupted engine's bit for bit); a checkpoint without masters is refused."""
+    cfg = ds_cfg(fp32_master_weights=True)
+    cfg["bf16"] = {"enabled": True}
+    engine = lomo_ds.initialize(tiny_llama(11), cfg)
+    world, rank = engine.world, engine.rank
+    for step in range(2):
+        engine.train_step(global_batch(step, world)[rank])
+    state = engine.shard_state_dict()
+    resumed = lomo_ds.initialize(tiny_llama(11), copy.deepcopy(cfg))
+    resumed.load_shard_state_dict(state)
+    for e in (engine, resumed):
+        e.train_step(global_batch(2, world)[rank])
+    a, b = engine.full_state_dict(), resumed.full_state_dict()
+    same = None if rank else all(torch.equal(a[k], b[k]) for k in a)
+    fresh = lomo_ds.initialize(tiny_llama(11), copy.deepcopy(cfg))
+    try:
+        fresh.load_shard_state_dict({**state, "masters": {}})
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"resumed_matches": same, "refused": refused}
+
+
+def check_device():
+    """The batch is moved to engine.device by train_step and eval_forward (a tensor subclass
+    records the .to calls); a collective given a tensor off its group's device is refused,
+    naming it; total_steps= wins over lomo.scheduler.total_steps."""
+    cfg = ds_cfg(scheduler={"type": "linear", "total_steps": 0})
+    engine = lomo_ds.initialize(tiny_llama(3), cfg, total_steps=10)
+    world, rank = engine.world, engine.rank
+    moves = []
+
+    class Recording(torch.Tensor):
+        def to(self, *args, **kwargs):
+            moves.append(str(args[0] if args else kwargs.get("device")))
+            return super().to(*args, **kwargs).as_subclass(torch.Tensor)
+
+    def recorded(mb):
+        return {k: v.as_subclass(Recording) for k, v in mb.items()}
+
+    out = engine.train_step(recorded(global_batch(0, world)[rank]))
+    train_moves = list(moves)
+    moves.clear()
+    engine.eval_forward(recorded(global_batch(1, world)[rank]))
+    refused = {}
+    for name, call in {"all_reduce": lambda: ds_compat.all_reduce(torch.zeros(2, device="meta"), engine.group,
+                                                                  name="test tensor"),
+                       "reduce_scatter": lambda: ds_compat.reduce_scatter(torch.zeros(1, device="meta"),
+                                                                          torch.zeros(world, device="meta"),
+                                                                          engine.group, name="test bucket")}.items():
+        try:
+            call()
+            refused[name] = ""
+        except ValueError as e:
+            refused[name] = str(e)
+    return {"device": str(engine.device), "train_moves": train_moves, "eval_moves": moves, "refused": refused,
+            "lr": [engine.schedule.lr_at(s) for s in (0, 5, 10)], "trained": not out["skipped"]}
 
 
 def check_memory():
@@ -231,6 +438,8 @@ def main(out_path):
     checks = {
         "sgd": lambda: equivalence(lambda: tiny_llama(0), ds_cfg()),
         "sgd_zero_init": lambda: equivalence(lambda: tiny_llama(0), ds_cfg(), zero_init=True),
+        "own_process_group": lambda: equivalence(lambda: tiny_llama(0), ds_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5},
+                                                 zero_init=True, own_group=True),
         "clip_norm": lambda: equivalence(lambda: tiny_llama(1), ds_cfg(clip_grad_norm=0.5),
                                          {"clip_norm": 0.5}),
         "clip_norm_recompute": lambda: equivalence(lambda: tiny_llama(1), ds_cfg(clip_grad_norm=0.5,
@@ -250,7 +459,19 @@ def main(out_path):
         "grad_checkpointing_reentrant": lambda: equivalence(
             lambda: tiny_llama(9), ds_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5},
             prepare=lambda m: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})),
+        # Built under zero.Init as from_pretrained loads it: shards go straight to host memory.
+        "offload_param": lambda: equivalence(lambda: tiny_llama(0), offload_cfg(clip_grad_norm=0.5),
+                                             {"clip_norm": 0.5}, zero_init=True),
+        "dropout_recompute": lambda: equivalence(
+            lambda: with_dropout(tiny_llama(1)), ds_cfg(clip_grad_norm=0.5, two_pass_mode="recompute"),
+            {"clip_norm": 0.5}, seeded=True),
         "overflow": check_overflow,
+        "nonfinite_loss": check_nonfinite_loss,
+        "nonfinite_grad": check_nonfinite_grad,
+        "unlabelled_rank": check_unlabelled_rank,
+        "max_consecutive_skips": check_max_consecutive_skips,
+        "resume_masters": check_resume_masters,
+        "device": check_device,
         "bf16": check_bf16,
         "memory": check_memory,
         "comm_one_pass": lambda: check_comm(False),
@@ -259,6 +480,8 @@ def main(out_path):
     if int(os.environ["WORLD_SIZE"]) != 2:  # the precision and traffic figures need one world size
         for name in ("bf16", "comm_one_pass", "comm_two_pass"):
             checks.pop(name)
+    if int(os.environ["WORLD_SIZE"]) == 1:  # one rank without labels is the whole step there
+        checks.pop("unlabelled_rank")
     only = os.environ.get("LOMO_CHECKS")
     for name, fn in checks.items():
         if only and name not in only.split(","):

@@ -188,7 +188,7 @@ def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, maste
     # The three ZeRO-3 attributes the update reads (lomo_ds.ds_compat): a one-rank shard.
     param.ds_tensor, param.ds_numel, param.ds_id = torch.randn(n).to(torch_dtype), n, 0
     grad = torch.randn(n).to(torch_dtype)
-    updater = ShardUpdater(world=1, rank=0, stochastic_rounding=rounding, fp32_master=master, seed=0)
+    updater = ShardUpdater(stochastic_rounding=rounding, fp32_master=master, seed=0, device=torch.device("cpu"))
     if master:
         updater.init_masters([param])
     updater.rule = UpdateRule(lr=0.1, grad_scale=0.5, weight_decay=0.01)

@@ -11,17 +11,12 @@ from ..memory import MemoryTracker, tensor_bytes
 from .base import MethodEngine, load_rank_state, rank_state_file
 
 
-def with_total_steps(lomo: LomoConfig, total_steps: int) -> LomoConfig:
-    """A copy of the validated section whose schedule knows the run's length (the original is untouched)."""
-    return lomo.model_copy(update={"scheduler": lomo.scheduler.model_copy(update={"total_steps": total_steps})})
-
-
 class LomoMethodEngine(MethodEngine):
     method = "lomo"
 
     def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int):
         super().__init__()
-        self.engine = LomoEngine(model, ds_config, with_total_steps(lomo, total_steps))
+        self.engine = LomoEngine(model, ds_config, lomo, total_steps=total_steps)
         self.module = self.engine.module
         self.params = self.engine.params
         self.group = self.engine.group
