@@ -38,6 +38,16 @@ class LossScaleConfig:
 
 
 @dataclass
+class AdaLomoConfig:
+    """AdaLomo's constants (arXiv 2310.10195; lomo_ds/adalomo.py)."""
+
+    clip_threshold: float = 1.0  # the update is scaled down to RMS <= this
+    eps1: float = 1e-30  # added to g^2 in the second moments
+    eps2: float = 1e-3  # floor of RMS(param) in the relative step size
+    decay_rate: float = -0.8  # beta2_t = 1 - t^decay_rate
+
+
+@dataclass
 class LomoConfig:
     lr: float = 1e-3
     clip_grad_norm: float | None = None  # global L2 norm; costs a second backward pass
@@ -53,8 +63,12 @@ class LomoConfig:
     two_pass_mode: str = "retain_graph"  # retain_graph | recompute: how the second backward gets its graph
     seed: int = 1234  # for stochastic rounding
     exclude_params: list = field(default_factory=list)  # fnmatch patterns of parameter names LOMO leaves alone
+    optimizer: str = "sgd"  # sgd (LOMO) | adalomo
+    adalomo: AdaLomoConfig = field(default_factory=AdaLomoConfig)
+    max_consecutive_skips: int = 20  # the engine gives up after this many skipped steps in a row
 
 
+_OPTIMIZERS = ("sgd", "adalomo")
 _SCHEDULE_TYPES = ("constant", "linear", "cosine")
 _TWO_PASS_MODES = ("retain_graph", "recompute")
 _REDUCE_DTYPES = (None, "fp32", "fp16", "bf16")
@@ -137,6 +151,8 @@ def validate_lomo(cfg: LomoConfig, where: str = "lomo") -> LomoConfig:
         raise ConfigError(f"{where}.two_pass_mode: expected one of {list(_TWO_PASS_MODES)}, got {cfg.two_pass_mode!r}")
     if cfg.grad_reduction not in ("reduce_scatter", "all_reduce"):
         raise ConfigError(f"{where}.grad_reduction: expected 'reduce_scatter' or 'all_reduce', got {cfg.grad_reduction!r}")
+    if cfg.optimizer not in _OPTIMIZERS:
+        raise ConfigError(f"{where}.optimizer: expected one of {list(_OPTIMIZERS)}, got {cfg.optimizer!r}")
     s = cfg.scheduler
     if s.type not in _SCHEDULE_TYPES:
         raise ConfigError(f"{where}.scheduler.type: expected one of {list(_SCHEDULE_TYPES)}, got {s.type!r}")

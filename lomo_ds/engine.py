@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import ds_compat
+from .adalomo import AdaLomo
 from .config import LomoConfig, load_config, model_dtype
 from .fused_update import ReduceScatterBuckets, ShardUpdater, UpdateRule
 from .memory import MemoryTracker
@@ -112,8 +113,10 @@ class LomoEngine:
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
 
+        adalomo = AdaLomo(lomo.adalomo, self.module, self.params, self.world, self.rank, self.group) \
+            if lomo.optimizer == "adalomo" else None
         self.updater = ShardUpdater(self.world, self.rank, lomo.stochastic_rounding, lomo.fp32_master_weights,
-                                    lomo.seed)
+                                    lomo.seed, adalomo=adalomo)
         if lomo.fp32_master_weights and self.dtype != torch.float32:
             self.updater.init_masters(self.params)
         self.memory: MemoryTracker | None = None
@@ -144,7 +147,8 @@ class LomoEngine:
         return self.config.clip_grad_norm is not None or self.loss_scaler is not None
 
     def enable_memory_tracking(self) -> MemoryTracker:
-        self.memory = MemoryTracker(self.params, master_bytes=sum(m.numel() * 4 for m in self.updater.masters.values()))
+        self.memory = MemoryTracker(self.params, master_bytes=sum(m.numel() * 4 for m in self.updater.masters.values()),
+                                    state_bytes=self.updater.adalomo.state_bytes() if self.updater.adalomo else 0)
         self.buckets.tracker = self.memory
         return self.memory
 
@@ -250,6 +254,7 @@ class LomoEngine:
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+            "adalomo": self.updater.adalomo.state_dict() if self.updater.adalomo else None,
         }
 
     def load_shard_state_dict(self, state: dict[str, Any]) -> None:
@@ -263,6 +268,11 @@ class LomoEngine:
             ds_compat.shard(by_name[name]).copy_(tensor)
         for name, tensor in state["masters"].items():
             self.updater.masters[ds_compat.param_id(by_name[name])].copy_(tensor)
+        if self.updater.adalomo is not None:
+            if not state.get("adalomo"):
+                raise ValueError("checkpoint shard has no AdaLomo state (written with lomo.optimizer 'sgd'); "
+                                 "resume with the optimizer it was written with")
+            self.updater.adalomo.load_state_dict(state["adalomo"])
         self.global_step = state["global_step"]
         self.skipped_steps = state["skipped_steps"]
         if self.loss_scaler is not None and state["loss_scaler"] is not None:

@@ -66,8 +66,12 @@ class PassStats:
 class ShardUpdater:
     """Applies one reduced gradient shard to this rank's slice of a parameter."""
 
-    def __init__(self, world: int, rank: int, stochastic_rounding: bool, fp32_master: bool, seed: int):
+    def __init__(self, world: int, rank: int, stochastic_rounding: bool, fp32_master: bool, seed: int,
+                 adalomo=None):
         self.world, self.rank = world, rank
+        # An AdaLomo rule (lomo_ds/adalomo.py) replaces the SGD update when set; it needs each
+        # bucket whole for its per-bucket statistics collectives.
+        self.adalomo = adalomo
         self.stochastic_rounding = stochastic_rounding
         self.fp32_master = fp32_master
         self.masters: dict[int, torch.Tensor] = {}  # ds_id -> fp32 copy of the local real elements
@@ -87,6 +91,9 @@ class ShardUpdater:
             self.masters[ds_compat.param_id(p)] = ds_compat.shard(p)[:n].detach().float().clone()
 
     def apply_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        if self.adalomo is not None and not self.measuring:
+            self.adalomo.apply_bucket(self, items)
+            return
         for param, grad_shard in items:
             self.apply(param, grad_shard)
 
@@ -104,12 +111,27 @@ class ShardUpdater:
             # `g` may alias the received bucket or the freed gradient: both are ours to overwrite.
             g.mul_(self.rule.grad_scale).clamp_(-self.rule.clip_value, self.rule.clip_value)
             step_scale = 1.0
-        shard = ds_compat.shard(param)[:n]
-        master = self.masters.get(ds_compat.param_id(param))
-        weights = master if master is not None else shard.float()
+        shard, master, weights = self.weights(param, n)
         if self.rule.weight_decay:
             weights.mul_(1.0 - self.rule.lr * self.rule.weight_decay)
         weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
+        self.write_back(shard, master, weights)
+
+    def update_grad(self, grad_shard: torch.Tensor, n: int) -> torch.Tensor:
+        """The real elements of a reduced gradient shard as the update rule sees them: fp32,
+        averaged, unscaled, norm-clipped (all in grad_scale), then value-clipped. In place."""
+        g = grad_shard[:n].float().mul_(self.rule.grad_scale)
+        if self.rule.clip_value is not None:
+            g.clamp_(-self.rule.clip_value, self.rule.clip_value)
+        return g
+
+    def weights(self, param: torch.nn.Parameter, n: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(this rank's real shard elements, its fp32 master or None, the fp32 weights to update)."""
+        shard = ds_compat.shard(param)[:n]
+        master = self.masters.get(ds_compat.param_id(param))
+        return shard, master, master if master is not None else shard.float()
+
+    def write_back(self, shard: torch.Tensor, master: torch.Tensor | None, weights: torch.Tensor) -> None:
         if weights.data_ptr() == shard.data_ptr():
             return  # fp32 shard updated in place
         if shard.dtype == torch.bfloat16 and self.stochastic_rounding and master is None:
