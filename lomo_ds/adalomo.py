@@ -47,13 +47,13 @@ Where the public `lomo-optim` code and the paper differ, and what this module do
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from . import ds_compat
 from .config import AdaLomoConfig
-from .fused_update import geometry
+from .fused_update import ShardGeometry, geometry
 
 
 def row_pieces(start: int, n: int, cols: int) -> list[tuple[int, int, int, int, int]]:
@@ -74,6 +74,19 @@ def row_pieces(start: int, n: int, cols: int) -> list[tuple[int, int, int, int, 
 
 def is_factored(shape: torch.Size) -> bool:
     return len(shape) == 2
+
+
+class _Slice(NamedTuple):
+    """One parameter of a reduced bucket, as this rank sees it."""
+
+    param: torch.nn.Parameter
+    geo: ShardGeometry
+    shape: torch.Size
+    pieces: list | None  # row_pieces of a matrix slice; None for a parameter with a full second moment
+    g: torch.Tensor  # the real gradient elements (fp32, ours to overwrite: becomes u)
+    shard: torch.Tensor
+    master: torch.Tensor | None
+    weights: torch.Tensor  # fp32 weights to update (the master, or the shard or a copy of it)
 
 
 class AdaLomo:
@@ -100,67 +113,67 @@ class AdaLomo:
     # ----------------------------------------------------------------- the update
     def apply_bucket(self, updater, items: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
         cfg = self.cfg
-        work = []
+        slices = []
         for param, grad_shard in items:
             geo = geometry(param, self.world, self.rank)
             shape = ds_compat.full_shape(param)
-            pieces = row_pieces(geo.start, geo.local, shape[1]) if is_factored(shape) else None
-            g = updater.update_grad(grad_shard, geo.local)  # overwritten with u below
-            work.append((param, geo, shape, pieces, g, *updater.weights(param, geo.local)))
+            slices.append(_Slice(param, geo, shape,
+                                 row_pieces(geo.start, geo.local, shape[1]) if is_factored(shape) else None,
+                                 updater.update_grad(grad_shard, geo.local), *updater.weights(param, geo.local)))
 
-        # 1. Partial row/column sums of g^2 and the partial sum of θ^2, every parameter of the
-        #    bucket in one buffer (layout: [rows, cols] per matrix, then one θ^2 per parameter).
-        width = sum(s[0] + s[1] for _, _, s, pieces, *_ in work if pieces is not None)
-        sums = torch.zeros(width + len(work), dtype=torch.float32, device=work[0][4].device)
-        col0 = 0
-        for i, (_, _, shape, pieces, g, _, _, weights) in enumerate(work):
-            if pieces is not None:
-                rows_at, cols_at = col0, col0 + shape[0]
-                for pos, row, col, rows, w in pieces:
-                    block = g[pos:pos + rows * w].view(rows, w)
-                    sums[rows_at + row:rows_at + row + rows] += torch.linalg.vector_norm(block, dim=1).square_()
+        # 1. Partial row/column sums of g^2 and partial sums of θ^2 for the whole bucket in one
+        #    buffer: [rows, cols] of each matrix, then one θ^2 per parameter.
+        width = sum(s.shape[0] + s.shape[1] for s in slices if s.pieces is not None)
+        sums = torch.zeros(width + len(slices), dtype=torch.float32, device=slices[0].g.device)
+        at = 0
+        for i, s in enumerate(slices):
+            if s.pieces is not None:
+                cols_at = at + s.shape[0]
+                for pos, row, col, rows, w in s.pieces:
+                    block = s.g[pos:pos + rows * w].view(rows, w)
+                    sums[at + row:at + row + rows] += torch.linalg.vector_norm(block, dim=1).square_()
                     sums[cols_at + col:cols_at + col + w] += torch.linalg.vector_norm(block, dim=0).square_()
-                col0 += shape[0] + shape[1]
-            sums[width + i] = torch.linalg.vector_norm(weights).square()
+                at += s.shape[0] + s.shape[1]
+            sums[width + i] = torch.linalg.vector_norm(s.weights).square()
         self._all_reduce(sums)
 
-        # 2. Second moments and u = g / sqrt(v), in place in g; partial sums of u^2.
-        u_sq = torch.zeros(len(work), dtype=torch.float32, device=sums.device)
-        col0 = 0
-        for i, (param, geo, shape, pieces, g, *_) in enumerate(work):
-            state = self.state[ds_compat.param_id(param)]
+        # 2. Second moments, then u = g / sqrt(v) in place of g, and partial sums of u^2.
+        u_sq = torch.zeros(len(slices), dtype=torch.float32, device=sums.device)
+        at = 0
+        for i, s in enumerate(slices):
+            state = self.state[ds_compat.param_id(s.param)]
             state["step"] += 1
             beta = 1.0 - state["step"] ** cfg.decay_rate
-            if pieces is not None:
-                rows, cols = shape
-                row_mean = sums[col0:col0 + rows].div(cols).add_(cfg.eps1)
-                col_mean = sums[col0 + rows:col0 + rows + cols].div(rows).add_(cfg.eps1)
-                col0 += rows + cols
+            if s.pieces is not None:
+                rows, cols = s.shape
+                row_mean = sums[at:at + rows].div(cols).add_(cfg.eps1)
+                col_mean = sums[at + rows:at + rows + cols].div(rows).add_(cfg.eps1)
+                at += rows + cols
                 state["row"].mul_(beta).add_(row_mean.to(state["row"].device), alpha=1.0 - beta)
                 state["col"].mul_(beta).add_(col_mean.to(state["col"].device), alpha=1.0 - beta)
                 row_factor = (state["row"] / state["row"].mean()).rsqrt_()
                 col_factor = state["col"].rsqrt()
-                for pos, row, col, n_rows, w in pieces:
-                    block = g[pos:pos + n_rows * w].view(n_rows, w)
+                for pos, row, col, n_rows, w in s.pieces:
+                    block = s.g[pos:pos + n_rows * w].view(n_rows, w)
                     block.mul_(row_factor[row:row + n_rows, None]).mul_(col_factor[col:col + w])
             else:
-                state["sq"].mul_(beta).add_(g.square().add_(cfg.eps1), alpha=1.0 - beta)
-                g.mul_(state["sq"].rsqrt())
-            u_sq[i] = torch.linalg.vector_norm(g).square()
+                state["sq"].mul_(beta).add_(s.g.square().add_(cfg.eps1), alpha=1.0 - beta)
+                s.g.mul_(state["sq"].rsqrt())
+            u_sq[i] = torch.linalg.vector_norm(s.g).square()
         self._all_reduce(u_sq)
 
         # 3. θ -= lr * max(eps2, RMS(θ)) * u / max(1, RMS(u) / clip_threshold)
         param_sq, u_sq = sums[width:].tolist(), u_sq.tolist()
         lr, wd = updater.rule.lr, updater.rule.weight_decay
-        for i, (_, geo, _, _, g, shard, master, weights) in enumerate(work):
-            if geo.local == 0:
+        for i, s in enumerate(slices):
+            if s.geo.local == 0:
                 continue
-            step = lr * max(cfg.eps2, math.sqrt(param_sq[i] / geo.numel))
-            clip = max(1.0, math.sqrt(u_sq[i] / geo.numel) / cfg.clip_threshold)
+            step = lr * max(cfg.eps2, math.sqrt(param_sq[i] / s.geo.numel))
+            clip = max(1.0, math.sqrt(u_sq[i] / s.geo.numel) / cfg.clip_threshold)
             if wd:
-                weights.mul_(1.0 - step * wd)
-            weights.add_(g, alpha=-step / clip)
-            updater.write_back(shard, master, weights)
+                s.weights.mul_(1.0 - step * wd)
+            s.weights.add_(s.g, alpha=-step / clip)
+            updater.write_back(s.shard, s.master, s.weights)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         if self.world > 1:
