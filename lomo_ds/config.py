@@ -153,6 +153,17 @@ def validate_lomo(cfg: LomoConfig, where: str = "lomo") -> LomoConfig:
         raise ConfigError(f"{where}.grad_reduction: expected 'reduce_scatter' or 'all_reduce', got {cfg.grad_reduction!r}")
     if cfg.optimizer not in _OPTIMIZERS:
         raise ConfigError(f"{where}.optimizer: expected one of {list(_OPTIMIZERS)}, got {cfg.optimizer!r}")
+    a = cfg.adalomo
+    if not a.clip_threshold > 0:
+        raise ConfigError(f"{where}.adalomo.clip_threshold: expected a positive number, got {a.clip_threshold}")
+    for name in ("eps1", "eps2"):
+        if not getattr(a, name) >= 0:
+            raise ConfigError(f"{where}.adalomo.{name}: expected >= 0, got {getattr(a, name)}")
+    if not a.decay_rate < 0:
+        raise ConfigError(f"{where}.adalomo.decay_rate: expected a negative exponent (beta2_t = 1 - t^decay_rate), "
+                          f"got {a.decay_rate}")
+    if cfg.max_consecutive_skips < 1:
+        raise ConfigError(f"{where}.max_consecutive_skips: expected >= 1, got {cfg.max_consecutive_skips}")
     s = cfg.scheduler
     if s.type not in _SCHEDULE_TYPES:
         raise ConfigError(f"{where}.scheduler.type: expected one of {list(_SCHEDULE_TYPES)}, got {s.type!r}")

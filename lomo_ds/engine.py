@@ -12,6 +12,9 @@ in place (see fused_update.py). One step = one forward and one or two backward p
              min(1, max_norm / norm), or the whole step is skipped on every rank on overflow.
              The second pass reuses the first pass's graph (retain_graph) instead of paying a
              second forward, unless two_pass_mode is "recompute".
+
+lomo.optimizer "adalomo" swaps the SGD update for AdaLomo's (lomo_ds/adalomo.py) on the same
+reduced shards and passes; its state goes into the shard checkpoint and the memory tracker.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from adalomo_reference import ReferenceAdaLomo
 from conftest import ROOT, launch
 from lomo_ds.adalomo import row_pieces
+from lomo_ds.config import ConfigError, load_config
 from lomo_ds.planner import LLAMA
 from tiny import global_batch, tiny_llama
 
@@ -64,6 +65,22 @@ def state_bytes(shapes, world: int, rank: int = 0) -> int:
             part = math.ceil(numel / world)
             total += max(0, min(part, numel - rank * part))
     return 4 * total
+
+
+# ----------------------------------------------------------------------------- config
+@pytest.mark.parametrize("section, key", [({"optimizer": "adam"}, "lomo.optimizer"),
+                                          ({"adalomo": {"clip_threshold": 0}}, "lomo.adalomo.clip_threshold"),
+                                          ({"adalomo": {"decay_rate": 0.8}}, "lomo.adalomo.decay_rate"),
+                                          ({"adalomo": {"eps3": 1e-3}}, "lomo.adalomo.eps3")])
+def test_bad_adalomo_config_names_the_key(section, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config({"lomo": section})
+
+
+def test_adalomo_config_defaults_are_the_papers():
+    lomo = load_config({"lomo": {"optimizer": "adalomo"}})[1]
+    a = lomo.adalomo
+    assert (lomo.optimizer, a.clip_threshold, a.eps1, a.eps2, a.decay_rate) == ("adalomo", 1.0, 1e-30, 1e-3, -0.8)
 
 
 # ----------------------------------------------------------------------------- pieces of a slice
