@@ -21,13 +21,13 @@ The row and column vectors are replicated on every rank (R + C fp32 per matrix);
 second moment of a vector parameter is kept for this rank's slice only. No gradient beyond the
 bucket and no whole parameter ever exist on a rank.
 
-Where the public `lomo-optim` code and the paper differ, and what this module does:
+Where the paper, the public `lomo-optim` code and this module differ, and which one it follows:
 - Rows/columns: the paper accumulates row and column *sums* of g^2 + eps1 and divides
   outer(r, c) by sum(r); the code keeps *means* and divides by mean(r). The two give the same v
   (the factors R and C cancel). We keep means, as the code (Adafactor's convention).
-- beta: the paper writes a decay coefficient beta; the code uses Adafactor's 1 - t^-0.8. We
-  follow the code. Its `step_num == 0` branch is never reached (the counter is raised before the
-  first backward); here t starts at 1 as well, so beta_1 = 0 and v starts at g^2 + eps1.
+- beta: Adafactor's schedule 1 - t^decay_rate, as the code. Its `step_num == 0` branch is never
+  reached (the counter is raised before the first backward); here t starts at 1 as well, so
+  beta_1 = 0 and v starts at g^2 + eps1.
 - Weight decay: not in the paper. The code decays by the relative step, θ *= 1 - lr *
   max(eps2, RMS(θ)) * weight_decay (as Adafactor does); we follow the code.
 - Tensors of 3 or more dimensions: the code factors them over the last two dimensions, the paper
@@ -36,9 +36,8 @@ Where the public `lomo-optim` code and the paper differ, and what this module do
 - Clipping order: the code clamps values first and then applies the norm-clipping coefficient;
   we apply the coefficient first and then clamp, as torch's clip_grad_norm_ + clip_grad_value_
   (and this project's LOMO update) do. With only one kind of clipping they agree.
-- Tied weights: the code updates a parameter from inside a tensor hook of the *next* gradient,
-  so a tied weight is stepped on the part of its gradient accumulated so far; here a tied
-  weight is updated once, with the gradient summed over its uses.
+- Loss scale: the code multiplies every loss by a fixed 2^10 and divides the gradients back
+  (a power of two: exact in fp32); here it is the engine's dynamic loss scale, unscaled first.
 - ZeRO-3: the code all-reduces each full gradient (twice the bytes of the reduce-scatter) and
   needs the whole gradient on every rank; here the statistics are reduced from the slices.
 - t: the code counts backward calls; here each parameter counts the updates applied to it, so a

@@ -129,16 +129,16 @@ def run_reference(model, steps, clip_grad_norm=None, clip_grad_value=None, weigh
     return model
 
 
-@pytest.mark.parametrize("kw", [{}, {"clip_grad_norm": 0.5}, {"weight_decay": 0.3}, {"clip_grad_value": 0.002}],
-                         ids=["plain", "clip_norm", "weight_decay", "clip_value"])
-def test_reference_matches_public_adalomo(kw):
-    # Untied: the public code steps a tied weight on a partial gradient (see lomo_ds/adalomo.py).
-    start = tiny_llama(0)
+@pytest.mark.parametrize("tie, kw", [(False, {}), (False, {"clip_grad_norm": 0.5}), (False, {"weight_decay": 0.3}),
+                                     (False, {"clip_grad_value": 0.002}), (True, {})],
+                         ids=["plain", "clip_norm", "weight_decay", "clip_value", "tied"])
+def test_reference_matches_public_adalomo(tie, kw):
+    start = tiny_llama(0, tie=tie)
     public = run_public(copy.deepcopy(start), 3, **kw)
     ref = run_reference(copy.deepcopy(start), 3, **kw)
     diff = max((a - b).abs().max().item() for a, b in zip(public.parameters(), ref.parameters()))
     moved = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), start.parameters()))
-    print(f"{kw}: max |reference - lomo_optim.AdaLomo| = {diff:.2e} after 3 steps (largest move {moved:.2e})")
+    print(f"{kw}{' tied' if tie else ''}: max |reference - lomo_optim.AdaLomo| = {diff:.2e} after 3 steps (largest move {moved:.2e})")
     assert diff <= TOL
     assert moved > 1000 * TOL
 
