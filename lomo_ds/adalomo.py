@@ -118,7 +118,8 @@ class AdaLomo:
             shape = ds_compat.full_shape(param)
             slices.append(_Slice(param, geo, shape,
                                  row_pieces(geo.start, geo.local, shape[1]) if is_factored(shape) else None,
-                                 updater.update_grad(grad_shard, geo.local), *updater.weights(param, geo.local)))
+                                 updater.unscale_and_clip(grad_shard[:geo.local].float()),
+                                 *updater.weights(param, geo.local)))
 
         # 1. Partial row/column sums of g^2 and partial sums of θ^2 for the whole bucket in one
         #    buffer: [rows, cols] of each matrix, then one θ^2 per parameter.

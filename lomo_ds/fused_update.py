@@ -108,19 +108,18 @@ class ShardUpdater:
             return
         step_scale = self.rule.grad_scale
         if self.rule.clip_value is not None:
-            # `g` may alias the received bucket or the freed gradient: both are ours to overwrite.
-            g.mul_(self.rule.grad_scale).clamp_(-self.rule.clip_value, self.rule.clip_value)
-            step_scale = 1.0
+            g, step_scale = self.unscale_and_clip(g), 1.0
         shard, master, weights = self.weights(param, n)
         if self.rule.weight_decay:
             weights.mul_(1.0 - self.rule.lr * self.rule.weight_decay)
         weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
         self.write_back(shard, master, weights)
 
-    def update_grad(self, grad_shard: torch.Tensor, n: int) -> torch.Tensor:
-        """The real elements of a reduced gradient shard as the update rule sees them: fp32,
-        averaged, unscaled, norm-clipped (all in grad_scale), then value-clipped. In place."""
-        g = grad_shard[:n].float().mul_(self.rule.grad_scale)
+    def unscale_and_clip(self, g: torch.Tensor) -> torch.Tensor:
+        """The gradient as the update rule sees it: averaged, unscaled and norm-clipped (all in
+        grad_scale), then value-clipped. In place: `g` (fp32 real elements of a reduced shard)
+        aliases the received bucket or the freed gradient, both ours to overwrite."""
+        g.mul_(self.rule.grad_scale)
         if self.rule.clip_value is not None:
             g.clamp_(-self.rule.clip_value, self.rule.clip_value)
         return g

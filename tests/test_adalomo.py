@@ -207,6 +207,9 @@ def test_traffic_extra_over_lomo_is_under_one_percent(adalomo_results):
     shapes = [tuple(p.shape) for p in llama_shaped_model().parameters()]
     assert extra == 4 * stat_floats(shapes)  # fp32 all-reduce on 2 ranks: 2 (w-1)/w = 1 x the bytes
     assert extra / lomo["total"] < 0.01
+    print(f"AdaLomo state on rank 0: {r['adalomo_state_bytes']} B = {r['adalomo_state_bytes'] / r['param_bytes']:.3%} "
+          f"of the fp32 parameters, {r['adalomo_state_bytes'] / r['shard_bytes']:.3%} of the rank's shard")
+    assert r["adalomo_state_bytes"] == state_bytes(shapes, 2)
 
 
 def llama_shaped_model():
