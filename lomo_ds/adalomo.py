@@ -149,8 +149,8 @@ class AdaLomo:
                 row_mean = sums[at:at + rows].div(cols).add_(cfg.eps1)
                 col_mean = sums[at + rows:at + rows + cols].div(rows).add_(cfg.eps1)
                 at += rows + cols
-                state["row"].mul_(beta).add_(row_mean.to(state["row"].device), alpha=1.0 - beta)
-                state["col"].mul_(beta).add_(col_mean.to(state["col"].device), alpha=1.0 - beta)
+                state["row"].mul_(beta).add_(row_mean, alpha=1.0 - beta)
+                state["col"].mul_(beta).add_(col_mean, alpha=1.0 - beta)
                 row_factor = (state["row"] / state["row"].mean()).rsqrt_()
                 col_factor = state["col"].rsqrt()
                 for pos, row, col, n_rows, w in s.pieces:
