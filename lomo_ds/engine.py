@@ -17,6 +17,9 @@ Before any backward, one all-reduce of three numbers agrees on the loss: a non-f
 any rank skips the step on every rank with no weight touched. A gradient that turns non-finite
 only in a backward is flagged by the buckets on every rank at once; the step is then skipped
 from that bucket on. After lomo.max_consecutive_skips skipped steps in a row the run stops.
+
+lomo.optimizer "adalomo" swaps the SGD update for AdaLomo's (lomo_ds/adalomo.py) on the same
+reduced shards and passes; its state goes into the shard checkpoint and the memory tracker.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from . import ds_compat
+from .adalomo import AdaLomo
 from .config import LomoConfig, load_config, model_dtype
 from .device import accelerator_device, capture_rng, group_device, move_batch, restore_rng
 from .fused_update import ReduceScatterBuckets, ShardUpdater, UpdateRule
@@ -138,6 +142,8 @@ class LomoEngine:
         # Shards live on the accelerator, or in host memory with offload_param: the update runs there.
         shard_device = ds_compat.shard(self.params[0]).device
         self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.fp32_master_weights, lomo.seed, shard_device)
+        if lomo.optimizer == "adalomo":
+            self.updater.adalomo = AdaLomo(lomo.adalomo, self.module, self.params, self.group, self.updater.geometry)
         if lomo.fp32_master_weights and self.dtype != torch.float32:
             self.updater.init_masters(self.params)
         self.memory: MemoryTracker | None = None
@@ -190,7 +196,8 @@ class LomoEngine:
         return self.config.clip_grad_norm is not None or self.loss_scaler is not None
 
     def enable_memory_tracking(self) -> MemoryTracker:
-        self.memory = MemoryTracker(self.params, master_bytes=sum(m.numel() * 4 for m in self.updater.masters.values()))
+        self.memory = MemoryTracker(self.params, master_bytes=sum(m.numel() * 4 for m in self.updater.masters.values()),
+                                    state_bytes=self.updater.adalomo.state_bytes() if self.updater.adalomo else 0)
         for buckets in self.bucket_sets.values():
             buckets.tracker = self.memory
         return self.memory
@@ -341,6 +348,7 @@ class LomoEngine:
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+            "adalomo": self.updater.adalomo.state_dict() if self.updater.adalomo else None,
         }
 
     def load_shard_state_dict(self, state: dict[str, Any]) -> None:
@@ -367,6 +375,11 @@ class LomoEngine:
             master = self.updater.masters.get(ds_compat.param_id(by_name[name]))
             if master is not None:
                 master.copy_(state["masters"][name])
+        if self.updater.adalomo is not None:
+            if not state.get("adalomo"):
+                raise ValueError("checkpoint shard has no AdaLomo state (written with lomo.optimizer 'sgd'); "
+                                 "resume with the optimizer it was written with")
+            self.updater.adalomo.load_state_dict(state["adalomo"])
         self.global_step = state["global_step"]
         self.skipped_steps = state["skipped_steps"]
         self.consecutive_skips = state.get("consecutive_skips", 0)

@@ -69,9 +69,12 @@ class ShardUpdater:
     Each parameter is sharded over its own process group (`ds_process_group`): its shard
     geometry comes from that group's size and this rank's place in it. The update runs where the
     shard lives: on the accelerator, or in host memory under `offload_param: {device: cpu}`.
+    An AdaLomo rule (lomo_ds/adalomo.py), when set, replaces the SGD update of the updating pass;
+    it takes each bucket whole for its per-bucket statistics collectives.
     """
 
     def __init__(self, stochastic_rounding: bool, fp32_master: bool, seed: int, device: torch.device):
+        self.adalomo = None
         self.stochastic_rounding = stochastic_rounding
         self.fp32_master = fp32_master
         self.masters: dict[int, torch.Tensor] = {}  # ds_id -> fp32 copy of the local real elements
@@ -104,6 +107,9 @@ class ShardUpdater:
             self.masters[ds_compat.param_id(p)] = ds_compat.shard(p)[:n].detach().float().clone()
 
     def apply_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        if self.adalomo is not None and not self.measuring:
+            self.adalomo.apply_bucket(self, items)
+            return
         for param, grad_shard in items:
             self.apply(param, grad_shard)
 
@@ -111,23 +117,33 @@ class ShardUpdater:
         n = self.geometry(param).local
         if n == 0:
             return
-        shard = ds_compat.shard(param)[:n]
-        # An offloaded shard is updated in host memory: the slice goes there, not the shard here.
-        g = grad_shard[:n].to(shard.device, torch.float32)
+        g = self.real_grad(param, grad_shard)
         if self.measuring:
             # fp32 norm per tensor, accumulated in fp64 across tensors (as clip_grad_norm_ does).
             self.stats.sum_sq += float(torch.linalg.vector_norm(g)) ** 2 * self.rule.grad_scale**2
             return
         step_scale = self.rule.grad_scale
         if self.rule.clip_value is not None:
-            # `g` may alias the received bucket or the freed gradient: both are ours to overwrite.
-            g.mul_(self.rule.grad_scale).clamp_(-self.rule.clip_value, self.rule.clip_value)
-            step_scale = 1.0
+            g, step_scale = self.unscale_and_clip(g), 1.0
         weights = self.weights(param)
         if self.rule.weight_decay:
             weights.mul_(1.0 - self.rule.lr * self.rule.weight_decay)
         weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
         self.write_back(param, weights)
+
+    def real_grad(self, param: torch.nn.Parameter, grad_shard: torch.Tensor) -> torch.Tensor:
+        """The fp32 real elements of a reduced gradient slice, where the shard lives (an offloaded
+        shard is updated in host memory: the slice goes there, not the shard here)."""
+        return grad_shard[:self.geometry(param).local].to(ds_compat.shard(param).device, torch.float32)
+
+    def unscale_and_clip(self, g: torch.Tensor) -> torch.Tensor:
+        """The gradient as the update rule sees it: averaged, unscaled and norm-clipped (all in
+        grad_scale), then value-clipped. In place: `g` aliases the received bucket or the freed
+        gradient, both ours to overwrite."""
+        g.mul_(self.rule.grad_scale)
+        if self.rule.clip_value is not None:
+            g.clamp_(-self.rule.clip_value, self.rule.clip_value)
+        return g
 
     def weights(self, param: torch.nn.Parameter) -> torch.Tensor:
         """fp32 weights of this rank's real elements to update in place: the master copy, the

@@ -19,6 +19,7 @@ from . import ds_compat
 @dataclass
 class MemorySample:
     shard_bytes: int = 0  # this rank's parameter shards (+ fp32 masters)
+    state_bytes: int = 0  # optimizer state (AdaLomo's second moments)
     gathered_bytes: int = 0  # full copies of parameters gathered by ZeRO-3 (not persistent ones)
     persistent_bytes: int = 0  # small parameters ZeRO-3 keeps gathered for good
     grad_bytes: int = 0  # .grad tensors alive
@@ -26,13 +27,14 @@ class MemorySample:
 
     @property
     def total(self) -> int:
-        return self.shard_bytes + self.gathered_bytes + self.persistent_bytes + self.grad_bytes + self.bucket_bytes
+        return self.shard_bytes + self.state_bytes + self.gathered_bytes + self.persistent_bytes + self.grad_bytes + self.bucket_bytes
 
 
 @dataclass
 class MemoryTracker:
     params: list
     master_bytes: int = 0
+    state_bytes: int = 0
     peak: MemorySample = field(default_factory=MemorySample)
     peak_gathered_plus_grad: int = 0
     peak_param_bytes: int = 0  # shards + gathered + persistent, at their own peak
@@ -50,7 +52,7 @@ class MemoryTracker:
         self._bucket_bytes = 0
 
     def sample(self) -> MemorySample:
-        s = MemorySample(shard_bytes=self.master_bytes, bucket_bytes=self._bucket_bytes)
+        s = MemorySample(shard_bytes=self.master_bytes, state_bytes=self.state_bytes, bucket_bytes=self._bucket_bytes)
         for p in self.params:
             esize = p.element_size()
             s.shard_bytes += ds_compat.shard(p).numel() * ds_compat.shard(p).element_size()

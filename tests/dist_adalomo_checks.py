@@ -1,0 +1,218 @@
+"""Multi-rank AdaLomo checks, run once per world size by tests/test_adalomo.py.
+
+Launched as `torchrun --nproc_per_node N tests/dist_adalomo_checks.py OUT.json`; rank 0 records
+figures, the pytest side asserts on them (the pattern of tests/dist_engine_checks.py).
+"""
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lomo_ds  # noqa: E402
+from lomo_ds import ds_compat  # noqa: E402
+from lomo_ds.comm_stats import count_comm  # noqa: E402
+from lomo_ds.fused_update import geometry  # noqa: E402
+from adalomo_reference import ReferenceAdaLomo  # noqa: E402
+from dist_engine_checks import ds_cfg, max_diff, scaled_forward  # noqa: E402
+from tiny import ScaledLlama, global_batch, tiny_llama  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+# AdaLomo steps every parameter by lr * RMS(param) whatever its gradient's size, and its update
+# normalises the gradient, so a gradient entry summed in another order (over ranks instead of in
+# one batch) moves by up to the step times its relative rounding error. At lr 0.01 a norm weight
+# (RMS about 1.2) moves 0.012 a step and those differences stay a few fp32 ulps.
+LR = 0.01
+STEPS = 3
+
+
+def adalomo_cfg(persist=0, lr=LR, **lomo):
+    cfg = ds_cfg(persist=persist, optimizer="adalomo", **lomo)
+    cfg["lomo"]["lr"] = lr
+    return cfg
+
+
+def reference_step(ref, opt, mbs, world, clip_norm=None, clip_value=None, forward=None):
+    forward = forward or (lambda m, b: m(**b).loss)
+    ref.zero_grad()
+    loss = sum(forward(ref, mb) for mb in mbs) / world
+    loss.backward()
+    if clip_norm is not None:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_norm)
+    if clip_value is not None:
+        torch.nn.utils.clip_grad_value_(ref.parameters(), clip_value)
+    opt.step()
+    return loss.item()
+
+
+def crosses_rows(engine) -> int:
+    """Matrices whose slice on some rank starts mid-row: the case the partial sums exist for."""
+    n = 0
+    for p in engine.params:
+        shape = ds_compat.full_shape(p)
+        if len(shape) == 2:
+            n += any(geometry(p, engine.world, r).start % shape[1] and geometry(p, engine.world, r).local
+                     for r in range(engine.world))
+    return n
+
+
+def equivalence(make_model, cfg, clip_norm=None, clip_value=None, wd=0.0, forward=None):
+    ref = make_model()
+    start = [p.detach().clone() for p in ref.parameters()]
+    engine = lomo_ds.initialize(copy.deepcopy(ref), cfg)
+    opt = ReferenceAdaLomo(ref.parameters(), LR, weight_decay=wd)
+    world, rank = engine.world, engine.rank
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        mbs = global_batch(step, world)
+        losses.append(engine.train_step(mbs[rank])["loss"])
+        ref_losses.append(reference_step(ref, opt, mbs, world, clip_norm, clip_value, forward))
+    moved = max((p.detach() - p0).abs().max().item() for p, p0 in zip(ref.parameters(), start))
+    return {"max_abs_diff": max_diff(engine, ref), "moved": moved, "loss": losses, "ref_loss": ref_losses,
+            "crosses_rows": crosses_rows(engine), "n_persistent": len(engine.offload.persistent_parameters),
+            "n_params": len(engine.params)}
+
+
+def check_resume(bf16: bool):
+    """2 steps, shard state saved and loaded into a fresh engine, 1 more step == 3 in a row."""
+    cfg = adalomo_cfg(clip_grad_norm=0.5)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    straight = lomo_ds.initialize(tiny_llama(11), cfg)
+    world, rank = straight.world, straight.rank
+    for step in range(3):
+        straight.train_step(global_batch(step, world)[rank])
+    first = lomo_ds.initialize(tiny_llama(11), cfg)
+    for step in range(2):
+        first.train_step(global_batch(step, world)[rank])
+    buf = io.BytesIO()
+    torch.save(first.shard_state_dict(), buf)  # through bytes, as a checkpoint file
+    buf.seek(0)
+    resumed = lomo_ds.initialize(tiny_llama(11), cfg)
+    resumed.load_shard_state_dict(torch.load(buf, weights_only=False))
+    resumed.train_step(global_batch(2, world)[rank])
+    a, b = straight.full_state_dict(), resumed.full_state_dict()
+    if rank != 0:
+        return None
+    return {"max_abs_diff": max((a[k].float() - b[k].float()).abs().max().item() for k in a),
+            "state_keys": sorted(first.shard_state_dict()["adalomo"])[:3]}
+
+
+def check_bf16(steps=20, lr=1e-3):
+    """bf16 shards without masters: AdaLomo's write-back goes through stochastic rounding, so
+    updates below half a bf16 ulp still land, as a share of an fp32 reference's movement. The
+    bf16 forward itself moves that share (AdaLomo's normalised update flips with the sign of tiny
+    gradient entries), so fp32 master weights give the yardstick."""
+    world = torch.distributed.get_world_size()
+    ref = tiny_llama(10)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opt = ReferenceAdaLomo(ref.parameters(), lr)
+    for step in range(steps):
+        reference_step(ref, opt, global_batch(step, world), world)
+    ref_delta = torch.cat([(p.detach() - start[n]).reshape(-1) for n, p in ref.named_parameters()])
+    out = {}
+    for mode, lomo in {"stochastic": {"stochastic_rounding": True},
+                       "nearest": {"stochastic_rounding": False},
+                       "fp32_master": {"stochastic_rounding": False, "fp32_master_weights": True}}.items():
+        cfg = adalomo_cfg(lr=lr, **lomo)
+        cfg["bf16"] = {"enabled": True}
+        model = tiny_llama(10)
+        bf16_start = {n: p.detach().to(torch.bfloat16).float() for n, p in model.named_parameters()}
+        engine = lomo_ds.initialize(model, cfg)
+        for step in range(steps):
+            engine.train_step(global_batch(step, world)[engine.rank])
+        full = engine.full_state_dict()
+        if engine.rank == 0:
+            delta = torch.cat([(full[n].float() - bf16_start[n]).reshape(-1) for n, _ in ref.named_parameters()])
+            out[mode] = {"realized": (delta @ ref_delta / (ref_delta @ ref_delta)).item(),
+                         "rel_error": ((delta - ref_delta).norm() / ref_delta.norm()).item(),
+                         "dtype": str(next(iter(full.values())).dtype)}
+    return out
+
+
+def llama_shaped(seed=0):
+    # LLaMA-1 layout (no grouped KV heads, SwiGLU at ~2.7x hidden), scaled down.
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1376,
+                                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                        max_position_embeddings=64, attn_implementation="eager"))
+
+
+def check_traffic():
+    """Bytes each rank sends in one step, LOMO against AdaLomo, same model, data and buckets."""
+    out = {}
+    for name, optimizer in (("lomo", "sgd"), ("adalomo", "adalomo")):
+        cfg = ds_cfg(optimizer=optimizer, bucket_size=1_000_000)
+        cfg["lomo"]["lr"] = 1e-3
+        engine = lomo_ds.initialize(llama_shaped(), cfg)
+        world, rank = engine.world, engine.rank
+        engine.train_step(global_batch(0, world, vocab=1000)[rank])  # first step records DeepSpeed's trace
+        with count_comm() as counts:
+            engine.train_step(global_batch(1, world, vocab=1000)[rank])
+        out[name] = {"counts": counts.as_dict(), "total": counts.total_bytes}
+        if engine.updater.adalomo is not None:
+            out["adalomo_state_bytes"] = engine.updater.adalomo.state_bytes()
+            out["param_bytes"] = sum(ds_compat.full_numel(p) * 4 for p in engine.params)
+            out["shard_bytes"] = sum(ds_compat.shard(p).numel() * 4 for p in engine.params)
+            out["n_params"] = len(engine.params)
+    return out
+
+
+def check_memory():
+    """The memory tracker counts AdaLomo's state beside the shards."""
+    engine = lomo_ds.initialize(tiny_llama(4), adalomo_cfg())
+    tracker = engine.enable_memory_tracking()
+    engine.train_step(global_batch(0, engine.world)[engine.rank])
+    return {"peak_state_bytes": tracker.peak.state_bytes, "state_bytes": engine.updater.adalomo.state_bytes(),
+            "shard_bytes": sum(ds_compat.shard(p).numel() * 4 for p in engine.params),
+            "param_bytes": sum(ds_compat.full_numel(p) * 4 for p in engine.params)}
+
+
+def main(out_path):
+    lomo_ds.init_distributed()
+    world = torch.distributed.get_world_size()
+    checks = {
+        "plain": lambda: equivalence(lambda: tiny_llama(0), adalomo_cfg()),
+        "clip_norm": lambda: equivalence(lambda: tiny_llama(1), adalomo_cfg(clip_grad_norm=0.5), clip_norm=0.5),
+        "clip_value": lambda: equivalence(lambda: tiny_llama(2), adalomo_cfg(clip_grad_value=0.002),
+                                          clip_value=0.002),
+        "weight_decay": lambda: equivalence(lambda: tiny_llama(2), adalomo_cfg(weight_decay=0.3), wd=0.3),
+        "loss_scale": lambda: equivalence(lambda: tiny_llama(3), adalomo_cfg(
+            loss_scale={"enabled": True, "initial_scale_power": 8})),
+        "tied": lambda: equivalence(lambda: tiny_llama(6, tie=True), adalomo_cfg()),
+        "persistent": lambda: equivalence(lambda: tiny_llama(7), adalomo_cfg(persist=100_000)),
+        "persistent_mixed": lambda: equivalence(lambda: tiny_llama(7), adalomo_cfg(persist=2_000, clip_grad_norm=0.5),
+                                                clip_norm=0.5),
+        "small_param": lambda: equivalence(lambda: ScaledLlama(8), adalomo_cfg(), forward=scaled_forward),
+        "resume": lambda: check_resume(bf16=False),
+        "resume_bf16": lambda: check_resume(bf16=True),
+        "memory": check_memory,
+    }
+    if world == 2:  # the precision and traffic figures need one world size
+        checks.update(bf16=check_bf16, traffic=check_traffic)
+    only = os.environ.get("ADALOMO_CHECKS")
+    results = {}
+    for name, fn in checks.items():
+        if only and name not in only.split(","):
+            continue
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
