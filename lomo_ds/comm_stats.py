@@ -9,6 +9,7 @@ all-reduce of n elements: 2 (w-1)/w * n; broadcast: n from the root.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -69,3 +70,34 @@ def count_comm():
     finally:
         for name, fn in originals.items():
             setattr(backend, name, fn)
+
+
+_OFF = contextlib.nullcontext()
+
+
+class StepTimers:
+    """Wall-clock seconds spent in named parts of a step (the LOMO overhead breakdown).
+
+    Code under measurement asks `span(name)`; with timing off (`enabled = False`, the default)
+    that is a shared no-op context, so the hot paths pay one attribute test and nothing else.
+    """
+
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def span(self, name: str):
+        return self._timed(name) if self.enabled else _OFF
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        """The totals since the last take, then start again from zero."""
+        out, self.seconds = dict(self.seconds), defaultdict(float)
+        return out

@@ -53,6 +53,20 @@ def all_reduce(tensor: torch.Tensor, group=None) -> None:
     dist.all_reduce(tensor, group=group)
 
 
+def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group):
+    """Start the reduce-scatter and return its handle; `handle.wait()` before reading `output`."""
+    import deepspeed.comm as dist
+
+    return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
+
+
+def broadcast_from_first(tensor: torch.Tensor, group) -> None:
+    """Overwrite `tensor` on every rank of `group` with the group's first rank's copy."""
+    import deepspeed.comm as dist
+
+    dist.broadcast(tensor, src=torch.distributed.get_global_rank(group, 0), group=group)
+
+
 def offload_of(engine):
     """The ZeRO-3 parameter manager DeepSpeed builds when no optimizer is given."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload

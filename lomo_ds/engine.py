@@ -24,7 +24,9 @@ import torch
 
 from . import ds_compat
 from .config import LomoConfig, load_config, model_dtype
-from .fused_update import ReduceScatterBuckets, ShardUpdater, UpdateRule
+from .buckets import ReduceScatterBuckets
+from .comm_stats import StepTimers
+from .fused_update import ShardUpdater, UpdateRule
 from .memory import MemoryTracker
 from .precision import DynamicLossScaler
 from .schedule import Schedule
@@ -87,6 +89,7 @@ def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torc
 class LomoEngine:
     def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig):
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
         init_distributed()
         self.config = lomo
@@ -118,8 +121,12 @@ class LomoEngine:
             self.updater.init_masters(self.params)
         self.memory: MemoryTracker | None = None
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
-        self.buckets = ReduceScatterBuckets(self.group, self.world, self.rank, lomo.bucket_size, reduce_dtype,
-                                            self.updater.apply_bucket, all_reduce=lomo.grad_reduction == "all_reduce")
+        # Off by default (costs nothing); experiments/bench_step.py turns it on for the breakdown.
+        self.timers = StepTimers()
+        self.buckets = ReduceScatterBuckets(self.params, self.group, self.world, self.rank, lomo.bucket_size,
+                                            reduce_dtype, self.updater.apply_bucket,
+                                            device=torch.device(get_accelerator().current_device_name()),
+                                            all_reduce=lomo.grad_reduction == "all_reduce", timers=self.timers)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
@@ -150,16 +157,19 @@ class LomoEngine:
 
     # ----------------------------------------------------------------- the step
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if self.memory is not None:
-            self.memory.sample()
-        grad = param.grad
-        param.grad = None  # the bucket holds the only reference now; freed after the reduce-scatter
-        self.buckets.add(param, grad)
-        del grad
+        with self.timers.span("hook"):
+            if self.memory is not None:
+                self.memory.sample()
+            grad = param.grad
+            param.grad = None  # the bucket holds the only reference now; freed once packed
+            self.buckets.add(param, grad)
+            del grad
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool) -> None:
+        self.buckets.reset()
         loss.backward(retain_graph=retain_graph)
-        self.buckets.flush()
+        with self.timers.span("flush"):
+            self.buckets.flush()
 
     def forward(self, batch: dict[str, Any]):
         return self.module(**batch)
@@ -182,7 +192,8 @@ class LomoEngine:
             self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale)
             self._backward(loss * loss_scale, retain_graph=retain)
             self.updater.measuring = False
-            sum_sq = self.updater.stats.sum_sq
+            # A non-finite bucket is never handed to the update rule: it counts as an overflow.
+            sum_sq = math.inf if self.buckets.found_nonfinite else self.updater.stats.sum_sq
             total = torch.tensor([sum_sq if math.isfinite(sum_sq) else 0.0, 0.0 if math.isfinite(sum_sq) else 1.0],
                                  dtype=torch.float64)
             if self.world > 1:

@@ -157,7 +157,10 @@ def check_memory():
                      "grad": p.grad_bytes, "bucket": p.bucket_bytes, "total": p.total},
             "peak_gathered_plus_grad": tracker.peak_gathered_plus_grad,
             "shard_bytes": shard_bytes, "full_model_bytes": full_bytes, "layer_bytes": layer_bytes,
-            "block_bytes": block_bytes, "bucket_bound": 2 * (bucket_cap + largest_param), "samples": tracker.samples}
+            # A bucket filling (gradients, then its send buffer) while the previous one is in flight:
+            # its send buffer and this rank's 1/world receive buffer.
+            "block_bytes": block_bytes, "bucket_bound": (2 + 1 / world) * (bucket_cap + largest_param),
+            "samples": tracker.samples}
 
 
 def check_comm(two_pass: bool):
@@ -178,9 +181,11 @@ def check_comm(two_pass: bool):
     nonpersistent_padded = sum(math.ceil(ds_compat.full_numel(p) / world) * world for p in engine.params
                                if not ds_compat.is_persistent(p))
     ring = (world - 1) / world
+    # Each bucket's payload carries one non-finite flag element per rank besides the gradients.
+    flags = world * len(engine.buckets.layout)
     return {"counts": counts.as_dict(),
             "param_padded_bytes": padded * esize, "nonpersistent_padded_bytes": nonpersistent_padded * esize,
-            "expected_reduce_scatter": int(ring * padded * esize) * (2 if two_pass else 1),
+            "expected_reduce_scatter": int(ring * (padded + flags) * esize) * (2 if two_pass else 1),
             "ring": ring, "world": world}
 
 
