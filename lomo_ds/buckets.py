@@ -85,8 +85,11 @@ class ReduceScatterBuckets:
         # lets the next layer's backward kernels start at once.
         self.stream = self.accelerator.Stream() if device.type != "cpu" else None
         self.in_flight: deque[_InFlight] = deque()
-        self._plan(self.params[::-1])
-        self._relayout_pending = world > 1 and not all_reduce
+        # One rank has nothing to reduce, and the all-reduce baseline goes one parameter at a time:
+        # neither uses buckets.
+        bucketed = world > 1 and not all_reduce
+        self._plan(self.params[::-1] if bucketed else [])
+        self._relayout_pending = bucketed
         self.reset()
 
     # ----------------------------------------------------------------- layout
@@ -135,6 +138,7 @@ class ReduceScatterBuckets:
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         if self.world == 1:
             # One rank: the shard is the whole parameter and there is nothing to reduce.
+            self.arrived.append(param)
             if not self.found_nonfinite and math.isnan(nonfinite_marker(grad).item()):
                 self.found_nonfinite = True
             if not self.found_nonfinite:
@@ -169,7 +173,7 @@ class ReduceScatterBuckets:
             self._send_next()
         while self.in_flight:
             self._complete_oldest()
-        if self._relayout_pending and self.world > 1:
+        if self._relayout_pending:
             self._relayout()
 
     # ----------------------------------------------------------------- one bucket

@@ -61,7 +61,7 @@ def reference_step(ref, mbs, world, clip_norm=None, clip_value=None, wd=0.0, for
 
 
 def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_batch=None, zero_init=False,
-                steps=STEPS, prepare=None):
+                steps=STEPS, prepare=None, batches=global_batch):
     ref_kwargs = ref_kwargs or {}
     ref = make_model()
     if zero_init:
@@ -82,7 +82,7 @@ def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_b
     world, rank = engine.world, engine.rank
     losses, ref_losses, norms, ref_norms = [], [], [], []
     for step in range(steps):
-        mbs = global_batch(step, world)
+        mbs = batches(step, world)
         out = engine.train_step(mbs[rank])
         rl, rn = reference_step(ref, mbs, world, forward=forward, **ref_kwargs)
         losses.append(out["loss"]), ref_losses.append(rl), norms.append(out["grad_norm"]), ref_norms.append(rn)
