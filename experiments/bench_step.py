@@ -13,7 +13,8 @@ the median of the per-round ratios to the floor:
   deepspeed sgd  DeepSpeed ZeRO-3's own optimizer path with torch.optim.SGD
 
 and the breakdown of LOMO's time spent in its own code, from the engine's timers: packing the
-rank-major payload, starting the collective, waiting for it, the update arithmetic, and the rest
+rank-major payload, the non-finite flag, starting the collective, waiting for it, the update
+arithmetic, and the rest
 of the hook and end-of-backward code (bookkeeping).
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lomo_ds.engine import loss_of  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 LR = 1e-3
-BREAKDOWN = ("pack", "launch", "wait", "update")
+BREAKDOWN = ("pack", "flag", "launch", "wait", "update")
 
 
 def start_ranks() -> None:

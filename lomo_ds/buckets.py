@@ -191,6 +191,8 @@ class ReduceScatterBuckets:
         with self.accelerator.stream(self.stream):
             with self.timers.span("pack"):
                 send = self._pack(params, grads, dtype, width)
+            with self.timers.span("flag"):
+                send[:, width] = nonfinite_marker(send[:, :width])
             if self.tracker is not None:
                 self.tracker.note_bucket(self._held_bytes() + send.numel() * send.element_size())
             # The gradients are packed: let them go before the receive buffer exists.
@@ -206,6 +208,7 @@ class ReduceScatterBuckets:
         self.in_flight.append(_InFlight(work, send, received, params))
 
     def _pack(self, params, grads, dtype, width) -> torch.Tensor:
+        """The rank-major payload; its last column (the flag) is left for the caller."""
         send = torch.empty(self.world, width + 1, dtype=dtype, device=self.device)
         col = 0
         for p, g in zip(params, grads):
@@ -223,7 +226,6 @@ class ReduceScatterBuckets:
                 if tail:
                     send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
             col += part
-        send[:, width] = nonfinite_marker(send[:, :width])
         return send
 
     def _complete_oldest(self) -> None:
