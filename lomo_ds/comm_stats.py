@@ -42,14 +42,15 @@ def count_comm():
     counts = CommCounts()
     originals = {}
 
-    def wrap(name, elems_sent):
+    def wrap(name, elems_sent, op=None):
         fn = getattr(backend, name)
         originals[name] = fn
+        op = op or name
 
         def counted(*args, **kwargs):
             nbytes = elems_sent(*args, **kwargs)
-            counts.bytes_by_op[name] += int(nbytes)
-            counts.calls_by_op[name] += 1
+            counts.bytes_by_op[op] += int(nbytes)
+            counts.calls_by_op[op] += 1
             return fn(*args, **kwargs)
 
         setattr(backend, name, counted)
@@ -60,8 +61,13 @@ def count_comm():
 
     wrap("all_gather_into_tensor",
          lambda output_tensor, input_tensor, group=None, async_op=False: ring_part(output_tensor, group))
+    # Both forms of the reduce-scatter (flat tensor, list of per-rank chunks) count as one collective.
     wrap("reduce_scatter_tensor",
-         lambda output_tensor, input_tensor, op=None, group=None, async_op=False: ring_part(input_tensor, group))
+         lambda output_tensor, input_tensor, op=None, group=None, async_op=False: ring_part(input_tensor, group),
+         op="reduce_scatter")
+    wrap("reduce_scatter",
+         lambda output, input_list, op=None, group=None, async_op=False:
+         sum(t.numel() * t.element_size() for t in input_list) * (_world(group) - 1) // _world(group))
     wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: 2 * ring_part(tensor, group))
     wrap("all_gather",
          lambda tensor_list, tensor, group=None, async_op=False: tensor.numel() * tensor.element_size() * (_world(group) - 1))

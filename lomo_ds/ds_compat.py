@@ -54,9 +54,16 @@ def all_reduce(tensor: torch.Tensor, group=None) -> None:
 
 
 def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group):
-    """Start the reduce-scatter and return its handle; `handle.wait()` before reading `output`."""
+    """Start the reduce-scatter and return its handle; `handle.wait()` before reading `output`.
+
+    On gloo (CPU ranks) the same collective is issued in its list form: gloo's
+    reduce_scatter_tensor took 1.5-1.7x as long for a 16 MB input on 2 ranks here. Elsewhere
+    (NCCL) the flat form is the fast one: the list form would copy the input first."""
     import deepspeed.comm as dist
 
+    if torch.distributed.get_backend(group) == "gloo":
+        world = torch.distributed.get_world_size(group)
+        return dist.reduce_scatter(output, list(input.chunk(world)), group=group, async_op=True)
     return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
 
 

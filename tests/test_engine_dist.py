@@ -89,7 +89,7 @@ def test_bytes_sent_are_the_zero3_minimum(engine_results, passes):
     gathered = counts["all_gather_into_tensor"]["bytes"]
     print(passes, counts)
     # One reduce-scatter of every gradient per backward pass, no all-reduce of gradients.
-    assert counts["reduce_scatter_tensor"]["bytes"] == r["expected_reduce_scatter"]
+    assert counts["reduce_scatter"]["bytes"] == r["expected_reduce_scatter"]
     assert counts["all_reduce"]["bytes"] <= 4 + 16  # the reported loss (+ the norm and overflow flag)
     if passes == "comm_one_pass":
         assert gathered == 2 * per_gather  # forward + backward
