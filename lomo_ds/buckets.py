@@ -85,6 +85,7 @@ class ReduceScatterBuckets:
         # lets the next layer's backward kernels start at once.
         self.stream = self.accelerator.Stream() if device.type != "cpu" else None
         self.in_flight: deque[_InFlight] = deque()
+        self._check_groups()
         # One rank has nothing to reduce, and the all-reduce baseline goes one parameter at a time:
         # neither uses buckets.
         bucketed = world > 1 and not all_reduce
@@ -93,21 +94,41 @@ class ReduceScatterBuckets:
         self.reset()
 
     # ----------------------------------------------------------------- layout
+    def _check_groups(self) -> None:
+        """Each parameter is reduced in its own `ds_process_group`, but the shard update assumes one
+        partitioning (`world` ranks, this one `rank`): refuse any group that partitions differently."""
+        groups = {id(g): g for g in map(ds_compat.process_group, self.params)}
+        for g in groups.values():
+            size, index = torch.distributed.get_world_size(g), torch.distributed.get_rank(g)
+            if (size, index) != (self.world, self.rank):
+                ids = [ds_compat.param_id(p) for p in self.params if ds_compat.process_group(p) is g]
+                raise ValueError(f"parameters ds_id={ids[:5]} are partitioned over a process group of {size} ranks "
+                                 f"(this rank {index}), the others over {self.world} (this rank {self.rank}): "
+                                 "lomo_ds updates shards of one partitioning only")
+
     def _plan(self, order: list[torch.nn.Parameter]) -> None:
+        """Buckets of at most `capacity` per-rank elements, in `order`; parameters partitioned over
+        different process groups never share a bucket (each bucket is reduced in its own group)."""
         self.layout: list[list[torch.nn.Parameter]] = []
-        bucket, elems = [], 0
-        for p in order:
-            part = part_of(p, self.world)
-            if bucket and elems + part > self.capacity:
-                self.layout.append(bucket)
-                bucket, elems = [], 0
-            bucket.append(p)
-            elems += part
-            if elems >= self.capacity:
-                self.layout.append(bucket)
-                bucket, elems = [], 0
-        if bucket:
+        self.bucket_groups = []  # the process group each bucket is reduced in
+        filling: dict[int, tuple[object, list, int]] = {}  # id(group) -> (group, params, elements)
+
+        def close(key):
+            group, bucket, _ = filling.pop(key)
             self.layout.append(bucket)
+            self.bucket_groups.append(group)
+
+        for p in order:
+            group = ds_compat.process_group(p)
+            part = part_of(p, self.world)
+            if id(group) in filling and filling[id(group)][2] + part > self.capacity:
+                close(id(group))
+            _, bucket, elems = filling.get(id(group), (group, [], 0))
+            filling[id(group)] = (group, bucket + [p], elems + part)
+            if elems + part >= self.capacity:
+                close(id(group))
+        for key in list(filling):
+            close(key)
         self.slot_of = {id(p): (b, i) for b, bucket in enumerate(self.layout) for i, p in enumerate(bucket)}
 
     def _relayout(self) -> None:
@@ -204,7 +225,7 @@ class ReduceScatterBuckets:
             grads.clear()
             received = torch.empty(width + 1, dtype=dtype, device=self.device)
             with self.timers.span("launch"):
-                work = ds_compat.reduce_scatter_async(received, send.view(-1), self.group)
+                work = ds_compat.reduce_scatter_async(received, send.view(-1), self.bucket_groups[b])
         self.in_flight.append(_InFlight(work, send, received, params))
 
     def _pack(self, params, grads, dtype, width) -> torch.Tensor:
@@ -249,7 +270,7 @@ class ReduceScatterBuckets:
 
     def _all_reduce_one(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)
-        ds_compat.all_reduce(full, group=self.group)
+        ds_compat.all_reduce(full, group=ds_compat.process_group(param))
         # Every rank holds the same summed gradient: a local check is already agreed.
         if self.found_nonfinite or math.isnan(nonfinite_marker(full).item()):
             self.found_nonfinite = True

@@ -15,10 +15,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lomo_ds  # noqa: E402
-from dist_engine_checks import ds_cfg, equivalence  # noqa: E402
+from dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_step  # noqa: E402
 from lomo_ds import ds_compat  # noqa: E402
 from lomo_ds.fused_update import geometry  # noqa: E402
-from tiny import global_batch, tiny_llama  # noqa: E402
+from tiny import global_batch, tiny_llama, tiny_llama_config  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 
 def all_ranks(values: list[float]) -> list[list[float]]:
@@ -109,6 +110,78 @@ def check_experts():
                        steps=4, batches=routed_batch, prepare=lambda m: set_z3_leaf_modules(m, [TwoExperts]))
 
 
+class HeadLlama(torch.nn.Module):
+    """A tiny LLaMA with a second output head beside lm_head (partitioned over another group)."""
+
+    def __init__(self, llama, head):
+        super().__init__()
+        self.llama, self.head = llama, head
+
+    def forward(self, input_ids, labels):
+        hidden = self.llama.model(input_ids=input_ids).last_hidden_state
+        logits = self.llama.lm_head(hidden) + self.head(hidden)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                                 labels[:, 1:].reshape(-1))
+
+
+def check_two_groups():
+    """The head is partitioned over a second process group (same ranks, another communicator):
+    its gradients go to buckets of their own, reduced in that group; the result matches SGD."""
+    import deepspeed
+
+    world = torch.distributed.get_world_size()
+    second = torch.distributed.new_group(list(range(world)))
+    cfg = ds_cfg(bucket_size=2000)
+    ds_conf = {k: v for k, v in cfg.items() if k != "lomo"}
+    config = tiny_llama_config()
+    torch.manual_seed(15)
+    ref = HeadLlama(tiny_llama(14), torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+    with deepspeed.zero.Init(config_dict_or_path=ds_conf):
+        llama = LlamaForCausalLM(config)
+    with deepspeed.zero.Init(config_dict_or_path=ds_conf, data_parallel_group=second):
+        head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    model = HeadLlama(llama, head)
+    for p, src in zip(model.parameters(), ref.parameters()):
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                p.data.copy_(src.data)
+    engine = lomo_ds.initialize(model, cfg)
+    rank = engine.rank
+    for step in range(STEPS):
+        mbs = global_batch(step, world)
+        engine.train_step(mbs[rank])
+        reference_step(ref, mbs, world, forward=lambda m, b: m(**b))
+    buckets = engine.buckets
+    head_buckets = [b for b, params in enumerate(buckets.layout) if any(p is head.weight for p in params)]
+    return {"max_abs_diff": max_diff(engine, ref),
+            "one_group_per_bucket": all(ds_compat.process_group(p) is buckets.bucket_groups[b]
+                                        for b, params in enumerate(buckets.layout) for p in params),
+            "head_reduced_in_second_group": world == 1 or all(buckets.bucket_groups[b] is second
+                                                              for b in head_buckets),
+            "head_bucket_only_head": world == 1 or all(len(buckets.layout[b]) == 1 for b in head_buckets)}
+
+
+def check_other_partitioning_refused():
+    """A parameter partitioned over a group of a different size (here: each rank alone) cannot be
+    updated by the sharded rule: the engine refuses it with an error naming the group sizes."""
+    import deepspeed
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    alone = [torch.distributed.new_group([r]) for r in range(world)][rank]
+    cfg = ds_cfg()
+    ds_conf = {k: v for k, v in cfg.items() if k != "lomo"}
+    config = tiny_llama_config()
+    with deepspeed.zero.Init(config_dict_or_path=ds_conf):
+        llama = LlamaForCausalLM(config)
+    with deepspeed.zero.Init(config_dict_or_path=ds_conf, data_parallel_group=alone):
+        head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    try:
+        lomo_ds.initialize(HeadLlama(llama, head), cfg)
+    except ValueError as e:
+        return {"error_message": str(e)}
+    return {"error_message": None}
+
+
 def check_overlap():
     """Each bucket is applied only after later gradients have arrived: its reduce-scatter ran
     while the backward went on (a synchronous one is applied inside the hook that filled it)."""
@@ -136,6 +209,8 @@ def main(out_path):
         "nonfinite_bf16": lambda: check_nonfinite(True),
         "experts": check_experts,
         "overlap": check_overlap,
+        "two_groups": check_two_groups,
+        "other_partitioning": check_other_partitioning_refused,
     }
     results = {}
     only = os.environ.get("LOMO_CHECKS")

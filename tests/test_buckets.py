@@ -67,3 +67,17 @@ def test_reduce_scatter_overlaps_the_backward(bucket_results, world):
     # A bucket is applied after later gradients came in (the backward went on meanwhile), and no
     # later than the next bucket is sent; the last one at the end of the backward.
     assert all(n >= 1 for n in later[:-1])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_each_process_group_has_its_own_buckets(bucket_results, world):
+    r = ok(bucket_results(world), "two_groups")
+    print(f"two process groups on {world} rank(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")
+    assert r["max_abs_diff"] <= TOL
+    assert r["one_group_per_bucket"] and r["head_reduced_in_second_group"] and r["head_bucket_only_head"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_group_of_another_size_is_refused(bucket_results, world):
+    message = ok(bucket_results(world), "other_partitioning")["error_message"]
+    assert message is not None and "process group of 1 ranks" in message and f"over {world}" in message
