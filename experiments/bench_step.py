@@ -13,8 +13,8 @@ the median of the per-round ratios to the floor:
   deepspeed sgd  DeepSpeed ZeRO-3's own optimizer path with torch.optim.SGD
 
 and the breakdown of LOMO's time spent in its own code, from the engine's timers: packing the
-rank-major payload, the non-finite flag, starting the collective, waiting for it, the update
-arithmetic, and the rest
+rank-major payload, the non-finite flag, starting the collective, waiting for it during the
+backward and at its end, the update arithmetic, and the rest
 of the hook and end-of-backward code (bookkeeping).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from lomo_ds.engine import loss_of  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 LR = 1e-3
-BREAKDOWN = ("pack", "flag", "launch", "wait", "update")
+BREAKDOWN = ("pack", "flag", "launch", "wait", "wait at end", "update")
 
 
 def start_ranks() -> None:
@@ -89,23 +89,27 @@ def main() -> None:
     ap.add_argument("--bucket-size", type=int, default=1_000_000, help="lomo.bucket_size (elements per rank)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--skip-sgd", action="store_true", help="leave DeepSpeed's SGD out (its fp32 copies cost memory)")
+    ap.add_argument("--in-flight", type=int, default=1, help="reduce-scatters LOMO lets run at once")
+    ap.add_argument("--engines", default="floor,lomo,lomo clipped,deepspeed sgd",
+                    help="comma-separated subset of the engines (the floor is always run)")
     args = ap.parse_args()
 
     start_ranks()
     base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
     zero = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": {"stage": 3}}
     lomo = {"lr": LR, "bucket_size": args.bucket_size}
-    engines = {
-        "floor": FloorEngine(copy.deepcopy(base), zero),
-        "lomo": lomo_ds.initialize(copy.deepcopy(base), {**zero, "lomo": lomo}),
-        "lomo clipped": lomo_ds.initialize(copy.deepcopy(base), {**zero, "lomo": {**lomo, "clip_grad_norm": 1.0}}),
+    makers = {
+        "lomo": lambda m: lomo_ds.initialize(m, {**zero, "lomo": lomo}),
+        "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "clip_grad_norm": 1.0}}),
+        "deepspeed sgd": lambda m: DeepSpeedOptimizerEngine(m, zero, "sgd", lr=LR, clip=None),
     }
-    if not args.skip_sgd:
-        engines["deepspeed sgd"] = DeepSpeedOptimizerEngine(copy.deepcopy(base), zero, "sgd", lr=LR, clip=None)
+    engines = {"floor": FloorEngine(copy.deepcopy(base), zero)}
+    engines.update({name: make(copy.deepcopy(base)) for name, make in makers.items()
+                    if name in args.engines.split(",")})
     timed = {name: e for name, e in engines.items() if name.startswith("lomo")}
     for e in timed.values():
         e.timers.enabled = True
+        e.buckets.max_in_flight = args.in_flight
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     g = torch.Generator().manual_seed(rank)
@@ -130,6 +134,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in base.parameters())
     print(f"\n{n_params / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), {world} ranks, "
           f"micro-batch {args.micro} x {args.seq}, fp32, bucket {args.bucket_size:,} elements, "
+          f"{args.in_flight} reduce-scatter(s) in flight, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; median of {args.steps} steps")
     floor = times["floor"]
     print(f"{'engine':16s} {'step s':>8s} {'x floor':>8s}   (x floor: median of the per-round ratios)")

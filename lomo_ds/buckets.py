@@ -193,7 +193,7 @@ class ReduceScatterBuckets:
         while self.next_bucket < len(self.layout):
             self._send_next()
         while self.in_flight:
-            self._complete_oldest()
+            self._complete_oldest(timer="wait at end")
         if self._relayout_pending:
             self._relayout()
 
@@ -249,9 +249,9 @@ class ReduceScatterBuckets:
             col += part
         return send
 
-    def _complete_oldest(self) -> None:
+    def _complete_oldest(self, timer: str = "wait") -> None:
         done = self.in_flight.popleft()
-        with self.timers.span("wait"):
+        with self.timers.span(timer):
             done.work.wait()  # on an accelerator: the current stream waits for the collective
         if self.stream is not None:
             done.received.record_stream(self.accelerator.current_stream())
