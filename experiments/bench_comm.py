@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
@@ -21,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lomo_ds  # noqa: E402
+from bench_step import bench_llama, start_ranks  # noqa: E402
 from lomo_ds.comm_stats import count_comm  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 VARIANTS = {
     "reduce-scatter, 1 pass": {},
@@ -44,15 +43,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
 
-    # DeepSpeed's CPU accelerator shells out to numactl on every collective bucket unless
-    # LOCAL_SIZE is set (its own launcher sets it; torchrun sets LOCAL_WORLD_SIZE instead).
-    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    lomo_ds.init_distributed()
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                      num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                      max_position_embeddings=args.seq)
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg)
+    start_ranks()
+    base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
     engines = {}
     for name, extra in VARIANTS.items():
         ds = {"train_micro_batch_size_per_gpu": args.micro,

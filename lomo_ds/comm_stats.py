@@ -1,4 +1,5 @@
-"""Counts the bytes each rank sends through DeepSpeed's communication backend.
+"""Counts the bytes each rank sends through DeepSpeed's communication backend, and times the
+parts of a LOMO step (StepTimers, for experiments/bench_step.py).
 
 All of ZeRO-3's parameter all-gathers and lomo_ds's own reduce-scatters and all-reduces go
 through `deepspeed.comm`'s backend object, so wrapping its methods sees every collective.

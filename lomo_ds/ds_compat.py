@@ -133,7 +133,7 @@ def check_internals() -> list[str]:
             problems.append(f"ZeroParamStatus.{status}")
     import deepspeed.comm as dist
 
-    for fn in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"):
+    for fn in ("reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_gather_into_tensor", "broadcast"):
         if not hasattr(dist, fn):
             problems.append(f"deepspeed.comm.{fn}")
     if not hasattr(deepspeed.zero, "Init") or not hasattr(deepspeed.zero, "GatheredParameters"):

@@ -81,3 +81,12 @@ def test_each_process_group_has_its_own_buckets(bucket_results, world):
 def test_a_group_of_another_size_is_refused(bucket_results, world):
     message = ok(bucket_results(world), "other_partitioning")["error_message"]
     assert message is not None and "process group of 1 ranks" in message and f"over {world}" in message
+
+
+def test_bench_step_prints_ratios_and_breakdown():
+    """The step-time benchmark that ships with the project runs end to end (tiny model, 2 ranks)."""
+    out = launch(os.path.join(ROOT, "experiments", "bench_step.py"), 2,
+                 ["--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16", "--micro", "1",
+                  "--bucket-size", "2000", "--steps", "2", "--warmup", "1"]).stdout
+    for row in ("floor", "lomo clipped", "deepspeed sgd", "pack", "wait at end", "update", "bookkeeping"):
+        assert row in out, out
