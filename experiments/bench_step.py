@@ -129,8 +129,13 @@ def main() -> None:
                 times[name].append(elapsed)
                 if name in timed:
                     parts[name].append(taken)
-    if rank != 0:
-        return
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    if rank == 0:
+        report(args, base, world, times, parts)
+
+
+def report(args, base, world, times, parts) -> None:
     n_params = sum(p.numel() for p in base.parameters())
     print(f"\n{n_params / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), {world} ranks, "
           f"micro-batch {args.micro} x {args.seq}, fp32, bucket {args.bucket_size:,} elements, "
