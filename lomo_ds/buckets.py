@@ -123,8 +123,9 @@ class ReduceScatterBuckets:
             part = part_of(p, self.world)
             if id(group) in filling and filling[id(group)][2] + part > self.capacity:
                 close(id(group))
-            _, bucket, elems = filling.get(id(group), (group, [], 0))
-            filling[id(group)] = (group, bucket + [p], elems + part)
+            _, bucket, elems = filling.setdefault(id(group), (group, [], 0))
+            bucket.append(p)
+            filling[id(group)] = (group, bucket, elems + part)
             if elems + part >= self.capacity:
                 close(id(group))
         for key in list(filling):
@@ -257,7 +258,7 @@ class ReduceScatterBuckets:
             done.received.record_stream(self.accelerator.current_stream())
         if self.found_nonfinite:
             return
-        if math.isnan(done.received[-1].item()):
+        if math.isnan(done.received[-1].item()):  # on an accelerator: a host sync, the collective is done
             self.found_nonfinite = True  # every rank reads the same summed flag: all stop here
             return
         items, col = [], 0
