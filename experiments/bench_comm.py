@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import time
 
@@ -78,7 +77,7 @@ def main() -> None:
         base_bytes, base_time = None, None
         print(f"{'variant':66s} {'all-gather MB':>13s} {'grad comm MB':>12s} {'step s':>7s} {'x bytes':>8s} {'x time':>7s}")
         for name, counts, t in rows:
-            grad = counts.get("reduce_scatter_tensor", {}).get("bytes", 0) + counts.get("all_reduce", {}).get("bytes", 0)
+            grad = counts.get("reduce_scatter", {}).get("bytes", 0) + counts.get("all_reduce", {}).get("bytes", 0)
             ag = counts.get("all_gather_into_tensor", {}).get("bytes", 0)
             if base_bytes is None:
                 base_bytes, base_time = ag + grad, t

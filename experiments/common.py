@@ -212,3 +212,33 @@ def _sync() -> None:
         torch.cuda.synchronize()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------- the floor
+class FloorEngine:
+    """ZeRO-3 forward + backward of the model with each gradient dropped the moment it is ready: no
+    reduction, no update. No optimizer fused into the backward can step faster."""
+
+    def __init__(self, model, ds_config: dict):
+        import deepspeed
+
+        from lomo_ds import ds_compat
+
+        self.ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=None,
+                                                  optimizer=None)
+        self.module = self.ds_engine.module
+        self.offload = ds_compat.offload_of(self.ds_engine)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._discard) for p in self.module.parameters()]
+
+    @staticmethod
+    def _discard(param) -> None:
+        param.grad = None
+
+    def train_step(self, batch: dict) -> dict:
+        from lomo_ds import ds_compat
+        from lomo_ds.engine import loss_of
+
+        self.module.train()
+        loss_of(self.module(**batch)).backward()
+        ds_compat.release_all(self.offload)
+        return {}

@@ -1,4 +1,5 @@
-"""Counts the bytes each rank sends through DeepSpeed's communication backend.
+"""Counts the bytes each rank sends through DeepSpeed's communication backend, and times the
+parts of a LOMO step (StepTimers, for experiments/bench_step.py).
 
 All of ZeRO-3's parameter all-gathers and lomo_ds's own reduce-scatters and all-reduces go
 through `deepspeed.comm`'s backend object, so wrapping its methods sees every collective.
@@ -9,6 +10,7 @@ all-reduce of n elements: 2 (w-1)/w * n; broadcast: n from the root.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -41,14 +43,15 @@ def count_comm():
     counts = CommCounts()
     originals = {}
 
-    def wrap(name, elems_sent):
+    def wrap(name, elems_sent, op=None):
         fn = getattr(backend, name)
         originals[name] = fn
+        op = op or name
 
         def counted(*args, **kwargs):
             nbytes = elems_sent(*args, **kwargs)
-            counts.bytes_by_op[name] += int(nbytes)
-            counts.calls_by_op[name] += 1
+            counts.bytes_by_op[op] += int(nbytes)
+            counts.calls_by_op[op] += 1
             return fn(*args, **kwargs)
 
         setattr(backend, name, counted)
@@ -59,8 +62,13 @@ def count_comm():
 
     wrap("all_gather_into_tensor",
          lambda output_tensor, input_tensor, group=None, async_op=False: ring_part(output_tensor, group))
+    # Both forms of the reduce-scatter (flat tensor, list of per-rank chunks) count as one collective.
     wrap("reduce_scatter_tensor",
-         lambda output_tensor, input_tensor, op=None, group=None, async_op=False: ring_part(input_tensor, group))
+         lambda output_tensor, input_tensor, op=None, group=None, async_op=False: ring_part(input_tensor, group),
+         op="reduce_scatter")
+    wrap("reduce_scatter",
+         lambda output, input_list, op=None, group=None, async_op=False:
+         sum(t.numel() * t.element_size() for t in input_list) * (_world(group) - 1) // _world(group))
     wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: 2 * ring_part(tensor, group))
     wrap("all_gather",
          lambda tensor_list, tensor, group=None, async_op=False: tensor.numel() * tensor.element_size() * (_world(group) - 1))
@@ -69,3 +77,34 @@ def count_comm():
     finally:
         for name, fn in originals.items():
             setattr(backend, name, fn)
+
+
+_OFF = contextlib.nullcontext()
+
+
+class StepTimers:
+    """Wall-clock seconds spent in named parts of a step (the LOMO overhead breakdown).
+
+    Code under measurement asks `span(name)`; with timing off (`enabled = False`, the default)
+    that is a shared no-op context, so the hot paths pay one attribute test and nothing else.
+    """
+
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def span(self, name: str):
+        return self._timed(name) if self.enabled else _OFF
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        """The totals since the last take, then start again from zero."""
+        out, self.seconds = dict(self.seconds), defaultdict(float)
+        return out

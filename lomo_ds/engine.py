@@ -33,8 +33,10 @@ import torch
 from . import ds_compat
 from .adalomo import AdaLomo
 from .config import LomoConfig, load_config, model_dtype
+from .buckets import ReduceScatterBuckets
+from .comm_stats import StepTimers
 from .device import accelerator_device, capture_rng, group_device, move_batch, restore_rng
-from .fused_update import ReduceScatterBuckets, ShardUpdater, UpdateRule
+from .fused_update import ShardUpdater, UpdateRule
 from .memory import MemoryTracker
 from .precision import DynamicLossScaler
 from .schedule import Schedule
@@ -134,7 +136,8 @@ class LomoEngine:
             raise RuntimeError(f"DeepSpeed ZeRO-3 parameter attributes missing: {missing}")
         # Every rank is a data-parallel rank (no tensor or pipeline parallelism): the loss and the
         # norm are reduced over all of them, and every parameter must be sharded over all of them
-        # (_check_group). Shard indices come from each parameter's own group (ShardUpdater).
+        # (the buckets refuse a group that does not span them). Shard indices come from each
+        # parameter's own group (ShardUpdater).
         self.group = torch.distributed.group.WORLD
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
@@ -149,15 +152,13 @@ class LomoEngine:
         self.memory: MemoryTracker | None = None
         # Each parameter is reduced over its own ds_process_group: one bucket set per group.
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
-        self.bucket_sets: dict[Any, ReduceScatterBuckets] = {}
-        for p in self.params:
-            group = ds_compat.process_group(p)
-            if group not in self.bucket_sets:
-                self._check_group(group, p)
-                self.bucket_sets[group] = ReduceScatterBuckets(
-                    group, torch.distributed.get_world_size(group), torch.distributed.get_rank(group),
-                    lomo.bucket_size, reduce_dtype, self.updater.apply_bucket,
-                    all_reduce=lomo.grad_reduction == "all_reduce")
+        # Off by default (costs nothing); experiments/bench_step.py turns it on for the breakdown.
+        self.timers = StepTimers()
+        # One object for every parameter: it splits them by their own ds_process_group and refuses
+        # a group that does not span every rank.
+        self.buckets = ReduceScatterBuckets(self.params, self.group, self.world, self.rank, lomo.bucket_size,
+                                            reduce_dtype, self.updater.apply_bucket, device=self.device,
+                                            all_reduce=lomo.grad_reduction == "all_reduce", timers=self.timers)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
@@ -181,16 +182,6 @@ class LomoEngine:
         warmup = s.warmup_steps or int(round(s.warmup_ratio * total))
         return Schedule(s.type, lomo.lr, total, warmup, s.min_lr_ratio)
 
-    def _check_group(self, group, param) -> None:
-        """Each element must be owned by exactly one rank, or the summed norm and the rank mean
-        of the gradient are wrong: a parameter sharded over fewer ranks (MoE experts, MiCS shard
-        groups) would need a second reduction across its replicas, which LOMO does not do."""
-        size = torch.distributed.get_world_size(group)
-        if size != self.world:
-            name = next(n for n, p in self.module.named_parameters() if p is param)
-            raise ValueError(f"parameter {name!r} is sharded over a process group of {size} ranks, the job has "
-                             f"{self.world}: LOMO updates only parameters sharded over every rank")
-
     @property
     def two_passes(self) -> bool:
         return self.config.clip_grad_norm is not None or self.loss_scaler is not None
@@ -198,28 +189,27 @@ class LomoEngine:
     def enable_memory_tracking(self) -> MemoryTracker:
         self.memory = MemoryTracker(self.params, master_bytes=sum(m.numel() * 4 for m in self.updater.masters.values()),
                                     state_bytes=self.updater.adalomo.state_bytes() if self.updater.adalomo else 0)
-        for buckets in self.bucket_sets.values():
-            buckets.tracker = self.memory
+        self.buckets.tracker = self.memory
         return self.memory
 
     # ----------------------------------------------------------------- the step
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if self.memory is not None:
-            self.memory.sample()
-        grad = param.grad
-        param.grad = None  # the bucket holds the only reference now; freed after the reduce-scatter
-        self.bucket_sets[ds_compat.process_group(param)].add(param, grad)
-        del grad
+        with self.timers.span("hook"):
+            if self.memory is not None:
+                self.memory.sample()
+            grad = param.grad
+            param.grad = None  # the bucket holds the only reference now; freed once packed
+            self.buckets.add(param, grad)
+            del grad
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool) -> bool:
         """One backward pass; True when some rank's gradient was non-finite (every rank agrees:
         the buckets carry the flag, and from the first such bucket on apply nothing more)."""
-        for buckets in self.bucket_sets.values():
-            buckets.reset()
+        self.buckets.reset()
         loss.backward(retain_graph=retain_graph)
-        for buckets in self.bucket_sets.values():
-            buckets.flush()
-        return any(buckets.found_nonfinite for buckets in self.bucket_sets.values())
+        with self.timers.span("flush"):
+            self.buckets.flush()
+        return self.buckets.found_nonfinite
 
     def forward(self, batch: dict[str, Any]):
         return self.module(**batch)

@@ -1,8 +1,8 @@
 """The fused, sharded LOMO update: the part DeepSpeed does not have.
 
-As each parameter's gradient becomes ready in the backward pass it joins a bucket. A full
-bucket is reduce-scattered over the data-parallel group, so each rank receives only the summed
-gradient of its own slice of each parameter; the rank then updates that slice of its ZeRO-3
+As each parameter's gradient becomes ready in the backward pass it joins a bucket (buckets.py).
+A full bucket is reduce-scattered over the data-parallel group, so each rank receives only the
+summed gradient of its own slice of each parameter; the rank then updates that slice of its ZeRO-3
 shard (`param.ds_tensor`) in fp32 arithmetic and lets the gradient go. No whole-model gradient,
 no optimizer state.
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -162,97 +161,3 @@ class ShardUpdater:
             shard.copy_(stochastic_round_to_bf16(weights, self.generator))
         else:
             shard.copy_(weights)
-
-
-class ReduceScatterBuckets:
-    """Collects ready gradients and reduce-scatters them in buckets of `capacity` elements.
-
-    The reduce-scatter input is laid out rank-major: row r of a [world, n] matrix holds, for every
-    parameter in the bucket, the elements rank r owns (zero-padded to `part`). One collective then
-    delivers each rank exactly its slices, summed over ranks: the same bytes as DeepSpeed's own
-    ZeRO-3 gradient path, half those of an all-reduce.
-    """
-
-    def __init__(self, group, world: int, rank: int, capacity: int, reduce_dtype: torch.dtype | None,
-                 on_bucket: Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]]], None], tracker=None,
-                 all_reduce: bool = False):
-        self.group, self.world, self.rank = group, world, rank
-        # all_reduce=True is the public reference implementation's way (all-reduce each full
-        # gradient, then keep this rank's slice): twice the bytes. Kept only as a baseline for
-        # the communication benchmark.
-        self.all_reduce = all_reduce
-        self.capacity = capacity
-        self.reduce_dtype = reduce_dtype
-        # Called once per reduced bucket with [(param, this rank's reduced slice)], the slice
-        # `part` long (padding included): an update rule that needs a collective per bucket
-        # (e.g. AdaLomo's row/column statistics) gets every parameter of the bucket at once.
-        self.on_bucket = on_bucket
-        self.tracker = tracker
-        self.pending: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self.pending_elems = 0
-        self.found_nonfinite = False  # some rank's gradient was non-finite in this backward
-
-    def reset(self) -> None:
-        """Start of a backward."""
-        self.found_nonfinite = False
-
-    def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        if self.world == 1:
-            # One rank: the shard is the whole parameter and there is nothing to reduce.
-            self.on_bucket([(param, grad.reshape(-1))])
-            return
-        if self.all_reduce:
-            full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)
-            ds_compat.all_reduce(full, group=self.group)
-            start = self.rank * math.ceil(grad.numel() / self.world)
-            self.on_bucket([(param, full[start:start + math.ceil(grad.numel() / self.world)])])
-            return
-        part = math.ceil(grad.numel() / self.world)
-        if self.pending and self.pending_elems + part > self.capacity:
-            self.flush()
-        self.pending.append((param, grad))
-        self.pending_elems += part
-        if self.tracker is not None:
-            self.tracker.note_bucket(self.pending_bytes())
-        if self.pending_elems >= self.capacity:
-            self.flush()
-
-    def pending_bytes(self) -> int:
-        return sum(g.numel() * g.element_size() for _, g in self.pending)
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        dtype = self.reduce_dtype or self.pending[0][1].dtype
-        width = self.pending_elems
-        grads = self.pending
-        if len(grads) == 1 and grads[0][1].numel() == width * self.world and grads[0][1].dtype == dtype:
-            send = grads[0][1].reshape(-1)  # already rank-major: no copy
-        else:
-            send = torch.empty(self.world, width, dtype=dtype, device=grads[0][1].device)
-            col = 0
-            for _, g in grads:
-                part = math.ceil(g.numel() / self.world)
-                flat = g.reshape(-1)
-                full_rows = g.numel() // part
-                send[:full_rows, col:col + part].copy_(flat[:full_rows * part].view(full_rows, part))
-                tail = g.numel() - full_rows * part
-                if full_rows < self.world:
-                    send[full_rows:, col:col + part].zero_()
-                    if tail:
-                        send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
-                col += part
-            send = send.view(-1)
-        if self.tracker is not None:
-            self.tracker.note_bucket(self.pending_bytes() + send.numel() * send.element_size() * (send.data_ptr() != grads[0][1].data_ptr()))
-        received = torch.empty(width, dtype=dtype, device=send.device)
-        ds_compat.reduce_scatter(received, send, self.group)
-        self.pending, self.pending_elems = [], 0
-        del send
-        items, col = [], 0
-        for param, g in grads:
-            part = math.ceil(g.numel() / self.world)
-            items.append((param, received[col:col + part]))
-            col += part
-        del grads
-        self.on_bucket(items)

@@ -73,7 +73,8 @@ def reference_step(ref, mbs, world, clip_norm=None, clip_value=None, wd=0.0, for
 
 
 def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_batch=None, zero_init=False,
-                steps=STEPS, prepare=None, seeded=False, own_group=False):
+                steps=STEPS, prepare=None, seeded=False, own_group=False,
+                batches=global_batch):
     ref_kwargs = ref_kwargs or {}
     ref = make_model()
     if zero_init:
@@ -97,7 +98,7 @@ def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_b
     world, rank = engine.world, engine.rank
     losses, ref_losses, norms, ref_norms = [], [], [], []
     for step in range(steps):
-        mbs = global_batch(step, world)
+        mbs = batches(step, world)
         if seeded:
             torch.manual_seed(forward_seed(step, rank))
         out = engine.train_step(mbs[rank])
@@ -329,9 +330,11 @@ def check_device():
     refused = {}
     for name, call in {"all_reduce": lambda: ds_compat.all_reduce(torch.zeros(2, device="meta"), engine.group,
                                                                   name="test tensor"),
-                       "reduce_scatter": lambda: ds_compat.reduce_scatter(torch.zeros(1, device="meta"),
-                                                                          torch.zeros(world, device="meta"),
-                                                                          engine.group, name="test bucket")}.items():
+                       "reduce_scatter": lambda: ds_compat.reduce_scatter_async(torch.zeros(1, device="meta"),
+                                                                                torch.zeros(world, device="meta"),
+                                                                                engine.group, name="test bucket"),
+                       "broadcast": lambda: ds_compat.broadcast_from_first(torch.zeros(1, device="meta"), engine.group,
+                                                                           name="test order")}.items():
         try:
             call()
             refused[name] = ""
@@ -367,7 +370,10 @@ def check_memory():
                      "grad": p.grad_bytes, "bucket": p.bucket_bytes, "total": p.total},
             "peak_gathered_plus_grad": tracker.peak_gathered_plus_grad,
             "shard_bytes": shard_bytes, "full_model_bytes": full_bytes, "layer_bytes": layer_bytes,
-            "block_bytes": block_bytes, "bucket_bound": 2 * (bucket_cap + largest_param), "samples": tracker.samples}
+            # A bucket filling (gradients, then its send buffer) while the previous one is in flight:
+            # its send buffer and this rank's 1/world receive buffer.
+            "block_bytes": block_bytes, "bucket_bound": (2 + 1 / world) * (bucket_cap + largest_param),
+            "samples": tracker.samples}
 
 
 def check_comm(two_pass: bool):
@@ -388,9 +394,11 @@ def check_comm(two_pass: bool):
     nonpersistent_padded = sum(math.ceil(ds_compat.full_numel(p) / world) * world for p in engine.params
                                if not ds_compat.is_persistent(p))
     ring = (world - 1) / world
+    # Each bucket's payload carries one non-finite flag element per rank besides the gradients.
+    flags = world * len(engine.buckets.layout)
     return {"counts": counts.as_dict(),
             "param_padded_bytes": padded * esize, "nonpersistent_padded_bytes": nonpersistent_padded * esize,
-            "expected_reduce_scatter": int(ring * padded * esize) * (2 if two_pass else 1),
+            "expected_reduce_scatter": int(ring * (padded + flags) * esize) * (2 if two_pass else 1),
             "ring": ring, "world": world}
 
 

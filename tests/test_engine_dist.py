@@ -94,7 +94,7 @@ def test_bytes_sent_are_the_zero3_minimum(engine_results, passes):
     gathered = counts["all_gather_into_tensor"]["bytes"]
     print(passes, counts)
     # One reduce-scatter of every gradient per backward pass, no all-reduce of gradients.
-    assert counts["reduce_scatter_tensor"]["bytes"] == r["expected_reduce_scatter"]
+    assert counts["reduce_scatter"]["bytes"] == r["expected_reduce_scatter"]
     # Before the backward, the loss agreement (3 x fp32); two passes add the squared norm (fp64).
     assert counts["all_reduce"]["bytes"] == (12 + 8 if passes == "comm_two_pass" else 12)
     if passes == "comm_one_pass":

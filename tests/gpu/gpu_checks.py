@@ -26,11 +26,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: the CPU suite's helpers
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "experiments"))  # common: the floor
 
 import deepspeed  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import lomo_ds  # noqa: E402
+from common import FloorEngine  # noqa: E402
 from compare import memory_run_config, predicted_peak_bytes, step_time_table  # noqa: E402
 from dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence  # noqa: E402
 from lomo_ds import ds_compat  # noqa: E402
@@ -116,28 +118,6 @@ def check_memory(device: torch.device, workdir: str):
     torch.cuda.empty_cache()
     return {"measured": max(per_rank), "per_rank": per_rank, "predicted": predicted_peak_bytes(run, world),
             "base": base}
-
-
-class FloorEngine:
-    """The same ZeRO-3 forward + backward with every gradient dropped on arrival: no reduction, no
-    update. What a step costs before the optimizer does anything."""
-
-    def __init__(self, model: torch.nn.Module, ds_config: dict):
-        self.ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=None, optimizer=None)
-        self.module = self.ds_engine.module
-        self.offload = ds_compat.offload_of(self.ds_engine)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._drop) for p in self.module.parameters()]
-
-    @staticmethod
-    def _drop(param: torch.nn.Parameter) -> None:
-        param.grad = None
-
-    def train_step(self, batch: dict) -> dict:
-        self.module.train()
-        loss = self.module(**batch).loss
-        loss.backward()
-        ds_compat.release_all(self.offload)
-        return {"loss": loss.item()}
 
 
 def check_step_time(device: torch.device, sizes: dict):

@@ -1,0 +1,131 @@
+"""Step time of LOMO against its floor and against DeepSpeed ZeRO-3 SGD, and where LOMO's extra time goes.
+
+  OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 experiments/bench_step.py [--steps 8]
+
+Engines, each on its own copy of the same model, take turns step by step on the same batches
+(a slow spell on a shared machine hits them all alike); rank 0 prints the median step time and
+the median of the per-round ratios to the floor:
+
+  floor          the same model's ZeRO-3 forward + backward, every gradient discarded on arrival:
+                 no reduction, no update. No fused optimizer can be faster.
+  lomo           one backward, buckets reduce-scattered while the backward goes on, fused update
+  lomo clipped   norm clipping: a measuring backward, then the updating one on the retained graph
+  deepspeed sgd  DeepSpeed ZeRO-3's own optimizer path with torch.optim.SGD
+
+and the breakdown of LOMO's time spent in its own code, from the engine's timers: packing the
+rank-major payload, the non-finite flag, starting the collective, waiting for it during the
+backward and at its end, the update arithmetic, and the rest
+of the hook and end-of-backward code (bookkeeping).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+
+import common
+import lomo_ds
+from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
+from lomo_ds.planner import ModelSpec
+
+LR = 1e-3
+BREAKDOWN = ("pack", "flag", "launch", "wait", "wait at end", "update")
+
+
+def start_ranks() -> None:
+    common.set_local_size(os.environ, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    lomo_ds.init_distributed()
+
+
+def bench_llama(layers: int, hidden: int, vocab: int, seq: int):
+    spec = ModelSpec("bench", hidden=hidden, layers=layers, intermediate=hidden * 8 // 3, vocab=vocab,
+                     heads=max(1, hidden // 64))
+    return common.random_llama(spec, seq, "fp32")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=10_000)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--bucket-size", type=int, default=1_000_000, help="lomo.bucket_size (elements per rank)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--in-flight", type=int, default=1, help="reduce-scatters LOMO lets run at once")
+    ap.add_argument("--engines", default="floor,lomo,lomo clipped,deepspeed sgd",
+                    help="comma-separated subset of the engines (the floor is always run)")
+    args = ap.parse_args()
+
+    start_ranks()
+    base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
+    zero = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": {"stage": 3}}
+    lomo = {"lr": LR, "bucket_size": args.bucket_size}
+    makers = {
+        "lomo": lambda m: lomo_ds.initialize(m, {**zero, "lomo": lomo}),
+        "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "clip_grad_norm": 1.0}}),
+        "deepspeed sgd": lambda m: DeepSpeedOptimizerEngine(m, zero, "sgd", "sgd", lr=LR, clip=None, total_steps=0,
+                                                            warmup_steps=0),
+    }
+    engines = {"floor": common.FloorEngine(copy.deepcopy(base), zero)}
+    engines.update({name: make(copy.deepcopy(base)) for name, make in makers.items()
+                    if name in args.engines.split(",")})
+    timed = {name: e for name, e in engines.items() if name.startswith("lomo")}
+    for e in timed.values():
+        e.timers.enabled = True
+        e.buckets.max_in_flight = args.in_flight
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    times = {name: [] for name in engines}
+    parts = {name: [] for name in timed}
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(0, args.vocab, (args.micro, args.seq), generator=g)
+        batch = {"input_ids": ids, "labels": ids}
+        for name, engine in engines.items():
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            engine.train_step(batch)
+            elapsed = time.perf_counter() - t0
+            if name in timed:
+                taken = engine.timers.take()
+            if step >= args.warmup:
+                times[name].append(elapsed)
+                if name in timed:
+                    parts[name].append(taken)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    if rank == 0:
+        report(args, base, world, times, parts)
+
+
+def report(args, base, world, times, parts) -> None:
+    n_params = sum(p.numel() for p in base.parameters())
+    print(f"\n{n_params / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), {world} ranks, "
+          f"micro-batch {args.micro} x {args.seq}, fp32, bucket {args.bucket_size:,} elements, "
+          f"{args.in_flight} reduce-scatter(s) in flight, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; median of {args.steps} steps")
+    floor = times["floor"]
+    print(f"{'engine':16s} {'step s':>8s} {'x floor':>8s}   (x floor: median of the per-round ratios)")
+    for name, ts in times.items():
+        ratio = statistics.median(t / f for t, f in zip(ts, floor))
+        print(f"{name:16s} {statistics.median(ts):8.3f} {ratio:8.3f}")
+    for name, steps in parts.items():
+        print(f"\n{name}: time in LOMO's own code per step, ms (median), and as a share of the floor step")
+        floor_ms = statistics.median(floor) * 1e3
+        in_code = [s.get("hook", 0.0) + s.get("flush", 0.0) for s in steps]
+        rows = {k: [s.get(k, 0.0) for s in steps] for k in BREAKDOWN}
+        rows["bookkeeping"] = [t - sum(s.get(k, 0.0) for k in BREAKDOWN) for t, s in zip(in_code, steps)]
+        rows["total in hooks + flush"] = in_code
+        for k, v in rows.items():
+            ms = statistics.median(v) * 1e3
+            print(f"  {k:24s} {ms:9.1f} {100 * ms / floor_ms:6.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Reduce-scatter buckets: ready gradients in, this rank's reduced slices out, overlapped with the backward.
+
+Layout. Every rank must issue the same collectives, of the same sizes, in the same order: else
+ranks hang, or sum one parameter's gradient into another's. So the bucket layout is fixed and
+shared: an ordered list of buckets, each an ordered list of parameters, identical on every rank.
+The first backward uses the reverse of the parameter order (roughly the order gradients arrive);
+after it, the group's first rank broadcasts the order its gradients really arrived in and every
+rank re-plans on that (once, as torch's DDP rebuilds its buckets). A bucket is sent once all its
+parameters' gradients are in, buckets strictly in layout order; at the end of the backward the
+rest are sent, with zeros for any parameter that got no gradient on this rank (a mixture-of-experts
+expert that none of this rank's tokens reached).
+
+Payload. The reduce-scatter input is rank-major: row r of a [world, width + 1] matrix holds, for
+every parameter of the bucket, the elements rank r owns (zero-padded to `part`), then one flag
+element: 0 when this rank's gradients in the bucket are all finite, NaN otherwise. The collective
+sums the flags with the gradients, so every rank receives the same verdict on the bucket with no
+extra collective. The gradient bytes are those of DeepSpeed's own ZeRO-3 path, half an all-reduce's.
+
+Overlap. Each bucket's reduce-scatter is started asynchronously (on an accelerator, packed on a
+side stream) and the backward goes on; the bucket is handed to `on_bucket` when its collective has
+completed, at the latest just before the next bucket is sent, or at the end of the backward. At
+most `max_in_flight` collectives are outstanding, so memory stays O(bucket).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import ds_compat
+from .comm_stats import StepTimers
+from .fused_update import geometry
+
+OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]]], None]
+
+
+def part_of(param: torch.nn.Parameter, world: int) -> int:
+    """Elements of the parameter each rank owns, padding included (ZeRO-3's partition size)."""
+    return geometry(param, world, 0).part
+
+
+def nonfinite_marker(t: torch.Tensor) -> torch.Tensor:
+    """0 when every element of `t` is finite, NaN otherwise: 0 * sum (inf * 0 and NaN * 0 are NaN).
+    A device tensor, so building the flag costs no host synchronisation."""
+    return t.sum(dtype=torch.float32).mul_(0.0)
+
+
+@dataclass
+class _InFlight:
+    work: object  # the collective's handle
+    send: torch.Tensor  # kept alive until the collective has read it
+    received: torch.Tensor  # this rank's reduced slices, then the summed flag
+    params: list[torch.nn.Parameter]
+
+
+class ReduceScatterBuckets:
+    """Collects ready gradients of `params` and reduce-scatters them in buckets of `capacity`
+    per-rank elements, calling `on_bucket([(param, this rank's reduced slice)])` per bucket."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group, world: int, rank: int, capacity: int,
+                 reduce_dtype: torch.dtype | None, on_bucket: OnBucket, device: torch.device, tracker=None,
+                 all_reduce: bool = False, max_in_flight: int = 1, timers: StepTimers | None = None):
+        from deepspeed.accelerator import get_accelerator
+
+        self.group, self.world, self.rank = group, world, rank
+        self.params = list(params)
+        self.capacity = capacity
+        self.reduce_dtype = reduce_dtype
+        # Called once per reduced bucket with every parameter of the bucket at once, so an update
+        # rule that needs a collective per bucket (AdaLomo's row/column statistics) can batch it.
+        self.on_bucket = on_bucket
+        self.device = device
+        self.tracker = tracker
+        # all_reduce=True is the public reference implementation's way (all-reduce each full
+        # gradient, then keep this rank's slice): twice the bytes, synchronous. Kept only as a
+        # baseline for the communication benchmark.
+        self.all_reduce = all_reduce
+        self.max_in_flight = max_in_flight
+        self.timers = timers or StepTimers()
+        self.accelerator = get_accelerator()
+        # Gradients are produced on the current stream; packing and sending them on a side stream
+        # lets the next layer's backward kernels start at once.
+        self.stream = self.accelerator.Stream() if device.type != "cpu" else None
+        self.in_flight: deque[_InFlight] = deque()
+        self._check_groups()
+        # One rank has nothing to reduce, and the all-reduce baseline goes one parameter at a time:
+        # neither uses buckets.
+        bucketed = world > 1 and not all_reduce
+        self._plan(self.params[::-1] if bucketed else [])
+        self._relayout_pending = bucketed
+        self.reset()
+
+    # ----------------------------------------------------------------- layout
+    def _check_groups(self) -> None:
+        """Each parameter is reduced in its own `ds_process_group`, but the shard update assumes one
+        partitioning (`world` ranks, this one `rank`): refuse any group that partitions differently."""
+        groups = {id(g): g for g in map(ds_compat.process_group, self.params)}
+        for g in groups.values():
+            size, index = torch.distributed.get_world_size(g), torch.distributed.get_rank(g)
+            if (size, index) != (self.world, self.rank):
+                ids = [ds_compat.param_id(p) for p in self.params if ds_compat.process_group(p) is g]
+                raise ValueError(f"parameters ds_id={ids[:5]} are partitioned over a process group of {size} ranks "
+                                 f"(this rank {index}), the others over {self.world} (this rank {self.rank}): "
+                                 "lomo_ds updates shards of one partitioning only")
+
+    def _plan(self, order: list[torch.nn.Parameter]) -> None:
+        """Buckets of at most `capacity` per-rank elements, in `order`; parameters partitioned over
+        different process groups never share a bucket (each bucket is reduced in its own group)."""
+        self.layout: list[list[torch.nn.Parameter]] = []
+        self.bucket_groups = []  # the process group each bucket is reduced in
+        filling: dict[int, tuple[object, list, int]] = {}  # id(group) -> (group, params, elements)
+
+        def close(key):
+            group, bucket, _ = filling.pop(key)
+            self.layout.append(bucket)
+            self.bucket_groups.append(group)
+
+        for p in order:
+            group = ds_compat.process_group(p)
+            part = part_of(p, self.world)
+            if id(group) in filling and filling[id(group)][2] + part > self.capacity:
+                close(id(group))
+            _, bucket, elems = filling.setdefault(id(group), (group, [], 0))
+            bucket.append(p)
+            filling[id(group)] = (group, bucket, elems + part)
+            if elems + part >= self.capacity:
+                close(id(group))
+        for key in list(filling):
+            close(key)
+        self.slot_of = {id(p): (b, i) for b, bucket in enumerate(self.layout) for i, p in enumerate(bucket)}
+
+    def _relayout(self) -> None:
+        """Re-plan every rank on the order gradients arrived in on the group's first rank."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        order = torch.full((len(self.params),), -1, dtype=torch.int64)
+        order[:len(self.arrived)] = torch.tensor([index[id(p)] for p in self.arrived], dtype=torch.int64)
+        order = order.to(self.device)
+        ds_compat.broadcast_from_first(order, self.group)
+        first = [self.params[i] for i in order.tolist() if i >= 0]
+        seen = {id(p) for p in first}
+        # Parameters the first rank got no gradient for keep their place relative to each other.
+        self._plan(first + [p for bucket in self.layout for p in bucket if id(p) not in seen])
+        self._relayout_pending = False
+
+    # ----------------------------------------------------------------- one backward
+    def reset(self) -> None:
+        """Start a backward: no bucket sent, no gradient in, no non-finite element seen."""
+        while self.in_flight:  # left by a backward that raised: finish it, apply nothing
+            self.in_flight.popleft().work.wait()
+        self.found_nonfinite = False
+        self.slots: list[list[torch.Tensor | None]] = [[None] * len(b) for b in self.layout]
+        self.missing = [len(b) for b in self.layout]
+        self.next_bucket = 0  # the next bucket to send, in layout order
+        self.arrived: list[torch.nn.Parameter] = []
+        self.pending_bytes = 0  # gradients waiting for their bucket to be sent
+
+    def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        if self.world == 1:
+            # One rank: the shard is the whole parameter and there is nothing to reduce.
+            self.arrived.append(param)
+            if not self.found_nonfinite and math.isnan(nonfinite_marker(grad).item()):
+                self.found_nonfinite = True
+            if not self.found_nonfinite:
+                with self.timers.span("update"):
+                    self.on_bucket([(param, grad.reshape(-1))])
+            return
+        if self.all_reduce:
+            self._all_reduce_one(param, grad)
+            return
+        b, i = self.slot_of[id(param)]
+        if b < self.next_bucket:
+            raise RuntimeError(f"parameter ds_id={ds_compat.param_id(param)} {tuple(ds_compat.full_shape(param))}: "
+                               "a second gradient arrived after its bucket was sent in this backward")
+        held = self.slots[b][i]
+        if held is None:
+            self.slots[b][i] = grad
+            self.missing[b] -= 1
+            self.arrived.append(param)
+            self.pending_bytes += grad.numel() * grad.element_size()
+        else:
+            held.add_(grad)  # a second accumulation (reentrant checkpointing): ours to sum into
+        if self.tracker is not None:
+            self.tracker.note_bucket(self._held_bytes())
+        while self.next_bucket < len(self.layout) and self.missing[self.next_bucket] == 0:
+            self._send_next()
+        if self.in_flight and self.in_flight[0].work.is_completed():
+            self._complete_oldest()
+
+    def flush(self) -> None:
+        """End of the backward: send what is left (zeros for gradients that never came), apply all."""
+        while self.next_bucket < len(self.layout):
+            self._send_next()
+        while self.in_flight:
+            self._complete_oldest(timer="wait at end")
+        if self._relayout_pending:
+            self._relayout()
+
+    # ----------------------------------------------------------------- one bucket
+    def _send_next(self) -> None:
+        b = self.next_bucket
+        params, grads = self.layout[b], self.slots[b]
+        self.slots[b] = None
+        self.next_bucket += 1
+        if len(self.in_flight) >= self.max_in_flight:
+            self._complete_oldest()
+        dtype = self.reduce_dtype or params[0].dtype
+        width = sum(part_of(p, self.world) for p in params)
+        if self.stream is not None:
+            self.stream.wait_stream(self.accelerator.current_stream())
+        with self.accelerator.stream(self.stream):
+            with self.timers.span("pack"):
+                send = self._pack(params, grads, dtype, width)
+            with self.timers.span("flag"):
+                send[:, width] = nonfinite_marker(send[:, :width])
+            if self.tracker is not None:
+                self.tracker.note_bucket(self._held_bytes() + send.numel() * send.element_size())
+            # The gradients are packed: let them go before the receive buffer exists.
+            for g in grads:
+                if g is not None:
+                    self.pending_bytes -= g.numel() * g.element_size()
+                    if self.stream is not None:
+                        g.record_stream(self.stream)  # read by the side stream: not to be reused before
+            grads.clear()
+            received = torch.empty(width + 1, dtype=dtype, device=self.device)
+            with self.timers.span("launch"):
+                work = ds_compat.reduce_scatter_async(received, send.view(-1), self.bucket_groups[b])
+        self.in_flight.append(_InFlight(work, send, received, params))
+
+    def _pack(self, params, grads, dtype, width) -> torch.Tensor:
+        """The rank-major payload; its last column (the flag) is left for the caller."""
+        send = torch.empty(self.world, width + 1, dtype=dtype, device=self.device)
+        col = 0
+        for p, g in zip(params, grads):
+            part = part_of(p, self.world)
+            if g is None:
+                send[:, col:col + part].zero_()  # no gradient on this rank: it contributes zeros
+                col += part
+                continue
+            flat = g.reshape(-1)
+            full_rows = g.numel() // part
+            send[:full_rows, col:col + part].copy_(flat[:full_rows * part].view(full_rows, part))
+            if full_rows < self.world:
+                send[full_rows:, col:col + part].zero_()
+                tail = g.numel() - full_rows * part
+                if tail:
+                    send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
+            col += part
+        return send
+
+    def _complete_oldest(self, timer: str = "wait") -> None:
+        done = self.in_flight.popleft()
+        with self.timers.span(timer):
+            done.work.wait()  # on an accelerator: the current stream waits for the collective
+        if self.stream is not None:
+            done.received.record_stream(self.accelerator.current_stream())
+        if self.found_nonfinite:
+            return
+        if math.isnan(done.received[-1].item()):  # on an accelerator: a host sync, the collective is done
+            self.found_nonfinite = True  # every rank reads the same summed flag: all stop here
+            return
+        items, col = [], 0
+        for p in done.params:
+            part = part_of(p, self.world)
+            items.append((p, done.received[col:col + part]))
+            col += part
+        with self.timers.span("update"):
+            self.on_bucket(items)
+
+    def _all_reduce_one(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)
+        ds_compat.all_reduce(full, group=ds_compat.process_group(param))
+        # Every rank holds the same summed gradient: a local check is already agreed.
+        if self.found_nonfinite or math.isnan(nonfinite_marker(full).item()):
+            self.found_nonfinite = True
+            return
+        part = part_of(param, self.world)
+        self.on_bucket([(param, full[self.rank * part:(self.rank + 1) * part])])
+
+    def _held_bytes(self) -> int:
+        return self.pending_bytes + sum(f.send.numel() * f.send.element_size()
+                                        + f.received.numel() * f.received.element_size() for f in self.in_flight)

@@ -1,0 +1,231 @@
+"""Multi-rank checks of the reduce-scatter buckets, run once per world size by tests/test_buckets.py.
+
+Launched as `torchrun --nproc_per_node N tests/dist_bucket_checks.py OUT.json`; rank 0 records
+figures, the pytest side asserts on them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lomo_ds  # noqa: E402
+from dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_step  # noqa: E402
+from lomo_ds import ds_compat  # noqa: E402
+from lomo_ds.fused_update import geometry  # noqa: E402
+from tiny import global_batch, tiny_llama, tiny_llama_config  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+
+def all_ranks(values: list[float]) -> list[list[float]]:
+    """Every rank's `values`, in rank order (a test-side collective)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    out = [torch.zeros_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def check_nonfinite(bf16: bool):
+    """inf in one parameter's gradient on the last rank only, in a one-pass step: every rank sees
+    found_nonfinite, the buckets before it are applied, that bucket and every later one are not."""
+    cfg = ds_cfg(bucket_size=3000)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    engine = lomo_ds.initialize(tiny_llama(11), cfg)
+    world, rank = engine.world, engine.rank
+    target = engine.module.model.layers[0].mlp.up_proj.weight
+    inject = {"on": False}
+    target.register_hook(lambda g: g * float("inf") if inject["on"] and rank == world - 1 else g)
+    engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
+    layout = [list(b) for b in engine.buckets.layout] if world > 1 else [[p] for p in engine.buckets.arrived]
+    bad = next(b for b, params in enumerate(layout) if any(p is target for p in params))
+    shards = lambda: {id(p): ds_compat.shard(p).clone() for p in engine.params}  # noqa: E731
+    before = shards()
+    inject["on"] = True
+    engine.train_step(global_batch(1, world)[rank])
+    after = shards()
+    changed = [[float(not torch.equal(before[id(p)], after[id(p)])) for p in params] for params in layout]
+    found = engine.buckets.found_nonfinite
+    inject["on"] = False
+    engine.train_step(global_batch(2, world)[rank])
+    again = shards()
+    moved_next = float(all(not torch.equal(after[id(p)], again[id(p)]) for p in engine.params
+                           if geometry(p, world, rank).local > 0))
+    finite_after = float(all(torch.isfinite(ds_compat.shard(p)).all() for p in engine.params))
+    flags = all_ranks([float(found), float(engine.buckets.found_nonfinite), moved_next, finite_after])
+    return {"n_buckets": len(layout), "bad_bucket": bad, "changed_by_bucket": changed,
+            "found_all_ranks": [f[0] for f in flags], "found_next_step": [f[1] for f in flags],
+            "next_step_updates_all": [f[2] for f in flags], "finite_all_ranks": [f[3] for f in flags]}
+
+
+class TwoExperts(torch.nn.Module):
+    """Two expert layers; the caller picks one per micro-batch."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(2))
+
+    def forward(self, hidden, choice: int):
+        return hidden + self.experts[choice](hidden)
+
+
+class TwoExpertLlama(torch.nn.Module):
+    """A tiny LLaMA with a two-expert layer after the decoder; a micro-batch's first token picks the
+    expert, so an expert can get a gradient on some ranks only, or on none: a mixture-of-experts
+    layer in small. As DeepSpeed requires of MoE blocks, the expert layer is a ZeRO-3 leaf module
+    (gathered as a whole, so every rank runs the same module sequence)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.llama = tiny_llama(seed)
+        torch.manual_seed(seed + 1)
+        self.moe = TwoExperts(self.llama.config.hidden_size)
+
+    def forward(self, input_ids, labels):
+        hidden = self.llama.model(input_ids=input_ids).last_hidden_state
+        logits = self.llama.lm_head(self.moe(hidden, int(input_ids[0, 0]) % 2))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                                 labels[:, 1:].reshape(-1))
+
+
+def routed_batch(step: int, world: int) -> list[dict]:
+    """The global batch with micro-batch r routed to expert (r + step) % 2 on every step."""
+    mbs = global_batch(step, world)
+    for r, mb in enumerate(mbs):
+        mb["input_ids"][0, 0] = (r + step) % 2
+        mb["labels"][0, 0] = (r + step) % 2
+    return mbs
+
+
+def check_experts():
+    """Experts reached on some ranks only, switching every step, against single-process SGD."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    return equivalence(lambda: TwoExpertLlama(12), ds_cfg(bucket_size=2000), forward=lambda m, b: m(**b),
+                       steps=4, batches=routed_batch, prepare=lambda m: set_z3_leaf_modules(m, [TwoExperts]))
+
+
+class HeadLlama(torch.nn.Module):
+    """A tiny LLaMA with a second output head beside lm_head (partitioned over another group)."""
+
+    def __init__(self, llama, head):
+        super().__init__()
+        self.llama, self.head = llama, head
+
+    def forward(self, input_ids, labels):
+        hidden = self.llama.model(input_ids=input_ids).last_hidden_state
+        logits = self.llama.lm_head(hidden) + self.head(hidden)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                                 labels[:, 1:].reshape(-1))
+
+
+def check_two_groups():
+    """The head is partitioned over a second process group (same ranks, another communicator):
+    its gradients go to buckets of their own, reduced in that group; the result matches SGD."""
+    import deepspeed
+
+    world = torch.distributed.get_world_size()
+    second = torch.distributed.new_group(list(range(world)))
+    cfg = ds_cfg(bucket_size=2000)
+    ds_conf = {k: v for k, v in cfg.items() if k != "lomo"}
+    config = tiny_llama_config()
+    torch.manual_seed(15)
+    ref = HeadLlama(tiny_llama(14), torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+    with deepspeed.zero.Init(config_dict_or_path=ds_conf):
+        llama = LlamaForCausalLM(config)
+    with deepspeed.zero.Init(config_dict_or_path=ds_conf, data_parallel_group=second):
+        head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    model = HeadLlama(llama, head)
+    for p, src in zip(model.parameters(), ref.parameters()):
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                p.data.copy_(src.data)
+    engine = lomo_ds.initialize(model, cfg)
+    rank = engine.rank
+    for step in range(STEPS):
+        mbs = global_batch(step, world)
+        engine.train_step(mbs[rank])
+        reference_step(ref, mbs, world, forward=lambda m, b: m(**b))
+    buckets = engine.buckets
+    head_buckets = [b for b, params in enumerate(buckets.layout) if any(p is head.weight for p in params)]
+    return {"max_abs_diff": max_diff(engine, ref),
+            "one_group_per_bucket": all(ds_compat.process_group(p) is buckets.bucket_groups[b]
+                                        for b, params in enumerate(buckets.layout) for p in params),
+            "head_reduced_in_second_group": world == 1 or all(buckets.bucket_groups[b] is second
+                                                              for b in head_buckets),
+            "head_bucket_only_head": world == 1 or all(len(buckets.layout[b]) == 1 for b in head_buckets)}
+
+
+def check_other_partitioning_refused():
+    """A parameter partitioned over a group of a different size (here: each rank alone) cannot be
+    updated by the sharded rule: the engine refuses it with an error naming the group sizes."""
+    import deepspeed
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    alone = [torch.distributed.new_group([r]) for r in range(world)][rank]
+    cfg = ds_cfg()
+    ds_conf = {k: v for k, v in cfg.items() if k != "lomo"}
+    config = tiny_llama_config()
+    with deepspeed.zero.Init(config_dict_or_path=ds_conf):
+        llama = LlamaForCausalLM(config)
+    with deepspeed.zero.Init(config_dict_or_path=ds_conf, data_parallel_group=alone):
+        head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    try:
+        lomo_ds.initialize(HeadLlama(llama, head), cfg)
+    except ValueError as e:
+        return {"error_message": str(e)}
+    return {"error_message": None}
+
+
+def check_overlap():
+    """Each bucket is applied only after later gradients have arrived: its reduce-scatter ran
+    while the backward went on (a synchronous one is applied inside the hook that filled it)."""
+    engine = lomo_ds.initialize(tiny_llama(13), ds_cfg(bucket_size=2000))
+    world, rank = engine.world, engine.rank
+    engine.train_step(global_batch(0, world)[rank])
+    events = []
+    add, apply_bucket = engine.buckets.add, engine.buckets.on_bucket
+    engine.buckets.add = lambda p, g: (events.append(("grad", id(p))), add(p, g))[-1]
+    engine.buckets.on_bucket = lambda items: (events.append(("apply", tuple(id(p) for p, _ in items))),
+                                              apply_bucket(items))[-1]
+    engine.train_step(global_batch(1, world)[rank])
+    arrived_before = []  # for each applied bucket: gradients that arrived after its last one
+    for i, (kind, what) in enumerate(events):
+        if kind == "apply":
+            last = max(j for j, (k, w) in enumerate(events[:i]) if k == "grad" and w in what)
+            arrived_before.append(sum(1 for k, _ in events[last + 1:i] if k == "grad"))
+    return {"n_buckets": len(engine.buckets.layout), "later_grads_before_apply": arrived_before}
+
+
+def main(out_path):
+    lomo_ds.init_distributed()
+    checks = {
+        "nonfinite_fp32": lambda: check_nonfinite(False),
+        "nonfinite_bf16": lambda: check_nonfinite(True),
+        "experts": check_experts,
+        "overlap": check_overlap,
+        "two_groups": check_two_groups,
+        "other_partitioning": check_other_partitioning_refused,
+    }
+    results = {}
+    only = os.environ.get("LOMO_CHECKS")
+    for name, fn in checks.items():
+        if only and name not in only.split(","):
+            continue
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
