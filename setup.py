@@ -29,7 +29,8 @@ setup(
     ],
     extras_require={
         "experiments": ["matplotlib>=3.7", "peft>=0.12", "tensorboard"],
-        "test": ["pytest>=8", "matplotlib>=3.7", "peft>=0.12"],
+        # lomo-optim: the public AdaLomo, the reference tests/test_adalomo.py checks its own against
+        "test": ["pytest>=8", "matplotlib>=3.7", "peft>=0.12", "lomo-optim>=0.1.1", "psutil"],
     },
     entry_points={"console_scripts": ["lomo-ds=lomo_ds.cli:main"]},
 )

@@ -31,9 +31,10 @@ Model states
                                               gathered.
   LOMO grads   b max_p                        N = 1: the one gradient alive at a time (the largest
                                               parameter: the embedding / LM head)
-               2 b max(bucket x N, max_p)     N > 1: the gradients waiting in the reduce-scatter bucket
-                                              (bucket_size elements of shard = bucket x N full elements)
-                                              + the rank-major send buffer of the same size
+  (2 + 1/N) b max(bucket x N, max_p)  N > 1: the gradients filling the next bucket (bucket_size
+                                              elements of shard = bucket x N full elements), the
+                                              rank-major payload of the one in flight, and its
+                                              receive buffer (1/N of it)
   LOMO optim   0                              (4 P / N with fp32 master shards)
   DeepSpeed ZeRO-3 optimizer (SGD / AdamW, mixed precision):
   grads        b P / N                        the gradient shard buffer for the whole model
@@ -71,9 +72,9 @@ shipped configs' settings on 24 GiB GPUs:
 
   | model | micro-batch | LOMO GPUs | GiB/GPU | host RAM GiB (node) |    without offload:
   | 7b    | 16          | 1         | 7.91    | 15.4                |    1 GPU, 20.83 GiB
-  | 13b   | 8           | 1         | 6.18    | 27.8                |    2 GPUs, 20.21 GiB
-  | 30b   | 4           | 1         | 5.53    | 65.2                |    4 GPUs, 22.12 GiB
-  | 65b   | 2           | 1         | 4.93    | 127.2               |    8 GPUs, 21.26 GiB
+  | 13b   | 8           | 1         | 6.18    | 27.8                |    2 GPUs, 20.36 GiB
+  | 30b   | 4           | 1         | 5.53    | 65.2                |    4 GPUs, 22.22 GiB
+  | 65b   | 2           | 1         | 4.93    | 127.2               |    8 GPUs, 21.32 GiB
 
 Activations (bytes autograd saves in the forward; what lomo_ds.memory.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------
@@ -276,7 +277,7 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     params = shard + gathered
     acts, recompute = activation_bytes(m, run)
     if method == "lomo":
-        grads = b * max_p if n == 1 else 2 * b * min(P, max(run.lomo_bucket * n, max_p))
+        grads = b * max_p if n == 1 else (2 + 1 / n) * b * min(P, max(run.lomo_bucket * n, max_p))
         masters = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
         slice_n = math.ceil(max_p / n)
         update = update_temp_bytes(slice_n, run)

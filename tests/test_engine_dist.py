@@ -120,8 +120,6 @@ def test_nonfinite_loss_on_one_rank_skips_everywhere_before_the_backward(engine_
     assert r["skipped_steps"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="the buckets' non-finite flag (interfaces item 2) comes with branch overlap: "
-                                       "remove this marker when it is merged")
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", ["one_pass", "update_pass"])
 def test_nonfinite_gradient_never_reaches_a_weight(engine_results, world, case):
