@@ -7,8 +7,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# What pytest.ini's pythonpath gives the tests, given to the ranks they launch too.
+HELPER_PATH = os.pathsep.join([os.path.join(ROOT, "tests"), os.path.join(ROOT, "experiments")])
 
 
 def free_port() -> int:
@@ -21,7 +21,8 @@ def launch(script: str, nproc: int, args: list[str], timeout: int = 600, env: di
     """Run `script` on `nproc` ranks (gloo on this CPU) and fail with its log if it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [HELPER_PATH, os.environ.get("PYTHONPATH")])), **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{script} on {nproc} ranks failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -12,7 +12,6 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lomo_ds  # noqa: E402
 from dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_step  # noqa: E402

@@ -198,11 +198,11 @@ def test_traffic_extra_over_lomo_is_under_one_percent(adalomo_results):
     extra = ada["total"] - lomo["total"]
     print(f"bytes sent per rank per step, 2 ranks, {r['n_params']} parameters of a LLaMA-shaped model: "
           f"LOMO {lomo['total']}, AdaLomo {ada['total']}, extra {extra} = {extra / lomo['total']:.3%} of the step, "
-          f"{extra / lomo['counts']['reduce_scatter_tensor']['bytes']:.3%} of the gradient reduce-scatter")
-    for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+          f"{extra / lomo['counts']['reduce_scatter']['bytes']:.3%} of the gradient reduce-scatter")
+    for op in ("all_gather_into_tensor", "reduce_scatter"):
         assert ada["counts"][op] == lomo["counts"][op]
     # Two all-reduces per bucket (one per reduce-scatter), nothing else.
-    buckets = lomo["counts"]["reduce_scatter_tensor"]["calls"]
+    buckets = lomo["counts"]["reduce_scatter"]["calls"]
     assert ada["counts"]["all_reduce"]["calls"] == lomo["counts"]["all_reduce"]["calls"] + 2 * buckets
     shapes = [tuple(p.shape) for p in llama_shaped_model().parameters()]
     assert extra == 4 * stat_floats(shapes)  # fp32 all-reduce on 2 ranks: 2 (w-1)/w = 1 x the bytes

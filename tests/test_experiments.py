@@ -17,9 +17,7 @@ TASKS = ("rte", "boolq", "wsc", "wic", "multirc", "copa")
 
 
 def _load(name: str):
-    # A table script imports its sibling `common` as it does when run (its own directory is on the path).
-    if EXP not in sys.path:
-        sys.path.insert(0, EXP)
+    # A table script imports its sibling `common` (experiments/ is on the path: pytest.ini).
     spec = importlib.util.spec_from_file_location(f"exp_{name}", os.path.join(EXP, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -151,7 +149,6 @@ def test_table4_hyperparameters(table3):
 @pytest.mark.parametrize("method", ["zero_shot", "lora", "lomo", "lora_lomo"])
 def test_overrides_are_valid_run_configs(table3, method):
     """Every override the sweep produces is accepted by the training program's own config loader."""
-    sys.path.insert(0, ROOT)
     from lomo_ds.run_config import load_run_config
 
     hp = table3.load_hparams("boolq")

@@ -241,7 +241,6 @@ def test_offload_rows(capsys):
 
 # ----------------------------------------------------------------------------- measured runs
 def _worker(out_path: str) -> None:
-    sys.path.insert(0, ROOT)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

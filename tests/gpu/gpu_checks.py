@@ -15,7 +15,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -23,10 +22,8 @@ import traceback
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # tests/: the CPU suite's helpers
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "experiments"))  # common: the floor
+# tests/ (the CPU suite's helpers) and experiments/ (common: the floor) come on PYTHONPATH from the
+# launcher (tests/conftest.py's launch).
 
 import deepspeed  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
