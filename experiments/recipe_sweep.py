@@ -64,7 +64,6 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="run-config override (JSON value)")
     ap.add_argument("--zero-shot", action="store_true", help="also print the zero-shot accuracy per seed")
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
     cfg = load_run_config(args.config, overrides)
     tok = load_tokenizer(cfg)
