@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="LOMO full-parameter fine-tuning fused into the backward pass, on DeepSpeed ZeRO-3 shards",
     packages=find_packages(include=["lomo_ds", "lomo_ds.*"]),
-    package_data={"lomo_ds": ["builtin/*.jsonl", "builtin/*.json"]},
+    package_data={"lomo_ds": ["builtin/*.jsonl", "builtin/*.json", "builtin/heldout/*.jsonl"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<2.14",

@@ -181,11 +181,26 @@ def test_table3_markdown_gpu_layout(table3):
 
 
 def test_table3_markdown_cpu(table3):
-    rows = [{"size": "cpu", "task": "builtin", "method": "zero_shot", "accuracy": 50.0, "setting": {}},
+    rows = [{"size": "cpu", "task": "builtin", "method": "zero_shot", "accuracy": 50.0, "setting": {},
+             "seeds": {42: 51.0, 43: 49.0}},
             {"size": "cpu", "task": "builtin", "method": "lomo", "accuracy": 75.0, "steps": 30,
-             "setting": {"lr": 0.03, "warmup_ratio": 0.1}}]
+             "setting": {"lr": 0.03, "warmup_ratio": 0.1}, "seeds": {42: 80.0, 43: 70.0}}]
     md = table3.markdown(rows, cpu=True)
-    assert "| LOMO | 75.0 | +25.0 | 30 | lr=0.03, warmup_ratio=0.1 |" in md
+    # mean, min, min against zero-shot's best seed, per seed
+    assert "| LOMO | 75.0 | 70.0 | +19.0 | 80 70 | 30 | lr=0.03, warmup_ratio=0.1 |" in md
+
+
+def test_table3_seeds(table3):
+    """The CPU table runs 3 seeds; each seed sets both the data sample and the training order."""
+    cpu = table3.load_hparams("cpu")
+    seeds = table3.seeds_of(cpu)
+    assert len(seeds) == 3
+    o = table3.train_overrides("lomo", table3.settings("lomo", cpu)[0], cpu, cpu["ranks"], "/tmp/x", seeds[1])
+    assert o["train.seed"] == o["data.seed"] == seeds[1]
+    o = table3.train_overrides("adalomo", table3.settings("adalomo", cpu)[0], cpu, cpu["ranks"], "/tmp/x")
+    assert o["train.method"] == "lomo" and o["lomo.optimizer"] == "adalomo"
+    o = table3.train_overrides("adamw", table3.settings("adamw", cpu)[0], cpu, cpu["ranks"], "/tmp/x")
+    assert o["train.method"] == "adamw" and o["train.baseline_lr"] == table3.settings("adamw", cpu)[0]["lr"]
 
 
 def test_makefile_targets():

@@ -1,6 +1,6 @@
 """Generate lomo_ds/builtin/{train,validation}.jsonl: the project's own small task.
 
-    python3 lomo_ds/builtin/make_builtin_task.py        # rewrites both files, same bytes every time
+    python3 lomo_ds/builtin/make_builtin_task.py        # rewrites all four files, same bytes every time
 
 Short product/restaurant reviews; the question asks, in varied words, whether the review is
 positive. The rule is lexical and consistent: a review is positive exactly when its opinion words
@@ -11,6 +11,11 @@ Why this task: a 135M instruct model answers such Yes/No questions near chance z
 mostly prefers one answer word), but the rule is easy to pick up from ~100 steps of batch 8, which
 makes a CPU demo show accuracy rising. Sequences stay under ~50 tokens. Labels are balanced in
 each split and no passage appears in both splits.
+
+lomo_ds/builtin/heldout/{train,validation}.jsonl is the same task with the vocabulary split: the
+validation reviews use opinion words and items that never occur in its training reviews, so a model
+can only do well on it by learning "positive opinion -> Yes", not the training words. Use it with
+`data.source=lomo_ds/builtin/heldout` (task `builtin`). No setting was tuned on it.
 """
 from __future__ import annotations
 
@@ -40,28 +45,40 @@ TEMPLATES = [
     "{filler} The {item} was {adj}, and the {item2} was {adj2}.",
     "Our {item} turned out {adj}. {filler}",
 ]
+# The held-out check's validation vocabulary; its training reviews use the rest of each list.
+HELDOUT_POSITIVE = ["superb", "charming", "terrific", "lovely"]
+HELDOUT_NEGATIVE = ["dreadful", "lousy", "mediocre", "miserable"]
+HELDOUT_ITEMS = ["hotel room", "concert", "soup", "camera", "tour", "bread"]
 QUESTIONS = ["Is this review positive?", "Did the reviewer like it?", "Is the reviewer happy?",
              "Was the experience good?", "Is this a positive review?", "Did the writer enjoy it?"]
 
 
-def make_passage(rng: random.Random, positive: bool) -> str:
-    words = POSITIVE if positive else NEGATIVE
+Vocab = tuple[list[str], list[str], list[str]]  # positive words, negative words, items
+FULL: Vocab = (POSITIVE, NEGATIVE, ITEMS)
+HELDOUT: Vocab = (HELDOUT_POSITIVE, HELDOUT_NEGATIVE, HELDOUT_ITEMS)
+SEEN: Vocab = tuple([w for w in full if w not in held] for full, held in zip(FULL, HELDOUT))
+
+
+def make_passage(rng: random.Random, positive: bool, vocab: Vocab = FULL) -> str:
+    words = vocab[0] if positive else vocab[1]
     adj, adj2 = rng.sample(words, 2)
-    item, item2 = rng.sample(ITEMS, 2)
+    item, item2 = rng.sample(vocab[2], 2)
     text = rng.choice(TEMPLATES).format(adj=adj, adj2=adj2, item=item, item2=item2, filler=rng.choice(FILLERS))
     text = " ".join(text.split())  # an empty filler leaves a double or edge space
     return text[0].upper() + text[1:]
 
 
-def generate(seed: int = SEED, n_train: int = N_TRAIN, n_validation: int = N_VALIDATION) -> tuple[list, list]:
+def generate(seed: int = SEED, n_train: int = N_TRAIN, n_validation: int = N_VALIDATION,
+             vocabs: tuple[Vocab, Vocab] = (FULL, FULL)) -> tuple[list, list]:
+    """(train, validation) records; `vocabs` is each split's vocabulary."""
     rng = random.Random(seed)
     seen: set[str] = set()
     splits = []
-    for n in (n_train, n_validation):
+    for n, vocab in zip((n_train, n_validation), vocabs):
         records = []
         for label in [1] * (n // 2) + [0] * (n - n // 2):  # balanced labels
             while True:  # a passage is used once across both splits
-                passage = make_passage(rng, positive=label == 1)
+                passage = make_passage(rng, positive=label == 1, vocab=vocab)
                 if passage not in seen:
                     seen.add(passage)
                     break
@@ -71,14 +88,20 @@ def generate(seed: int = SEED, n_train: int = N_TRAIN, n_validation: int = N_VAL
     return splits[0], splits[1]
 
 
+def write_split(directory: str, name: str, records: list) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{name}.jsonl"), "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"{directory}/{name}: {len(records)} records, {sum(r['label'] for r in records)} positive")
+
+
 def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
-    train, validation = generate()
-    for name, records in (("train", train), ("validation", validation)):
-        with open(os.path.join(here, f"{name}.jsonl"), "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        print(f"{name}: {len(records)} records, {sum(r['label'] for r in records)} positive")
+    for directory, vocabs in ((here, (FULL, FULL)), (os.path.join(here, "heldout"), (SEEN, HELDOUT))):
+        train, validation = generate(vocabs=vocabs)
+        write_split(directory, "train", train)
+        write_split(directory, "validation", validation)
 
 
 if __name__ == "__main__":
