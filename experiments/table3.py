@@ -24,18 +24,20 @@ import csv
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
+
+import common
+from lomo_ds.tasks import SUPERGLUE_TASKS
+from lomo_ds.tasks import TASKS as TASK_REGISTRY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HPARAMS = os.path.join(HERE, "table3_hparams")
 RESULTS = os.path.join(HERE, "results")
-TASKS = ("rte", "boolq", "wsc", "wic", "multirc", "copa")
-TASK_NAMES = {"rte": "RTE", "boolq": "BoolQ", "wsc": "WSC", "wic": "WiC", "multirc": "MultiRC", "copa": "COPA",
-              "builtin": "built-in"}
+TASKS = SUPERGLUE_TASKS  # the paper's column order
+TASK_NAMES = {name: task.title for name, task in TASK_REGISTRY.items()}
 METHODS = ("zero_shot", "lora", "lomo", "adalomo", "lora_lomo", "adamw")
 METHOD_NAMES = {"zero_shot": "Zero-shot", "lora": "LoRA", "lomo": "LOMO", "adalomo": "AdaLomo", "lora_lomo": "LoRA+LOMO",
                 "adamw": "AdamW"}
@@ -57,12 +59,6 @@ PAPER_T3 = {
 }
 MIN_GAIN = 20.0  # CPU check: points every fine-tuned method must gain over zero-shot on its worst seed
 NOT_SWEPT = {"targets"}  # list-valued keys that are values, not sweeps
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -180,7 +176,7 @@ def describe(method: str, setting: dict) -> str:
 # ----------------------------------------------------------------------------- running
 def train_command(config: str, overrides: dict, nproc: int) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), os.path.join(ROOT, "launch", "train.py"), "--config", config]
+           str(common.free_port()), os.path.join(ROOT, "launch", "train.py"), "--config", config]
     for k, v in overrides.items():
         cmd += ["--set", f"{k}={json.dumps(v)}"]
     return cmd
@@ -423,7 +419,6 @@ def main(argv=None) -> int:
             if best:
                 rows.append(best)
     else:
-        sys.path.insert(0, ROOT)
         from lomo_ds import planner
 
         paths = planner.llama_model_paths(a.model_path, a.model_root)

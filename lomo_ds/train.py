@@ -245,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
             json.dump(summary, f, indent=1)
         zs, ft = (results.get(k, {}).get("eval/accuracy") for k in ("zero_shot", "final"))
         if zs is not None and ft is not None and not math.isnan(zs):
-            print(f"accuracy: zero-shot {zs:.3f} -> after {cfg.train.method} fine-tuning {ft:.3f}", flush=True)
+            # The run's result in one line: where it started, where it ended, and the gain.
+            print(f"accuracy: zero-shot {zs:.3f} -> fine-tuned ({cfg.train.method}) {ft:.3f} "
+                  f"({100 * (ft - zs):+.1f} points)", flush=True)
     barrier()
     return 0
 

@@ -11,9 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from lomo_ds.tasks import SUPERGLUE_TASKS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXP = os.path.join(ROOT, "experiments")
-TASKS = ("rte", "boolq", "wsc", "wic", "multirc", "copa")
+TASKS = SUPERGLUE_TASKS
 
 
 def _load(name: str):

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, launch
 
 from lomo_ds.builtin import make_builtin_task as gen
-from lomo_ds.data import BUILTIN_DIR
+from lomo_ds.tasks import BUILTIN_DIR
 
 HELDOUT_DIR = os.path.join(BUILTIN_DIR, "heldout")
 
