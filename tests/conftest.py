@@ -29,16 +29,28 @@ def launch(script: str, nproc: int, args: list[str], timeout: int = 600, env: di
     return proc
 
 
-@pytest.fixture(scope="session")
-def engine_results(tmp_path_factory):
-    """One launch per world size runs every engine check; tests read the figures."""
+def results_per_world(tmp_path_factory, script: str):
+    """get(world): the figures of every check in tests/<script>, from one launch per world size
+    (rank start-up is the slow part on a CPU), cached for the session."""
     cache = {}
 
     def get(world: int) -> dict:
         if world not in cache:
-            out = tmp_path_factory.mktemp(f"engine{world}") / "results.json"
-            launch(os.path.join(ROOT, "tests", "dist_engine_checks.py"), world, [str(out)])
+            out = tmp_path_factory.mktemp(f"{os.path.splitext(script)[0]}{world}") / "results.json"
+            launch(os.path.join(ROOT, "tests", script), world, [str(out)])
             cache[world] = json.loads(out.read_text())
         return cache[world]
 
     return get
+
+
+def ok(results: dict, name: str) -> dict:
+    """One check's figures, failing with its traceback if it raised on the ranks."""
+    r = results[name]
+    assert r is not None and "error" not in r, r and r.get("error")
+    return r
+
+
+@pytest.fixture(scope="session")
+def engine_results(tmp_path_factory):
+    return results_per_world(tmp_path_factory, "dist_engine_checks.py")

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import copy
 import io
-import json
 import math
 import os
 import sys
-import traceback
 
 import torch
 
@@ -21,8 +19,9 @@ from lomo_ds import ds_compat  # noqa: E402
 from lomo_ds.comm_stats import count_comm  # noqa: E402
 from lomo_ds.fused_update import geometry  # noqa: E402
 from adalomo_reference import ReferenceAdaLomo  # noqa: E402
-from dist_engine_checks import ds_cfg, max_diff, scaled_forward  # noqa: E402
+from dist_engine_checks import bf16_movement, ds_cfg, max_diff, scaled_forward  # noqa: E402
 from tiny import ScaledLlama, global_batch, tiny_llama  # noqa: E402
+from dist_harness import run_checks  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 # AdaLomo steps every parameter by lr * RMS(param) whatever its gradient's size, and its update
@@ -116,25 +115,7 @@ def check_bf16(steps=20, lr=1e-3):
     opt = ReferenceAdaLomo(ref.parameters(), lr)
     for step in range(steps):
         reference_step(ref, opt, global_batch(step, world), world)
-    ref_delta = torch.cat([(p.detach() - start[n]).reshape(-1) for n, p in ref.named_parameters()])
-    out = {}
-    for mode, lomo in {"stochastic": {"stochastic_rounding": True},
-                       "nearest": {"stochastic_rounding": False},
-                       "fp32_master": {"stochastic_rounding": False, "fp32_master_weights": True}}.items():
-        cfg = adalomo_cfg(lr=lr, **lomo)
-        cfg["bf16"] = {"enabled": True}
-        model = tiny_llama(10)
-        bf16_start = {n: p.detach().to(torch.bfloat16).float() for n, p in model.named_parameters()}
-        engine = lomo_ds.initialize(model, cfg)
-        for step in range(steps):
-            engine.train_step(global_batch(step, world)[engine.rank])
-        full = engine.full_state_dict()
-        if engine.rank == 0:
-            delta = torch.cat([(full[n].float() - bf16_start[n]).reshape(-1) for n, _ in ref.named_parameters()])
-            out[mode] = {"realized": (delta @ ref_delta / (ref_delta @ ref_delta)).item(),
-                         "rel_error": ((delta - ref_delta).norm() / ref_delta.norm()).item(),
-                         "dtype": str(next(iter(full.values())).dtype)}
-    return out
+    return bf16_movement(ref, start, lambda **lomo: adalomo_cfg(lr=lr, **lomo), steps)
 
 
 def llama_shaped(seed=0):
@@ -197,19 +178,7 @@ def main(out_path):
     }
     if world == 2:  # the precision and traffic figures need one world size
         checks.update(bf16=check_bf16, traffic=check_traffic)
-    only = os.environ.get("ADALOMO_CHECKS")
-    results = {}
-    for name, fn in checks.items():
-        if only and name not in only.split(","):
-            continue
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+    run_checks(checks, out_path, only=os.environ.get("ADALOMO_CHECKS"))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,8 @@ figures, the pytest side asserts on them.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 
@@ -18,6 +16,7 @@ from dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_s
 from lomo_ds import ds_compat  # noqa: E402
 from lomo_ds.fused_update import geometry  # noqa: E402
 from tiny import global_batch, tiny_llama, tiny_llama_config  # noqa: E402
+from dist_harness import run_checks  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 
@@ -211,19 +210,7 @@ def main(out_path):
         "two_groups": check_two_groups,
         "other_partitioning": check_other_partitioning_refused,
     }
-    results = {}
-    only = os.environ.get("LOMO_CHECKS")
-    for name, fn in checks.items():
-        if only and name not in only.split(","):
-            continue
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+    run_checks(checks, out_path, only=os.environ.get("LOMO_CHECKS"))
 
 
 if __name__ == "__main__":

@@ -7,11 +7,9 @@ one launch per world size serves every test (rank start-up is the slow part on a
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import sys
-import traceback
 
 import torch
 
@@ -22,6 +20,7 @@ import lomo_ds  # noqa: E402
 from lomo_ds import ds_compat  # noqa: E402
 from lomo_ds.comm_stats import count_comm  # noqa: E402
 from tiny import ScaledLlama, global_batch, tiny_llama, tiny_llama_config  # noqa: E402
+from dist_harness import run_checks  # noqa: E402
 
 LR = 0.05
 STEPS = 3
@@ -404,7 +403,6 @@ def check_bf16(steps=30, lr=1e-3):
     """bf16 shards with no master copy: stochastic rounding keeps the small updates that
     round-to-nearest drops. Measured as the relative error of the total parameter change
     against an fp32 reference trained on the same batches."""
-    out = {}
     ref = tiny_llama(10)
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     world = torch.distributed.get_world_size()
@@ -414,12 +412,20 @@ def check_bf16(steps=30, lr=1e-3):
         opt.zero_grad()
         (sum(ref(**mb).loss for mb in mbs) / world).backward()
         opt.step()
+    return bf16_movement(ref, start, lambda **lomo: ds_cfg(lr=lr, **lomo), steps)
+
+
+def bf16_movement(ref, start: dict, make_cfg, steps: int) -> dict:
+    """bf16 runs of the engine (stochastic rounding, round-to-nearest, fp32 masters) against the
+    movement `ref` made from `start` in fp32 on the same batches. make_cfg(**lomo options) is
+    the engine's config before bf16 is switched on."""
+    world = torch.distributed.get_world_size()
     ref_delta = torch.cat([(p.detach() - start[n]).reshape(-1) for n, p in ref.named_parameters()])
+    out = {}
     for mode, lomo in {"stochastic": {"stochastic_rounding": True},
                        "nearest": {"stochastic_rounding": False},
                        "fp32_master": {"stochastic_rounding": False, "fp32_master_weights": True}}.items():
-        cfg = ds_cfg(**lomo)
-        cfg["lomo"]["lr"] = lr
+        cfg = make_cfg(**lomo)
         cfg["bf16"] = {"enabled": True}
         model = tiny_llama(10)
         bf16_start = {n: p.detach().to(torch.bfloat16).float() for n, p in model.named_parameters()}
@@ -439,8 +445,6 @@ def check_bf16(steps=30, lr=1e-3):
 
 def main(out_path):
     lomo_ds.init_distributed()
-    rank = torch.distributed.get_rank()
-    results = {}
     checks = {
         "sgd": lambda: equivalence(lambda: tiny_llama(0), ds_cfg()),
         "sgd_zero_init": lambda: equivalence(lambda: tiny_llama(0), ds_cfg(), zero_init=True),
@@ -488,18 +492,7 @@ def main(out_path):
             checks.pop(name)
     if int(os.environ["WORLD_SIZE"]) == 1:  # one rank without labels is the whole step there
         checks.pop("unlabelled_rank")
-    only = os.environ.get("LOMO_CHECKS")
-    for name, fn in checks.items():
-        if only and name not in only.split(","):
-            continue
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        torch.distributed.barrier()
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+    run_checks(checks, out_path, only=os.environ.get("LOMO_CHECKS"))
 
 
 if __name__ == "__main__":

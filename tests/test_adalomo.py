@@ -6,9 +6,7 @@ ranks (3 = uneven shards, slices starting and ending mid-row). Multi-rank figure
 tests/dist_adalomo_checks.py, one launch per world size.
 """
 import copy
-import json
 import math
-import os
 from unittest import mock
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from adalomo_reference import ReferenceAdaLomo
-from conftest import ROOT, launch
+from conftest import ok, results_per_world
 from lomo_ds.adalomo import row_pieces
 from lomo_ds.config import ConfigError, load_config
 from lomo_ds.planner import LLAMA
@@ -31,22 +29,7 @@ EQUIVALENCE = ["plain", "clip_norm", "clip_value", "weight_decay", "loss_scale",
 
 @pytest.fixture(scope="module")
 def adalomo_results(tmp_path_factory):
-    cache = {}
-
-    def get(world: int) -> dict:
-        if world not in cache:
-            out = tmp_path_factory.mktemp(f"adalomo{world}") / "results.json"
-            launch(os.path.join(ROOT, "tests", "dist_adalomo_checks.py"), world, [str(out)])
-            cache[world] = json.loads(out.read_text())
-        return cache[world]
-
-    return get
-
-
-def ok(results, name):
-    r = results[name]
-    assert r is not None and "error" not in r, r and r.get("error")
-    return r
+    return results_per_world(tmp_path_factory, "dist_adalomo_checks.py")
 
 
 def stat_floats(shapes) -> int:

@@ -1,12 +1,11 @@
 """The reduce-scatter buckets on 1, 2 and 3 ranks: non-finite verdicts every rank agrees on,
 parameters without a gradient on some ranks (experts), and the overlap itself.
 Figures come from tests/dist_bucket_checks.py, one launch per world size."""
-import json
 import os
 
 import pytest
 
-from conftest import ROOT, launch
+from conftest import ROOT, launch, ok, results_per_world
 
 WORLDS = [1, 2, 3]
 TOL = 1e-6  # fp32, as the engine's equivalence tests
@@ -14,22 +13,7 @@ TOL = 1e-6  # fp32, as the engine's equivalence tests
 
 @pytest.fixture(scope="module")
 def bucket_results(tmp_path_factory):
-    cache = {}
-
-    def get(world: int) -> dict:
-        if world not in cache:
-            out = tmp_path_factory.mktemp(f"buckets{world}") / "results.json"
-            launch(os.path.join(ROOT, "tests", "dist_bucket_checks.py"), world, [str(out)])
-            cache[world] = json.loads(out.read_text())
-        return cache[world]
-
-    return get
-
-
-def ok(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("error")
-    return r
+    return results_per_world(tmp_path_factory, "dist_bucket_checks.py")
 
 
 @pytest.mark.parametrize("world", WORLDS)

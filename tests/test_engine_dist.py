@@ -5,6 +5,8 @@ fewer elements than ranks. Figures come from tests/dist_engine_checks.py, one la
 """
 import pytest
 
+from conftest import ok
+
 TOL = 1e-6  # fp32, 3 steps
 WORLDS = [1, 2, 3]
 EQUIVALENCE = ["sgd", "sgd_zero_init", "clip_norm", "clip_norm_recompute", "clip_value", "weight_decay", "tied",
@@ -12,10 +14,6 @@ EQUIVALENCE = ["sgd", "sgd_zero_init", "clip_norm", "clip_norm_recompute", "clip
                "offload_param", "dropout_recompute", "own_process_group"]
 
 
-def ok(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("error")
-    return r
 
 
 @pytest.mark.parametrize("world", WORLDS)

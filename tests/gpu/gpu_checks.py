@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import tempfile
 import time
-import traceback
 
 import torch
 
@@ -35,6 +33,7 @@ from dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence  
 from lomo_ds import ds_compat  # noqa: E402
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine  # noqa: E402
 from tiny import tiny_llama  # noqa: E402
+from dist_harness import run_checks  # noqa: E402
 
 # Model sizes: (GPU, --smoke). The memory model's states (0.9 GB bf16 + the update's 0.35 GB) dwarf
 # the allocator's fixed costs; its activations (checkpointed, 2 x 256 tokens) stay small, so the
@@ -172,18 +171,7 @@ def main() -> None:
         checks.pop("overflow"), checks.pop("memory")
     if world < 2 and not args.smoke:
         checks.pop("step_time")  # side by side on 2+ GPUs: one GPU has no reduction to overlap
-    results = {}
-    for name, fn in checks.items():
-        if args.only and name not in args.only.split(","):
-            continue
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        torch.distributed.barrier()
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    run_checks(checks, args.out, only=args.only)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+"""What every multi-rank check script shares: run its checks in one launch, record each one's
+figures (or its traceback), and let rank 0 write them for the pytest side to assert on."""
+from __future__ import annotations
+
+import json
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+def run_checks(checks: dict[str, Callable[[], Any]], out_path: str, only: str | None = None) -> None:
+    """Run `checks` (a subset: the comma-separated names in `only`) in order on every rank; a check
+    that raises is recorded as {"error": traceback} so the others still run."""
+    results = {}
+    for name, fn in checks.items():
+        if only and name not in only.split(","):
+            continue
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
