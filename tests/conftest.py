@@ -52,5 +52,17 @@ def ok(results: dict, name: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def engine_results(tmp_path_factory):
-    return results_per_world(tmp_path_factory, "dist_engine_checks.py")
+def dist_results(tmp_path_factory):
+    """tests/dist_checks.py: the engine, bucket and AdaLomo checks in one launch per world size."""
+    return results_per_world(tmp_path_factory, "dist_checks.py")
+
+
+def family(get, name: str):
+    """get(world) narrowed to one family of tests/dist_checks.py ("engine", "buckets", "adalomo")."""
+    prefix = name + "/"
+    return lambda world: {k[len(prefix):]: v for k, v in get(world).items() if k.startswith(prefix)}
+
+
+@pytest.fixture(scope="session")
+def engine_results(dist_results):
+    return family(dist_results, "engine")

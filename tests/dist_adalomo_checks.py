@@ -1,15 +1,12 @@
-"""Multi-rank AdaLomo checks, run once per world size by tests/test_adalomo.py.
+"""Multi-rank AdaLomo checks, asserted on by tests/test_adalomo.py.
 
-Launched as `torchrun --nproc_per_node N tests/dist_adalomo_checks.py OUT.json`; rank 0 records
-figures, the pytest side asserts on them (the pattern of tests/dist_engine_checks.py).
+tests/dist_checks.py runs them in its one launch per world size; rank 0 records figures.
 """
 from __future__ import annotations
 
 import copy
 import io
 import math
-import os
-import sys
 
 import torch
 
@@ -21,7 +18,6 @@ from lomo_ds.fused_update import geometry  # noqa: E402
 from adalomo_reference import ReferenceAdaLomo  # noqa: E402
 from dist_engine_checks import bf16_movement, ds_cfg, max_diff, scaled_forward  # noqa: E402
 from tiny import ScaledLlama, global_batch, tiny_llama  # noqa: E402
-from dist_harness import run_checks  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 # AdaLomo steps every parameter by lr * RMS(param) whatever its gradient's size, and its update
@@ -156,9 +152,8 @@ def check_memory():
             "param_bytes": sum(ds_compat.full_numel(p) * 4 for p in engine.params)}
 
 
-def main(out_path):
-    lomo_ds.init_distributed()
-    world = torch.distributed.get_world_size()
+def adalomo_checks(world: int) -> dict:
+    """Every AdaLomo check that applies at this world size, by name."""
     checks = {
         "plain": lambda: equivalence(lambda: tiny_llama(0), adalomo_cfg()),
         "clip_norm": lambda: equivalence(lambda: tiny_llama(1), adalomo_cfg(clip_grad_norm=0.5), clip_norm=0.5),
@@ -178,8 +173,4 @@ def main(out_path):
     }
     if world == 2:  # the precision and traffic figures need one world size
         checks.update(bf16=check_bf16, traffic=check_traffic)
-    run_checks(checks, out_path, only=os.environ.get("ADALOMO_CHECKS"))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return checks

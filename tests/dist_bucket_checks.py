@@ -1,12 +1,9 @@
-"""Multi-rank checks of the reduce-scatter buckets, run once per world size by tests/test_buckets.py.
+"""Multi-rank checks of the reduce-scatter buckets, asserted on by tests/test_buckets.py.
 
-Launched as `torchrun --nproc_per_node N tests/dist_bucket_checks.py OUT.json`; rank 0 records
-figures, the pytest side asserts on them.
+tests/dist_checks.py runs them in its one launch per world size; rank 0 records figures.
 """
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 
@@ -16,7 +13,6 @@ from dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_s
 from lomo_ds import ds_compat  # noqa: E402
 from lomo_ds.fused_update import geometry  # noqa: E402
 from tiny import global_batch, tiny_llama, tiny_llama_config  # noqa: E402
-from dist_harness import run_checks  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 
@@ -200,9 +196,9 @@ def check_overlap():
     return {"n_buckets": len(engine.buckets.layout), "later_grads_before_apply": arrived_before}
 
 
-def main(out_path):
-    lomo_ds.init_distributed()
-    checks = {
+def bucket_checks(world: int) -> dict:
+    """Every bucket check, by name (each applies at any world size)."""
+    return {
         "nonfinite_fp32": lambda: check_nonfinite(False),
         "nonfinite_bf16": lambda: check_nonfinite(True),
         "experts": check_experts,
@@ -210,8 +206,3 @@ def main(out_path):
         "two_groups": check_two_groups,
         "other_partitioning": check_other_partitioning_refused,
     }
-    run_checks(checks, out_path, only=os.environ.get("LOMO_CHECKS"))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -1,15 +1,12 @@
-"""Multi-rank engine checks, run once per world size by tests/test_engine_dist.py.
+"""Multi-rank engine checks, asserted on by tests/test_engine_dist.py.
 
-Launched as `torchrun --nproc_per_node N tests/dist_engine_checks.py OUT.json`; every check
-builds a fresh engine, runs it, and rank 0 records figures. The pytest side asserts on them, so
-one launch per world size serves every test (rank start-up is the slow part on a CPU).
+tests/dist_checks.py runs them (with the bucket and AdaLomo checks) in one launch per world size:
+every check builds a fresh engine, runs it, and rank 0 records figures for the pytest side.
 """
 from __future__ import annotations
 
 import copy
 import math
-import os
-import sys
 
 import torch
 
@@ -20,7 +17,6 @@ import lomo_ds  # noqa: E402
 from lomo_ds import ds_compat  # noqa: E402
 from lomo_ds.comm_stats import count_comm  # noqa: E402
 from tiny import ScaledLlama, global_batch, tiny_llama, tiny_llama_config  # noqa: E402
-from dist_harness import run_checks  # noqa: E402
 
 LR = 0.05
 STEPS = 3
@@ -443,8 +439,8 @@ def bf16_movement(ref, start: dict, make_cfg, steps: int) -> dict:
     return out
 
 
-def main(out_path):
-    lomo_ds.init_distributed()
+def engine_checks(world: int) -> dict:
+    """Every engine check that applies at this world size, by name."""
     checks = {
         "sgd": lambda: equivalence(lambda: tiny_llama(0), ds_cfg()),
         "sgd_zero_init": lambda: equivalence(lambda: tiny_llama(0), ds_cfg(), zero_init=True),
@@ -487,13 +483,9 @@ def main(out_path):
         "comm_one_pass": lambda: check_comm(False),
         "comm_two_pass": lambda: check_comm(True),
     }
-    if int(os.environ["WORLD_SIZE"]) != 2:  # the precision and traffic figures need one world size
+    if world != 2:  # the precision and traffic figures need one world size
         for name in ("bf16", "comm_one_pass", "comm_two_pass"):
             checks.pop(name)
-    if int(os.environ["WORLD_SIZE"]) == 1:  # one rank without labels is the whole step there
+    if world == 1:  # one rank without labels is the whole step there
         checks.pop("unlabelled_rank")
-    run_checks(checks, out_path, only=os.environ.get("LOMO_CHECKS"))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return checks

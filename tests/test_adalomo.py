@@ -3,7 +3,7 @@
 The reference (tests/adalomo_reference.py) is written from the paper and checked against the
 public lomo-optim AdaLomo here; the sharded rule is checked against the reference on 1, 2 and 3
 ranks (3 = uneven shards, slices starting and ending mid-row). Multi-rank figures come from
-tests/dist_adalomo_checks.py, one launch per world size.
+tests/dist_adalomo_checks.py, run by tests/dist_checks.py.
 """
 import copy
 import math
@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from adalomo_reference import ReferenceAdaLomo
-from conftest import ok, results_per_world
+from conftest import family, ok
 from lomo_ds.adalomo import row_pieces
 from lomo_ds.config import ConfigError, load_config
 from lomo_ds.planner import LLAMA
@@ -27,9 +27,9 @@ EQUIVALENCE = ["plain", "clip_norm", "clip_value", "weight_decay", "loss_scale",
                "persistent_mixed", "small_param"]
 
 
-@pytest.fixture(scope="module")
-def adalomo_results(tmp_path_factory):
-    return results_per_world(tmp_path_factory, "dist_adalomo_checks.py")
+@pytest.fixture(scope="session")
+def adalomo_results(dist_results):
+    return family(dist_results, "adalomo")
 
 
 def stat_floats(shapes) -> int:

@@ -1,19 +1,19 @@
 """The reduce-scatter buckets on 1, 2 and 3 ranks: non-finite verdicts every rank agrees on,
 parameters without a gradient on some ranks (experts), and the overlap itself.
-Figures come from tests/dist_bucket_checks.py, one launch per world size."""
+Figures come from tests/dist_bucket_checks.py, run by tests/dist_checks.py."""
 import os
 
 import pytest
 
-from conftest import ROOT, launch, ok, results_per_world
+from conftest import ROOT, family, launch, ok
 
 WORLDS = [1, 2, 3]
 TOL = 1e-6  # fp32, as the engine's equivalence tests
 
 
-@pytest.fixture(scope="module")
-def bucket_results(tmp_path_factory):
-    return results_per_world(tmp_path_factory, "dist_bucket_checks.py")
+@pytest.fixture(scope="session")
+def bucket_results(dist_results):
+    return family(dist_results, "buckets")
 
 
 @pytest.mark.parametrize("world", WORLDS)

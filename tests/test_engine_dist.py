@@ -1,7 +1,7 @@
 """The fused sharded update against single-process torch.optim.SGD, on 1, 2 and 3 ranks.
 
 3 ranks make uneven shards (odd parameter sizes, padding on the last rank) and a parameter with
-fewer elements than ranks. Figures come from tests/dist_engine_checks.py, one launch per world.
+fewer elements than ranks. Figures come from tests/dist_engine_checks.py, run by tests/dist_checks.py.
 """
 import pytest
 
