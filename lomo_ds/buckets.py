@@ -32,6 +32,7 @@ import torch
 
 from . import ds_compat
 from .comm_stats import StepTimers
+from .device import group_device
 from .fused_update import geometry
 
 OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]]], None]
@@ -135,9 +136,11 @@ class ReduceScatterBuckets:
     def _relayout(self) -> None:
         """Re-plan every rank on the order gradients arrived in on the group's first rank."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        order = torch.full((len(self.params),), -1, dtype=torch.int64)
-        order[:len(self.arrived)] = torch.tensor([index[id(p)] for p in self.arrived], dtype=torch.int64)
-        order = order.to(self.device)
+        # Built on the host, broadcast on the group's device (NCCL: the GPU; gloo: the CPU).
+        order = torch.full((len(self.params),), -1, dtype=torch.int64, device="cpu")
+        order[:len(self.arrived)] = torch.tensor([index[id(p)] for p in self.arrived], dtype=torch.int64,
+                                                 device="cpu")
+        order = order.to(group_device(self.group))
         ds_compat.broadcast_from_first(order, self.group)
         first = [self.params[i] for i in order.tolist() if i >= 0]
         seen = {id(p) for p in first}
