@@ -340,14 +340,16 @@ def collate(examples: Iterable[dict], pad_id: int) -> dict[str, torch.Tensor]:
     if not examples:
         raise ValueError("collate: empty batch")
     width = max(len(e["input_ids"]) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    # Built on the host: every engine's train_step / eval_forward moves the batch to its device.
+    host = torch.device("cpu")
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long, device=host)
+    mask = torch.zeros((len(examples), width), dtype=torch.long, device=host)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long, device=host)
     for i, e in enumerate(examples):
         n = len(e["input_ids"])
-        ids[i, :n] = torch.tensor(e["input_ids"], dtype=torch.long)
+        ids[i, :n] = torch.tensor(e["input_ids"], dtype=torch.long, device=host)
         mask[i, :n] = 1
-        labels[i, :n] = torch.tensor(e["labels"], dtype=torch.long)
+        labels[i, :n] = torch.tensor(e["labels"], dtype=torch.long, device=host)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
