@@ -47,7 +47,7 @@ def bench_llama(layers: int, hidden: int, vocab: int, seq: int):
     return common.random_llama(spec, seq, "fp32")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=512)
@@ -60,9 +60,12 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=1, help="reduce-scatters LOMO lets run at once")
     ap.add_argument("--engines", default="floor,lomo,lomo clipped,deepspeed sgd",
                     help="comma-separated subset of the engines (the floor is always run)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
-    start_ranks()
+
+def bench(args: argparse.Namespace):
+    """Every engine on one model, taking turns step by step, on the ranks already started. Returns
+    the model, and each engine's step times and (LOMO's) time breakdowns."""
     base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
     zero = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": {"stage": 3}}
     lomo = {"lr": LR, "bucket_size": args.bucket_size}
@@ -80,8 +83,7 @@ def main() -> None:
         e.timers.enabled = True
         e.buckets.max_in_flight = args.in_flight
 
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(torch.distributed.get_rank())
     times = {name: [] for name in engines}
     parts = {name: [] for name in timed}
     for step in range(args.warmup + args.steps):
@@ -99,9 +101,16 @@ def main() -> None:
                 if name in timed:
                     parts[name].append(taken)
     torch.distributed.barrier()
+    return base, times, parts
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start_ranks()
+    base, times, parts = bench(args)
+    if torch.distributed.get_rank() == 0:
+        report(args, base, torch.distributed.get_world_size(), times, parts)
     torch.distributed.destroy_process_group()
-    if rank == 0:
-        report(args, base, world, times, parts)
 
 
 def report(args, base, world, times, parts) -> None:

@@ -214,6 +214,22 @@ def run_train(cmd: list[str], nproc: int, cpu: bool, out_dir: str, log, timeout:
     return res
 
 
+def finished_run(out_dir: str, config: str, overrides: dict) -> dict | None:
+    """The result of an earlier run with exactly this config and these overrides (--reuse), or None."""
+    try:
+        with open(os.path.join(out_dir, "table3_run.json")) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    same = rec.get("config") == config and rec.get("overrides") == overrides
+    return rec["result"] if same and rec["result"].get("rc") == 0 else None
+
+
+def record_run(out_dir: str, config: str, overrides: dict, res: dict) -> None:
+    with open(os.path.join(out_dir, "table3_run.json"), "w") as f:
+        json.dump({"config": config, "overrides": overrides, "result": res}, f, indent=1)
+
+
 def accuracy_of(method: str, res: dict) -> float | None:
     acc = res.get("zero_shot_accuracy") if method == "zero_shot" else res.get("final_accuracy")
     return None if acc is None else 100.0 * acc
@@ -234,7 +250,10 @@ def run_cell(size: str, task: str, method: str, hp: dict, config: str, nproc: in
         if a.dry_run:
             print(" ".join(cmd))
             return {}
-        res = run_train(cmd, nproc, a.cpu, out_dir, sys.stderr, a.timeout)
+        res = finished_run(out_dir, config, overrides) if a.reuse else None
+        if res is None:
+            res = run_train(cmd, nproc, a.cpu, out_dir, sys.stderr, a.timeout)
+            record_run(out_dir, config, overrides, res)
         acc = accuracy_of(method, res)
         print(f"{size} {task:8s} {method:9s} [{describe(method, setting)}] seed {seed} -> "
               f"{'FAILED' if acc is None else f'{acc:.1f}%'} ({res['minutes']:.1f} min"
@@ -383,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=None, help="seconds per run (default 1800 CPU, none GPU)")
     ap.add_argument("--seeds", default=None, help="comma list of seeds, overriding the YAML's shared.seeds")
     ap.add_argument("--dry-run", action="store_true", help="print the training commands, run nothing")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the result of a run already finished with the same config and overrides")
     ap.add_argument("--update", action="store_true",
                     help="keep the rows of the methods not run now from the previous results file")
     return ap

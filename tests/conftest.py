@@ -9,8 +9,9 @@ import warnings
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# What pytest.ini's pythonpath gives the tests, given to the ranks they launch too.
-HELPER_PATH = os.pathsep.join([os.path.join(ROOT, "tests"), os.path.join(ROOT, "experiments")])
+# What pytest.ini's pythonpath gives the tests (and pytest's own rootdir insertion, tests/gpu),
+# given to the ranks they launch too.
+HELPER_PATH = os.pathsep.join([os.path.join(ROOT, d) for d in ("tests", "experiments", os.path.join("tests", "gpu"))])
 
 
 RANK_ABORT = "terminate called without an active exception"

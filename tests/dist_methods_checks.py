@@ -1,10 +1,8 @@
 """Every training method on this launch's ranks, through lomo_ds.methods.build_engine: the
 interface and memory breakdown, resume (k steps, save, a fresh engine loads, N-k more == N steps
-straight), and LoRA+LOMO's adapter gradients with two backward passes. Writes a JSON file that
-tests/test_baselines.py reads."""
-import json
+straight), and LoRA+LOMO's adapter gradients with two backward passes. tests/dist_checks.py runs
+them in its 2-rank launch; tests/test_baselines.py asserts on the figures."""
 import os
-import sys
 import tempfile
 
 import torch
@@ -99,18 +97,17 @@ def lora_lomo_two_passes() -> dict:
     return out
 
 
-def main(out_path: str) -> None:
-    results = {"interface": {m: interface_and_memory(m) for m in METHODS}}
+def resume_every_method() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = [tmp]
         torch.distributed.broadcast_object_list(root, src=0)  # one directory for all ranks
-        results["resume"] = {m: resume(m, root[0]) for m in METHODS if m != "zero_shot"}
-        torch.distributed.barrier()
-    results["lora_lomo_two_passes"] = lora_lomo_two_passes()
-    if torch.distributed.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+        out = {m: resume(m, root[0]) for m in METHODS if m != "zero_shot"}
+        torch.distributed.barrier()  # every rank is done with the directory before it goes
+    return out
 
 
-if __name__ == "__main__":
-    main(sys.argv[1])
+def methods_checks(world: int) -> dict:
+    """Every method check, by name."""
+    return {"interface": lambda: {m: interface_and_memory(m) for m in METHODS},
+            "resume": resume_every_method,
+            "lora_lomo_two_passes": lora_lomo_two_passes}

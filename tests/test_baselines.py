@@ -1,28 +1,23 @@
 """Every method behind the one engine interface on 2 ranks: steps, memory breakdown, resume, and
-LoRA+LOMO's adapter gradients. One launch (tests/dist_methods_checks.py) runs all the checks and
-writes a JSON file the tests below read."""
+LoRA+LOMO's adapter gradients. The 2-rank launch of tests/dist_checks.py runs the checks
+(tests/dist_methods_checks.py) with the engine's; the tests below read their figures."""
 from __future__ import annotations
-
-import json
-import os
 
 import pytest
 import torch
 
-from conftest import ROOT, launch
+from conftest import family, ok
 from lomo_ds.methods import METHODS
 
 
 @pytest.fixture(scope="module")
-def all_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("methods") / "results.json"
-    launch(os.path.join(ROOT, "tests", "dist_methods_checks.py"), 2, [str(out)])
-    return json.loads(out.read_text())
+def all_results(dist_results):
+    return family(dist_results, "methods")(2)
 
 
 @pytest.fixture(scope="module")
 def results(all_results):
-    return all_results["interface"]
+    return ok(all_results, "interface")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -90,14 +85,14 @@ def test_every_method_is_an_engine_on_the_accelerator_device(results):
 def test_resume_equals_an_uninterrupted_run(all_results, method):
     """2 steps, checkpoint, a fresh engine (other LoRA adapters) loads it, 2 more steps == 4 steps
     straight. fp32 on 2 ranks: the same arithmetic in the same order, so exactly equal."""
-    r = all_results["resume"][method]
+    r = ok(all_results, "resume")[method]
     assert r["step_after_load"] == 2
     assert r["lrs_resumed"] == r["lrs_straight"]
     assert r["max_abs_diff"] == 0.0, r
 
 
 def test_lora_lomo_adapter_gradient_is_one_unscaled_pass(all_results):
-    r = all_results["lora_lomo_two_passes"]
+    r = ok(all_results, "lora_lomo_two_passes")
     assert not r["one_pass"]["two_passes"] and r["two_passes"]["two_passes"]
     assert r["two_passes"]["loss_scale"] == 32.0
     # Before the fix the two-pass gradient was 2 passes x 32 = 64 times the one-pass one.

@@ -1,11 +1,10 @@
 """The reduce-scatter buckets on 1, 2 and 3 ranks: non-finite verdicts every rank agrees on,
 parameters without a gradient on some ranks (experts), and the overlap itself.
 Figures come from tests/dist_bucket_checks.py, run by tests/dist_checks.py."""
-import os
 
 import pytest
 
-from conftest import ROOT, family, launch, ok
+from conftest import family, ok
 
 WORLDS = [1, 2, 3]
 TOL = 1e-6  # fp32, as the engine's equivalence tests
@@ -67,10 +66,9 @@ def test_a_group_of_another_size_is_refused(bucket_results, world):
     assert message is not None and "process group of 1 ranks" in message and f"over {world}" in message
 
 
-def test_bench_step_prints_ratios_and_breakdown():
-    """The step-time benchmark that ships with the project runs end to end (tiny model, 2 ranks)."""
-    out = launch(os.path.join(ROOT, "experiments", "bench_step.py"), 2,
-                 ["--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16", "--micro", "1",
-                  "--bucket-size", "2000", "--steps", "2", "--warmup", "1"]).stdout
+def test_bench_step_prints_ratios_and_breakdown(dist_results):
+    """The step-time benchmark that ships with the project runs end to end (tiny model, 2 ranks,
+    in the 2-rank launch of tests/dist_checks.py)."""
+    out = ok(family(dist_results, "smoke")(2), "bench_step")["stdout"]
     for row in ("floor", "lomo clipped", "deepspeed sgd", "pack", "wait at end", "update", "bookkeeping"):
         assert row in out, out

@@ -1,34 +1,13 @@
 """Candidate scoring and the rank split of lomo_ds/evaluation.py."""
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 
+from conftest import family, ok
+from dist_evaluation_checks import V, bigram_logits
 from lomo_ds.data import EvalExample
-from lomo_ds.evaluation import evaluate, evaluate_loss, mean_logprob
-
-V = 10
-
-
-def bigram_logits(table: dict[int, dict[int, float]]):
-    """forward_logits whose next-token log-probs depend only on the current token, and which counts calls."""
-    calls = []
-
-    def fwd(batch):
-        ids = batch["input_ids"]
-        calls.append(tuple(ids.shape))
-        out = torch.full((*ids.shape, V), -5.0)
-        for tok, nxt in table.items():
-            for t, v in nxt.items():
-                out[..., t] = torch.where(ids == tok, torch.tensor(v), out[..., t])
-        return out
-
-    fwd.calls = calls
-    return fwd
-
+from lomo_ds.evaluation import evaluate, mean_logprob
 
 def test_mean_not_sum_of_logprobs_decides():
     # A = [2, 3, 3]: every token fairly likely; B = [4]: one less likely token. The sum of
@@ -64,42 +43,14 @@ def test_padding_does_not_change_scores():
     assert alone["accuracy"] == 1.0 and together["accuracy"] == 1.0
 
 
-def _worker(rank, world, init_file, n_examples, q):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    fwd = bigram_logits({1: {2: 5.0}})
-    exs = [EvalExample("t", [1] * (1 + i % 3), [[2], [3]], i % 2) for i in range(n_examples)]
-    out = evaluate(fwd, exs, pad_id=0, batch_size=2, rank=rank, world=world)
-    # every forward is a collective under ZeRO-3: count calls by all-gathering
-    counts = [None] * world
-    dist.all_gather_object(counts, len(fwd.calls))
-    loss = evaluate_loss(fwd, [{"input_ids": [1, 2], "labels": [-100, 2]}] * n_examples, 0, 2, rank, world)
-    q.put((rank, out, counts, loss))
-    dist.destroy_process_group()
-
-
-def test_equal_forward_calls_across_ranks():
+def test_equal_forward_calls_across_ranks(dist_results):
     # 7 examples on 3 ranks: 3/2/2 examples -> 3/2/2 rows (one per single-token-answer example)
     # -> 2/1/1 batches; every rank must run 2 (ranks 1 and 2 pad with a dummy forward).
-    import torch.multiprocessing as mp
-
-    world = 3
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        init = os.path.join(d, "init")
-        procs = [ctx.Process(target=_worker, args=(r, world, init, 7, q)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results = [q.get(timeout=120) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    for rank, out, counts, loss in results:
-        assert counts == [2, 2, 2]
-        assert out["n"] == 7 and out["accuracy"] == pytest.approx(4 / 7)  # label 0 (token 2) is right 4 times
-        assert loss["n_tokens"] == 7
+    # Run on the 3 ranks of tests/dist_checks.py's launch (tests/dist_evaluation_checks.py).
+    r = ok(family(dist_results, "evaluation")(3), "forward_calls")
+    assert r["forward_calls"] == [2, 2, 2]
+    assert r["n"] == 7 and r["accuracy"] == pytest.approx(4 / 7)  # label 0 (token 2) is right 4 times
+    assert r["loss_tokens"] == 7
 
 
 def test_world_without_process_group_is_an_error():

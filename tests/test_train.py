@@ -3,6 +3,7 @@ parameters as an uninterrupted run; the exported directory loads in transformers
 engine's logits; dry-run and error paths."""
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, free_port, launch
+from conftest import ROOT, family, free_port, ok
 from helpers_data import byte_bpe_tokenizer
 from tiny import tiny_llama_config
 
@@ -116,12 +117,13 @@ def test_killed_run_resumes_to_identical_parameters(tiny_run):
 
 
 @pytest.mark.parametrize("tie", ["untied", "tied"])
-def test_export_loads_in_transformers_with_engine_logits(tmp_path, tie):
+def test_export_loads_in_transformers_with_engine_logits(dist_results, tie):
+    """tests/dist_export_checks.py, run in the 2-rank launch of tests/dist_checks.py: 2 steps, then
+    the sharded export, and the engine's logits on a fixed batch."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "export"
-    max_shard = 40_000  # bytes: the ~0.2 MB tiny model in several shards, as a 65B one is in 5 GB ones
-    launch(os.path.join(ROOT, "tests", "dist_export_check.py"), 2, [str(out), tie, str(max_shard)])
+    r = ok(family(dist_results, "export")(2), tie)
+    out, max_shard = pathlib.Path(r["dir"]), r["max_shard_size"]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()

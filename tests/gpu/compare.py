@@ -51,6 +51,8 @@ def format_summary(results: dict[int, dict]) -> str:
     lines = []
     for world, checks in sorted(results.items()):
         for name, r in checks.items():
+            if name == "_seconds":  # what each check took (dist_harness), not a check
+                continue
             head = f"[{world} GPU(s)] {name}:"
             if "error" in r:
                 lines.append(f"{head} ERROR {r['error'].strip().splitlines()[-1]}")

@@ -4,16 +4,14 @@ to run before a GPU ever sees it."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from compare import (MEMORY_TOLERANCE, format_summary, memory_run_config, predicted_peak_bytes, relative_gap,
                      step_time_table, summarize_dir, within_tolerance)
-from conftest import launch
+from conftest import family
 from lomo_ds.planner import RunSpec, estimate, run_spec, spec_from_hf_config
 
-CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_checks.py")
 
 
 def test_test_gpu_imports_exist():
@@ -79,12 +77,11 @@ def test_summary_names_every_check(tmp_path):
         "steps: loss 2.000 -> 1.500; peak 1.000 GiB (model loading included), planner 0.500 GiB"
 
 
-def test_new_checks_run_tiny_on_cpu(tmp_path):
-    """The step-time comparison (LOMO, the floor, DeepSpeed SGD) and the offload check, 2 gloo ranks."""
-    out = tmp_path / "smoke.json"
-    launch(CHECKS, 2, [str(out), "--smoke", "--only", "step_time,offload"], timeout=300)
-    r = json.loads(out.read_text())
-    assert set(r) == {"step_time", "offload"}, r
+def test_new_checks_run_tiny_on_cpu(dist_results):
+    """The step-time comparison (LOMO, the floor, DeepSpeed SGD) and the offload check, tiny, on
+    the 2 gloo ranks of tests/dist_checks.py's launch."""
+    smoke = family(dist_results, "smoke")(2)
+    r = {"step_time": smoke["gpu_step_time"], "offload": smoke["gpu_offload"]}
     assert "error" not in r["offload"], r["offload"].get("error")
     assert r["offload"]["max_abs_diff"] <= 1e-6 and r["offload"]["shard_device"] == "cpu"
     assert "error" not in r["step_time"], r["step_time"].get("error")
