@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import weakref
 from dataclasses import replace
 
@@ -22,17 +19,8 @@ from lomo_ds.planner import (GIB, LLAMA, ModelSpec, RunSpec, estimate, model_spe
                              run_overrides_from_ds, run_spec, run_spec_for, shipped_run, update_temp_bytes)
 from lomo_ds.run_config import load_run_config
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-
-# The measured model: LLaMA-style, odd sizes, model states comparable to activations.
-TINY = dict(hidden=128, layers=4, intermediate=344, vocab=256, heads=4, kv_heads=2, head_dim=32)
-SEQ, MICRO, BUCKET = 32, 2, 20_000
-CASES = {  # name -> (DeepSpeed zero_optimization extras, activation checkpointing)
-    "default": ({}, False),
-    "ac_small_live": ({"stage3_max_live_parameters": 30_000, "stage3_max_reuse_distance": 30_000,
-                       "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 1000}, True),
-}
+from conftest import ROOT, family, ok
+from dist_planner_checks import BUCKET, CASES, MICRO, SEQ, TINY
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -240,67 +228,10 @@ def test_offload_rows(capsys):
 
 
 # ----------------------------------------------------------------------------- measured runs
-def _worker(out_path: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from lomo_ds.methods import build_engine
-    from lomo_ds.run_config import load_run_config
-
-    results = {}
-    for name, (zero_extra, ac) in CASES.items():
-        cfg = LlamaConfig(vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["intermediate"],
-                          num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"],
-                          num_key_value_heads=TINY["kv_heads"], head_dim=TINY["head_dim"], max_position_embeddings=64,
-                          tie_word_embeddings=False, attn_implementation="eager", use_cache=False)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg)
-        ds = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **zero_extra}}
-        if ac:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-        run = load_run_config({**ds, "lomo": {"lr": 1e-3, "bucket_size": BUCKET}, "model": {"path": "tiny"}},
-                              check_files=False)
-        eng = build_engine(run, model, total_steps=0)
-        eng.enable_memory_tracking()
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, TINY["vocab"], (MICRO, SEQ), generator=g)
-        # The first step records DeepSpeed's module trace (no prefetch, no reuse); the second is
-        # the steady state the planner predicts.
-        eng.train_step({"input_ids": ids, "labels": ids.clone()})
-        eng.reset_memory()
-        eng.train_step({"input_ids": ids, "labels": ids.clone()})
-        results[name] = {"world": eng.world, **eng.memory_breakdown(),
-                         "tracker_total": eng.tracker.peak.total}
-        del eng
-    if torch.distributed.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def measured_runs(tmp_path_factory):
-    """Both launches (1 and 2 ranks) run at the same time; each writes its JSON."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = {}
-    for world in (1, 2):
-        out = tmp_path_factory.mktemp(f"planner{world}") / "measured.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-               str(_free_port()), os.path.abspath(__file__), str(out)]
-        procs[world] = (out, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                              text=True, cwd=ROOT))
-    results = {}
-    for world, (out, proc) in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        if proc.returncode != 0 or not out.exists():
-            pytest.fail(f"{world}-rank measured run failed (rc {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
-        results[world] = json.loads(out.read_text())
-    return results
+def measured_runs(dist_results):
+    """tests/dist_planner_checks.py's runs, in the 1- and 2-rank launches of tests/dist_checks.py."""
+    return {world: ok(family(dist_results, "planner")(world), "measured") for world in (1, 2)}
 
 
 @pytest.fixture(params=[1, 2], ids=["1rank", "2ranks"])
@@ -324,7 +255,3 @@ def test_planner_matches_measured_lomo(measured, case):
     assert r["params"] == pytest.approx(est.params, rel=0.10), detail
     assert r["activations"] == pytest.approx(est.activations, rel=0.10), detail
     assert r["total"] == pytest.approx(est.accounted, rel=0.10), detail
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])
