@@ -242,3 +242,20 @@ class FloorEngine:
         loss_of(self.module(**batch)).backward()
         ds_compat.release_all(self.offload)
         return {}
+
+
+def pyplot():
+    """matplotlib's pyplot on its file-only backend (a training node has no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str, title: str) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)

@@ -116,10 +116,7 @@ def write_outputs(rows: list[dict], args, tag: str) -> None:
 
 
 def plot(rows, path, unit, uname, model) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_states": "#55A868", "activations": "#C44E52"}
@@ -135,10 +132,7 @@ def plot(rows, path, unit, uname, model) -> None:
         ax.set_ylabel(un)
         ax.tick_params(axis="x", labelsize=8)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Memory breakdown per rank (Table 1 / Figure 2)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, "Memory breakdown per rank (Table 1 / Figure 2)")
 
 
 def main(argv=None) -> int:

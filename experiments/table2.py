@@ -345,10 +345,7 @@ def ratio_lines(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: str, a) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     unit, uname = (MIB, "MiB") if a.cpu else (GIB, "GiB")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -377,10 +374,7 @@ def plot(rows: list[dict], path: str, a) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"Table 2: {'CPU, random-init LLaMA' if a.cpu else 'LLaMA'}, seq {a.seq}, batch {a.batch}, {a.dtype}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, f"Table 2: {'CPU, random-init LLaMA' if a.cpu else 'LLaMA'}, seq {a.seq}, batch {a.batch}, {a.dtype}")
 
 
 # ----------------------------------------------------------------------------- main

@@ -355,10 +355,7 @@ def write_outputs(rows: list[dict], cpu: bool, title: str = "") -> str:
 
 
 def plot(rows: list[dict], path: str, cpu: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     tasks = [t for t in (("builtin",) if cpu else TASKS) if any(r["task"] == t for r in rows)]
     sizes = sorted({r["size"] for r in rows}, key=lambda s: SIZES.index(s) if s in SIZES else -1)
@@ -380,10 +377,7 @@ def plot(rows: list[dict], path: str, cpu: bool) -> None:
         ax.set_ylabel("accuracy (%)")
         ax.set_title(size if not cpu else "SmolLM2-135M, built-in task (2 CPU ranks)", fontsize=9)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Table 3" + ("" if cpu else " (black ticks: the paper)"))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, "Table 3" + ("" if cpu else " (black ticks: the paper)"))
 
 
 # ----------------------------------------------------------------------------- main

@@ -98,7 +98,7 @@ def test_table2_markdown_gpu_layout(table2):
     assert table2.ratios(rows)[0]["mem_lomo_over_adamw"] is None
 
 
-def test_table2_ratios_and_cpu_layout(table2):
+def test_table2_ratios_and_cpu_layout(table2, tmp_path):
     a = SimpleNamespace(cpu=True, seq=128, batch=1, dtype="fp32", ac=True, steps=1, rounds=4, warmup=1)
     mib = 2**20
     rows = [dict(_t2_row("46m", m, 2, 0, t, tokens=128), peak_bytes=p * mib, planner_bytes=p * mib, n_params=46.4e6)
@@ -113,6 +113,8 @@ def test_table2_ratios_and_cpu_layout(table2):
     assert "LOMO peak / AdamW peak = 0.180" in md and "LOMO step time / SGD step time = 0.800" in md
     assert "| 65b | LOMO | 8 | 19.18 | 4.93 |" in md  # the paper's table below ours
     assert table2.check(rows, a) == 0
+    table2.plot(rows, str(tmp_path / "table2_cpu.png"), a)
+    assert (tmp_path / "table2_cpu.png").stat().st_size > 0
     slow = [dict(r, step_time_s=r["step_time_s"] * (2 if r["method"] == "lomo" else 1)) for r in rows]
     assert table2.check(slow, a) != 0
 
@@ -182,7 +184,7 @@ def test_table3_markdown_gpu_layout(table3):
     assert any(l.startswith("| 7B | LoRA+LOMO | 83.0 |") for l in lines)  # no paper figure for it
 
 
-def test_table3_markdown_cpu(table3):
+def test_table3_markdown_cpu(table3, tmp_path):
     rows = [{"size": "cpu", "task": "builtin", "method": "zero_shot", "accuracy": 50.0, "setting": {},
              "seeds": {42: 51.0, 43: 49.0}},
             {"size": "cpu", "task": "builtin", "method": "lomo", "accuracy": 75.0, "steps": 30,
@@ -190,6 +192,8 @@ def test_table3_markdown_cpu(table3):
     md = table3.markdown(rows, cpu=True)
     # mean, min, min against zero-shot's best seed, per seed
     assert "| LOMO | 75.0 | 70.0 | +19.0 | 80 70 | 30 | lr=0.03, warmup_ratio=0.1 |" in md
+    table3.plot(rows, str(tmp_path / "table3_cpu.png"), cpu=True)
+    assert (tmp_path / "table3_cpu.png").stat().st_size > 0
 
 
 def test_table3_seeds(table3):
