@@ -133,6 +133,18 @@ def raw_shards(engine):
     return [ds_compat.shard(p).clone().view(torch.uint8) for p in engine.params]
 
 
+def watched_step(engine, step: int, watched=raw_shards) -> tuple[dict, dict]:
+    """One training step on this rank's micro-batch of global batch `step`, and every rank's
+    verdict on it: skipped, the watched shards bit-identical, every real shard element finite."""
+    before = watched(engine)
+    out = engine.train_step(global_batch(step, engine.world)[engine.rank])
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, watched(engine)))
+    finite = all(bool(torch.isfinite(ds_compat.shard(p)[:engine.updater.geometry(p).local]).all())
+                 for p in engine.params)
+    g = on_every_rank(out["skipped"], unchanged, finite)
+    return out, {key: [bool(x[i]) for x in g] for i, key in enumerate(("skipped", "unchanged", "finite"))}
+
+
 def poison_grad_hook(param, when):
     """Make `param`'s gradient infinite on the last rank while when() is true."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -147,18 +159,13 @@ def check_overflow(fp16: bool = False):
     if fp16:
         cfg["fp16"] = {"enabled": True}
     engine = lomo_ds.initialize(model, cfg)
-    world, rank = engine.world, engine.rank
     inject = {"on": False}
     poison_grad_hook(engine.module.model.layers[0].mlp.down_proj.weight, lambda: inject["on"])
     record = []
     for step in range(5):
         inject["on"] = step == 1
-        before = raw_shards(engine)
-        out = engine.train_step(global_batch(step, world)[rank])
-        identical = all(torch.equal(a, b) for a, b in zip(before, raw_shards(engine)))
-        gathered = on_every_rank(out["skipped"], identical)
-        record.append({"step": step, "skipped_all_ranks": [bool(g[0]) for g in gathered],
-                       "unchanged_all_ranks": [bool(g[1]) for g in gathered],
+        out, verdict = watched_step(engine, step)
+        record.append({"step": step, "skipped_all_ranks": verdict["skipped"], "unchanged_all_ranks": verdict["unchanged"],
                        "loss_scale_used": out["loss_scale"], "scale_after": engine.loss_scaler.scale})
     return {"steps": record}
 
@@ -174,14 +181,7 @@ def check_nonfinite_loss():
     record = []
     for step in range(3):
         inject["on"] = step == 1
-        before = raw_shards(engine)
-        out = engine.train_step(global_batch(step, world)[rank])
-        identical = all(torch.equal(a, b) for a, b in zip(before, raw_shards(engine)))
-        finite = all(bool(torch.isfinite(ds_compat.shard(p)[:engine.updater.geometry(p).local]).all())
-                     for p in engine.params)
-        g = on_every_rank(out["skipped"], identical, finite)
-        record.append({"skipped": [bool(x[0]) for x in g], "unchanged": [bool(x[1]) for x in g],
-                       "finite": [bool(x[2]) for x in g]})
+        record.append(watched_step(engine, step)[1])
     return {"steps": record, "skipped_steps": engine.skipped_steps}
 
 
@@ -190,7 +190,6 @@ def nonfinite_grad_steps(cfg, poison_pass: int) -> dict:
     (the loss is finite). Every rank must mark the step skipped, no non-finite value may reach
     a shard, and the poisoned parameter stays untouched everywhere; step 2 trains again."""
     engine = lomo_ds.initialize(tiny_llama(3), cfg)
-    world, rank = engine.world, engine.rank
     target = engine.module.model.layers[0].mlp.down_proj.weight
     passes = {"step": -1, "seen": 0}
 
@@ -202,14 +201,8 @@ def nonfinite_grad_steps(cfg, poison_pass: int) -> dict:
     record = []
     for step in range(3):
         passes.update(step=step, seen=0)
-        before = ds_compat.shard(target).clone().view(torch.uint8)
-        out = engine.train_step(global_batch(step, world)[rank])
-        target_unchanged = torch.equal(before, ds_compat.shard(target).clone().view(torch.uint8))
-        finite = all(bool(torch.isfinite(ds_compat.shard(p)[:engine.updater.geometry(p).local]).all())
-                     for p in engine.params)
-        g = on_every_rank(out["skipped"], target_unchanged, finite)
-        record.append({"skipped": [bool(x[0]) for x in g], "target_unchanged": [bool(x[1]) for x in g],
-                       "finite": [bool(x[2]) for x in g]})
+        _, verdict = watched_step(engine, step, watched=lambda e: [ds_compat.shard(target).clone().view(torch.uint8)])
+        record.append({"skipped": verdict["skipped"], "target_unchanged": verdict["unchanged"], "finite": verdict["finite"]})
     return {"steps": record, "skipped_steps": engine.skipped_steps}
 
 
