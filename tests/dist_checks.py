@@ -41,6 +41,8 @@ def main(out_path: str) -> None:
     work_dir = os.path.dirname(os.path.abspath(out_path))
     checks = {f"{family}/{name}": fn for family, build in families.items() for name, fn in build(world, work_dir).items()}
     run_checks(checks, out_path, only=os.environ.get("LOMO_CHECKS"))
+    # Close the process group before the interpreter exits, so no gloo thread outlives it.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
