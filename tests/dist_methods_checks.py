@@ -62,16 +62,14 @@ def resume(method: str, root: str, total: int = 4, k: int = 2) -> dict:
     cfg = run_config(method, scheduler={"type": "linear", "warmup_ratio": 0.25})
     barrier = torch.distributed.barrier
     straight = fresh_engine(cfg, total)
-    lrs_straight = [straight.train_step(batch_for(s, straight))["lr"] for s in range(total)]
+    lrs_straight, path = [], None
+    for s in range(total):
+        if s == k:  # the checkpoint after k steps; the run goes on
+            path = checkpoint.save_checkpoint(os.path.join(root, method), straight, {}, keep_last=1, barrier=barrier)
+        lrs_straight.append(straight.train_step(batch_for(s, straight))["lr"])
     want = straight.full_state_dict()
     del straight
 
-    first = fresh_engine(cfg, total)
-    for s in range(k):
-        first.train_step(batch_for(s, first))
-    out_dir = os.path.join(root, method)
-    path = checkpoint.save_checkpoint(out_dir, first, {}, keep_last=1, barrier=barrier)
-    del first
     second = fresh_engine(cfg, total, seed=1234)  # other adapters: only the checkpoint can make them equal
     checkpoint.load_checkpoint(path, second)
     step_after_load = second.global_step
