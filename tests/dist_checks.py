@@ -8,6 +8,7 @@ Rank start-up (importing torch, DeepSpeed and transformers on every rank) is the
 CPU, so the families share it; results are keyed "<family>/<check>" and tests/conftest.py
 hands each test module its family's. LOMO_CHECKS=name,name runs a subset (full keys).
 """
+import functools
 import os
 import sys
 
@@ -24,22 +25,25 @@ from dist_methods_checks import methods_checks
 from dist_planner_checks import planner_checks
 from dist_smoke_checks import smoke_checks
 
-# family -> build(world, work_dir) -> {check name: check}; work_dir holds what a check writes.
-FAMILIES = {"engine": lambda world, _: engine_checks(world), "buckets": lambda world, _: bucket_checks(world),
-            "adalomo": lambda world, _: adalomo_checks(world)}
-ON_ONE_RANK = {"planner": lambda world, _: planner_checks(world)}
-ON_TWO_RANKS = {"planner": lambda world, _: planner_checks(world), "methods": lambda world, _: methods_checks(world), "export": export_checks,
-                "smoke": lambda world, _: smoke_checks(world)}
-ON_THREE_RANKS = {"evaluation": lambda world, _: evaluation_checks(world)}  # 7 examples split 3/2/2
+# family -> build(world) -> {check name: check}
+FAMILIES = {"engine": engine_checks, "buckets": bucket_checks, "adalomo": adalomo_checks}
+
+
+def families_on(world: int, work_dir: str) -> dict:
+    """This world size's own families (first: the planner's memory is measured in a process no
+    check has used yet), then the ones every world size runs. `work_dir` holds what a check writes."""
+    own = {1: {"planner": planner_checks},
+           2: {"planner": planner_checks, "methods": methods_checks, "smoke": smoke_checks,
+               "export": functools.partial(export_checks, work_dir=work_dir)},
+           3: {"evaluation": evaluation_checks}}  # 7 examples split 3/2/2
+    return {**own.get(world, {}), **FAMILIES}
 
 
 def main(out_path: str) -> None:
     lomo_ds.init_distributed()
     world = torch.distributed.get_world_size()
-    # The world's own families first: the planner's memory is measured in a process no check has used.
-    families = {**{1: ON_ONE_RANK, 2: ON_TWO_RANKS, 3: ON_THREE_RANKS}.get(world, {}), **FAMILIES}
-    work_dir = os.path.dirname(os.path.abspath(out_path))
-    checks = {f"{family}/{name}": fn for family, build in families.items() for name, fn in build(world, work_dir).items()}
+    families = families_on(world, work_dir=os.path.dirname(os.path.abspath(out_path)))
+    checks = {f"{family}/{name}": fn for family, build in families.items() for name, fn in build(world).items()}
     run_checks(checks, out_path, only=os.environ.get("LOMO_CHECKS"))
     # Close the process group before the interpreter exits, so no gloo thread outlives it.
     torch.distributed.destroy_process_group()
