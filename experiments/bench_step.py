@@ -8,14 +8,18 @@ the median of the per-round ratios to the floor:
 
   floor          the same model's ZeRO-3 forward + backward, every gradient discarded on arrival:
                  no reduction, no update. No fused optimizer can be faster.
-  lomo           one backward, buckets reduce-scattered while the backward goes on, fused update
+  lomo           one backward, fused update, buckets summed the default way (lomo.grad_reduction
+                 "auto": DeepSpeed's shared-memory all-reduce for CPU ranks on one node, else
+                 reduce-scattered while the backward goes on)
   lomo clipped   norm clipping: a measuring backward, then the updating one on the retained graph
+  lomo rs        lomo with grad_reduction "reduce_scatter": the overlapped reduce-scatter (gloo's
+                 async work on a CPU), the path of GPUs and of CPU ranks on several nodes
   deepspeed sgd  DeepSpeed ZeRO-3's own optimizer path with torch.optim.SGD
 
-and the breakdown of LOMO's time spent in its own code, from the engine's timers: packing the
-rank-major payload, the non-finite flag, starting the collective, waiting for it during the
-backward and at its end, the update arithmetic, and the rest
-of the hook and end-of-backward code (bookkeeping).
+and the breakdown of LOMO's time spent in its own code, from the engine's timers: the shared-memory
+all-reduce (reduce), packing the rank-major payload, the non-finite flag, starting the
+reduce-scatter, waiting for it during the backward and at its end, the update arithmetic, and the
+rest of the hook and end-of-backward code (bookkeeping).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planner import ModelSpec
 
 LR = 1e-3
-BREAKDOWN = ("pack", "flag", "launch", "wait", "wait at end", "update")
+BREAKDOWN = ("reduce", "pack", "flag", "launch", "wait", "wait at end", "update")
 
 
 def start_ranks() -> None:
@@ -58,20 +62,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--in-flight", type=int, default=1, help="reduce-scatters LOMO lets run at once")
-    ap.add_argument("--engines", default="floor,lomo,lomo clipped,deepspeed sgd",
+    ap.add_argument("--engines", default="floor,lomo,lomo clipped,lomo rs,deepspeed sgd",
                     help="comma-separated subset of the engines (the floor is always run)")
     return ap.parse_args(argv)
 
 
 def bench(args: argparse.Namespace):
     """Every engine on one model, taking turns step by step, on the ranks already started. Returns
-    the model, and each engine's step times and (LOMO's) time breakdowns."""
+    the model, each engine's step times, LOMO's time breakdowns, and the transport each LOMO
+    engine's buckets came to."""
     base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
     zero = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": {"stage": 3}}
     lomo = {"lr": LR, "bucket_size": args.bucket_size}
     makers = {
         "lomo": lambda m: lomo_ds.initialize(m, {**zero, "lomo": lomo}),
         "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "clip_grad_norm": 1.0}}),
+        "lomo rs": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "grad_reduction": "reduce_scatter"}}),
         "deepspeed sgd": lambda m: DeepSpeedOptimizerEngine(m, zero, "sgd", "sgd", lr=LR, clip=None, total_steps=0,
                                                             warmup_steps=0),
     }
@@ -101,23 +107,23 @@ def bench(args: argparse.Namespace):
                 if name in timed:
                     parts[name].append(taken)
     torch.distributed.barrier()
-    return base, times, parts
+    return base, times, parts, {name: e.buckets.transport for name, e in timed.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start_ranks()
-    base, times, parts = bench(args)
+    base, times, parts, transports = bench(args)
     if torch.distributed.get_rank() == 0:
-        report(args, base, torch.distributed.get_world_size(), times, parts)
+        report(args, base, torch.distributed.get_world_size(), times, parts, transports)
     torch.distributed.destroy_process_group()
 
 
-def report(args, base, world, times, parts) -> None:
+def report(args, base, world, times, parts, transports) -> None:
     n_params = sum(p.numel() for p in base.parameters())
     print(f"\n{n_params / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), {world} ranks, "
           f"micro-batch {args.micro} x {args.seq}, fp32, bucket {args.bucket_size:,} elements, "
-          f"{args.in_flight} reduce-scatter(s) in flight, "
+          f"at most {args.in_flight} reduce-scatter(s) in flight, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; median of {args.steps} steps")
     floor = times["floor"]
     print(f"{'engine':16s} {'step s':>8s} {'x floor':>8s}   (x floor: median of the per-round ratios)")
@@ -125,7 +131,8 @@ def report(args, base, world, times, parts) -> None:
         ratio = statistics.median(t / f for t, f in zip(ts, floor))
         print(f"{name:16s} {statistics.median(ts):8.3f} {ratio:8.3f}")
     for name, steps in parts.items():
-        print(f"\n{name}: time in LOMO's own code per step, ms (median), and as a share of the floor step")
+        print(f"\n{name} (grad_reduction -> {transports[name]}): time in LOMO's own code per step, ms (median), "
+              "and as a share of the floor step")
         floor_ms = statistics.median(floor) * 1e3
         in_code = [s.get("hook", 0.0) + s.get("flush", 0.0) for s in steps]
         rows = {k: [s.get(k, 0.0) for s in steps] for k in BREAKDOWN}

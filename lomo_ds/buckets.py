@@ -20,10 +20,25 @@ Overlap. Each bucket's reduce-scatter is started asynchronously (on an accelerat
 side stream) and the backward goes on; the bucket is handed to `on_bucket` when its collective has
 completed, at the latest just before the next bucket is sent, or at the end of the backward. At
 most `max_in_flight` collectives are outstanding, so memory stays O(bucket).
+
+Transports (`lomo.grad_reduction`):
+  reduce_scatter  the above: NCCL on GPUs, gloo between CPU nodes.
+  shared_memory   CPU ranks all on one node: DeepSpeed's shared-memory all-reduce, in place on
+                  each gradient of a full bucket, in layout order, synchronously. On a CPU the
+                  backward and a collective share the cores, so there is little to overlap, and
+                  gloo's reduce-scatter through TCP loopback (its copies, its threads competing
+                  with the backward) costs 4-5x as long. In place: no rank-major packing copy.
+                  Every rank then holds the same summed gradient, so a local finiteness check
+                  is already agreed.
+  auto            shared_memory where DeepSpeed can do it (ds_compat), else reduce_scatter.
+  all_reduce      the public reference implementation's way (all-reduce each whole gradient,
+                  synchronously, keep this rank's slice): twice the bytes. A baseline for
+                  experiments/bench_comm.py only.
 """
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -57,13 +72,38 @@ class _InFlight:
     params: list[torch.nn.Parameter]
 
 
-class ReduceScatterBuckets:
-    """Collects ready gradients of `params` and reduce-scatters them in buckets of `capacity`
-    per-rank elements, calling `on_bucket([(param, this rank's reduced slice)])` per bucket."""
+TRANSPORTS = ("auto", "reduce_scatter", "shared_memory", "all_reduce")
+
+
+def resolve_transport(requested: str, params: list[torch.nn.Parameter], world: int,
+                      reduce_dtype: torch.dtype | None) -> str:
+    """The transport `requested` (lomo.grad_reduction) comes to on these ranks: "auto" picks the
+    shared-memory all-reduce where DeepSpeed can do it and each rank has a core of its own (a
+    rank waiting in it spins on its core; with fewer cores it would take them from the ranks it
+    waits for); asking for it where DeepSpeed cannot do it is an error."""
+    if requested not in TRANSPORTS:
+        raise ValueError(f"lomo.grad_reduction: expected one of {TRANSPORTS}, got {requested!r}")
+    if world == 1 or requested in ("reduce_scatter", "all_reduce"):
+        return requested if requested != "auto" else "reduce_scatter"
+    dtypes = {reduce_dtype or p.dtype for p in params}
+    possible = all(ds_compat.shared_memory_all_reduce_available(ds_compat.process_group(p), d)
+                   for p in params for d in dtypes)
+    if requested == "shared_memory" and not possible:
+        raise ValueError(f"lomo.grad_reduction: 'shared_memory' needs CPU ranks all on one node (LOCAL_SIZE = "
+                         f"world size = {world}, as DeepSpeed's launcher sets it) and DeepSpeed's "
+                         f"shared-memory kernel for {sorted(map(str, dtypes))}; use 'auto' or 'reduce_scatter'")
+    if requested == "shared_memory" or (possible and world <= (os.cpu_count() or 1)):
+        return "shared_memory"
+    return "reduce_scatter"
+
+
+class GradientBuckets:
+    """Collects ready gradients of `params` and reduces them in buckets of `capacity` per-rank
+    elements, calling `on_bucket([(param, this rank's reduced slice)])` per bucket."""
 
     def __init__(self, params: list[torch.nn.Parameter], group, world: int, rank: int, capacity: int,
                  reduce_dtype: torch.dtype | None, on_bucket: OnBucket, device: torch.device, tracker=None,
-                 all_reduce: bool = False, max_in_flight: int = 1, timers: StepTimers | None = None):
+                 transport: str = "auto", max_in_flight: int = 1, timers: StepTimers | None = None):
         from deepspeed.accelerator import get_accelerator
 
         self.group, self.world, self.rank = group, world, rank
@@ -75,10 +115,7 @@ class ReduceScatterBuckets:
         self.on_bucket = on_bucket
         self.device = device
         self.tracker = tracker
-        # all_reduce=True is the public reference implementation's way (all-reduce each full
-        # gradient, then keep this rank's slice): twice the bytes, synchronous. Kept only as a
-        # baseline for the communication benchmark.
-        self.all_reduce = all_reduce
+        self.transport = resolve_transport(transport, self.params, world, reduce_dtype)
         self.max_in_flight = max_in_flight
         self.timers = timers or StepTimers()
         self.accelerator = get_accelerator()
@@ -89,7 +126,7 @@ class ReduceScatterBuckets:
         self._check_groups()
         # One rank has nothing to reduce, and the all-reduce baseline goes one parameter at a time:
         # neither uses buckets.
-        bucketed = world > 1 and not all_reduce
+        bucketed = world > 1 and self.transport != "all_reduce"
         self._plan(self.params[::-1] if bucketed else [])
         self._relayout_pending = bucketed
         self.reset()
@@ -170,7 +207,7 @@ class ReduceScatterBuckets:
                 with self.timers.span("update"):
                     self.on_bucket([(param, grad.reshape(-1))])
             return
-        if self.all_reduce:
+        if self.transport == "all_reduce":
             self._all_reduce_one(param, grad)
             return
         b, i = self.slot_of[id(param)]
@@ -207,9 +244,12 @@ class ReduceScatterBuckets:
         params, grads = self.layout[b], self.slots[b]
         self.slots[b] = None
         self.next_bucket += 1
+        dtype = self.reduce_dtype or params[0].dtype
+        if self.transport == "shared_memory":
+            self._reduce_in_shared_memory(b, params, grads, dtype)
+            return
         if len(self.in_flight) >= self.max_in_flight:
             self._complete_oldest()
-        dtype = self.reduce_dtype or params[0].dtype
         width = sum(part_of(p, self.world) for p in params)
         if self.stream is not None:
             self.stream.wait_stream(self.accelerator.current_stream())
@@ -221,12 +261,11 @@ class ReduceScatterBuckets:
             if self.tracker is not None:
                 self.tracker.note_bucket(self._held_bytes() + send.numel() * send.element_size())
             # The gradients are packed: let them go before the receive buffer exists.
-            for g in grads:
-                if g is not None:
-                    self.pending_bytes -= g.numel() * g.element_size()
-                    if self.stream is not None:
+            if self.stream is not None:
+                for g in grads:
+                    if g is not None:
                         g.record_stream(self.stream)  # read by the side stream: not to be reused before
-            grads.clear()
+            self._release(grads)
             received = torch.empty(width + 1, dtype=dtype, device=self.device)
             with self.timers.span("launch"):
                 work = ds_compat.reduce_scatter_async(received, send.view(-1), self.bucket_groups[b])
@@ -253,24 +292,59 @@ class ReduceScatterBuckets:
             col += part
         return send
 
+    def _release(self, grads: list[torch.Tensor | None]) -> None:
+        for g in grads:
+            if g is not None:
+                self.pending_bytes -= g.numel() * g.element_size()
+        grads.clear()
+
     def _complete_oldest(self, timer: str = "wait") -> None:
         done = self.in_flight.popleft()
         with self.timers.span(timer):
             done.work.wait()  # on an accelerator: the current stream waits for the collective
         if self.stream is not None:
             done.received.record_stream(self.accelerator.current_stream())
-        if self.found_nonfinite:
-            return
-        if math.isnan(done.received[-1].item()):  # on an accelerator: a host sync, the collective is done
-            self.found_nonfinite = True  # every rank reads the same summed flag: all stop here
-            return
-        items, col = [], 0
+        slices, col = [], 0
         for p in done.params:
             part = part_of(p, self.world)
-            items.append((p, done.received[col:col + part]))
+            slices.append(done.received[col:col + part])
             col += part
+        # The summed flag (on an accelerator, reading it is a host sync: the collective is done).
+        self._apply(done.params, slices, lambda: done.received[-1])
+
+    def _reduce_in_shared_memory(self, b: int, params, grads, dtype: torch.dtype) -> None:
+        """The shared_memory transport: sum each gradient of bucket `b` in place over the node's
+        ranks, then apply this rank's slices (see the module docstring)."""
+        summed = []
+        with self.timers.span("reduce"):
+            for p, g in zip(params, grads):
+                if g is None:  # no gradient on this rank: it contributes zeros
+                    flat = torch.zeros(ds_compat.full_numel(p), dtype=dtype, device=self.device)
+                else:
+                    flat = g.reshape(-1).to(dtype).contiguous()
+                ds_compat.shared_memory_all_reduce_(flat, self.bucket_groups[b])
+                summed.append(flat)
+        self._release(grads)
+        slices = []
+        for p, flat in zip(params, summed):
+            part = part_of(p, self.world)
+            slices.append(flat[self.rank * part:(self.rank + 1) * part])
+        # Every rank holds the same sums: the local verdict is every rank's.
+        self._apply(params, slices, lambda: sum(nonfinite_marker(f) for f in summed))
+
+    def _apply(self, params, slices: list[torch.Tensor], flag: Callable[[], torch.Tensor]) -> None:
+        """Hand a reduced bucket to `on_bucket`, unless this backward already met a non-finite
+        gradient or `flag()` (0, or NaN when the bucket's sum is not finite, the same on every
+        rank) says this bucket has one: then this bucket and every later one are dropped."""
+        if self.found_nonfinite:
+            return
+        with self.timers.span("flag"):
+            nonfinite = math.isnan(flag().item())
+        if nonfinite:
+            self.found_nonfinite = True
+            return
         with self.timers.span("update"):
-            self.on_bucket(items)
+            self.on_bucket(list(zip(params, slices)))
 
     def _all_reduce_one(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)

@@ -33,7 +33,7 @@ import torch
 from . import ds_compat
 from .adalomo import AdaLomo
 from .config import LomoConfig, load_config, model_dtype
-from .buckets import ReduceScatterBuckets
+from .buckets import GradientBuckets
 from .comm_stats import StepTimers
 from .device import accelerator_device, capture_rng, group_device, move_batch, restore_rng
 from .fused_update import ShardUpdater, UpdateRule
@@ -156,9 +156,9 @@ class LomoEngine:
         self.timers = StepTimers()
         # One object for every parameter: it splits them by their own ds_process_group and refuses
         # a group that does not span every rank.
-        self.buckets = ReduceScatterBuckets(self.params, self.group, self.world, self.rank, lomo.bucket_size,
-                                            reduce_dtype, self.updater.apply_bucket, device=self.device,
-                                            all_reduce=lomo.grad_reduction == "all_reduce", timers=self.timers)
+        self.buckets = GradientBuckets(self.params, self.group, self.world, self.rank, lomo.bucket_size,
+                                       reduce_dtype, self.updater.apply_bucket, device=self.device,
+                                       transport=lomo.grad_reduction, timers=self.timers)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16

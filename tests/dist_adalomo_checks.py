@@ -124,7 +124,7 @@ def check_traffic():
     """Bytes each rank sends in one step, LOMO against AdaLomo, same model, data and buckets."""
     out = {}
     for name, optimizer in (("lomo", "sgd"), ("adalomo", "adalomo")):
-        cfg = ds_cfg(optimizer=optimizer, bucket_size=1_000_000)
+        cfg = ds_cfg(optimizer=optimizer, bucket_size=1_000_000, grad_reduction="reduce_scatter")
         cfg["lomo"]["lr"] = 1e-3
         engine = lomo_ds.initialize(llama_shaped(), cfg)
         world, rank = engine.world, engine.rank

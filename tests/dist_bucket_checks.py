@@ -4,6 +4,8 @@ tests/dist_checks.py runs them in its one launch per world size; rank 0 records 
 """
 from __future__ import annotations
 
+import functools
+import os
 
 import torch
 
@@ -11,6 +13,7 @@ import torch
 import lomo_ds  # noqa: E402
 from dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_step  # noqa: E402
 from lomo_ds import ds_compat  # noqa: E402
+from lomo_ds.buckets import resolve_transport  # noqa: E402
 from lomo_ds.fused_update import geometry  # noqa: E402
 from tiny import global_batch, tiny_llama, tiny_llama_config  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
@@ -24,10 +27,14 @@ def all_ranks(values: list[float]) -> list[list[float]]:
     return [o.tolist() for o in out]
 
 
-def check_nonfinite(bf16: bool):
+# The two ways buckets are summed over several ranks (lomo.grad_reduction).
+TRANSPORTS = ("reduce_scatter", "shared_memory")
+
+
+def check_nonfinite(bf16: bool, transport: str = "auto"):
     """inf in one parameter's gradient on the last rank only, in a one-pass step: every rank sees
     found_nonfinite, the buckets before it are applied, that bucket and every later one are not."""
-    cfg = ds_cfg(bucket_size=3000)
+    cfg = ds_cfg(bucket_size=3000, grad_reduction=transport)
     if bf16:
         cfg["bf16"] = {"enabled": True}
     engine = lomo_ds.initialize(tiny_llama(11), cfg)
@@ -99,11 +106,12 @@ def routed_batch(step: int, world: int) -> list[dict]:
     return mbs
 
 
-def check_experts():
+def check_experts(transport: str = "auto"):
     """Experts reached on some ranks only, switching every step, against single-process SGD."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    return equivalence(lambda: TwoExpertLlama(12), ds_cfg(bucket_size=2000), forward=lambda m, b: m(**b),
+    return equivalence(lambda: TwoExpertLlama(12), ds_cfg(bucket_size=2000, grad_reduction=transport),
+                       forward=lambda m, b: m(**b),
                        steps=4, batches=routed_batch, prepare=lambda m: set_z3_leaf_modules(m, [TwoExperts]))
 
 
@@ -182,7 +190,7 @@ def check_other_partitioning_refused():
 def check_overlap():
     """Each bucket is applied only after later gradients have arrived: its reduce-scatter ran
     while the backward went on (a synchronous one is applied inside the hook that filled it)."""
-    engine = lomo_ds.initialize(tiny_llama(13), ds_cfg(bucket_size=2000))
+    engine = lomo_ds.initialize(tiny_llama(13), ds_cfg(bucket_size=2000, grad_reduction="reduce_scatter"))
     world, rank = engine.world, engine.rank
     engine.train_step(global_batch(0, world)[rank])
     events = []
@@ -199,13 +207,52 @@ def check_overlap():
     return {"n_buckets": len(engine.buckets.layout), "later_grads_before_apply": arrived_before}
 
 
+def check_transport():
+    """Which transport "auto" comes to here, and a shared_memory request where DeepSpeed has no
+    shared-memory all-reduce (LOCAL_SIZE not the world size: ranks on several nodes) refused."""
+    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg())
+    saved = os.environ.get("LOCAL_SIZE")
+    os.environ["LOCAL_SIZE"] = str(10 * engine.world)
+    try:
+        resolve_transport("shared_memory", engine.params, engine.world, None)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_SIZE")
+        else:
+            os.environ["LOCAL_SIZE"] = saved
+    return {"auto": engine.buckets.transport, "cpu_count": os.cpu_count(), "local_size": saved,
+            "refused": error}
+
+
+def check_sgd(transport: str = "auto", clip_norm: float | None = None):
+    """The engine against SGD with several buckets, one pass, or two with norm clipping."""
+    lomo = {"clip_grad_norm": clip_norm} if clip_norm else {}
+    return equivalence(lambda: tiny_llama(0), ds_cfg(bucket_size=3000, grad_reduction=transport, **lomo),
+                       {"clip_norm": clip_norm})
+
+
+def by_transport(world: int, name: str, check) -> dict:
+    """`check(transport)` under each transport on several ranks, named name@transport; on one
+    rank (nothing to reduce) once, as `name`."""
+    if world == 1:
+        return {name: check}
+    return {f"{name}@{t}": functools.partial(check, transport=t) for t in TRANSPORTS}
+
+
 def bucket_checks(world: int) -> dict:
     """Every bucket check, by name (each applies at any world size)."""
-    return {
-        "nonfinite_fp32": lambda: check_nonfinite(False),
+    checks = {
+        **by_transport(world, "sgd", check_sgd),
+        **by_transport(world, "clip_norm", functools.partial(check_sgd, clip_norm=0.5)),
+        **by_transport(world, "nonfinite_fp32", functools.partial(check_nonfinite, False)),
         "nonfinite_bf16": lambda: check_nonfinite(True),
-        "experts": check_experts,
+        **by_transport(world, "experts", check_experts),
         "overlap": check_overlap,
         "two_groups": check_two_groups,
         "other_partitioning": check_other_partitioning_refused,
+        "transport": check_transport,
     }
+    return checks

@@ -19,11 +19,11 @@ BENCH_ARGS = ["--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16"
 def bench_step_report() -> dict:
     """The benchmark's printed report on a 1-layer model (rank 0's; the other ranks print nothing)."""
     args = bench_step.parse_args(BENCH_ARGS)
-    base, times, parts = bench_step.bench(args)
+    base, times, parts, transports = bench_step.bench(args)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         if torch.distributed.get_rank() == 0:
-            bench_step.report(args, base, torch.distributed.get_world_size(), times, parts)
+            bench_step.report(args, base, torch.distributed.get_world_size(), times, parts, transports)
     return {"stdout": out.getvalue()}
 
 

@@ -1,5 +1,7 @@
-"""The reduce-scatter buckets on 1, 2 and 3 ranks: non-finite verdicts every rank agrees on,
-parameters without a gradient on some ranks (experts), and the overlap itself.
+"""The gradient buckets on 1, 2 and 3 ranks, under both transports (an overlapped reduce-scatter,
+and DeepSpeed's shared-memory all-reduce for CPU ranks on one node): equivalence with SGD,
+non-finite verdicts every rank agrees on, parameters without a gradient on some ranks (experts),
+and the overlap itself.
 Figures come from tests/dist_bucket_checks.py, run by tests/dist_checks.py."""
 
 import pytest
@@ -8,6 +10,12 @@ from conftest import family, ok
 
 WORLDS = [1, 2, 3]
 TOL = 1e-6  # fp32, as the engine's equivalence tests
+TRANSPORTS = ["reduce_scatter", "shared_memory"]
+
+
+def by_transport(world: int, name: str) -> list[str]:
+    """The names a check runs under at this world size (see dist_bucket_checks.by_transport)."""
+    return [name] if world == 1 else [f"{name}@{t}" for t in TRANSPORTS]
 
 
 @pytest.fixture(scope="session")
@@ -16,9 +24,36 @@ def bucket_results(dist_results):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("check", ["sgd", "clip_norm"])
+def test_each_transport_matches_sgd(bucket_results, world, check):
+    for name in by_transport(world, check):
+        r = ok(bucket_results(world), name)
+        print(f"{name} on {world} rank(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")
+        assert r["max_abs_diff"] <= TOL
+        assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+        if check == "clip_norm":
+            assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_auto_transport_and_refusal(bucket_results, world):
+    r = ok(bucket_results(world), "transport")
+    print(f"{world} rank(s), {r['cpu_count']} cores, LOCAL_SIZE {r['local_size']}: auto -> {r['auto']}")
+    if world == 1:
+        return
+    # Here (CPU, every rank on this node): shared memory when each rank has a core of its own.
+    assert r["auto"] == ("shared_memory" if world <= r["cpu_count"] else "reduce_scatter")
+    assert r["refused"] is not None and "lomo.grad_reduction" in r["refused"] and "LOCAL_SIZE" in r["refused"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_nonfinite_gradient_on_one_rank_stops_every_rank_at_that_bucket(bucket_results, world, dtype):
-    r = ok(bucket_results(world), f"nonfinite_{dtype}")
+    for name in by_transport(world, "nonfinite_fp32") if dtype == "fp32" else ["nonfinite_bf16"]:
+        check_nonfinite_verdict(ok(bucket_results(world), name), world, dtype)
+
+
+def check_nonfinite_verdict(r: dict, world: int, dtype: str) -> None:
     bad, changed = r["bad_bucket"], r["changed_by_bucket"]
     print(f"{world} rank(s), {dtype}: inf in bucket {bad} of {r['n_buckets']}; changed per bucket {changed}")
     assert 0 < bad < r["n_buckets"] - 1, "the poisoned bucket should have buckets before and after it"
@@ -35,10 +70,11 @@ def test_nonfinite_gradient_on_one_rank_stops_every_rank_at_that_bucket(bucket_r
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_experts_used_on_some_ranks_match_sgd(bucket_results, world):
-    r = ok(bucket_results(world), "experts")
-    print(f"experts on {world} rank(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")
-    assert r["max_abs_diff"] <= TOL
-    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+    for name in by_transport(world, "experts"):
+        r = ok(bucket_results(world), name)
+        print(f"{name} on {world} rank(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")
+        assert r["max_abs_diff"] <= TOL
+        assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -70,5 +106,6 @@ def test_bench_step_prints_ratios_and_breakdown(dist_results):
     """The step-time benchmark that ships with the project runs end to end (tiny model, 2 ranks,
     in the 2-rank launch of tests/dist_checks.py)."""
     out = ok(family(dist_results, "smoke")(2), "bench_step")["stdout"]
-    for row in ("floor", "lomo clipped", "deepspeed sgd", "pack", "wait at end", "update", "bookkeeping"):
+    for row in ("floor", "lomo clipped", "lomo rs", "deepspeed sgd", "-> shared_memory", "-> reduce_scatter",
+                "reduce", "pack", "wait at end", "update", "bookkeeping"):
         assert row in out, out
