@@ -8,18 +8,19 @@ the median of the per-round ratios to the floor:
 
   floor          the same model's ZeRO-3 forward + backward, every gradient discarded on arrival:
                  no reduction, no update. No fused optimizer can be faster.
-  lomo           one backward, fused update, buckets summed the default way (lomo.grad_reduction
-                 "auto": DeepSpeed's shared-memory all-reduce for CPU ranks on one node, else
-                 reduce-scattered while the backward goes on)
+  lomo           one backward, buckets reduce-scattered while the backward goes on, fused update;
+                 the default transport (lomo.grad_reduction "auto": through shared memory for CPU
+                 ranks on one node, else the backend's reduce-scatter)
   lomo clipped   norm clipping: a measuring backward, then the updating one on the retained graph
   lomo rs        lomo with grad_reduction "reduce_scatter": the overlapped reduce-scatter (gloo's
                  async work on a CPU), the path of GPUs and of CPU ranks on several nodes
   deepspeed sgd  DeepSpeed ZeRO-3's own optimizer path with torch.optim.SGD
 
-and the breakdown of LOMO's time spent in its own code, from the engine's timers: the shared-memory
-all-reduce (reduce), packing the rank-major payload, the non-finite flag, starting the
-reduce-scatter, waiting for it during the backward and at its end, the update arithmetic, and the
-rest of the hook and end-of-backward code (bookkeeping).
+and the breakdown of LOMO's time spent in its own code, from the engine's timers: packing the
+rank-major payload, the non-finite flag, starting the reduce-scatter (posting it, in shared
+memory), waiting for it during the backward and at its end (in shared memory: summing this rank's
+row of every payload), the update arithmetic, and the rest of the hook and end-of-backward code
+(bookkeeping).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planner import ModelSpec
 
 LR = 1e-3
-BREAKDOWN = ("reduce", "pack", "flag", "launch", "wait", "wait at end", "update")
+BREAKDOWN = ("pack", "flag", "launch", "wait", "wait at end", "update")
 
 
 def start_ranks() -> None:
@@ -99,6 +100,9 @@ def bench(args: argparse.Namespace):
             torch.distributed.barrier()
             t0 = time.perf_counter()
             engine.train_step(batch)
+            # A data-parallel step is done when its slowest rank is: the floor, which never waits
+            # for another rank in its backward, must not be timed on a rank that happened to be fast.
+            torch.distributed.barrier()
             elapsed = time.perf_counter() - t0
             if name in timed:
                 taken = engine.timers.take()

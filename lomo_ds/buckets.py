@@ -17,20 +17,19 @@ sums the flags with the gradients, so every rank receives the same verdict on th
 extra collective. The gradient bytes are those of DeepSpeed's own ZeRO-3 path, half an all-reduce's.
 
 Overlap. Each bucket's reduce-scatter is started asynchronously (on an accelerator, packed on a
-side stream) and the backward goes on; the bucket is handed to `on_bucket` when its collective has
-completed, at the latest just before the next bucket is sent, or at the end of the backward. At
-most `max_in_flight` collectives are outstanding, so memory stays O(bucket).
+side stream) and the backward goes on; the bucket is handed to `on_bucket` just before the next
+bucket is sent, or at the end of the backward: the same point of the backward on every rank,
+never "as soon as it happens to be done", because an update may itself be a collective
+(AdaLomo's row and column statistics) and ranks must issue collectives in one order. At most
+`max_in_flight` collectives are outstanding, so memory stays O(bucket).
 
 Transports (`lomo.grad_reduction`):
-  reduce_scatter  the above: NCCL on GPUs, gloo between CPU nodes.
-  shared_memory   CPU ranks all on one node: DeepSpeed's shared-memory all-reduce, in place on
-                  each gradient of a full bucket, in layout order, synchronously. On a CPU the
-                  backward and a collective share the cores, so there is little to overlap, and
-                  gloo's reduce-scatter through TCP loopback (its copies, its threads competing
-                  with the backward) costs 4-5x as long. In place: no rank-major packing copy.
-                  Every rank then holds the same summed gradient, so a local finiteness check
-                  is already agreed.
-  auto            shared_memory where DeepSpeed can do it (ds_compat), else reduce_scatter.
+  reduce_scatter  the collective above: NCCL on GPUs, gloo between CPU nodes.
+  shared_memory   CPU ranks all on one node: the same rank-major payload, packed straight into
+                  this rank's shared-memory buffer and reduced by each rank reading its own row
+                  of every rank's payload when the bucket is due (shm_reduce_scatter.py). gloo's
+                  reduce-scatter through TCP loopback costs several times as long on a CPU.
+  auto            shared_memory where the ranks can, else reduce_scatter.
   all_reduce      the public reference implementation's way (all-reduce each whole gradient,
                   synchronously, keep this rank's slice): twice the bytes. A baseline for
                   experiments/bench_comm.py only.
@@ -38,14 +37,13 @@ Transports (`lomo.grad_reduction`):
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from . import ds_compat
+from . import ds_compat, shm_reduce_scatter
 from .comm_stats import StepTimers
 from .device import group_device
 from .fused_update import geometry
@@ -75,26 +73,19 @@ class _InFlight:
 TRANSPORTS = ("auto", "reduce_scatter", "shared_memory", "all_reduce")
 
 
-def resolve_transport(requested: str, params: list[torch.nn.Parameter], world: int,
-                      reduce_dtype: torch.dtype | None) -> str:
-    """The transport `requested` (lomo.grad_reduction) comes to on these ranks: "auto" picks the
-    shared-memory all-reduce where DeepSpeed can do it and each rank has a core of its own (a
-    rank waiting in it spins on its core; with fewer cores it would take them from the ranks it
-    waits for); asking for it where DeepSpeed cannot do it is an error."""
+def resolve_transport(requested: str, params: list[torch.nn.Parameter], world: int) -> str:
+    """The transport `requested` (lomo.grad_reduction) comes to on these ranks: "auto" picks
+    shared memory where the ranks can use it; asking for it where they cannot is an error."""
     if requested not in TRANSPORTS:
         raise ValueError(f"lomo.grad_reduction: expected one of {TRANSPORTS}, got {requested!r}")
     if world == 1 or requested in ("reduce_scatter", "all_reduce"):
         return requested if requested != "auto" else "reduce_scatter"
-    dtypes = {reduce_dtype or p.dtype for p in params}
-    possible = all(ds_compat.shared_memory_all_reduce_available(ds_compat.process_group(p), d)
-                   for p in params for d in dtypes)
+    possible = all(shm_reduce_scatter.available(ds_compat.process_group(p)) for p in params)
     if requested == "shared_memory" and not possible:
-        raise ValueError(f"lomo.grad_reduction: 'shared_memory' needs CPU ranks all on one node (LOCAL_SIZE = "
-                         f"world size = {world}, as DeepSpeed's launcher sets it) and DeepSpeed's "
-                         f"shared-memory kernel for {sorted(map(str, dtypes))}; use 'auto' or 'reduce_scatter'")
-    if requested == "shared_memory" or (possible and world <= (os.cpu_count() or 1)):
-        return "shared_memory"
-    return "reduce_scatter"
+        raise ValueError(f"lomo.grad_reduction: 'shared_memory' needs CPU (gloo) ranks all on one x86-64 node, "
+                         f"sharded over every rank (LOCAL_SIZE = world size = {world}, as DeepSpeed's launcher "
+                         "sets it); use 'auto' or 'reduce_scatter'")
+    return "shared_memory" if possible else "reduce_scatter"
 
 
 class GradientBuckets:
@@ -115,7 +106,9 @@ class GradientBuckets:
         self.on_bucket = on_bucket
         self.device = device
         self.tracker = tracker
-        self.transport = resolve_transport(transport, self.params, world, reduce_dtype)
+        self.transport = resolve_transport(transport, self.params, world)
+        self.shm = (shm_reduce_scatter.SharedMemoryReduceScatter(group, world, rank)
+                    if self.transport == "shared_memory" else None)
         self.max_in_flight = max_in_flight
         self.timers = timers or StepTimers()
         self.accelerator = get_accelerator()
@@ -169,6 +162,16 @@ class GradientBuckets:
         for key in list(filling):
             close(key)
         self.slot_of = {id(p): (b, i) for b, bucket in enumerate(self.layout) for i, p in enumerate(bucket)}
+        if self.shm is not None and self.layout:  # every rank plans alike, at the same moment
+            self.shm.reserve(max(self.world * (self._width(b) + 1) * self._dtype(b).itemsize
+                                 for b in range(len(self.layout))))
+
+    def _width(self, b: int) -> int:
+        """Per-rank gradient elements of bucket `b` (its payload rows carry one flag more)."""
+        return sum(part_of(p, self.world) for p in self.layout[b])
+
+    def _dtype(self, b: int) -> torch.dtype:
+        return self.reduce_dtype or self.layout[b][0].dtype
 
     def _relayout(self) -> None:
         """Re-plan every rank on the order gradients arrived in on the group's first rank."""
@@ -226,8 +229,6 @@ class GradientBuckets:
             self.tracker.note_bucket(self._held_bytes())
         while self.next_bucket < len(self.layout) and self.missing[self.next_bucket] == 0:
             self._send_next()
-        if self.in_flight and self.in_flight[0].work.is_completed():
-            self._complete_oldest()
 
     def flush(self) -> None:
         """End of the backward: send what is left (zeros for gradients that never came), apply all."""
@@ -244,36 +245,35 @@ class GradientBuckets:
         params, grads = self.layout[b], self.slots[b]
         self.slots[b] = None
         self.next_bucket += 1
-        dtype = self.reduce_dtype or params[0].dtype
-        if self.transport == "shared_memory":
-            self._reduce_in_shared_memory(b, params, grads, dtype)
-            return
         if len(self.in_flight) >= self.max_in_flight:
             self._complete_oldest()
-        width = sum(part_of(p, self.world) for p in params)
+        dtype, width = self._dtype(b), self._width(b)
         if self.stream is not None:
             self.stream.wait_stream(self.accelerator.current_stream())
         with self.accelerator.stream(self.stream):
             with self.timers.span("pack"):
-                send = self._pack(params, grads, dtype, width)
+                send = (self.shm.payload(width + 1, dtype) if self.shm is not None
+                        else torch.empty(self.world, width + 1, dtype=dtype, device=self.device))
+                self._pack(send, params, grads)
             with self.timers.span("flag"):
                 send[:, width] = nonfinite_marker(send[:, :width])
             if self.tracker is not None:
                 self.tracker.note_bucket(self._held_bytes() + send.numel() * send.element_size())
             # The gradients are packed: let them go before the receive buffer exists.
-            if self.stream is not None:
-                for g in grads:
-                    if g is not None:
+            for g in grads:
+                if g is not None:
+                    self.pending_bytes -= g.numel() * g.element_size()
+                    if self.stream is not None:
                         g.record_stream(self.stream)  # read by the side stream: not to be reused before
-            self._release(grads)
+            grads.clear()
             received = torch.empty(width + 1, dtype=dtype, device=self.device)
             with self.timers.span("launch"):
-                work = ds_compat.reduce_scatter_async(received, send.view(-1), self.bucket_groups[b])
+                work = (self.shm.post(received) if self.shm is not None
+                        else ds_compat.reduce_scatter_async(received, send.view(-1), self.bucket_groups[b]))
         self.in_flight.append(_InFlight(work, send, received, params))
 
-    def _pack(self, params, grads, dtype, width) -> torch.Tensor:
-        """The rank-major payload; its last column (the flag) is left for the caller."""
-        send = torch.empty(self.world, width + 1, dtype=dtype, device=self.device)
+    def _pack(self, send: torch.Tensor, params, grads) -> None:
+        """Fill the rank-major payload `send`; its last column (the flag) is left for the caller."""
         col = 0
         for p, g in zip(params, grads):
             part = part_of(p, self.world)
@@ -290,13 +290,6 @@ class GradientBuckets:
                 if tail:
                     send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
             col += part
-        return send
-
-    def _release(self, grads: list[torch.Tensor | None]) -> None:
-        for g in grads:
-            if g is not None:
-                self.pending_bytes -= g.numel() * g.element_size()
-        grads.clear()
 
     def _complete_oldest(self, timer: str = "wait") -> None:
         done = self.in_flight.popleft()
@@ -304,47 +297,20 @@ class GradientBuckets:
             done.work.wait()  # on an accelerator: the current stream waits for the collective
         if self.stream is not None:
             done.received.record_stream(self.accelerator.current_stream())
-        slices, col = [], 0
-        for p in done.params:
-            part = part_of(p, self.world)
-            slices.append(done.received[col:col + part])
-            col += part
-        # The summed flag (on an accelerator, reading it is a host sync: the collective is done).
-        self._apply(done.params, slices, lambda: done.received[-1])
-
-    def _reduce_in_shared_memory(self, b: int, params, grads, dtype: torch.dtype) -> None:
-        """The shared_memory transport: sum each gradient of bucket `b` in place over the node's
-        ranks, then apply this rank's slices (see the module docstring)."""
-        summed = []
-        with self.timers.span("reduce"):
-            for p, g in zip(params, grads):
-                if g is None:  # no gradient on this rank: it contributes zeros
-                    flat = torch.zeros(ds_compat.full_numel(p), dtype=dtype, device=self.device)
-                else:
-                    flat = g.reshape(-1).to(dtype).contiguous()
-                ds_compat.shared_memory_all_reduce_(flat, self.bucket_groups[b])
-                summed.append(flat)
-        self._release(grads)
-        slices = []
-        for p, flat in zip(params, summed):
-            part = part_of(p, self.world)
-            slices.append(flat[self.rank * part:(self.rank + 1) * part])
-        # Every rank holds the same sums: the local verdict is every rank's.
-        self._apply(params, slices, lambda: sum(nonfinite_marker(f) for f in summed))
-
-    def _apply(self, params, slices: list[torch.Tensor], flag: Callable[[], torch.Tensor]) -> None:
-        """Hand a reduced bucket to `on_bucket`, unless this backward already met a non-finite
-        gradient or `flag()` (0, or NaN when the bucket's sum is not finite, the same on every
-        rank) says this bucket has one: then this bucket and every later one are dropped."""
         if self.found_nonfinite:
             return
-        with self.timers.span("flag"):
-            nonfinite = math.isnan(flag().item())
-        if nonfinite:
-            self.found_nonfinite = True
+        # The summed flag: 0, or NaN when some rank's part of the bucket is not finite, the same on
+        # every rank (on an accelerator, reading it is a host sync: the collective is done).
+        if math.isnan(done.received[-1].item()):
+            self.found_nonfinite = True  # every rank stops here: this bucket and later ones are dropped
             return
+        items, col = [], 0
+        for p in done.params:
+            part = part_of(p, self.world)
+            items.append((p, done.received[col:col + part]))
+            col += part
         with self.timers.span("update"):
-            self.on_bucket(list(zip(params, slices)))
+            self.on_bucket(items)
 
     def _all_reduce_one(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)

@@ -70,10 +70,6 @@ def count_comm():
          lambda output, input_list, op=None, group=None, async_op=False:
          sum(t.numel() * t.element_size() for t in input_list) * (_world(group) - 1) // _world(group))
     wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: 2 * ring_part(tensor, group))
-    # Same-node CPU ranks: nothing crosses a wire, but the bytes an all-reduce would send are
-    # the fair count of what it moves.
-    wrap("inference_all_reduce", lambda tensor, op=None, group=None: 2 * ring_part(tensor, group),
-         op="shared_memory_all_reduce")
     wrap("all_gather",
          lambda tensor_list, tensor, group=None, async_op=False: tensor.numel() * tensor.element_size() * (_world(group) - 1))
     try:

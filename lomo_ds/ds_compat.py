@@ -6,8 +6,6 @@ tests/test_ds_compat.py runs it.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .device import group_device
@@ -81,40 +79,6 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group, name:
         world = torch.distributed.get_world_size(group)
         return dist.reduce_scatter(output, list(input.chunk(world)), group=group, async_op=True)
     return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
-
-
-def shared_memory_all_reduce_available(group, dtype: torch.dtype) -> bool:
-    """Whether DeepSpeed's shared-memory all-reduce (its CPU inference fast path) can sum `dtype`
-    tensors over `group`. It ignores the group and reduces over every rank through /dev/shm
-    buffers, so it needs: CPU (gloo) ranks, a group of every rank, every rank on this node
-    (LOCAL_SIZE, which DeepSpeed's launcher sets, equal to the world size: only then does
-    DeepSpeed create the buffers), and the kernel's vector ISA for the dtype (fp32: AVX2,
-    bf16/fp16: AVX-512BW). Every input is the same on every rank of a node: all decide alike."""
-    import deepspeed.comm as dist
-
-    backend = getattr(dist.comm, "cdb", None)
-    if backend is None or getattr(backend, "shm_comm_op", None) is None:
-        return False
-    if not hasattr(torch.ops, "deepspeed") or not hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
-        return False
-    world = torch.distributed.get_world_size()
-    if group_device(group).type != "cpu" or torch.distributed.get_world_size(group) != world:
-        return False
-    if os.environ.get("LOCAL_SIZE") != str(world):
-        return False
-    needed = 1 if dtype == torch.float32 else 2 if dtype in (torch.bfloat16, torch.float16) else 99
-    return getattr(backend, "shm_vector_kernel_level", 0) >= needed
-
-
-def shared_memory_all_reduce_(tensor: torch.Tensor, group, name: str = "gradient") -> None:
-    """Sum `tensor` in place over every rank of this node (synchronous); only where
-    `shared_memory_all_reduce_available(group, tensor.dtype)`."""
-    check_device(tensor, group_device(group), f"{name} (shared-memory all-reduce)")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{name}: the shared-memory all-reduce reads raw memory and takes a contiguous tensor")
-    import deepspeed.comm as dist
-
-    dist.inference_all_reduce(tensor, group=group)
 
 
 def broadcast_from_first(tensor: torch.Tensor, group, name: str = "broadcast tensor") -> None:
@@ -195,13 +159,7 @@ def check_internals() -> list[str]:
             problems.append(f"ZeroParamStatus.{status}")
     import deepspeed.comm as dist
 
-    from deepspeed.comm.torch import TorchBackend
-
-    for name in ("shm_comm_op", "shm_vector_kernel_level"):
-        if name not in TorchBackend.__init__.__code__.co_names:
-            problems.append(f"TorchBackend.{name} (the shared-memory all-reduce)")
     for fn in ("reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_gather_into_tensor", "broadcast",
-               "inference_all_reduce",
                "is_initialized", "ReduceOp"):
         if not hasattr(dist, fn):
             problems.append(f"deepspeed.comm.{fn}")

@@ -208,13 +208,13 @@ def check_overlap():
 
 
 def check_transport():
-    """Which transport "auto" comes to here, and a shared_memory request where DeepSpeed has no
-    shared-memory all-reduce (LOCAL_SIZE not the world size: ranks on several nodes) refused."""
+    """Which transport "auto" comes to here, and a shared_memory request where the ranks share no
+    memory (LOCAL_SIZE not the world size: ranks on several nodes) refused."""
     engine = lomo_ds.initialize(tiny_llama(0), ds_cfg())
     saved = os.environ.get("LOCAL_SIZE")
     os.environ["LOCAL_SIZE"] = str(10 * engine.world)
     try:
-        resolve_transport("shared_memory", engine.params, engine.world, None)
+        resolve_transport("shared_memory", engine.params, engine.world)
         error = None
     except ValueError as e:
         error = str(e)
@@ -223,8 +223,10 @@ def check_transport():
             os.environ.pop("LOCAL_SIZE")
         else:
             os.environ["LOCAL_SIZE"] = saved
-    return {"auto": engine.buckets.transport, "cpu_count": os.cpu_count(), "local_size": saved,
-            "refused": error}
+    torch.distributed.barrier()  # every rank past its engine's set-up
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("lomo_ds_")]
+    return {"auto": engine.buckets.transport, "local_size": saved, "refused": error,
+            "shm_bytes": engine.buckets.shm.nbytes if engine.buckets.shm else 0, "shm_files_left": leftovers}
 
 
 def check_sgd(transport: str = "auto", clip_norm: float | None = None):
