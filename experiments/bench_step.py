@@ -92,6 +92,8 @@ def bench(args: argparse.Namespace):
 
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
     times = {name: [] for name in engines}
+    times["floor backward"] = []  # the floor's backward alone
+    times["floor forward"] = []
     parts = {name: [] for name in timed}
     for step in range(args.warmup + args.steps):
         ids = torch.randint(0, args.vocab, (args.micro, args.seq), generator=g)
@@ -108,6 +110,9 @@ def bench(args: argparse.Namespace):
                 taken = engine.timers.take()
             if step >= args.warmup:
                 times[name].append(elapsed)
+                if name == "floor":
+                    times["floor backward"].append(engine.backward_seconds)
+                    times["floor forward"].append(engine.forward_seconds)
                 if name in timed:
                     parts[name].append(taken)
     torch.distributed.barrier()
@@ -131,9 +136,13 @@ def report(args, base, world, times, parts, transports) -> None:
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; median of {args.steps} steps")
     floor = times["floor"]
     print(f"{'engine':16s} {'step s':>8s} {'x floor':>8s}   (x floor: median of the per-round ratios)")
+    ratios = {}
     for name, ts in times.items():
-        ratio = statistics.median(t / f for t, f in zip(ts, floor))
-        print(f"{name:16s} {statistics.median(ts):8.3f} {ratio:8.3f}")
+        ratios[name] = statistics.median(t / f for t, f in zip(ts, floor))
+        print(f"{name:16s} {statistics.median(ts):8.3f} {ratios[name]:8.3f}")
+    if "lomo" in ratios and "lomo clipped" in ratios:
+        extra = ratios["lomo clipped"] - ratios["lomo"]
+        print(f"norm clipping costs {extra:.3f} x floor over lomo; one backward is {ratios['floor backward']:.3f} x floor")
     for name, steps in parts.items():
         print(f"\n{name} (grad_reduction -> {transports[name]}): time in LOMO's own code per step, ms (median), "
               "and as a share of the floor step")

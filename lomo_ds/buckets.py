@@ -83,8 +83,8 @@ def resolve_transport(requested: str, params: list[torch.nn.Parameter], world: i
     possible = all(shm_reduce_scatter.available(ds_compat.process_group(p)) for p in params)
     if requested == "shared_memory" and not possible:
         raise ValueError(f"lomo.grad_reduction: 'shared_memory' needs CPU (gloo) ranks all on one x86-64 node, "
-                         f"sharded over every rank (LOCAL_SIZE = world size = {world}, as DeepSpeed's launcher "
-                         "sets it); use 'auto' or 'reduce_scatter'")
+                         f"sharded over every rank (LOCAL_SIZE or LOCAL_WORLD_SIZE, as the launcher sets them, = "
+                         f"world size = {world}); use 'auto' or 'reduce_scatter'")
     return "shared_memory" if possible else "reduce_scatter"
 
 

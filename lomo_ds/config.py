@@ -85,9 +85,10 @@ class LomoConfig(Section):
     reduce_dtype: Literal["fp32", "fp16", "bf16"] | None = None  # dtype of the reduce-scatter; default: the model's
     stochastic_rounding: bool = True  # bf16 shards without a master copy
     fp32_master_weights: bool = False  # keep an fp32 copy of this rank's shard (4 bytes/param/world)
-    # How gradient buckets are summed over ranks (lomo_ds/buckets.py): auto = DeepSpeed's
-    # shared-memory all-reduce for CPU ranks on one node, else an overlapped reduce-scatter;
-    # all_reduce: the reference code's way, twice the bytes (benchmarks only)
+    # How gradient buckets are summed over ranks (lomo_ds/buckets.py): auto = through shared
+    # memory for CPU ranks on one node (shared_memory), else the backend's overlapped
+    # reduce-scatter (reduce_scatter); all_reduce: the reference code's way, twice the bytes
+    # (benchmarks only)
     grad_reduction: Literal["auto", "reduce_scatter", "shared_memory", "all_reduce"] = "auto"
     two_pass_mode: Literal["retain_graph", "recompute"] = "retain_graph"  # how the second backward gets its graph
     seed: Int = 1234  # for stochastic rounding

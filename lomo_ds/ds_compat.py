@@ -6,6 +6,8 @@ tests/test_ds_compat.py runs it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .device import group_device
@@ -88,6 +90,19 @@ def broadcast_from_first(tensor: torch.Tensor, group, name: str = "broadcast ten
     dist.broadcast(tensor, src=torch.distributed.get_global_rank(group, 0), group=group)
 
 
+def forget_shm_allreduce_names() -> None:
+    """DeepSpeed's CPU communication backend, with every rank on one node, creates a /dev/shm file
+    per rank for its shared-memory all-reduce (68 MB, named deepspeed_allreduce_buffer_<uid>_
+    <MASTER_ADDR>_<MASTER_PORT>_<rank>) and never removes it: every CPU run would leave its files
+    behind until /dev/shm is full. Call on every rank once every rank has finished
+    deepspeed.init_distributed (by then each has mapped its peers' files): the names go, the
+    memory stays mapped until the process exits."""
+    path = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
+    if os.path.exists(path):
+        os.remove(path)
+
+
 def offload_of(engine):
     """The ZeRO-3 parameter manager DeepSpeed builds when no optimizer is given."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
@@ -111,16 +126,11 @@ def zero3_optimizer_tensors(opt) -> dict[str, list[torch.Tensor]]:
 
 
 def release_all(offload) -> None:
-    """Release every gathered parameter (backward can leave some gathered) and reset the trace."""
+    """Release every gathered parameter (backward can leave some gathered), persistent ones
+    included, and reset the trace. Whatever is used next is gathered from its shard: after an
+    update, no stale gathered copy survives (DeepSpeed's own optimizer instead re-gathers its
+    persistent parameters after each step, one all-gather each)."""
     offload.get_param_coordinator().release_and_reset_all(offload.module)
-
-
-def regather_persistent(offload) -> None:
-    """Persistent parameters stay gathered between steps; after their shards change the
-    gathered copy is stale and must be gathered again (DeepSpeed's own optimizer does the same)."""
-    persistent = list(offload.persistent_parameters)
-    if persistent:
-        persistent[0].all_gather(persistent)
 
 
 _BACKWARD_COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")

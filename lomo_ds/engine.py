@@ -57,6 +57,9 @@ def init_distributed() -> None:
 
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed()
+        if torch.distributed.get_backend() == "gloo":
+            torch.distributed.barrier()  # every rank has mapped its peers' shared memory
+            ds_compat.forget_shm_allreduce_names()
 
 
 def loss_of(outputs) -> torch.Tensor:
@@ -245,7 +248,7 @@ class LomoEngine:
             # A non-finite loss on some rank (or nothing to learn anywhere): known before the
             # backward, so no rank starts one.
             del loss
-            return self._skip(result, touched=False, overflow=nonfinite)
+            return self._skip(result, overflow=nonfinite)
         if not labelled:
             # Nothing to learn on this rank, but its backward still runs (ZeRO-3's gathers and
             # the reduce-scatter are collectives) and contributes a zero gradient. transformers'
@@ -267,7 +270,7 @@ class LomoEngine:
             if not math.isfinite(norm):
                 # Overflow somewhere on some rank: every rank skips, no parameter is touched.
                 del loss
-                return self._skip(result, touched=False, overflow=True)
+                return self._skip(result, overflow=True)
             coef = 1.0
             if self.config.clip_grad_norm is not None:
                 coef = min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
@@ -284,17 +287,17 @@ class LomoEngine:
                                        weight_decay=self.config.weight_decay)
         if self._backward(loss * loss_scale, retain_graph=False):
             # Non-finite in the updating pass: the buckets before it were applied, none after.
-            return self._skip(result, touched=True, overflow=True)
-        self._end_step(updated=True)
+            return self._skip(result, overflow=True)
+        self._end_step()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         self.consecutive_skips = 0
         self.global_step += 1
         return result
 
-    def _skip(self, result: dict[str, Any], touched: bool, overflow: bool) -> dict[str, Any]:
+    def _skip(self, result: dict[str, Any], overflow: bool) -> dict[str, Any]:
         """End a step every rank skips; stop the run when skipping has become the rule."""
-        self._end_step(updated=touched)
+        self._end_step()
         if self.loss_scaler is not None and overflow:
             self.loss_scaler.update(overflow=True)
         self.skipped_steps += 1
@@ -308,10 +311,10 @@ class LomoEngine:
                                f"{self.global_step} steps into the run; lower lomo.lr, check the data, or raise the limit")
         return result
 
-    def _end_step(self, updated: bool = False) -> None:
+    def _end_step(self) -> None:
+        # Every parameter goes back to its shard, persistent ones included, so the next forward
+        # gathers each from its updated shard (a gathered copy kept across an update is stale).
         ds_compat.release_all(self.offload)
-        if updated:
-            ds_compat.regather_persistent(self.offload)
         for p in self.params:
             p.grad = None
 
@@ -376,4 +379,3 @@ class LomoEngine:
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         ds_compat.release_all(self.offload)
-        ds_compat.regather_persistent(self.offload)

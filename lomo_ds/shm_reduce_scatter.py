@@ -36,13 +36,14 @@ _TIMEOUT_S = 1800.0  # as gloo's default: a peer that has not posted by then has
 
 def available(group) -> bool:
     """Whether the ranks of `group` can reduce through this node's shared memory: CPU (gloo)
-    ranks, a group of every rank, every rank on this node (LOCAL_SIZE, which DeepSpeed's launcher
-    sets, equal to the world size), x86-64 (the protocol relies on its store ordering). Every
-    rank of a node decides alike."""
+    ranks, a group of every rank, every rank on this node (the launcher's count of ranks on this
+    node equals the world size: LOCAL_SIZE from DeepSpeed's, LOCAL_WORLD_SIZE from torchrun),
+    x86-64 (the protocol relies on its store ordering). Every rank of a node decides alike."""
     world = torch.distributed.get_world_size()
+    on_this_node = os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE"))
     return (torch.distributed.get_backend(group) == "gloo"
             and torch.distributed.get_world_size(group) == world
-            and os.environ.get("LOCAL_SIZE") == str(world)
+            and on_this_node == str(world)
             and platform.machine().lower() in ("x86_64", "amd64"))
 
 

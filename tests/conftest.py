@@ -38,7 +38,8 @@ def launch(script: str, nproc: int, args: list[str], timeout: int = 600, env: di
             return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
         finally:
             # DeepSpeed's CPU shared-memory all-reduce buffers (68 MB per rank in /dev/shm, named by
-            # address, port and rank) are never removed by DeepSpeed: remove this launch's.
+            # address, port and rank): lomo_ds.init_distributed removes their names once every rank
+            # has started, but a launch that failed before then leaves them: remove this launch's.
             for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
                 os.remove(leftover)
 

@@ -224,7 +224,10 @@ def check_transport():
         else:
             os.environ["LOCAL_SIZE"] = saved
     torch.distributed.barrier()  # every rank past its engine's set-up
-    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("lomo_ds_")]
+    # lomo_ds's buffers, and DeepSpeed's all-reduce buffers of this job (named by its port).
+    port = os.environ.get("MASTER_PORT")
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("lomo_ds_")
+                 or (f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f)]
     return {"auto": engine.buckets.transport, "local_size": saved, "refused": error,
             "shm_bytes": engine.buckets.shm.nbytes if engine.buckets.shm else 0, "shm_files_left": leftovers}
 

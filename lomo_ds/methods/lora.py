@@ -104,8 +104,7 @@ class LoraLomoEngine(LomoMethodEngine):
             local = max(0, min(part, ds_compat.full_numel(p) - start))
             if local:
                 ds_compat.shard(p)[:local].copy_(m.detach().reshape(-1)[start:start + local])
-        ds_compat.release_all(self.engine.offload)
-        ds_compat.regather_persistent(self.engine.offload)
+        ds_compat.release_all(self.engine.offload)  # the next forward gathers the new adapters
 
     # ----------------------------------------------------------------- resume: both halves
     def state_dict(self) -> dict[str, Any]:
