@@ -71,7 +71,7 @@ class SharedMemoryReduceScatter:
         self.seq = 0  # sends posted so far
         self.buffers: list[torch.Tensor] = []  # every rank's mapping, as bytes
         self.flags: list[torch.Tensor] = []  # every rank's header, as int64
-        self._next: tuple[int, int] | None = None  # (width, dtype size) of the payload handed out
+        self._next: tuple[int, torch.dtype] | None = None  # (width, dtype) of the payload handed out
 
     @property
     def nbytes(self) -> int:
@@ -83,8 +83,9 @@ class SharedMemoryReduceScatter:
         at least `slot_bytes`, mapping new buffers when the current ones are too small."""
         if slot_bytes <= self.slot_bytes:
             return
-        # A name no other job or engine on this node uses: the group's first rank draws it.
-        token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu")
+        # A name no other job or engine on this node uses: the group's first rank draws it (from
+        # the OS: torch's generator is the training's, and must draw the same with either transport).
+        token = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64, device="cpu")
         ds_compat.broadcast_from_first(token, self.group, name="shared-memory buffer name")
         path = lambda r: f"/dev/shm/lomo_ds_grad_{int(token)}_{r}"  # noqa: E731
         nbytes = _HEADER_BYTES + SLOTS * slot_bytes

@@ -210,7 +210,12 @@ def check_overlap():
 def check_transport():
     """Which transport "auto" comes to here, and a shared_memory request where the ranks share no
     memory (LOCAL_SIZE not the world size: ranks on several nodes) refused."""
-    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg())
+    model = tiny_llama(0)
+    rng = torch.get_rng_state()
+    engine = lomo_ds.initialize(model, ds_cfg())
+    # Setting the transport up draws nothing from torch's generator (the training's dropout and
+    # data draw from it, and must draw alike whichever transport runs).
+    rng_untouched = torch.equal(rng, torch.get_rng_state())
     saved = os.environ.get("LOCAL_SIZE")
     os.environ["LOCAL_SIZE"] = str(10 * engine.world)
     try:
@@ -228,7 +233,7 @@ def check_transport():
     port = os.environ.get("MASTER_PORT")
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("lomo_ds_")
                  or (f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f)]
-    return {"auto": engine.buckets.transport, "local_size": saved, "refused": error,
+    return {"auto": engine.buckets.transport, "local_size": saved, "refused": error, "rng_untouched": rng_untouched,
             "shm_bytes": engine.buckets.shm.nbytes if engine.buckets.shm else 0, "shm_files_left": leftovers}
 
 

@@ -41,6 +41,7 @@ def test_auto_transport_and_refusal(bucket_results, world):
     print(f"{world} rank(s), LOCAL_SIZE {r['local_size']}: auto -> {r['auto']}, {r['shm_bytes']} bytes shared")
     # The buffers' names are removed once every rank has them mapped: nothing is left in /dev/shm.
     assert r["shm_files_left"] == []
+    assert r["rng_untouched"], "building the engine drew from torch's random generator"
     if world == 1:
         return
     # Here (gloo, every rank on this x86-64 node, LOCAL_SIZE set as DeepSpeed's launcher does).
