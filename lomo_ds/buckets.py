@@ -37,6 +37,7 @@ Transports (`lomo.grad_reduction`):
 from __future__ import annotations
 
 import math
+import typing
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +46,7 @@ import torch
 
 from . import ds_compat, shm_reduce_scatter
 from .comm_stats import StepTimers
+from .config import GradReduction
 from .device import group_device
 from .fused_update import geometry
 
@@ -70,7 +72,7 @@ class _InFlight:
     params: list[torch.nn.Parameter]
 
 
-TRANSPORTS = ("auto", "reduce_scatter", "shared_memory", "all_reduce")
+TRANSPORTS = typing.get_args(GradReduction)
 
 
 def resolve_transport(requested: str, params: list[torch.nn.Parameter], world: int) -> str:

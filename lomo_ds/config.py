@@ -70,6 +70,10 @@ class AdaLomoConfig(Section):
     decay_rate: float = Field(-0.8, lt=0)  # second-moment decay: beta2 at step t is 1 - t**decay_rate
 
 
+# How gradient buckets are summed over ranks: the transports of lomo_ds/buckets.py.
+GradReduction = Literal["auto", "reduce_scatter", "shared_memory", "all_reduce"]
+
+
 class LomoConfig(Section):
     optimizer: Literal["sgd", "adalomo"] = "sgd"
     adalomo: AdaLomoConfig = AdaLomoConfig()
@@ -89,7 +93,7 @@ class LomoConfig(Section):
     # memory for CPU ranks on one node (shared_memory), else the backend's overlapped
     # reduce-scatter (reduce_scatter); all_reduce: the reference code's way, twice the bytes
     # (benchmarks only)
-    grad_reduction: Literal["auto", "reduce_scatter", "shared_memory", "all_reduce"] = "auto"
+    grad_reduction: GradReduction = "auto"
     two_pass_mode: Literal["retain_graph", "recompute"] = "retain_graph"  # how the second backward gets its graph
     seed: Int = 1234  # for stochastic rounding
     # fnmatch patterns of parameter names LOMO leaves alone (a JSON list)

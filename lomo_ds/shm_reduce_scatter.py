@@ -50,13 +50,13 @@ def available(group) -> bool:
 class _Pending:
     """The handle of one posted payload (`wait()`, as a torch.distributed work handle)."""
 
-    def __init__(self, owner: "SharedMemoryReduceScatter", seq: int, width: int, out: torch.Tensor):
-        self.owner, self.seq, self.width, self.out = owner, seq, width, out
+    def __init__(self, owner: "SharedMemoryReduceScatter", seq: int, out: torch.Tensor):
+        self.owner, self.seq, self.out = owner, seq, out
         self.done = False
 
     def wait(self) -> None:
         if not self.done:
-            self.owner.reduce_into(self.out, self.seq, self.width)
+            self.owner.reduce_into(self.out, self.seq)
             self.done = True
 
 
@@ -126,11 +126,11 @@ class SharedMemoryReduceScatter:
         self._next = None
         self.seq += 1
         self.flags[self.rank][self.seq % SLOTS] = self.seq  # after the payload's stores (x86 keeps their order)
-        return _Pending(self, self.seq, width, out)
+        return _Pending(self, self.seq, out)
 
-    def reduce_into(self, out: torch.Tensor, seq: int, width: int) -> None:
+    def reduce_into(self, out: torch.Tensor, seq: int) -> None:
         self._wait_for(lambda r: int(self.flags[r][seq % SLOTS]) >= seq, seq, "posted")
-        rows = [self._slot(r, seq, width, out.dtype)[self.rank] for r in range(self.world)]
+        rows = [self._slot(r, seq, out.numel(), out.dtype)[self.rank] for r in range(self.world)]
         if self.world == 2:
             torch.add(rows[0], rows[1], out=out)
         else:

@@ -25,8 +25,9 @@ def free_port() -> int:
 
 def launch(script: str, nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `script` on `nproc` ranks (gloo on this CPU) and fail with its log if it fails."""
-    # LOCAL_SIZE as DeepSpeed's launcher sets it: DeepSpeed's shared-memory all-reduce (lomo's
-    # shared_memory transport) exists only where it is set.
+    # LOCAL_SIZE as DeepSpeed's launcher sets it, so the launch starts as a `deepspeed` one does:
+    # DeepSpeed then creates its /dev/shm all-reduce files (which lomo_ds must clean up), and
+    # lomo's shared_memory transport is what "auto" picks.
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOCAL_SIZE": str(nproc),
                 "PYTHONPATH": os.pathsep.join(filter(None, [HELPER_PATH, os.environ.get("PYTHONPATH")])), **(env or {})}
 
