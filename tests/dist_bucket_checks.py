@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import torch
 
@@ -207,6 +208,29 @@ def check_overlap():
     return {"n_buckets": len(engine.buckets.layout), "later_grads_before_apply": arrived_before}
 
 
+def check_apply_points(transport: str = "auto"):
+    """Where in the backward each bucket is applied, on every rank, with the last rank's backward
+    slowed down: the same point everywhere (an update may be a collective, AdaLomo's, and ranks
+    must issue collectives in one order), however early a bucket's reduction happened to finish."""
+    engine = lomo_ds.initialize(tiny_llama(13), ds_cfg(bucket_size=2000, grad_reduction=transport))
+    world, rank = engine.world, engine.rank
+    engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
+    if rank == world - 1:
+        for p in engine.params:
+            p.register_hook(lambda g: (time.sleep(0.005), g)[1])
+    arrived, applied_at = [0], []
+    add, apply_bucket = engine.buckets.add, engine.buckets.on_bucket
+
+    def counted_add(p, g):
+        arrived[0] += 1
+        add(p, g)
+
+    engine.buckets.add = counted_add
+    engine.buckets.on_bucket = lambda items: (applied_at.append(arrived[0]), apply_bucket(items))[-1]
+    engine.train_step(global_batch(1, world)[rank])
+    return {"n_buckets": len(engine.buckets.layout), "applied_at": all_ranks([float(n) for n in applied_at])}
+
+
 def check_transport():
     """Which transport "auto" comes to here, and a shared_memory request where the ranks share no
     memory (LOCAL_SIZE not the world size: ranks on several nodes) refused."""
@@ -261,6 +285,7 @@ def bucket_checks(world: int) -> dict:
         "nonfinite_bf16": lambda: check_nonfinite(True),
         **by_transport(world, "experts", check_experts),
         "overlap": check_overlap,
+        **by_transport(world, "apply_points", check_apply_points),
         "two_groups": check_two_groups,
         "other_partitioning": check_other_partitioning_refused,
         "transport": check_transport,

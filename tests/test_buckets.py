@@ -91,6 +91,15 @@ def test_reduce_scatter_overlaps_the_backward(bucket_results, world):
     assert all(n >= 1 for n in later[:-1])
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_buckets_are_applied_at_the_same_point_on_every_rank(bucket_results, world):
+    for name in by_transport(world, "apply_points"):
+        r = ok(bucket_results(world), name)
+        print(f"{name} on {world} ranks, last rank slowed: gradients in when each bucket was applied {r['applied_at']}")
+        assert len(r["applied_at"][0]) == r["n_buckets"] > 2
+        assert all(row == r["applied_at"][0] for row in r["applied_at"])
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_each_process_group_has_its_own_buckets(bucket_results, world):
     r = ok(bucket_results(world), "two_groups")
