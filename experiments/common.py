@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Iterable
 
-from lomo_ds.planner import LLAMA, ModelSpec
+from lomo_ds.planning.planner import LLAMA, ModelSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -72,7 +72,7 @@ def build_method_engine(model, ds_cfg: dict, method: str, lomo_cfg: dict, activa
     run config made of these sections, for a model built in memory. The baselines get their tuned LR
     and norm clipping (every method clips by lomo.clip_grad_norm); LOMO keeps `lomo_cfg` as given."""
     from lomo_ds.methods import build_engine
-    from lomo_ds.run_config import LOMO_METHODS, load_run_config
+    from lomo_ds.config.run import LOMO_METHODS, load_run_config
 
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
@@ -126,7 +126,7 @@ def pretrained_llama(path: str, dtype: str, ds_cfg: dict):
 
 def count_params(model) -> int:
     """Full parameter count, also of a model already partitioned by ZeRO-3."""
-    from lomo_ds import ds_compat
+    from lomo_ds.runtime import ds_compat
 
     return sum(ds_compat.full_numel(p) if ds_compat.is_zero_param(p) else p.numel() for p in model.parameters())
 
@@ -222,7 +222,7 @@ class FloorEngine:
     def __init__(self, model, ds_config: dict):
         import deepspeed
 
-        from lomo_ds import ds_compat
+        from lomo_ds.runtime import ds_compat
 
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=None,
                                                   optimizer=None)
@@ -237,8 +237,8 @@ class FloorEngine:
         param.grad = None
 
     def train_step(self, batch: dict) -> dict:
-        from lomo_ds import ds_compat
-        from lomo_ds.engine import loss_of
+        from lomo_ds.runtime import ds_compat
+        from lomo_ds.runtime.dist import loss_of
 
         self.module.train()
         t0 = time.perf_counter()

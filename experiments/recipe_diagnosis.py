@@ -13,9 +13,9 @@ import statistics
 import torch
 from transformers import AutoModelForCausalLM
 
-from lomo_ds.data import build_datasets, collate, epoch_order, pad_id_of
-from lomo_ds.models import load_tokenizer
-from lomo_ds.run_config import load_run_config, resolve_model_source
+from lomo_ds.data.loading import build_datasets, collate, epoch_order, pad_id_of
+from lomo_ds.storage.models import load_tokenizer
+from lomo_ds.config.run import load_run_config, resolve_model_source
 
 LR = 0.03
 

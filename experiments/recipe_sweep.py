@@ -19,11 +19,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from lomo_ds.data import batches_for_step, build_datasets, collate, epoch_order, pad_id_of, position_of_step, steps_per_epoch
-from lomo_ds.evaluation import evaluate
-from lomo_ds.models import load_tokenizer
-from lomo_ds.run_config import load_run_config, resolve_model_source
-from lomo_ds.schedule import Schedule
+from lomo_ds.data.loading import batches_for_step, build_datasets, collate, epoch_order, pad_id_of, position_of_step, steps_per_epoch
+from lomo_ds.evaluation.scoring import evaluate
+from lomo_ds.storage.models import load_tokenizer
+from lomo_ds.config.run import load_run_config, resolve_model_source
+from lomo_ds.engine.schedule import Schedule
 
 
 def run(model, init_state, data, pad_id, clip, lr, warmup, steps, seed, global_batch, eval_batch) -> dict:

@@ -18,7 +18,7 @@ import time
 
 import common
 from common import GIB, MIB, RESULTS
-from lomo_ds.planner import ModelSpec
+from lomo_ds.planning.planner import ModelSpec
 
 # Built-in random-init LLaMA shapes for --cpu (vocab 8192 so the embedding does not dominate).
 CPU_SIZES = {

@@ -12,7 +12,7 @@ Both modes use activation checkpointing (the paper's Table 2 fits LLaMA-7B with 
 GPU at sequence 1024, which needs it). GPU mode follows the paper: sequence 1024, batch 1, fp16 by default (--dtype),
 the paper's GPU count for every row (LOMO 7B on 1 GPU, 13B on 2, 30B on 4, 65B on 8; AdamW and SGD
 on 8), weights loaded partitioned (HfDeepSpeedConfig + from_pretrained: zero.Init). Rows the paper
-reports as out of memory are predicted by lomo_ds.planner and skipped unless --try-oom.
+reports as out of memory are predicted by lomo_ds.planning.planner and skipped unless --try-oom.
 
 Memory: on a GPU `torch.cuda.max_memory_allocated` after the engine is built (the paper's "peak
 allocated"); on a CPU the engines' tensor accounting (lomo_ds/methods: params + grads +
@@ -40,11 +40,11 @@ import time
 
 import common
 from common import GIB, LLAMA_PARAMS_B, MIB, RESULTS
-from lomo_ds.planner import ModelSpec
+from lomo_ds.planning.planner import ModelSpec
 
 METHODS = ("adamw", "sgd", "lomo")
 
-# Random-init LLaMA shapes for --cpu, picked with the planner (lomo_ds.planner.estimate) so that
+# Random-init LLaMA shapes for --cpu, picked with the planner (lomo_ds.planning.planner.estimate) so that
 # model states dominate the accounted peak: a small vocabulary (2048) keeps the largest parameter
 # (and with it LOMO's gradient bucket and ZeRO-3's gathered working set) ~1.3M elements, and
 # activation checkpointing keeps activations to a few MiB at seq 128. fp32, because bf16 matmuls
@@ -85,7 +85,7 @@ def lomo_cfg(a, clip_norm: bool) -> dict:
 def planner_estimate(size: str, method: str, world: int, a) -> float | None:
     """The planner's accounted bytes per rank for this row (None if it cannot say)."""
     try:
-        from lomo_ds import planner
+        from lomo_ds.planning import planner
 
         spec = CPU_SIZES.get(size) or planner.LLAMA[size]
         run = planner.run_spec(**dict(planner.run_overrides_from_ds(common.ds_config(a.cpu, a.dtype, a.batch)),
@@ -442,7 +442,7 @@ def main(argv=None) -> int:
     else:
         import torch
 
-        from lomo_ds import planner
+        from lomo_ds.planning import planner
 
         paths = planner.llama_model_paths(a.model_path, a.model_root)
         sizes = a.sizes.split(",") if a.sizes else [s for s in GPU_SIZES if s in paths]

@@ -29,8 +29,8 @@ import sys
 import time
 
 import common
-from lomo_ds.tasks import SUPERGLUE_TASKS
-from lomo_ds.tasks import TASKS as TASK_REGISTRY
+from lomo_ds.data.tasks import SUPERGLUE_TASKS
+from lomo_ds.data.tasks import TASKS as TASK_REGISTRY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
             if best:
                 rows.append(best)
     else:
-        from lomo_ds import planner
+        from lomo_ds.planning import planner
 
         paths = planner.llama_model_paths(a.model_path, a.model_root)
         if not paths and a.dry_run:

@@ -1,5 +1,5 @@
-"""`deepspeed launch/train.py --config ds_configs/llama65b.json`: the training program is lomo_ds.train (also `lomo-ds train`)."""
-from lomo_ds.train import main
+"""`deepspeed launch/train.py --config ds_configs/llama65b.json`: the training program is lomo_ds.recipe.train (also `lomo-ds train`)."""
+from lomo_ds.recipe.train import main
 
 raise SystemExit(main())
 

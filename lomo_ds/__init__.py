@@ -1,7 +1,8 @@
 """lomo_ds: LOMO (fused backward + update) on DeepSpeed ZeRO-3 shards."""
-from .config import ConfigError, LomoConfig, load_config
-from .engine import LomoEngine, initialize, init_distributed
-from .methods import Engine, build_engine
+from lomo_ds.config.lomo import ConfigError, LomoConfig, load_config
+from lomo_ds.engine.lomo_engine import LomoEngine, initialize
+from lomo_ds.runtime.dist import init_distributed
+from lomo_ds.methods import Engine, build_engine
 
 __all__ = ["initialize", "init_distributed", "LomoEngine", "LomoConfig", "ConfigError", "load_config",
            "Engine", "build_engine"]

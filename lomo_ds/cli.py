@@ -20,7 +20,7 @@ def _add_plan(sub) -> None:
                                    "smallest GPU count that fits; with --offload, LOMO with its parameters in "
                                    "host RAM and the RAM that needs. Defaults are the shipped configs' "
                                    "(ds_configs/llama*.json); every plan prints its assumptions. "
-                                   "Formulas: lomo_ds/planner.py.")
+                                   "Formulas: lomo_ds/planning/planner.py.")
     p.add_argument("--model", default=None,
                    help="7b|13b|30b|65b (LLaMA, with its shipped config's settings), an HF config.json (or its "
                         "folder), or a run config; without it, a summary for every LLaMA size")
@@ -50,8 +50,8 @@ def _make_plan(args):
     """A Plan for --model, or None for the all-sizes summary. Raises ValueError / ConfigError."""
     from dataclasses import replace
 
-    from . import planner
-    from .run_config import load_run_config
+    from lomo_ds.planning import planner
+    from lomo_ds.config.run import load_run_config
 
     overrides = _plan_overrides(args)
     counts = set(planner.GPU_COUNTS) | ({args.gpus} if args.gpus else set())
@@ -73,8 +73,8 @@ def _run_plan(args) -> int:
     import json
     from dataclasses import asdict
 
-    from . import planner
-    from .config import ConfigError
+    from lomo_ds.planning import planner
+    from lomo_ds.config.lomo import ConfigError
 
     try:
         p = _make_plan(args)
@@ -105,9 +105,9 @@ def _run_plan(args) -> int:
 
 
 def _add_train(sub) -> None:
-    from . import train
+    from lomo_ds.recipe import train
 
-    p = sub.add_parser("train", help="fine-tune a model as one run config describes (lomo_ds/train.py)",
+    p = sub.add_parser("train", help="fine-tune a model as one run config describes (lomo_ds/recipe/train.py)",
                        description=train.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_arguments(p)
     p.set_defaults(func=train.run)

@@ -2,7 +2,7 @@
 
 Deliberately the paper's form, not lomo_ds's: row and column *sums* of g^2 + eps1 and
 v = r c^T / (1^T r), on whole gradients after an ordinary backward. The choices the paper leaves
-open follow lomo_ds/adalomo.py's docstring: beta_t = 1 - t^decay_rate, weight decay by the
+open follow lomo_ds/engine/adalomo.py's docstring: beta_t = 1 - t^decay_rate, weight decay by the
 relative step, only 2-D tensors factored.
 """
 from __future__ import annotations

@@ -12,9 +12,9 @@ import torch
 
 
 import lomo_ds  # noqa: E402
-from lomo_ds import ds_compat  # noqa: E402
-from lomo_ds.comm_stats import count_comm  # noqa: E402
-from lomo_ds.fused_update import geometry  # noqa: E402
+from lomo_ds.runtime import ds_compat  # noqa: E402
+from lomo_ds.engine.comm_stats import count_comm  # noqa: E402
+from lomo_ds.engine.fused_update import geometry  # noqa: E402
 from adalomo_reference import ReferenceAdaLomo  # noqa: E402
 from dist_engine_checks import bf16_movement, ds_cfg, max_diff, scaled_forward  # noqa: E402
 from tiny import ScaledLlama, global_batch, tiny_llama  # noqa: E402

@@ -13,9 +13,9 @@ import torch
 
 import lomo_ds  # noqa: E402
 from dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_step  # noqa: E402
-from lomo_ds import ds_compat  # noqa: E402
-from lomo_ds.buckets import resolve_transport  # noqa: E402
-from lomo_ds.fused_update import geometry  # noqa: E402
+from lomo_ds.runtime import ds_compat  # noqa: E402
+from lomo_ds.engine.buckets import resolve_transport  # noqa: E402
+from lomo_ds.engine.fused_update import geometry  # noqa: E402
 from tiny import global_batch, tiny_llama, tiny_llama_config  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 

@@ -14,8 +14,8 @@ import torch
 import deepspeed  # noqa: E402
 
 import lomo_ds  # noqa: E402
-from lomo_ds import ds_compat  # noqa: E402
-from lomo_ds.comm_stats import count_comm  # noqa: E402
+from lomo_ds.runtime import ds_compat  # noqa: E402
+from lomo_ds.engine.comm_stats import count_comm  # noqa: E402
 from tiny import ScaledLlama, global_batch, tiny_llama, tiny_llama_config  # noqa: E402
 
 LR = 0.05

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from lomo_ds.data import EvalExample
-from lomo_ds.evaluation import evaluate, evaluate_loss
+from lomo_ds.data.loading import EvalExample
+from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 
 V = 10
 

@@ -1,4 +1,4 @@
-"""Trains a tiny model 2 steps through the engine, exports it with lomo_ds.checkpoint.export_hf
+"""Trains a tiny model 2 steps through the engine, exports it with lomo_ds.storage.checkpoint.export_hf
 (shards of at most MAX_SHARD_SIZE bytes), and saves the engine's own logits on a fixed batch beside
 it. tests/dist_checks.py runs it, tied and untied, in its 2-rank launch; tests/test_train.py loads
 the export in transformers and compares."""
@@ -7,7 +7,7 @@ import os
 import torch
 
 import lomo_ds
-from lomo_ds.checkpoint import export_hf
+from lomo_ds.storage.checkpoint import export_hf
 from tiny import global_batch, tiny_llama  # this script's own directory is on sys.path
 
 

@@ -7,9 +7,9 @@ import tempfile
 
 import torch
 
-from lomo_ds import checkpoint
+from lomo_ds.storage import checkpoint
 from lomo_ds.methods import METHODS, Engine, build_engine
-from lomo_ds.run_config import LOMO_METHODS, load_run_config
+from lomo_ds.config.run import LOMO_METHODS, load_run_config
 from tiny import global_batch, tiny_llama
 
 BUCKET = 2000  # LOMO reduce-scatter bucket (shard elements)

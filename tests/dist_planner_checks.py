@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lomo_ds.methods import build_engine
-from lomo_ds.run_config import load_run_config
+from lomo_ds.config.run import load_run_config
 
 # The measured model: LLaMA-style, odd sizes, model states comparable to activations.
 TINY = dict(hidden=128, layers=4, intermediate=344, vocab=256, heads=4, kv_heads=2, head_dim=32)

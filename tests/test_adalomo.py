@@ -15,9 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from adalomo_reference import ReferenceAdaLomo
 from conftest import family, ok
-from lomo_ds.adalomo import row_pieces
-from lomo_ds.config import ConfigError, load_config
-from lomo_ds.planner import LLAMA
+from lomo_ds.engine.adalomo import row_pieces
+from lomo_ds.config.lomo import ConfigError, load_config
+from lomo_ds.planning.planner import LLAMA
 from tiny import global_batch, tiny_llama
 
 TOL = 1e-6  # fp32, 3 steps

@@ -114,6 +114,6 @@ def test_missing_adapter_gradient_is_built_on_the_engine_device():
 
 
 def test_method_registry_matches_the_run_config():
-    from lomo_ds import run_config
+    from lomo_ds.config import run as run_config
 
     assert METHODS is run_config.METHODS

@@ -1,4 +1,4 @@
-"""Prompts, loading, sampling, tokenization and data order (lomo_ds/data.py)."""
+"""Prompts, loading, sampling, tokenization and data order (lomo_ds/data/loading.py)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lomo_ds import data as D
-from lomo_ds.tasks import BUILTIN_DIR, SUPERGLUE_TASKS, TASKS, Task
-from lomo_ds.run_config import load_run_config
+from lomo_ds.data import loading as D
+from lomo_ds.data.tasks import BUILTIN_DIR, SUPERGLUE_TASKS, TASKS, Task
+from lomo_ds.config.run import load_run_config
 from tests.helpers_data import RECORDS, boolq_records, byte_bpe_tokenizer, write_jsonl
 
 
@@ -78,14 +78,6 @@ def test_builtin_uses_boolq_prompt_and_files_are_balanced_and_disjoint():
     assert not {r["passage"] for r in train} & {r["passage"] for r in val}
     ex = D.format_example("builtin", train[0])
     assert ex.prompt == f'{train[0]["passage"]} {train[0]["question"]}\n'  # question already ends in "?"
-
-
-def test_builtin_generator_is_reproducible():
-    from lomo_ds.builtin.make_builtin_task import generate
-
-    train, val = generate()
-    assert train == [r for r, _ in D.read_jsonl(os.path.join(BUILTIN_DIR, "train.jsonl"))]
-    assert val == [r for r, _ in D.read_jsonl(os.path.join(BUILTIN_DIR, "validation.jsonl"))]
 
 
 # ----------------------------------------------------------------------------- loading

@@ -1,5 +1,5 @@
 """Fails loudly when a DeepSpeed release moves an internal lomo_ds relies on."""
-from lomo_ds import ds_compat
+from lomo_ds.runtime import ds_compat
 
 
 def test_deepspeed_internals_present():

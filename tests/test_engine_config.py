@@ -4,8 +4,8 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from lomo_ds import ds_options
-from lomo_ds.config import ConfigError, load_config
+from lomo_ds.config import ds_options
+from lomo_ds.config.lomo import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -223,7 +223,7 @@ def test_table_covers_every_zero_key_of_the_installed_deepspeed():
     zero = {name for o in ds_options.OPTIONS if o.key.count(".") == 1 and o.key.startswith("zero_optimization.")
             for name in (o.key.split(".", 1)[1], *o.aliases)}
     removed = {"mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"}  # DeepSpeed refuses them
-    assert zero - removed == names(DeepSpeedZeroConfig), "lomo_ds/ds_options.py differs from DeepSpeed's ZeRO keys"
+    assert zero - removed == names(DeepSpeedZeroConfig), "lomo_ds/config/ds_options.py differs from DeepSpeed's ZeRO keys"
     offload = {o.key.rsplit(".", 1)[1] for o in ds_options.OPTIONS if o.key.startswith("zero_optimization.offload_param.")}
     assert names(DeepSpeedZeroOffloadParamConfig) == offload
 

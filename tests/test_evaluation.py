@@ -1,4 +1,4 @@
-"""Candidate scoring and the rank split of lomo_ds/evaluation.py."""
+"""Candidate scoring and the rank split of lomo_ds/evaluation/scoring.py."""
 from __future__ import annotations
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from conftest import family, ok
 from dist_evaluation_checks import V, bigram_logits
-from lomo_ds.data import EvalExample
-from lomo_ds.evaluation import evaluate, mean_logprob
+from lomo_ds.data.loading import EvalExample
+from lomo_ds.evaluation.scoring import evaluate, mean_logprob
 
 def test_mean_not_sum_of_logprobs_decides():
     # A = [2, 3, 3]: every token fairly likely; B = [4]: one less likely token. The sum of
@@ -62,7 +62,7 @@ def test_with_tiny_model_and_tokenizer():
     """End to end: real tokenizer seams and a real causal LM's logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lomo_ds.data import format_example, tokenize_eval_example
+    from lomo_ds.data.loading import format_example, tokenize_eval_example
     from tests.helpers_data import RECORDS, byte_bpe_tokenizer
 
     tok = byte_bpe_tokenizer(True)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lomo_ds.tasks import SUPERGLUE_TASKS
+from lomo_ds.data.tasks import SUPERGLUE_TASKS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXP = os.path.join(ROOT, "experiments")
@@ -53,7 +53,7 @@ def test_help(script, flags):
 
 # ----------------------------------------------------------------------------- common
 def test_common_models_configs_and_results(common):
-    from lomo_ds.planner import LLAMA, ModelSpec
+    from lomo_ds.planning.planner import LLAMA, ModelSpec
 
     assert common.LLAMA_PARAMS_B["7b"] == pytest.approx(6.74, abs=0.01) and set(common.LLAMA_PARAMS_B) == set(LLAMA)
     spec = ModelSpec("t", hidden=32, layers=2, intermediate=48, vocab=50, heads=4)
@@ -153,7 +153,7 @@ def test_table4_hyperparameters(table3):
 @pytest.mark.parametrize("method", ["zero_shot", "lora", "lomo", "lora_lomo"])
 def test_overrides_are_valid_run_configs(table3, method):
     """Every override the sweep produces is accepted by the training program's own config loader."""
-    from lomo_ds.run_config import load_run_config
+    from lomo_ds.config.run import load_run_config
 
     hp = table3.load_hparams("boolq")
     setting = table3.settings(method, hp)[-1]

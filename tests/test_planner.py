@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lomo_ds.cli import main
-from lomo_ds.planner import (GIB, LLAMA, ModelSpec, RunSpec, estimate, model_spec_for, plan, plan_for_run, resolve_model,
+from lomo_ds.planning.planner import (GIB, LLAMA, ModelSpec, RunSpec, estimate, model_spec_for, plan, plan_for_run, resolve_model,
                              run_overrides_from_ds, run_spec, run_spec_for, shipped_run, update_temp_bytes)
-from lomo_ds.run_config import load_run_config
+from lomo_ds.config.run import load_run_config
 
 from conftest import ROOT, family, ok
 from dist_planner_checks import BUCKET, CASES, MICRO, SEQ, TINY
@@ -168,12 +168,12 @@ class _NewStorageBytes(TorchDispatchMode):
                                                    ("bf16", True, True), ("fp32", True, False)])
 def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, master):
     """The planner's count of the update's transient bytes is what ShardUpdater.apply allocates."""
-    from lomo_ds.fused_update import ShardUpdater, UpdateRule
+    from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     n = 10_007
     param = torch.nn.Parameter(torch.empty(0, dtype=torch_dtype))
-    # The three ZeRO-3 attributes the update reads (lomo_ds.ds_compat): a one-rank shard.
+    # The three ZeRO-3 attributes the update reads (lomo_ds.runtime.ds_compat): a one-rank shard.
     param.ds_tensor, param.ds_numel, param.ds_id = torch.randn(n).to(torch_dtype), n, 0
     grad = torch.randn(n).to(torch_dtype)
     updater = ShardUpdater(stochastic_rounding=rounding, fp32_master=master, seed=0, device=torch.device("cpu"))
@@ -209,7 +209,7 @@ def test_offload_rows(capsys):
         # 8 ranks on the node: 8 slices and updates at once, each 1/8 as large
         assert p.estimates[("lomo", 8)].host == pytest.approx(host, rel=1e-6)
     # the table in the planner's docstring is these figures
-    from lomo_ds import planner
+    from lomo_ds.planning import planner
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:]]
             for line in planner.__doc__.splitlines() if line.strip().startswith("| ") and "b " in line[:12]}
     resident = planner.shipped_plans()

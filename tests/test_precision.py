@@ -1,7 +1,7 @@
 import torch
 
-from lomo_ds.precision import DynamicLossScaler, stochastic_round_to_bf16
-from lomo_ds.schedule import Schedule
+from lomo_ds.engine.precision import DynamicLossScaler, stochastic_round_to_bf16
+from lomo_ds.engine.schedule import Schedule
 
 
 def test_stochastic_rounding_tracks_fp32_where_nearest_stalls():

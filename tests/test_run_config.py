@@ -1,4 +1,4 @@
-"""Run-config loading and validation (lomo_ds/run_config.py): no GPU, no model."""
+"""Run-config loading and validation (lomo_ds/config/run.py): no GPU, no model."""
 from __future__ import annotations
 
 import glob
@@ -11,8 +11,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from lomo_ds.config import ConfigError, LomoConfig
-from lomo_ds.run_config import (BUILTIN_MODEL_GGUF, RunConfig, load_run_config, parse_override_args,
+from lomo_ds.config.lomo import ConfigError, LomoConfig
+from lomo_ds.config.run import (BUILTIN_MODEL_GGUF, RunConfig, load_run_config, parse_override_args,
                                 resolve_model_source)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +37,7 @@ def test_shipped_configs_validate_without_gpu_or_model(path):
 
 def test_validation_imports_neither_deepspeed_nor_transformers():
     # In a fresh interpreter: other tests of the session have imported both already.
-    code = ("import sys; from lomo_ds.run_config import load_run_config; "
+    code = ("import sys; from lomo_ds.config.run import load_run_config; "
             f"[load_run_config(p) for p in {CONFIGS!r}]; "
             "print(sorted({'deepspeed', 'transformers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -1,6 +1,6 @@
 """Every training method behind one interface (methods.base.Engine), built from the typed run config.
 
-    engine = build_engine(cfg, model, total_steps)   # cfg: lomo_ds.run_config.RunConfig
+    engine = build_engine(cfg, model, total_steps)   # cfg: lomo_ds.config.run.RunConfig
 
   "lomo"                    lomo_ds's fused SGD-in-backward (methods/lomo.py)
   "adamw", "sgd"            DeepSpeed ZeRO-3 with its own optimizer (methods/deepspeed_optim.py)
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..run_config import METHODS, RunConfig
-from .base import Engine, MethodEngine
+from lomo_ds.config.run import METHODS, RunConfig
+from lomo_ds.methods.base import Engine, MethodEngine
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> Engine:
@@ -25,14 +25,14 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
     if method not in METHODS:
         raise ValueError(f"train.method: expected one of {list(METHODS)}, got {method!r}")
     if method == "lomo":
-        from .lomo import LomoMethodEngine
+        from lomo_ds.methods.lomo import LomoMethodEngine
 
         return LomoMethodEngine(model, cfg.ds, cfg.lomo, total_steps)
     if method == "zero_shot":
-        from .zero_shot import ZeroShotEngine
+        from lomo_ds.methods.zero_shot import ZeroShotEngine
 
         return ZeroShotEngine(model, cfg.ds)
-    from .deepspeed_optim import DeepSpeedOptimizerEngine
+    from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 
     lora = cfg.train.lora
     if method in ("adamw", "sgd"):
@@ -40,7 +40,7 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
         return DeepSpeedOptimizerEngine(model, cfg.ds, method, method, lr=cfg.train.baseline_lr,
                                         clip=cfg.lomo.clip_grad_norm, total_steps=total_steps, warmup_steps=warmup,
                                         weight_decay=cfg.train.baseline_weight_decay)
-    from .lora import LoraLomoEngine, apply_lora
+    from lomo_ds.methods.lora import LoraLomoEngine, apply_lora
 
     model = apply_lora(model, lora)
     warmup = int(round(lora.warmup_ratio * total_steps))

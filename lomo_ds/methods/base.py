@@ -8,7 +8,7 @@
     engine.supports_resume        # whether save_state/load_state exist for this method
 
 Resume goes through a directory rather than a state dict because DeepSpeed's own optimizers
-checkpoint themselves (`save_checkpoint` writes its files into a directory); lomo_ds.checkpoint
+checkpoint themselves (`save_checkpoint` writes its files into a directory); lomo_ds.storage.checkpoint
 hands every method a staging directory and makes the whole checkpoint appear atomically.
 
 Memory accounting (per rank, bytes; the same rules for every method)
@@ -19,14 +19,14 @@ tensors each method holds:
 
   params            this rank's parameter shards (ZeRO-3 `ds_tensor`) + the peak of gathered full
                     parameters (persistent small parameters included), sampled at every gradient
-                    hook of the backward pass by lomo_ds.memory.MemoryTracker.
+                    hook of the backward pass by lomo_ds.planning.memory.MemoryTracker.
   grads             gradient memory held: DeepSpeed's gradient shard buffer, reduce buckets and
                     step-time fp32 copy; LOMO's `.grad` alive + the reduce-scatter bucket in flight;
                     LoRA+LOMO also the adapters' gradients.
   optimizer_states  fp32 master copies that are not the parameter shard itself + every tensor in a
                     torch optimizer's `state`. As in the paper's Table 1 the fp32 masters count here.
   activations       bytes of the unique storages autograd saves during the forward pass
-                    (lomo_ds.memory.ActivationCounter), parameters excluded.
+                    (lomo_ds.planning.memory.ActivationCounter), parameters excluded.
   total             the sum of the four; peak_rss (the process's resident peak) is an upper bound beside it.
 """
 from __future__ import annotations
@@ -36,9 +36,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .. import ds_compat
-from ..engine import gather_full_state_dict
-from ..memory import ActivationCounter, MemoryTracker, breakdown, tensor_bytes
+from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.dist import gather_full_state_dict
+from lomo_ds.planning.memory import ActivationCounter, MemoryTracker, breakdown, tensor_bytes
 
 
 @runtime_checkable

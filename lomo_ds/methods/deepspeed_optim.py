@@ -3,7 +3,7 @@
 A torch.optim.AdamW / SGD is handed to `deepspeed.initialize`, which wraps it in
 DeepSpeedZeroOptimizer_Stage3 (fp32 master shards, a gradient shard buffer, reduce-scatter
 buckets); a step is `engine.backward` + `engine.step`. Clipping is DeepSpeed's
-`gradient_clipping`; the schedule (linear warm-up then linear decay, lomo_ds.schedule's shape)
+`gradient_clipping`; the schedule (linear warm-up then linear decay, lomo_ds.engine.schedule's shape)
 is a LambdaLR handed to DeepSpeed. SGD has no momentum (the paper's Table 1: optimizer
 states = the fp32 masters only). Resume is DeepSpeed's own checkpointing.
 """
@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from .. import ds_compat
-from ..engine import init_distributed, loss_of, mean_over_ranks
-from ..memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
-from ..schedule import Schedule
-from .base import MethodEngine
+from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.dist import init_distributed, loss_of, mean_over_ranks
+from lomo_ds.planning.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
+from lomo_ds.engine.schedule import Schedule
+from lomo_ds.methods.base import MethodEngine
 
 DS_CHECKPOINT_TAG = "deepspeed"
 

@@ -5,10 +5,10 @@ from typing import Any
 
 import torch
 
-from ..config import LomoConfig
-from ..engine import LomoEngine
-from ..memory import MemoryTracker, tensor_bytes
-from .base import MethodEngine, load_rank_state, rank_state_file
+from lomo_ds.config.lomo import LomoConfig
+from lomo_ds.engine.lomo_engine import LomoEngine
+from lomo_ds.planning.memory import MemoryTracker, tensor_bytes
+from lomo_ds.methods.base import MethodEngine, load_rank_state, rank_state_file
 
 
 class LomoMethodEngine(MethodEngine):
@@ -43,7 +43,7 @@ class LomoMethodEngine(MethodEngine):
         self.engine.load_shard_state_dict(state["lomo"])
 
     def save_state(self, directory: str) -> None:
-        from ..checkpoint import write_atomic
+        from lomo_ds.storage.checkpoint import write_atomic
 
         state = self.state_dict()
         write_atomic(rank_state_file(directory, self.rank), lambda f: torch.save(state, f))

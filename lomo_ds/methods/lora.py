@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from .. import ds_compat
-from ..config import LomoConfig
-from ..memory import optimizer_state_bytes, tensor_bytes
-from ..run_config import LoraConfig
-from .deepspeed_optim import linear_lr_factor
-from .lomo import LomoMethodEngine
+from lomo_ds.runtime import ds_compat
+from lomo_ds.config.lomo import LomoConfig
+from lomo_ds.planning.memory import optimizer_state_bytes, tensor_bytes
+from lomo_ds.config.run import LoraConfig
+from lomo_ds.methods.deepspeed_optim import linear_lr_factor
+from lomo_ds.methods.lomo import LomoMethodEngine
 
 ADAPTER_PATTERNS = ("*lora_*",)
 

@@ -30,7 +30,7 @@ import lomo_ds  # noqa: E402
 from common import FloorEngine  # noqa: E402
 from compare import memory_run_config, predicted_peak_bytes, step_time_table  # noqa: E402
 from dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence  # noqa: E402
-from lomo_ds import ds_compat  # noqa: E402
+from lomo_ds.runtime import ds_compat  # noqa: E402
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine  # noqa: E402
 from tiny import tiny_llama  # noqa: E402
 from dist_harness import run_checks  # noqa: E402
@@ -98,7 +98,7 @@ def check_memory(device: torch.device, workdir: str):
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
     model = llama(sizes)
-    model.gradient_checkpointing_enable()  # as lomo_ds.models.load_model does for the run config
+    model.gradient_checkpointing_enable()  # as lomo_ds.storage.models.load_model does for the run config
     engine = lomo_ds.initialize(model, {k: v for k, v in run.items() if k not in ("model", "tokenizer")})
     batch = random_batch(sizes, device, seed=rank)
     engine.train_step(batch)  # the first step records DeepSpeed's module trace

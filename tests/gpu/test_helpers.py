@@ -10,7 +10,7 @@ import pytest
 from compare import (MEMORY_TOLERANCE, format_summary, memory_run_config, predicted_peak_bytes, relative_gap,
                      step_time_table, summarize_dir, within_tolerance)
 from conftest import family
-from lomo_ds.planner import RunSpec, estimate, run_spec, spec_from_hf_config
+from lomo_ds.planning.planner import RunSpec, estimate, run_spec, spec_from_hf_config
 
 
 

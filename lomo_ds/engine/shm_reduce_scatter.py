@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from . import ds_compat
+from lomo_ds.runtime import ds_compat
 
 SLOTS = 2  # a rank may post its next bucket while its peers still read its last one
 _HEADER_BYTES = 64  # posted[SLOTS], read[SLOTS] as int64, padded to a cache line

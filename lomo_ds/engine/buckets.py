@@ -44,11 +44,12 @@ from typing import Callable
 
 import torch
 
-from . import ds_compat, shm_reduce_scatter
-from .comm_stats import StepTimers
-from .config import GradReduction
-from .device import group_device
-from .fused_update import geometry
+from lomo_ds.runtime import ds_compat
+from lomo_ds.engine import shm_reduce_scatter
+from lomo_ds.engine.comm_stats import StepTimers
+from lomo_ds.config.lomo import GradReduction
+from lomo_ds.runtime.device import group_device
+from lomo_ds.engine.fused_update import geometry
 
 OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]]], None]
 

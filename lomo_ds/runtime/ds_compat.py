@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .device import group_device
+from lomo_ds.runtime.device import group_device
 
 PARAM_ATTRS = ("ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status", "ds_persist", "ds_process_group",
                "partition_numel", "all_gather", "partition")

@@ -47,7 +47,7 @@ Model states
   activations) and the step-phase sum (states + buffers + the fp32 sub-group gradient; activations
   and gathered parameters are gone by then).
 
-The update's transient memory (LOMO; lomo_ds/fused_update.py, ShardUpdater.apply)
+The update's transient memory (LOMO; lomo_ds/engine/fused_update.py, ShardUpdater.apply)
 -------------------------------------------------------------------------------------
 The update of one slice of n elements allocates, while the backward's other memory is alive:
   4 n   g = grad_shard.float()           unless the gradient is fp32 already (then a view)
@@ -76,7 +76,7 @@ shipped configs' settings on 24 GiB GPUs:
   | 30b   | 4           | 1         | 5.53    | 65.2                |    4 GPUs, 22.22 GiB
   | 65b   | 2           | 1         | 4.93    | 127.2               |    8 GPUs, 21.32 GiB
 
-Activations (bytes autograd saves in the forward; what lomo_ds.memory.ActivationCounter counts)
+Activations (bytes autograd saves in the forward; what lomo_ds.planning.memory.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------
   per layer, no checkpointing (HF LLaMA, eager attention):
       2 T h (4 + b)                 two RMSNorms: the fp32 input and the normalised output
@@ -417,7 +417,7 @@ def run_overrides_from_ds(ds: dict) -> dict:
 
 
 def run_spec_for(cfg) -> RunSpec:
-    """The RunSpec of a validated run config (lomo_ds.run_config.RunConfig)."""
+    """The RunSpec of a validated run config (lomo_ds.config.run.RunConfig)."""
     return replace(RunSpec(), **run_overrides_from_ds(cfg.ds), seq=cfg.tokenizer.max_length,
                    checkpointing=cfg.model.gradient_checkpointing, lomo_bucket=cfg.lomo.bucket_size,
                    lomo_fp32_master=cfg.lomo.fp32_master_weights, stochastic_rounding=cfg.lomo.stochastic_rounding)
@@ -428,7 +428,7 @@ def model_spec_for(cfg, model_size: str | None = None) -> ModelSpec:
     model.planner_size, else read from model.path (an HF folder's config.json, or the GGUF file's
     metadata: the builtin model). A path that is not on this machine (the shipped configs'
     placeholders, a hub name) needs one of the first two."""
-    from .run_config import resolve_model_source
+    from lomo_ds.config.run import resolve_model_source
 
     model_size = model_size or cfg.model.planner_size
     if model_size is not None:

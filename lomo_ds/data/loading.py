@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from .tasks import SUPERGLUE_HUB, TASKS
+from lomo_ds.data.tasks import SUPERGLUE_HUB, TASKS
 
 # SuperGLUE's loading script is not run by datasets >= 4: the loader falls back to the hub's
 # Parquet export of the same data.

@@ -16,9 +16,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import ds_compat
-from .data import EvalExample, collate
-from .device import accelerator_device, group_device, move_batch
+from lomo_ds.runtime import ds_compat
+from lomo_ds.data.loading import EvalExample, collate
+from lomo_ds.runtime.device import accelerator_device, group_device, move_batch
 
 ForwardLogits = Callable[[dict], torch.Tensor]  # batch dict -> logits [B, T, V]
 

@@ -18,7 +18,7 @@ any rank skips the step on every rank with no weight touched. A gradient that tu
 only in a backward is flagged by the buckets on every rank at once; the step is then skipped
 from that bucket on. After lomo.max_consecutive_skips skipped steps in a row the run stops.
 
-lomo.optimizer "adalomo" swaps the SGD update for AdaLomo's (lomo_ds/adalomo.py) on the same
+lomo.optimizer "adalomo" swaps the SGD update for AdaLomo's (lomo_ds/engine/adalomo.py) on the same
 reduced shards and passes; its state goes into the shard checkpoint and the memory tracker.
 """
 from __future__ import annotations
@@ -30,16 +30,17 @@ from typing import Any
 
 import torch
 
-from . import ds_compat
-from .adalomo import AdaLomo
-from .config import LomoConfig, load_config, model_dtype
-from .buckets import GradientBuckets
-from .comm_stats import StepTimers
-from .device import accelerator_device, capture_rng, group_device, move_batch, restore_rng
-from .fused_update import ShardUpdater, UpdateRule
-from .memory import MemoryTracker
-from .precision import DynamicLossScaler
-from .schedule import Schedule
+from lomo_ds.runtime import ds_compat
+from lomo_ds.engine.adalomo import AdaLomo
+from lomo_ds.config.lomo import LomoConfig, load_config, model_dtype
+from lomo_ds.engine.buckets import GradientBuckets
+from lomo_ds.engine.comm_stats import StepTimers
+from lomo_ds.runtime.device import accelerator_device, capture_rng, group_device, move_batch, restore_rng
+from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
+from lomo_ds.planning.memory import MemoryTracker
+from lomo_ds.engine.precision import DynamicLossScaler
+from lomo_ds.engine.schedule import Schedule
+from lomo_ds.runtime.dist import has_labelled_tokens, init_distributed, loss_of, gather_full_state_dict, sum_over_ranks
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -49,67 +50,6 @@ def initialize(model: torch.nn.Module, config: dict | str | os.PathLike, total_s
     `total_steps`, when given, wins over lomo.scheduler.total_steps."""
     ds_config, lomo = load_config(config)
     return LomoEngine(model, ds_config, lomo, total_steps=total_steps)
-
-
-def init_distributed() -> None:
-    """Start the process group once (gloo on a CPU, NCCL on GPUs: DeepSpeed's accelerator picks)."""
-    import deepspeed
-
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed()
-        if torch.distributed.get_backend() == "gloo":
-            torch.distributed.barrier()  # every rank has mapped its peers' shared memory
-            ds_compat.forget_shm_allreduce_names()
-
-
-def loss_of(outputs) -> torch.Tensor:
-    """The loss of a model's outputs (a tensor, or a dict/ModelOutput with "loss")."""
-    loss = outputs if torch.is_tensor(outputs) else outputs["loss"]
-    if loss is None:
-        raise ValueError("the model returned no loss: pass `labels` in the batch")
-    return loss
-
-
-def sum_over_ranks(values: list[float], world: int, group=None, dtype=torch.float32, name="step statistics") -> list[float]:
-    """Element-wise sums over the group's ranks, in one all-reduce of a few bytes."""
-    t = torch.tensor(values, dtype=dtype, device=group_device(group) if world > 1 else "cpu")
-    if world > 1:
-        ds_compat.all_reduce(t, group=group, name=name)
-    return t.tolist()
-
-
-def mean_over_ranks(value: float, world: int, group=None) -> float:
-    # fp32: 4 bytes on the wire per step are enough for a reported loss.
-    return sum_over_ranks([float(value)], world, group, name="loss")[0] / world
-
-
-def has_labelled_tokens(batch: dict[str, Any]) -> bool:
-    """Whether any label is a target. Causal LMs shift labels inside the model (position t
-    predicts labels[t + 1]), so the first column is never one. No labels: the model's own loss."""
-    labels = batch.get("labels")
-    return labels is None or bool((labels[..., 1:] != -100).any())
-
-
-def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
-    """Collective: full parameters by name on rank 0 (None elsewhere), gathered one at a time.
-    A tied tensor appears under each of its names."""
-    import deepspeed
-
-    state: dict[str, torch.Tensor] = {}
-    seen: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            if rank == 0:
-                state[name] = state[seen[id(p)]]
-            continue
-        seen[id(p)] = name
-        if ds_compat.is_zero_param(p):
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                if rank == 0:
-                    state[name] = p.data.detach().to("cpu", copy=True)
-        elif rank == 0:
-            state[name] = p.data.detach().to("cpu", copy=True)
-    return state if rank == 0 else None
 
 
 class LomoEngine:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .device import capture_rng, restore_rng
+from lomo_ds.runtime.device import capture_rng, restore_rng
 
 CKPT_DIR = "checkpoints"
 # The largest safetensors file export_hf writes (huggingface_hub's default): a 65B model in fp16

@@ -1,6 +1,6 @@
-"""Generate lomo_ds/builtin/{train,validation}.jsonl: the project's own small task.
+"""Generate lomo_ds/data/builtin/{train,validation}.jsonl: the project's own small task.
 
-    python3 lomo_ds/builtin/make_builtin_task.py        # rewrites all four files, same bytes every time
+    python3 tools/make_builtin_task.py        # rewrites all four files, same bytes every time
 
 Short product/restaurant reviews; the question asks, in varied words, whether the review is
 positive. The rule is lexical and consistent: a review is positive exactly when its opinion words
@@ -12,10 +12,10 @@ mostly prefers one answer word), but the rule is easy to pick up from ~100 steps
 makes a CPU demo show accuracy rising. Sequences stay under ~50 tokens. Labels are balanced in
 each split and no passage appears in both splits.
 
-lomo_ds/builtin/heldout/{train,validation}.jsonl is the same task with the vocabulary split: the
+lomo_ds/data/builtin/heldout/{train,validation}.jsonl is the same task with the vocabulary split: the
 validation reviews use opinion words and items that never occur in its training reviews, so a model
 can only do well on it by learning "positive opinion -> Yes", not the training words. Use it with
-`data.source=lomo_ds/builtin/heldout` (task `builtin`). No setting was tuned on it.
+`data.source=lomo_ds/data/builtin/heldout` (task `builtin`). No setting was tuned on it.
 """
 from __future__ import annotations
 
@@ -97,7 +97,8 @@ def write_split(directory: str, name: str, records: list) -> None:
 
 
 def main() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
+    # The data ships inside the package; this generator does not.
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin")
     for directory, vocabs in ((here, (FULL, FULL)), (os.path.join(here, "heldout"), (SEEN, HELDOUT))):
         train, validation = generate(vocabs=vocabs)
         write_split(directory, "train", train)

@@ -16,8 +16,8 @@ import os
 import sys
 import time
 
-from .config import ConfigError
-from .run_config import METHODS, load_run_config, parse_override_args
+from lomo_ds.config.lomo import ConfigError
+from lomo_ds.config.run import METHODS, load_run_config, parse_override_args
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def overrides_from(args) -> dict:
 
 def dry_run(cfg) -> None:
     """The resolved config, then the memory planner's per-GPU prediction for it."""
-    from . import planner
+    from lomo_ds.planning import planner
 
     print(json.dumps(cfg.to_dict(), indent=2))
     world = int(os.environ.get("WORLD_SIZE", "0")) or None  # the launcher's rank count, if launched
@@ -103,7 +103,7 @@ def show_what_matters(rank: int) -> None:
 
 def planned_steps(cfg, n_train: int, world: int) -> tuple[int, int]:
     """(steps per epoch, steps in the whole run)."""
-    from .data import steps_per_epoch
+    from lomo_ds.data.loading import steps_per_epoch
 
     per_epoch = steps_per_epoch(max(1, n_train), world, cfg.micro_batch)
     total = cfg.train.epochs * per_epoch
@@ -132,14 +132,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from . import checkpoint
-    from .data import DataError, batches_for_step, build_datasets, collate, epoch_order, pad_id_of, position_of_step
-    from .engine import init_distributed
-    from .evaluation import evaluate, evaluate_loss
-    from .memory import cuda_peak_bytes, process_peak_rss_bytes
-    from .methods import build_engine
-    from .metrics import Metrics
-    from .models import load_model, load_tokenizer
+    from lomo_ds.storage import checkpoint
+    from lomo_ds.data.loading import DataError, batches_for_step, build_datasets, collate, epoch_order, pad_id_of, position_of_step
+    from lomo_ds.runtime.dist import init_distributed
+    from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
+    from lomo_ds.planning.memory import cuda_peak_bytes, process_peak_rss_bytes
+    from lomo_ds.methods import build_engine
+    from lomo_ds.recipe.metrics import Metrics
+    from lomo_ds.storage.models import load_model, load_tokenizer
 
     torch.manual_seed(cfg.train.seed)
     init_distributed()

@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from .config import model_dtype
-from .run_config import RunConfig, resolve_model_source
+from lomo_ds.config.lomo import model_dtype
+from lomo_ds.config.run import RunConfig, resolve_model_source
 
 _hf_ds_config = None  # transformers consults the live HfDeepSpeedConfig through a weak reference
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ds_compat
-from .precision import stochastic_round_to_bf16
+from lomo_ds.runtime import ds_compat
+from lomo_ds.engine.precision import stochastic_round_to_bf16
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class ShardUpdater:
     Each parameter is sharded over its own process group (`ds_process_group`): its shard
     geometry comes from that group's size and this rank's place in it. The update runs where the
     shard lives: on the accelerator, or in host memory under `offload_param: {device: cpu}`.
-    An AdaLomo rule (lomo_ds/adalomo.py), when set, replaces the SGD update of the updating pass;
+    An AdaLomo rule (lomo_ds/engine/adalomo.py), when set, replaces the SGD update of the updating pass;
     it takes each bucket whole for its per-bucket statistics collectives.
     """
 

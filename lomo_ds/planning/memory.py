@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ds_compat
+from lomo_ds.runtime import ds_compat
 
 
 @dataclass

@@ -8,7 +8,7 @@ scores every candidate by its mean token log-probability. The prompts are MeZO's
 
   SuperGLUE    rte boolq wsc (wsc.fixed) wic multirc copa: from the hub, or local JSONL/Parquet of
                the same schema
-  builtin      a small review-sentiment task in BoolQ's schema, shipped in lomo_ds/builtin/
+  builtin      a small review-sentiment task in BoolQ's schema, shipped in lomo_ds/data/builtin/
   instruction  {"prompt", "response"} records with no candidates: trained on the response, and
                evaluated by the mean token loss on an eval file
 

@@ -3,7 +3,7 @@
 The sections are frozen pydantic models: unknown keys, wrong types and out-of-range values are
 refused, and nothing can change a validated config. Every problem is a `ConfigError` naming the
 file, the key's full dotted path and what was expected, before any model memory is touched.
-DeepSpeed's keys are checked against lomo_ds/ds_options.py: the ones LOMO replaces are copied
+DeepSpeed's keys are checked against lomo_ds/config/ds_options.py: the ones LOMO replaces are copied
 into the lomo section or refused.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from . import ds_options
+from lomo_ds.config import ds_options
 
 
 class ConfigError(ValueError):
@@ -70,7 +70,7 @@ class AdaLomoConfig(Section):
     decay_rate: float = Field(-0.8, lt=0)  # second-moment decay: beta2 at step t is 1 - t**decay_rate
 
 
-# How gradient buckets are summed over ranks: the transports of lomo_ds/buckets.py.
+# How gradient buckets are summed over ranks: the transports of lomo_ds/engine/buckets.py.
 GradReduction = Literal["auto", "reduce_scatter", "shared_memory", "all_reduce"]
 
 
@@ -89,7 +89,7 @@ class LomoConfig(Section):
     reduce_dtype: Literal["fp32", "fp16", "bf16"] | None = None  # dtype of the reduce-scatter; default: the model's
     stochastic_rounding: bool = True  # bf16 shards without a master copy
     fp32_master_weights: bool = False  # keep an fp32 copy of this rank's shard (4 bytes/param/world)
-    # How gradient buckets are summed over ranks (lomo_ds/buckets.py): auto = through shared
+    # How gradient buckets are summed over ranks (lomo_ds/engine/buckets.py): auto = through shared
     # memory for CPU ranks on one node (shared_memory), else the backend's overlapped
     # reduce-scatter (reduce_scatter); all_reduce: the reference code's way, twice the bytes
     # (benchmarks only)

@@ -1,0 +1,1 @@
+"""Evaluation: candidate scoring and eval loss, spread over the ranks (scoring.py)."""
