@@ -30,7 +30,14 @@ setup(
     extras_require={
         "experiments": ["matplotlib>=3.7", "peft>=0.12", "tensorboard"],
         # lomo-optim: the public AdaLomo, the reference tests/test_adalomo.py checks its own against
-        "test": ["pytest>=8", "matplotlib>=3.7", "peft>=0.12", "lomo-optim>=0.1.1", "psutil"],
+        # num2words (1 MB): the test that the committed numcompare files are its generator's output
+        "test": ["pytest>=8", "matplotlib>=3.7", "peft>=0.12", "lomo-optim>=0.1.1", "psutil", "num2words==0.5.14"],
+        # The quality tasks' generators (tools/make_{numcompare,rhyme,countryfacts}_task.py), pinned:
+        # another release's word lists or ISO data change the files' bytes. wordfreq (60 MB with its
+        # dependencies), english-words (17 MB) and pycountry (23 MB) are too heavy for `make install`,
+        # so the rhyme and countryfacts reproducibility tests run only where this extra is installed.
+        "tools": ["num2words==0.5.14", "pronouncing==0.3.0", "wordfreq==3.1.1", "english-words==2.0.2",
+                  "pycountry==26.2.16"],
     },
     entry_points={"console_scripts": ["lomo-ds=lomo_ds.cli:main"]},
 )

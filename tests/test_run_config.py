@@ -206,3 +206,28 @@ def test_overrides_reach_new_fields_and_config_is_frozen(tmp_path):
     assert (cfg.lomo.optimizer, cfg.lomo.adalomo.eps2, cfg.lomo.max_consecutive_skips) == ("adalomo", 0.01, 5)
     with pytest.raises(ValidationError, match="frozen"):
         cfg.train.epochs = 3
+
+
+def test_eval_split_heldout_only_where_a_folder_has_one(tmp_path):
+    def load(data, split="heldout"):
+        return load_run_config(write(tmp_path, {**MIN, "data": data, "eval": {"split": split}}))
+
+    assert load({"task": "rhyme"}).eval.split == "heldout"  # the quality tasks ship a heldout.jsonl
+    assert load({"task": "rhyme"}, "validation").eval.split == "validation"
+    with pytest.raises(ConfigError, match=r"eval\.split: expected one of \['validation', 'heldout'\], got 'test'"):
+        load({"task": "rhyme"}, "test")
+    with pytest.raises(ConfigError, match=r"eval\.split: 'heldout': task 'rte' from the hub has no heldout split"):
+        load({"task": "rte"})
+    with pytest.raises(ConfigError, match=r"eval\.split: 'heldout': .*builtin has no heldout\.jsonl"):
+        load({"task": "builtin"})
+    folder = tmp_path / "task"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"eval\.split: 'heldout': .*task has no heldout\.jsonl"):
+        load({"task": "boolq", "source": str(folder)})
+    (folder / "heldout.jsonl").write_text("")
+    assert load({"task": "boolq", "source": str(folder)}).eval.split == "heldout"
+    with pytest.raises(ConfigError, match=r"eval\.split: 'heldout': data\.source .* is a single file"):
+        load({"task": "boolq", "source": str(folder / "train.jsonl")})
+    with pytest.raises(ConfigError, match=r"eval\.split: 'heldout' reads heldout\.jsonl .* data\.eval_file"):
+        load({"task": "boolq", "source": str(folder), "eval_file": str(folder / "train.jsonl")})

@@ -31,7 +31,7 @@ and "No" tokens after the prompt; the first 200 validation records):
     OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py yesno lomo_ds/data/builtin/countryfacts/validation.jsonl 200
     -> 55.0% (it answers "Yes" to 48.5%); chance is 50%.
 
-Generated with pycountry 26.2.16 (tools/requirements.txt); pycountry's ISO 3166-2 data changes
+Generated with pycountry 26.2.16 (the `tools` extra: pip install -e '.[tools]'); pycountry's ISO 3166-2 data changes
 between releases, and another version would change the bytes.
 """
 from __future__ import annotations

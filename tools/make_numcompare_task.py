@@ -26,7 +26,7 @@ and "No" tokens after the prompt; the first 200 validation records):
     OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py yesno lomo_ds/data/builtin/numcompare/validation.jsonl 200
     -> 45.5% (it answers "Yes" to 60.5%); chance is 50%.
 
-Generated with num2words 0.5.14 (tools/requirements.txt); another num2words version could spell a
+Generated with num2words 0.5.14 (the `tools` extra: pip install -e '.[tools]'); another num2words version could spell a
 number differently and so change the bytes.
 """
 from __future__ import annotations

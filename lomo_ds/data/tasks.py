@@ -9,6 +9,9 @@ scores every candidate by its mean token log-probability. The prompts are MeZO's
   SuperGLUE    rte boolq wsc (wsc.fixed) wic multirc copa: from the hub, or local JSONL/Parquet of
                the same schema
   builtin      a small review-sentiment task in BoolQ's schema, shipped in lomo_ds/data/builtin/
+  numcompare   the quality benchmark (experiments/quality.py), BoolQ's schema, shipped in
+  rhyme        lomo_ds/data/builtin/<name>/ with a third split, heldout.jsonl, that tuning never
+  countryfacts reads (eval.split: heldout); written by tools/make_<name>_task.py
   instruction  {"prompt", "response"} records with no candidates: trained on the response, and
                evaluated by the mean token loss on an eval file
 
@@ -23,6 +26,9 @@ from typing import Callable
 BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
 SUPERGLUE_HUB = "aps/super_glue"  # super_glue's canonical copy on the hub
 YES_NO = ["Yes", "No"]
+# The splits a local task folder can hold: {split}.jsonl (or .parquet/.json); "heldout" is the
+# quality benchmark's split for reporting chosen recipes (eval.split), never read while tuning.
+SPLIT_EXTENSIONS = (".jsonl", ".parquet", ".json")
 _STR, _LABEL = (str,), (int, bool)
 
 
@@ -71,12 +77,17 @@ def _copa_choice(choice: str) -> str:
     return first + sep + rest
 
 
+# The quality benchmark's tasks (tools/make_<name>_task.py): three skills, Yes/No in BoolQ's schema.
+QUALITY_TASKS = {"numcompare": "NumCompare", "rhyme": "Rhyme", "countryfacts": "CountryFacts"}
 _BOOLQ_FIELDS = {"passage": _STR, "question": _STR, "label": _LABEL}
 _BINARY = {"label": (0, 1)}
 
 TASKS: dict[str, Task] = {t.name: t for t in (
     Task("builtin", _BOOLQ_FIELDS, _boolq_prompt, answer=_yes_when(1), values=_BINARY, default_source=BUILTIN_DIR,
          title="built-in"),
+    *(Task(name, _BOOLQ_FIELDS, _boolq_prompt, answer=_yes_when(1), values=_BINARY,
+           default_source=os.path.join(BUILTIN_DIR, name), title=title)
+      for name, title in QUALITY_TASKS.items()),
     Task("rte", {"premise": _STR, "hypothesis": _STR, "label": _LABEL},
          lambda r: f'{r["premise"]}\nDoes this mean that "{r["hypothesis"]}" is true? Yes or No?\n',
          answer=_yes_when(0), values=_BINARY, hub_config="rte", title="RTE"),  # label 0 = entailment
@@ -100,3 +111,12 @@ TASKS: dict[str, Task] = {t.name: t for t in (
 )}
 TASK_NAMES = tuple(TASKS)
 SUPERGLUE_TASKS = tuple(name for name, t in TASKS.items() if t.hub_config is not None)
+
+
+def split_file(directory: str, split: str) -> str | None:
+    """The file holding `split` ("train", "validation", "heldout") in a local task folder, or None."""
+    for ext in SPLIT_EXTENSIONS:
+        path = os.path.join(directory, split + ext)
+        if os.path.exists(path):
+            return path
+    return None

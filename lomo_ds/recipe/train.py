@@ -240,7 +240,9 @@ def run(args: argparse.Namespace) -> int:
         say(f"exported Hugging Face model to {path}")
     metrics.close()
     if rank == 0:
-        summary = {"steps": total_steps, **{f"{k}_accuracy": v.get("eval/accuracy") for k, v in results.items() if v}}
+        # Which split (validation or heldout) and how many examples the accuracies are on.
+        summary = {"steps": total_steps, "eval_split": cfg.eval.split, "eval_examples": data.stats["eval_size"],
+                   **{f"{k}_accuracy": v.get("eval/accuracy") for k, v in results.items() if v}}
         with open(os.path.join(cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         zs, ft = (results.get(k, {}).get("eval/accuracy") for k in ("zero_shot", "final"))
