@@ -1,7 +1,7 @@
 """Per-step communication and time: lomo_ds's reduce-scatter against the all-reduce approach of
 the public LOMO code, and the cost of the second backward pass that norm clipping needs.
 
-  python -m torch.distributed.run --nproc_per_node 2 experiments/bench_comm.py [--layers 4 --hidden 256]
+  python -m torch.distributed.run --nproc_per_node 2 -m experiments.bench_comm [--layers 4 --hidden 256]
 
 Rank 0 prints a table: bytes each rank sends per step by collective, and the median step time
 of several steps after warm-up, with ratios against the one-pass reduce-scatter run.
@@ -15,10 +15,11 @@ import time
 
 import torch
 
-import common
 import lomo_ds
+from experiments import common
 from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.planning.planner import ModelSpec
+from lomo_ds.runtime.launch import as_deepspeed_launched
 
 # The collective the network carries (grad_reduction "reduce_scatter"), not the shared-memory
 # path that CPU ranks on one node take by default: bytes on the wire are what is compared.
@@ -43,7 +44,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
 
-    common.set_local_size(os.environ, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    as_deepspeed_launched()
     lomo_ds.init_distributed()
     spec = ModelSpec("bench", hidden=args.hidden, layers=args.layers, intermediate=args.hidden * 8 // 3,
                      vocab=args.vocab, heads=max(1, args.hidden // 64))

@@ -1,6 +1,6 @@
 """Step time of LOMO against its floor and against DeepSpeed ZeRO-3 SGD, and where LOMO's extra time goes.
 
-  OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 experiments/bench_step.py [--steps 8]
+  OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 -m experiments.bench_step [--steps 8]
 
 Engines, each on its own copy of the same model, take turns step by step on the same batches
 (a slow spell on a shared machine hits them all alike); rank 0 prints the median step time and
@@ -32,17 +32,18 @@ import time
 
 import torch
 
-import common
 import lomo_ds
+from experiments import common
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planning.planner import ModelSpec
+from lomo_ds.runtime.launch import as_deepspeed_launched
 
 LR = 1e-3
 BREAKDOWN = ("pack", "flag", "launch", "wait", "wait at end", "update")
 
 
 def start_ranks() -> None:
-    common.set_local_size(os.environ, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    as_deepspeed_launched()
     lomo_ds.init_distributed()
 
 

@@ -1,18 +1,15 @@
 """What the experiment scripts share: the models they build, the DeepSpeed and lomo settings every
 method runs under, the methods' options, random batches, and launching ranks on this machine.
 
-The scripts run as `python experiments/tableN.py`, so this directory is on their path and they
-`import common`. Heavy imports (torch, transformers, DeepSpeed) happen inside the functions: a
+The scripts run from the repository as modules (`python -m experiments.tableN`). Heavy imports (torch, transformers, DeepSpeed) happen inside the functions: a
 launcher that only starts workers, or prints --help, never loads them.
 """
 from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from typing import Iterable
 
@@ -29,12 +26,6 @@ LLAMA_PARAMS_B = {size: spec.n_params / 1e9 for size, spec in LLAMA.items()}
 # (the paper's shared setting). LOMO's options are its lomo section (lomo_section).
 METHOD_OPTS = {"adamw": {"lr": 1e-5, "clip": 1.0}, "sgd": {"lr": 1e-3, "clip": 1.0}}
 RESULT_PREFIX = "RESULT "  # a worker's result line on stdout: the prefix, then one JSON object
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -71,8 +62,8 @@ def build_method_engine(model, ds_cfg: dict, method: str, lomo_cfg: dict, activa
     """`method`'s engine (lomo_ds.methods.build_engine) with the options every experiment gives it: a
     run config made of these sections, for a model built in memory. The baselines get their tuned LR
     and norm clipping (every method clips by lomo.clip_grad_norm); LOMO keeps `lomo_cfg` as given."""
-    from lomo_ds.methods import build_engine
     from lomo_ds.config.run import LOMO_METHODS, load_run_config
+    from lomo_ds.methods import build_engine
 
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
@@ -152,25 +143,12 @@ def random_batches(vocab: int, batch: int, seq: int, n: int, seed: int, device=N
 
 
 # ----------------------------------------------------------------------------- ranks
-def set_local_size(env, nproc: int) -> None:
-    """LOCAL_SIZE as DeepSpeed's own launcher sets it (torch.distributed.run sets only
-    LOCAL_WORLD_SIZE): without it DeepSpeed's CPU accelerator runs `numactl --hardware` in a
-    subprocess on every device_count() call, i.e. on every reduce-scatter bucket of its ZeRO-3
-    optimizer (~0.2 s per SGD/AdamW step on the CPU tables)."""
-    env.setdefault("LOCAL_SIZE", str(nproc))
+def run_ranks(module: str, nproc: int, args: list[str], cpu: bool, timeout: float) -> subprocess.CompletedProcess:
+    """Run experiments `module` (e.g. "experiments.table2") on `nproc` local ranks; raises
+    subprocess.TimeoutExpired."""
+    from lomo_ds.runtime.launch import run_local
 
-
-def run_ranks(script: str, nproc: int, args: list[str], cpu: bool, timeout: float) -> subprocess.CompletedProcess:
-    """Run `script` on `nproc` local ranks (torch.distributed.run); raises subprocess.TimeoutExpired."""
-    env = dict(os.environ)
-    set_local_size(env, nproc)
-    if cpu:
-        # Ranks on a few cores: the cores split between them, or they fight over every core.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-        env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    return run_local(["-m", module, *args], nproc, timeout=timeout, cpu=cpu, cwd=ROOT)
 
 
 def print_result(row: dict) -> None:

@@ -1,6 +1,6 @@
 """Step-0 diagnosis of the CPU demo's recipe, on one process (no DeepSpeed needed to read gradients).
 
-    PYTHONPATH=. python experiments/recipe_diagnosis.py
+    python -m experiments.recipe_diagnosis
 
 Prints, for the demo's data (ds_configs/cpu_default.json) and model: the loss on the answer word and
 on EOS separately, what the model predicts at those positions, the global gradient norm of a batch
@@ -13,9 +13,9 @@ import statistics
 import torch
 from transformers import AutoModelForCausalLM
 
+from lomo_ds.config.run import load_run_config, resolve_model_source
 from lomo_ds.data.loading import build_datasets, collate, epoch_order, pad_id_of
 from lomo_ds.storage.models import load_tokenizer
-from lomo_ds.config.run import load_run_config, resolve_model_source
 
 LR = 0.03
 

@@ -1,6 +1,6 @@
 """The recipe sweep for the CPU demo, on one process: SmolLM2-135M on the built-in task.
 
-    PYTHONPATH=. python experiments/recipe_sweep.py --steps 40 --grid "norm:0.03:0.05,value:0.003:0.05"
+    python -m experiments.recipe_sweep --steps 40 --grid "norm:0.03:0.05,value:0.003:0.05"
 
 Each grid entry is clip:lr:warmup_ratio (clip = norm (max norm 1.0) | value (|g| <= 1.0) | none).
 LOMO's update is SGD without momentum, applied with the global batch's gradient; the engine's tests
@@ -19,11 +19,19 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from lomo_ds.data.loading import batches_for_step, build_datasets, collate, epoch_order, pad_id_of, position_of_step, steps_per_epoch
+from lomo_ds.config.run import load_run_config, resolve_model_source
+from lomo_ds.data.loading import (
+    batches_for_step,
+    build_datasets,
+    collate,
+    epoch_order,
+    pad_id_of,
+    position_of_step,
+    steps_per_epoch,
+)
+from lomo_ds.engine.schedule import Schedule
 from lomo_ds.evaluation.scoring import evaluate
 from lomo_ds.storage.models import load_tokenizer
-from lomo_ds.config.run import load_run_config, resolve_model_source
-from lomo_ds.engine.schedule import Schedule
 
 
 def run(model, init_state, data, pad_id, clip, lr, warmup, steps, seed, global_batch, eval_batch) -> dict:

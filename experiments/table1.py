@@ -1,8 +1,8 @@
 """Table 1: memory breakdown (params / gradients / optimizer states / activations / total) of AdamW,
 SGD and LOMO, with and without activation checkpointing, on one rank.
 
-    python3 experiments/table1.py --cpu                              # random-init ~40M LLaMA, bf16, CPU
-    python3 experiments/table1.py --model-path /path/to/llama-7b     # the paper's setting (GPU)
+    python3 -m experiments.table1 --cpu                              # random-init ~40M LLaMA, bf16, CPU
+    python3 -m experiments.table1 --model-path /path/to/llama-7b     # the paper's setting (GPU)
 
 Each configuration runs in its own process (one rank) so that nothing of one is left in the next.
 Accounting: lomo_ds/methods (tensor accounting on a CPU, the CUDA allocator's peak beside it
@@ -16,8 +16,8 @@ import os
 import sys
 import time
 
-import common
-from common import GIB, MIB, RESULTS
+from experiments import common
+from experiments.common import GIB, MIB, RESULTS
 from lomo_ds.planning.planner import ModelSpec
 
 # Built-in random-init LLaMA shapes for --cpu (vocab 8192 so the embedding does not dominate).
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         for ac in (False, True):
             t0 = time.time()
             # Each configuration is its own one-rank launch, so that nothing of one is left in the next.
-            proc = common.run_ranks(os.path.abspath(__file__), 1, ["--one", method, *passthrough(args)]
+            proc = common.run_ranks("experiments.table1", 1, ["--one", method, *passthrough(args)]
                                     + (["--ac"] if ac else []), cpu=args.cpu, timeout=3600)
             got = common.results_of(proc.stdout)
             if proc.returncode != 0 or not got:

@@ -1,9 +1,9 @@
 """Table 2: peak memory per rank and throughput (TGS, tokens per GPU per second) of AdamW, SGD and LOMO
 under DeepSpeed ZeRO-3, across model sizes and rank counts.
 
-    python3 experiments/table2.py --cpu                                   # 2 ranks, random-init ~46M/~72M LLaMA, fp32
-    python3 experiments/table2.py --model-path 7b=/m/llama-7b --model-path 13b=/m/llama-13b ...   # GPU
-    python3 experiments/table2.py --model-root /m          # GPU: /m/llama-{7b,13b,30b,65b} (those present)
+    python3 -m experiments.table2 --cpu                                   # 2 ranks, random-init ~46M/~72M LLaMA, fp32
+    python3 -m experiments.table2 --model-path 7b=/m/llama-7b --model-path 13b=/m/llama-13b ...   # GPU
+    python3 -m experiments.table2 --model-root /m          # GPU: /m/llama-{7b,13b,30b,65b} (those present)
 
 Each measured configuration is one multi-rank launch of this file as a worker
 (`python -m torch.distributed.run --nproc_per_node N table2.py --worker ...`); with --cpu all the
@@ -38,8 +38,8 @@ import subprocess
 import sys
 import time
 
-import common
-from common import GIB, LLAMA_PARAMS_B, MIB, RESULTS
+from experiments import common
+from experiments.common import GIB, LLAMA_PARAMS_B, MIB, RESULTS
 from lomo_ds.planning.planner import ModelSpec
 
 METHODS = ("adamw", "sgd", "lomo")
@@ -121,7 +121,6 @@ def run_group(jobs: list[dict], a) -> list[dict]:
     so it is kept out of the timed steps). With one job (GPU mode) this is a plain measure_tgs.
     """
     import torch
-
     from common import measure_tgs
 
     built = []
@@ -196,7 +195,7 @@ def worker(a) -> int:
 def launch(jobs: list[dict], nproc: int, a, timeout: float) -> list[dict]:
     t0 = time.time()
     try:
-        proc = common.run_ranks(os.path.abspath(__file__), nproc, ["--worker", "--jobs", json.dumps(jobs), *passthrough(a)],
+        proc = common.run_ranks("experiments.table2", nproc, ["--worker", "--jobs", json.dumps(jobs), *passthrough(a)],
                                 cpu=a.cpu, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         print(f"launch of {[j['method'] + '@' + j['size'] for j in jobs]} on {nproc} rank(s) timed out after "

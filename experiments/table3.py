@@ -1,8 +1,8 @@
 """Table 3: SuperGLUE accuracy of zero-shot, LoRA, LOMO (and AdaLomo, LoRA+LOMO, AdamW) through the training program.
 
-    python3 experiments/table3.py --cpu        # built-in model and task, 2 ranks, experiments/table3_hparams/cpu.yaml
-    python3 experiments/table3.py --model-path 7b=/m/llama-7b --gpus 8                  # GPU: six tasks x methods
-    python3 experiments/table3.py --model-root /m --tasks rte,copa --methods lomo --dry-run   # print the commands
+    python3 -m experiments.table3 --cpu        # built-in model and task, 2 ranks, experiments/table3_hparams/cpu.yaml
+    python3 -m experiments.table3 --model-path 7b=/m/llama-7b --gpus 8                  # GPU: six tasks x methods
+    python3 -m experiments.table3 --model-root /m --tasks rte,copa --methods lomo --dry-run   # print the commands
 
 Every run is `launch/train.py` on `python -m torch.distributed.run --nproc_per_node N` (what the
 `deepspeed` launcher does, LOCAL_SIZE included), configured by a base config (ds_configs/cpu_default.json,
@@ -28,9 +28,10 @@ import subprocess
 import sys
 import time
 
-import common
+from experiments import common
 from lomo_ds.data.tasks import SUPERGLUE_TASKS
 from lomo_ds.data.tasks import TASKS as TASK_REGISTRY
+from lomo_ds.runtime.launch import run_local, torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -174,24 +175,21 @@ def describe(method: str, setting: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- running
-def train_command(config: str, overrides: dict, nproc: int) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(common.free_port()), os.path.join(ROOT, "launch", "train.py"), "--config", config]
+def train_program(config: str, overrides: dict) -> list[str]:
+    """launch/train.py's command line (what each rank runs) for `config` with `overrides`."""
+    program = [os.path.join(ROOT, "launch", "train.py"), "--config", config]
     for k, v in overrides.items():
-        cmd += ["--set", f"{k}={json.dumps(v)}"]
-    return cmd
+        program += ["--set", f"{k}={json.dumps(v)}"]
+    return program
 
 
-def run_train(cmd: list[str], nproc: int, cpu: bool, out_dir: str, log, timeout: float) -> dict:
-    env = dict(os.environ, LOCAL_SIZE=str(nproc), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if cpu:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-        env.setdefault("CUDA_VISIBLE_DEVICES", "")
+def run_train(program: list[str], nproc: int, cpu: bool, out_dir: str, timeout: float) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
     with open(os.path.join(out_dir, "table3.log"), "w") as f:
         try:
-            proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout)
+            proc = run_local(program, nproc, timeout=timeout, cpu=cpu, cwd=ROOT, capture=False, stdout=f,
+                             stderr=subprocess.STDOUT)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -203,7 +201,7 @@ def run_train(cmd: list[str], nproc: int, cpu: bool, out_dir: str, log, timeout:
     else:
         with open(os.path.join(out_dir, "table3.log")) as f:
             tail = f.read()[-3000:]
-        print(f"run failed (rc {rc}); log {out_dir}/table3.log:\n{tail}", file=log)
+        print(f"run failed (rc {rc}); log {out_dir}/table3.log:\n{tail}", file=sys.stderr)
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         with open(metrics) as f:
@@ -246,13 +244,13 @@ def run_cell(size: str, task: str, method: str, hp: dict, config: str, nproc: in
         overrides = train_overrides(method, setting, hp, nproc, out_dir, seed)
         overrides.update(extra or {})
         overrides.update(a.extra_overrides)
-        cmd = train_command(config, overrides, nproc)
+        program = train_program(config, overrides)
         if a.dry_run:
-            print(" ".join(cmd))
+            print(" ".join(torchrun_command(program, nproc, port=29500)))
             return {}
         res = finished_run(out_dir, config, overrides) if a.reuse else None
         if res is None:
-            res = run_train(cmd, nproc, a.cpu, out_dir, sys.stderr, a.timeout)
+            res = run_train(program, nproc, a.cpu, out_dir, a.timeout)
             record_run(out_dir, config, overrides, res)
         acc = accuracy_of(method, res)
         print(f"{size} {task:8s} {method:9s} [{describe(method, setting)}] seed {seed} -> "

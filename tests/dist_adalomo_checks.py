@@ -1,24 +1,20 @@
-"""Multi-rank AdaLomo checks, asserted on by tests/test_adalomo.py.
-
-tests/dist_checks.py runs them in its one launch per world size; rank 0 records figures.
-"""
+"""What the multi-rank AdaLomo checks build and measure; tests/test_adalomo.py declares them
+(tests/ranks.py runs them in one launch per world size) and asserts on rank 0's figures."""
 from __future__ import annotations
 
 import copy
 import io
-import math
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-
-import lomo_ds  # noqa: E402
-from lomo_ds.runtime import ds_compat  # noqa: E402
-from lomo_ds.engine.comm_stats import count_comm  # noqa: E402
-from lomo_ds.engine.fused_update import geometry  # noqa: E402
-from adalomo_reference import ReferenceAdaLomo  # noqa: E402
-from dist_engine_checks import bf16_movement, ds_cfg, max_diff, scaled_forward  # noqa: E402
-from tiny import ScaledLlama, global_batch, tiny_llama  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import lomo_ds
+from lomo_ds.engine.comm_stats import count_comm
+from lomo_ds.engine.fused_update import geometry
+from lomo_ds.runtime import ds_compat
+from tests.adalomo_reference import ReferenceAdaLomo
+from tests.dist_engine_checks import bf16_movement, ds_cfg, max_diff
+from tests.tiny import global_batch, tiny_llama
 
 # AdaLomo steps every parameter by lr * RMS(param) whatever its gradient's size, and its update
 # normalises the gradient, so a gradient entry summed in another order (over ranks instead of in
@@ -148,27 +144,3 @@ def check_memory():
     return {"peak_state_bytes": tracker.peak.state_bytes, "state_bytes": engine.updater.adalomo.state_bytes(),
             "shard_bytes": sum(ds_compat.shard(p).numel() * 4 for p in engine.params),
             "param_bytes": sum(ds_compat.full_numel(p) * 4 for p in engine.params)}
-
-
-def adalomo_checks(world: int) -> dict:
-    """Every AdaLomo check that applies at this world size, by name."""
-    checks = {
-        "plain": lambda: equivalence(lambda: tiny_llama(0), adalomo_cfg()),
-        "clip_norm": lambda: equivalence(lambda: tiny_llama(1), adalomo_cfg(clip_grad_norm=0.5), clip_norm=0.5),
-        "clip_value": lambda: equivalence(lambda: tiny_llama(2), adalomo_cfg(clip_grad_value=0.002),
-                                          clip_value=0.002),
-        "weight_decay": lambda: equivalence(lambda: tiny_llama(2), adalomo_cfg(weight_decay=0.3), wd=0.3),
-        "loss_scale": lambda: equivalence(lambda: tiny_llama(3), adalomo_cfg(
-            loss_scale={"enabled": True, "initial_scale_power": 8})),
-        "tied": lambda: equivalence(lambda: tiny_llama(6, tie=True), adalomo_cfg()),
-        "persistent": lambda: equivalence(lambda: tiny_llama(7), adalomo_cfg(persist=100_000)),
-        "persistent_mixed": lambda: equivalence(lambda: tiny_llama(7), adalomo_cfg(persist=2_000, clip_grad_norm=0.5),
-                                                clip_norm=0.5),
-        "small_param": lambda: equivalence(lambda: ScaledLlama(8), adalomo_cfg(), forward=scaled_forward),
-        "resume": lambda: check_resume(bf16=False),
-        "resume_bf16": lambda: check_resume(bf16=True),
-        "memory": check_memory,
-    }
-    if world == 2:  # the precision and traffic figures need one world size
-        checks.update(bf16=check_bf16, traffic=check_traffic)
-    return checks

@@ -1,23 +1,19 @@
-"""Multi-rank checks of the reduce-scatter buckets, asserted on by tests/test_buckets.py.
-
-tests/dist_checks.py runs them in its one launch per world size; rank 0 records figures.
-"""
+"""What the multi-rank checks of the reduce-scatter buckets build and measure; tests/test_buckets.py
+declares them (tests/ranks.py runs them in one launch per world size) and asserts on rank 0's figures."""
 from __future__ import annotations
 
-import functools
 import os
 import time
 
 import torch
+from transformers import LlamaForCausalLM
 
-
-import lomo_ds  # noqa: E402
-from dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_step  # noqa: E402
-from lomo_ds.runtime import ds_compat  # noqa: E402
-from lomo_ds.engine.buckets import resolve_transport  # noqa: E402
-from lomo_ds.engine.fused_update import geometry  # noqa: E402
-from tiny import global_batch, tiny_llama, tiny_llama_config  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
+import lomo_ds
+from lomo_ds.engine.buckets import resolve_transport
+from lomo_ds.engine.fused_update import geometry
+from lomo_ds.runtime import ds_compat
+from tests.dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_step
+from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 
 
 def all_ranks(values: list[float]) -> list[list[float]]:
@@ -266,28 +262,3 @@ def check_sgd(transport: str = "auto", clip_norm: float | None = None):
     lomo = {"clip_grad_norm": clip_norm} if clip_norm else {}
     return equivalence(lambda: tiny_llama(0), ds_cfg(bucket_size=3000, grad_reduction=transport, **lomo),
                        {"clip_norm": clip_norm})
-
-
-def by_transport(world: int, name: str, check) -> dict:
-    """`check(transport)` under each transport on several ranks, named name@transport; on one
-    rank (nothing to reduce) once, as `name`."""
-    if world == 1:
-        return {name: check}
-    return {f"{name}@{t}": functools.partial(check, transport=t) for t in TRANSPORTS}
-
-
-def bucket_checks(world: int) -> dict:
-    """Every bucket check, by name (each applies at any world size)."""
-    checks = {
-        **by_transport(world, "sgd", check_sgd),
-        **by_transport(world, "clip_norm", functools.partial(check_sgd, clip_norm=0.5)),
-        **by_transport(world, "nonfinite_fp32", functools.partial(check_nonfinite, False)),
-        "nonfinite_bf16": lambda: check_nonfinite(True),
-        **by_transport(world, "experts", check_experts),
-        "overlap": check_overlap,
-        **by_transport(world, "apply_points", check_apply_points),
-        "two_groups": check_two_groups,
-        "other_partitioning": check_other_partitioning_refused,
-        "transport": check_transport,
-    }
-    return checks

@@ -1,16 +1,16 @@
 """Every training method on this launch's ranks, through lomo_ds.methods.build_engine: the
 interface and memory breakdown, resume (k steps, save, a fresh engine loads, N-k more == N steps
-straight), and LoRA+LOMO's adapter gradients with two backward passes. tests/dist_checks.py runs
-them in its 2-rank launch; tests/test_baselines.py asserts on the figures."""
+straight), and LoRA+LOMO's adapter gradients with two backward passes. tests/test_baselines.py
+declares them as multi-rank checks (tests/ranks.py) and asserts on the figures."""
 import os
 import tempfile
 
 import torch
 
-from lomo_ds.storage import checkpoint
-from lomo_ds.methods import METHODS, Engine, build_engine
 from lomo_ds.config.run import LOMO_METHODS, load_run_config
-from tiny import global_batch, tiny_llama
+from lomo_ds.methods import METHODS, Engine, build_engine
+from lomo_ds.storage import checkpoint
+from tests.tiny import global_batch, tiny_llama
 
 BUCKET = 2000  # LOMO reduce-scatter bucket (shard elements)
 DS = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}
@@ -102,10 +102,3 @@ def resume_every_method() -> dict:
         out = {m: resume(m, root[0]) for m in METHODS if m != "zero_shot"}
         torch.distributed.barrier()  # every rank is done with the directory before it goes
     return out
-
-
-def methods_checks(world: int) -> dict:
-    """Every method check, by name."""
-    return {"interface": lambda: {m: interface_and_memory(m) for m in METHODS},
-            "resume": resume_every_method,
-            "lora_lomo_two_passes": lora_lomo_two_passes}

@@ -3,7 +3,7 @@
 The reference (tests/adalomo_reference.py) is written from the paper and checked against the
 public lomo-optim AdaLomo here; the sharded rule is checked against the reference on 1, 2 and 3
 ranks (3 = uneven shards, slices starting and ending mid-row). Multi-rank figures come from
-tests/dist_adalomo_checks.py, run by tests/dist_checks.py.
+tests/dist_adalomo_checks.py, declared as multi-rank checks here (tests/ranks.py).
 """
 import copy
 import math
@@ -13,23 +13,37 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adalomo_reference import ReferenceAdaLomo
-from conftest import family, ok
-from lomo_ds.engine.adalomo import row_pieces
 from lomo_ds.config.lomo import ConfigError, load_config
+from lomo_ds.engine.adalomo import row_pieces
 from lomo_ds.planning.planner import LLAMA
-from tiny import global_batch, tiny_llama
+from tests import dist_adalomo_checks as A
+from tests.adalomo_reference import ReferenceAdaLomo
+from tests.dist_engine_checks import scaled_forward
+from tests.ranks import multi_rank_checks, ok
+from tests.tiny import ScaledLlama, global_batch, tiny_llama
 
 TOL = 1e-6  # fp32, 3 steps
 LR = 0.05
 WORLDS = [1, 2, 3]
-EQUIVALENCE = ["plain", "clip_norm", "clip_value", "weight_decay", "loss_scale", "tied", "persistent",
-               "persistent_mixed", "small_param"]
-
-
-@pytest.fixture(scope="session")
-def adalomo_results(dist_results):
-    return family(dist_results, "adalomo")
+CFG, EQ = A.adalomo_cfg, A.equivalence
+EQUIVALENCE = multi_rank_checks(
+    WORLDS,
+    plain=lambda: EQ(lambda: tiny_llama(0), CFG()),
+    clip_norm=lambda: EQ(lambda: tiny_llama(1), CFG(clip_grad_norm=0.5), clip_norm=0.5),
+    clip_value=lambda: EQ(lambda: tiny_llama(2), CFG(clip_grad_value=0.002), clip_value=0.002),
+    weight_decay=lambda: EQ(lambda: tiny_llama(2), CFG(weight_decay=0.3), wd=0.3),
+    loss_scale=lambda: EQ(lambda: tiny_llama(3), CFG(loss_scale={"enabled": True, "initial_scale_power": 8})),
+    tied=lambda: EQ(lambda: tiny_llama(6, tie=True), CFG()),
+    persistent=lambda: EQ(lambda: tiny_llama(7), CFG(persist=100_000)),
+    persistent_mixed=lambda: EQ(lambda: tiny_llama(7), CFG(persist=2_000, clip_grad_norm=0.5), clip_norm=0.5),
+    small_param=lambda: EQ(lambda: ScaledLlama(8), CFG(), forward=scaled_forward),
+)
+by_name = {str(c): c for c in EQUIVALENCE}
+RESUME = multi_rank_checks(WORLDS, resume=lambda: A.check_resume(bf16=False),
+                           resume_bf16=lambda: A.check_resume(bf16=True))
+memory, = multi_rank_checks(WORLDS, memory=A.check_memory)
+# The precision and traffic figures need one world size.
+bf16, traffic = multi_rank_checks([2], bf16=A.check_bf16, traffic=A.check_traffic)
 
 
 def stat_floats(shapes) -> int:
@@ -128,9 +142,9 @@ def test_reference_matches_public_adalomo(tie, kw):
 
 # ----------------------------------------------------------------------------- sharded vs reference
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("check", EQUIVALENCE)
-def test_sharded_adalomo_matches_reference(adalomo_results, world, check):
-    r = ok(adalomo_results(world), check)
+@pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
+def test_sharded_adalomo_matches_reference(rank_results, world, check):
+    r = ok(rank_results(world), check)
     print(f"{check} on {world} rank(s): max |AdaLomo on ZeRO-3 - reference| = {r['max_abs_diff']:.2e} "
           f"(largest move {r['moved']:.2e}), {r['crosses_rows']} matrices sliced mid-row")
     assert r["max_abs_diff"] <= TOL
@@ -142,23 +156,23 @@ def test_sharded_adalomo_matches_reference(adalomo_results, world, check):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_checks_cover_persistent_parameters(adalomo_results, world):
-    res = adalomo_results(world)
-    assert ok(res, "persistent")["n_persistent"] == ok(res, "persistent")["n_params"]
-    assert 0 < ok(res, "persistent_mixed")["n_persistent"] < ok(res, "persistent_mixed")["n_params"]
+def test_checks_cover_persistent_parameters(rank_results, world):
+    persistent, mixed = (ok(rank_results(world), by_name[n]) for n in ("persistent", "persistent_mixed"))
+    assert persistent["n_persistent"] == persistent["n_params"]
+    assert 0 < mixed["n_persistent"] < mixed["n_params"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("check", ["resume", "resume_bf16"])
-def test_resume_from_shard_state_is_exact(adalomo_results, world, check):
-    r = ok(adalomo_results(world), check)
+@pytest.mark.parametrize("check", RESUME, ids=str)
+def test_resume_from_shard_state_is_exact(rank_results, world, check):
+    r = ok(rank_results(world), check)
     assert r["max_abs_diff"] == 0.0, "2 steps + save/load + 1 step must equal 3 uninterrupted steps bit for bit"
     assert "lm_head.weight" in r["state_keys"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_memory_tracker_counts_state(adalomo_results, world):
-    r = ok(adalomo_results(world), "memory")
+def test_memory_tracker_counts_state(rank_results, world):
+    r = ok(rank_results(world), memory)
     shapes = [tuple(p.shape) for p in tiny_llama(4).parameters()]
     print(f"{world} rank(s): AdaLomo state {r['state_bytes']} B on rank 0, parameters {r['param_bytes']} B "
           f"({r['state_bytes'] / r['param_bytes']:.2%}; rank 0's shard {r['shard_bytes']} B)")
@@ -166,8 +180,8 @@ def test_memory_tracker_counts_state(adalomo_results, world):
     assert r["peak_state_bytes"] == r["state_bytes"]
 
 
-def test_bf16_stochastic_rounding_keeps_small_updates(adalomo_results):
-    r = ok(adalomo_results(2), "bf16")
+def test_bf16_stochastic_rounding_keeps_small_updates(rank_results):
+    r = ok(rank_results(2), bf16)
     print({k: (round(v["realized"], 3), round(v["rel_error"], 3)) for k, v in r.items()})
     assert all(v["dtype"] == "torch.bfloat16" for v in r.values())
     assert 0.8 <= r["fp32_master"]["realized"] <= 1.2
@@ -175,8 +189,8 @@ def test_bf16_stochastic_rounding_keeps_small_updates(adalomo_results):
     assert r["nearest"]["realized"] < 0.5, "round-to-nearest should lose the updates below half an ulp"
 
 
-def test_traffic_extra_over_lomo_is_under_one_percent(adalomo_results):
-    r = ok(adalomo_results(2), "traffic")
+def test_traffic_extra_over_lomo_is_under_one_percent(rank_results):
+    r = ok(rank_results(2), traffic)
     lomo, ada = r["lomo"], r["adalomo"]
     extra = ada["total"] - lomo["total"]
     print(f"bytes sent per rank per step, 2 ranks, {r['n_params']} parameters of a LLaMA-shaped model: "
@@ -187,18 +201,12 @@ def test_traffic_extra_over_lomo_is_under_one_percent(adalomo_results):
     # Two all-reduces per bucket (one per reduce-scatter), nothing else.
     buckets = lomo["counts"]["reduce_scatter"]["calls"]
     assert ada["counts"]["all_reduce"]["calls"] == lomo["counts"]["all_reduce"]["calls"] + 2 * buckets
-    shapes = [tuple(p.shape) for p in llama_shaped_model().parameters()]
+    shapes = [tuple(p.shape) for p in A.llama_shaped().parameters()]
     assert extra == 4 * stat_floats(shapes)  # fp32 all-reduce on 2 ranks: 2 (w-1)/w = 1 x the bytes
     assert extra / lomo["total"] < 0.01
     print(f"AdaLomo state on rank 0: {r['adalomo_state_bytes']} B = {r['adalomo_state_bytes'] / r['param_bytes']:.3%} "
           f"of the fp32 parameters, {r['adalomo_state_bytes'] / r['shard_bytes']:.3%} of the rank's shard")
     assert r["adalomo_state_bytes"] == state_bytes(shapes, 2)
-
-
-def llama_shaped_model():
-    from dist_adalomo_checks import llama_shaped
-
-    return llama_shaped()
 
 
 # ----------------------------------------------------------------------------- LLaMA-7B..65B shapes

@@ -1,23 +1,23 @@
 """Every method behind the one engine interface on 2 ranks: steps, memory breakdown, resume, and
-LoRA+LOMO's adapter gradients. The 2-rank launch of tests/dist_checks.py runs the checks
-(tests/dist_methods_checks.py) with the engine's; the tests below read their figures."""
+LoRA+LOMO's adapter gradients. The multi-rank checks are declared here (tests/ranks.py); what they
+build and measure is tests/dist_methods_checks.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import family, ok
 from lomo_ds.methods import METHODS
+from tests import dist_methods_checks as M
+from tests.ranks import multi_rank_checks, ok
+
+interface, resume, lora_lomo_two_passes = multi_rank_checks(
+    [2], interface=lambda: {m: M.interface_and_memory(m) for m in METHODS}, resume=M.resume_every_method,
+    lora_lomo_two_passes=M.lora_lomo_two_passes)
 
 
 @pytest.fixture(scope="module")
-def all_results(dist_results):
-    return family(dist_results, "methods")(2)
-
-
-@pytest.fixture(scope="module")
-def results(all_results):
-    return ok(all_results, "interface")
+def results(rank_results):
+    return ok(rank_results(2), interface)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -82,17 +82,17 @@ def test_every_method_is_an_engine_on_the_accelerator_device(results):
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "zero_shot"])
-def test_resume_equals_an_uninterrupted_run(all_results, method):
+def test_resume_equals_an_uninterrupted_run(rank_results, method):
     """2 steps, checkpoint, a fresh engine (other LoRA adapters) loads it, 2 more steps == 4 steps
     straight. fp32 on 2 ranks: the same arithmetic in the same order, so exactly equal."""
-    r = ok(all_results, "resume")[method]
+    r = ok(rank_results(2), resume)[method]
     assert r["step_after_load"] == 2
     assert r["lrs_resumed"] == r["lrs_straight"]
     assert r["max_abs_diff"] == 0.0, r
 
 
-def test_lora_lomo_adapter_gradient_is_one_unscaled_pass(all_results):
-    r = ok(all_results, "lora_lomo_two_passes")
+def test_lora_lomo_adapter_gradient_is_one_unscaled_pass(rank_results):
+    r = ok(rank_results(2), lora_lomo_two_passes)
     assert not r["one_pass"]["two_passes"] and r["two_passes"]["two_passes"]
     assert r["two_passes"]["loss_scale"] == 32.0
     # Before the fix the two-pass gradient was 2 passes x 32 = 64 times the one-pass one.

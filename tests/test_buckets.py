@@ -1,33 +1,67 @@
-"""The gradient buckets on 1, 2 and 3 ranks, under both transports (an overlapped reduce-scatter,
-and DeepSpeed's shared-memory all-reduce for CPU ranks on one node): equivalence with SGD,
-non-finite verdicts every rank agrees on, parameters without a gradient on some ranks (experts),
-and the overlap itself.
-Figures come from tests/dist_bucket_checks.py, run by tests/dist_checks.py."""
+"""The gradient buckets on 1, 2 and 3 ranks, under both transports (the overlapped reduce-scatter of
+the process group, and lomo's own reduce-scatter through /dev/shm for CPU ranks on one node):
+equivalence with SGD, non-finite verdicts every rank agrees on, parameters without a gradient on
+some ranks (experts), and the overlap itself. The multi-rank checks are declared here (tests/ranks.py);
+what they build and measure is tests/dist_bucket_checks.py."""
+import contextlib
+import functools
+import io
 
 import pytest
+import torch
 
-from conftest import family, ok
+from tests import dist_bucket_checks as B
+from tests.ranks import multi_rank_checks, ok
 
 WORLDS = [1, 2, 3]
 TOL = 1e-6  # fp32, as the engine's equivalence tests
-TRANSPORTS = ["reduce_scatter", "shared_memory"]
+TRANSPORTS = list(B.TRANSPORTS)
 
 
-def by_transport(world: int, name: str) -> list[str]:
-    """The names a check runs under at this world size (see dist_bucket_checks.by_transport)."""
-    return [name] if world == 1 else [f"{name}@{t}" for t in TRANSPORTS]
+def by_transport(name: str, check, worlds=WORLDS):
+    """world -> the checks `check(transport=...)` runs as: under each transport on several ranks
+    (name@transport), once as `name` on one rank (nothing to reduce)."""
+    one = multi_rank_checks([1], **{name: check}) if 1 in worlds else []
+    many = multi_rank_checks([w for w in worlds if w > 1],
+                             **{f"{name}@{t}": functools.partial(check, transport=t) for t in TRANSPORTS})
+    return lambda world: one if world == 1 else many
 
 
-@pytest.fixture(scope="session")
-def bucket_results(dist_results):
-    return family(dist_results, "buckets")
+SGD = by_transport("sgd", B.check_sgd)
+CLIP_NORM = by_transport("clip_norm", functools.partial(B.check_sgd, clip_norm=0.5))
+NONFINITE_FP32 = by_transport("nonfinite_fp32", functools.partial(B.check_nonfinite, False))
+EXPERTS = by_transport("experts", B.check_experts)
+APPLY_POINTS = by_transport("apply_points", B.check_apply_points, worlds=[2, 3])
+nonfinite_bf16, two_groups, transport = multi_rank_checks(
+    WORLDS, nonfinite_bf16=lambda: B.check_nonfinite(True), two_groups=B.check_two_groups, transport=B.check_transport)
+overlap, other_partitioning = multi_rank_checks(
+    [2, 3], overlap=B.check_overlap, other_partitioning=B.check_other_partitioning_refused)
+
+BENCH_ARGS = ["--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16", "--micro", "1",
+              "--bucket-size", "2000", "--steps", "2", "--warmup", "1"]
+
+
+def bench_step_report() -> dict:
+    """The benchmark's printed report on a 1-layer model (rank 0's; the other ranks print nothing)."""
+    from experiments import bench_step
+
+    args = bench_step.parse_args(BENCH_ARGS)
+    base, times, parts, transports = bench_step.bench(args)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        if torch.distributed.get_rank() == 0:
+            bench_step.report(args, base, torch.distributed.get_world_size(), times, parts, transports)
+    return {"stdout": out.getvalue()}
+
+
+bench_step, = multi_rank_checks([2], bench_step=bench_step_report)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("check", ["sgd", "clip_norm"])
-def test_each_transport_matches_sgd(bucket_results, world, check):
-    for name in by_transport(world, check):
-        r = ok(bucket_results(world), name)
+def test_each_transport_matches_sgd(rank_results, world, check):
+    for name in {"sgd": SGD, "clip_norm": CLIP_NORM}[check](world):
+        r = ok(rank_results(world), name)
         print(f"{name} on {world} rank(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")
         assert r["max_abs_diff"] <= TOL
         assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
@@ -36,8 +70,8 @@ def test_each_transport_matches_sgd(bucket_results, world, check):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_auto_transport_and_refusal(bucket_results, world):
-    r = ok(bucket_results(world), "transport")
+def test_auto_transport_and_refusal(rank_results, world):
+    r = ok(rank_results(world), transport)
     print(f"{world} rank(s), LOCAL_SIZE {r['local_size']}: auto -> {r['auto']}, {r['shm_bytes']} bytes shared")
     # The buffers' names are removed once every rank has them mapped: nothing is left in /dev/shm.
     assert r["shm_files_left"] == []
@@ -51,9 +85,9 @@ def test_auto_transport_and_refusal(bucket_results, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_nonfinite_gradient_on_one_rank_stops_every_rank_at_that_bucket(bucket_results, world, dtype):
-    for name in by_transport(world, "nonfinite_fp32") if dtype == "fp32" else ["nonfinite_bf16"]:
-        check_nonfinite_verdict(ok(bucket_results(world), name), world, dtype)
+def test_nonfinite_gradient_on_one_rank_stops_every_rank_at_that_bucket(rank_results, world, dtype):
+    for name in NONFINITE_FP32(world) if dtype == "fp32" else [nonfinite_bf16]:
+        check_nonfinite_verdict(ok(rank_results(world), name), world, dtype)
 
 
 def check_nonfinite_verdict(r: dict, world: int, dtype: str) -> None:
@@ -72,17 +106,17 @@ def check_nonfinite_verdict(r: dict, world: int, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_experts_used_on_some_ranks_match_sgd(bucket_results, world):
-    for name in by_transport(world, "experts"):
-        r = ok(bucket_results(world), name)
+def test_experts_used_on_some_ranks_match_sgd(rank_results, world):
+    for name in EXPERTS(world):
+        r = ok(rank_results(world), name)
         print(f"{name} on {world} rank(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")
         assert r["max_abs_diff"] <= TOL
         assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_reduce_scatter_overlaps_the_backward(bucket_results, world):
-    r = ok(bucket_results(world), "overlap")
+def test_reduce_scatter_overlaps_the_backward(rank_results, world):
+    r = ok(rank_results(world), overlap)
     later = r["later_grads_before_apply"]
     print(f"{world} ranks: gradients arrived between each bucket's last gradient and its update: {later}")
     assert len(later) == r["n_buckets"] > 2
@@ -92,32 +126,32 @@ def test_reduce_scatter_overlaps_the_backward(bucket_results, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_buckets_are_applied_at_the_same_point_on_every_rank(bucket_results, world):
-    for name in by_transport(world, "apply_points"):
-        r = ok(bucket_results(world), name)
+def test_buckets_are_applied_at_the_same_point_on_every_rank(rank_results, world):
+    for name in APPLY_POINTS(world):
+        r = ok(rank_results(world), name)
         print(f"{name} on {world} ranks, last rank slowed: gradients in when each bucket was applied {r['applied_at']}")
         assert len(r["applied_at"][0]) == r["n_buckets"] > 2
         assert all(row == r["applied_at"][0] for row in r["applied_at"])
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_each_process_group_has_its_own_buckets(bucket_results, world):
-    r = ok(bucket_results(world), "two_groups")
+def test_each_process_group_has_its_own_buckets(rank_results, world):
+    r = ok(rank_results(world), two_groups)
     print(f"two process groups on {world} rank(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")
     assert r["max_abs_diff"] <= TOL
     assert r["one_group_per_bucket"] and r["head_reduced_in_second_group"] and r["head_bucket_only_head"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_group_of_another_size_is_refused(bucket_results, world):
-    message = ok(bucket_results(world), "other_partitioning")["error_message"]
+def test_a_group_of_another_size_is_refused(rank_results, world):
+    message = ok(rank_results(world), other_partitioning)["error_message"]
     assert message is not None and "process group of 1 ranks" in message and f"over {world}" in message
 
 
-def test_bench_step_prints_ratios_and_breakdown(dist_results):
-    """The step-time benchmark that ships with the project runs end to end (tiny model, 2 ranks,
-    in the 2-rank launch of tests/dist_checks.py)."""
-    out = ok(family(dist_results, "smoke")(2), "bench_step")["stdout"]
+def test_bench_step_prints_ratios_and_breakdown(rank_results):
+    """The step-time benchmark that ships with the project (experiments/bench_step.py) runs end to
+    end: a tiny model on the 2-rank launch; it proves the code runs, not how fast it is."""
+    out = ok(rank_results(2), bench_step)["stdout"]
     for row in ("floor", "lomo clipped", "lomo rs", "deepspeed sgd", "-> shared_memory", "-> reduce_scatter",
                 "pack", "wait at end", "update", "bookkeeping"):
         assert row in out, out

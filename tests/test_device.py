@@ -4,10 +4,10 @@ moves are checked on 1, 2 and 3 ranks in tests/dist_engine_checks.py ("device").
 import pytest
 import torch
 
-from lomo_ds.runtime import ds_compat
 from lomo_ds.data.loading import EvalExample
-from lomo_ds.runtime.device import capture_rng, move_batch, restore_rng
 from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
+from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import capture_rng, move_batch, restore_rng
 
 V = 7
 

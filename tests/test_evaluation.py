@@ -4,10 +4,44 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import family, ok
-from dist_evaluation_checks import V, bigram_logits
 from lomo_ds.data.loading import EvalExample
-from lomo_ds.evaluation.scoring import evaluate, mean_logprob
+from lomo_ds.evaluation.scoring import evaluate, evaluate_loss, mean_logprob
+from tests.ranks import multi_rank, ok
+
+V = 10
+
+
+def bigram_logits(table: dict[int, dict[int, float]]):
+    """forward_logits whose next-token log-probs depend only on the current token, and which counts calls."""
+    calls = []
+
+    def fwd(batch):
+        ids = batch["input_ids"]
+        calls.append(tuple(ids.shape))
+        out = torch.full((*ids.shape, V), -5.0)
+        for tok, nxt in table.items():
+            for t, v in nxt.items():
+                out[..., t] = torch.where(ids == tok, torch.tensor(v), out[..., t])
+        return out
+
+    fwd.calls = calls
+    return fwd
+
+
+# Under ZeRO-3 every forward is a collective, so every rank must run as many forwards as the busiest
+# one: 7 examples split 3/2/2 on 3 ranks.
+@multi_rank(worlds=[3])
+def forward_calls(n_examples: int = 7) -> dict:
+    """Candidate accuracy, forward calls per rank (all-gathered) and the loss's token count."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    fwd = bigram_logits({1: {2: 5.0}})
+    exs = [EvalExample("t", [1] * (1 + i % 3), [[2], [3]], i % 2) for i in range(n_examples)]
+    out = evaluate(fwd, exs, pad_id=0, batch_size=2, rank=rank, world=world)
+    counts = [None] * world
+    torch.distributed.all_gather_object(counts, len(fwd.calls))
+    loss = evaluate_loss(fwd, [{"input_ids": [1, 2], "labels": [-100, 2]}] * n_examples, 0, 2, rank, world)
+    return {"accuracy": out["accuracy"], "n": out["n"], "forward_calls": counts, "loss_tokens": loss["n_tokens"]}
+
 
 def test_mean_not_sum_of_logprobs_decides():
     # A = [2, 3, 3]: every token fairly likely; B = [4]: one less likely token. The sum of
@@ -43,11 +77,10 @@ def test_padding_does_not_change_scores():
     assert alone["accuracy"] == 1.0 and together["accuracy"] == 1.0
 
 
-def test_equal_forward_calls_across_ranks(dist_results):
+def test_equal_forward_calls_across_ranks(rank_results):
     # 7 examples on 3 ranks: 3/2/2 examples -> 3/2/2 rows (one per single-token-answer example)
     # -> 2/1/1 batches; every rank must run 2 (ranks 1 and 2 pad with a dummy forward).
-    # Run on the 3 ranks of tests/dist_checks.py's launch (tests/dist_evaluation_checks.py).
-    r = ok(family(dist_results, "evaluation")(3), "forward_calls")
+    r = ok(rank_results(3), forward_calls)
     assert r["forward_calls"] == [2, 2, 2]
     assert r["n"] == 7 and r["accuracy"] == pytest.approx(4 / 7)  # label 0 (token 2) is right 4 times
     assert r["loss_tokens"] == 7

@@ -2,7 +2,7 @@
 in the paper's layout from hand-made rows, and Table 4's hyperparameters in the YAML files."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -19,11 +19,7 @@ TASKS = SUPERGLUE_TASKS
 
 
 def _load(name: str):
-    # A table script imports its sibling `common` (experiments/ is on the path: pytest.ini).
-    spec = importlib.util.spec_from_file_location(f"exp_{name}", os.path.join(EXP, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"experiments.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +37,12 @@ def common():
     return _load("common")
 
 
-@pytest.mark.parametrize("script, flags", [("table1.py", ("--cpu", "--model-path")), ("table2.py", ("--cpu", "--model-path")),
-                                           ("table3.py", ("--cpu", "--model-path")), ("bench_comm.py", ("--layers", "--steps"))])
+@pytest.mark.parametrize("script, flags", [("table1", ("--cpu", "--model-path")), ("table2", ("--cpu", "--model-path")),
+                                           ("table3", ("--cpu", "--model-path")), ("bench_comm", ("--layers", "--steps"))])
 def test_help(script, flags):
-    # run from elsewhere than the repository: the scripts rely on the installed package, not on the working directory
-    proc = subprocess.run([sys.executable, os.path.join(EXP, script), "--help"], capture_output=True, text=True,
-                          timeout=60, cwd=EXP)
+    # as the README runs them: modules of the repository's experiments package
+    proc = subprocess.run([sys.executable, "-m", f"experiments.{script}", "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert all(f in proc.stdout for f in flags), proc.stdout
 

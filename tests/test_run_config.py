@@ -12,8 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from lomo_ds.config.lomo import ConfigError, LomoConfig
-from lomo_ds.config.run import (BUILTIN_MODEL_GGUF, RunConfig, load_run_config, parse_override_args,
-                                resolve_model_source)
+from lomo_ds.config.run import BUILTIN_MODEL_GGUF, RunConfig, load_run_config, parse_override_args, resolve_model_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))  # every shipped config

@@ -14,9 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, family, free_port, ok
-from helpers_data import byte_bpe_tokenizer
-from tiny import tiny_llama_config
+import lomo_ds
+from lomo_ds.runtime.launch import local_ranks, run_local
+from lomo_ds.storage.checkpoint import export_hf
+from tests.helpers_data import byte_bpe_tokenizer
+from tests.ranks import ROOT, multi_rank_checks, ok, work_dir
+from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
@@ -47,14 +50,12 @@ TRAIN_SCRIPT = [TRAIN]  # deepspeed launch/train.py ...
 TRAIN_CLI = ["-m", "lomo_ds.cli", "train"]  # lomo-ds train ...
 
 
-def train_cmd(entry, config, out_dir, *extra):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), *entry, "--config", str(config), "--output-dir", str(out_dir), *extra]
+def train_args(entry, config, out_dir, *extra):
+    return [*entry, "--config", str(config), "--output-dir", str(out_dir), *extra]
 
 
 def run_train(entry, config, out_dir, *extra):
-    proc = subprocess.run(train_cmd(entry, config, out_dir, *extra), cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)
+    proc = run_local(train_args(entry, config, out_dir, *extra), 2, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
 
@@ -71,9 +72,8 @@ def run_and_kill_rank1(config, out_dir, after_step: int):
     done (rank 0 logs a step once both ranks have finished it: the loss is a rank mean)."""
     import psutil
 
-    with open(out_dir.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen(train_cmd(TRAIN_SCRIPT, config, out_dir), cwd=ROOT, stdout=log, stderr=log,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with open(out_dir.with_suffix(".log"), "w") as log, \
+            local_ranks(train_args(TRAIN_SCRIPT, config, out_dir), 2, cwd=ROOT, stdout=log, stderr=log) as proc:
         deadline = time.monotonic() + 600
         while after_step not in logged_steps(out_dir):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
@@ -116,13 +116,38 @@ def test_killed_run_resumes_to_identical_parameters(tiny_run):
     assert sorted(os.listdir(straight / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
 
 
-@pytest.mark.parametrize("tie", ["untied", "tied"])
-def test_export_loads_in_transformers_with_engine_logits(dist_results, tie):
-    """tests/dist_export_checks.py, run in the 2-rank launch of tests/dist_checks.py: 2 steps, then
-    the sharded export, and the engine's logits on a fixed batch."""
+# ----------------------------------------------------------------------------- the Hugging Face export
+MAX_SHARD_SIZE = 40_000  # bytes: the ~0.2 MB tiny model in several shards, as a 65B one is in 5 GB ones
+
+
+def export(tie: str, max_shard_size: int = MAX_SHARD_SIZE) -> dict:
+    """Trains a tiny model 2 steps through the engine, exports it with export_hf (shards of at most
+    `max_shard_size` bytes), and saves the engine's own logits on a fixed batch beside it."""
+    out_dir = os.path.join(work_dir(), f"export_{tie}")
+    engine = lomo_ds.initialize(tiny_llama(11, tie=tie == "tied"), {
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
+        "lomo": {"lr": 0.05, "clip_grad_norm": 1.0}})
+    for step in range(2):
+        engine.train_step(global_batch(step, engine.world)[engine.rank])
+    export_hf(engine, None, out_dir, torch.distributed.barrier, max_shard_size=max_shard_size)
+    probe = global_batch(99, 1)[0]["input_ids"]
+    logits = engine.eval_forward({"input_ids": probe}).logits
+    if engine.rank == 0:
+        torch.save({"input_ids": probe, "logits": logits}, os.path.join(out_dir, "engine_logits.pt"))
+    return {"dir": out_dir, "max_shard_size": max_shard_size}
+
+
+EXPORTS = multi_rank_checks([2], untied=lambda: export("untied"), tied=lambda: export("tied"))
+
+
+@pytest.mark.parametrize("check", EXPORTS, ids=str)
+def test_export_loads_in_transformers_with_engine_logits(rank_results, check):
+    """The export of a tied and an untied model, on the 2-rank launch, loads in transformers and
+    gives the engine's logits."""
     from transformers import AutoModelForCausalLM
 
-    r = ok(family(dist_results, "export")(2), tie)
+    tie = str(check)
+    r = ok(rank_results(2), check)
     out, max_shard = pathlib.Path(r["dir"]), r["max_shard_size"]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))

@@ -90,15 +90,19 @@ def broadcast_from_first(tensor: torch.Tensor, group, name: str = "broadcast ten
     dist.broadcast(tensor, src=torch.distributed.get_global_rank(group, 0), group=group)
 
 
+def shm_allreduce_path(addr: str, port: int | str, rank: int | str, uid: int | str | None = None) -> str:
+    """The /dev/shm file DeepSpeed's CPU communication backend creates per rank for its shared-memory
+    all-reduce (68 MB) when every rank is on one node ("*" for any part makes a glob pattern)."""
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid() if uid is None else uid}_{addr}_{port}_{rank}"
+
+
 def forget_shm_allreduce_names() -> None:
-    """DeepSpeed's CPU communication backend, with every rank on one node, creates a /dev/shm file
-    per rank for its shared-memory all-reduce (68 MB, named deepspeed_allreduce_buffer_<uid>_
-    <MASTER_ADDR>_<MASTER_PORT>_<rank>) and never removes it: every CPU run would leave its files
-    behind until /dev/shm is full. Call on every rank once every rank has finished
-    deepspeed.init_distributed (by then each has mapped its peers' files): the names go, the
-    memory stays mapped until the process exits."""
-    path = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
+    """DeepSpeed never removes its shared-memory all-reduce files (shm_allreduce_path): every CPU run
+    would leave its files behind until /dev/shm is full. Call on every rank once every rank has
+    finished deepspeed.init_distributed (by then each has mapped its peers' files): the names go,
+    the memory stays mapped until the process exits."""
+    path = shm_allreduce_path(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
+                              torch.distributed.get_rank())
     if os.path.exists(path):
         os.remove(path)
 

@@ -8,8 +8,8 @@ import os
 import statistics
 import sys
 
-from lomo_ds.planning.planner import GIB, plan_for_run
 from lomo_ds.config.run import load_run_config
+from lomo_ds.planning.planner import GIB, plan_for_run
 
 MEMORY_TOLERANCE = 0.10  # |predicted - measured| / measured, issue 7's bound
 STEP_TIME_ORDER = ("floor", "lomo", "deepspeed_sgd")

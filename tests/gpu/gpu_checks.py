@@ -1,7 +1,7 @@
 """The multi-rank GPU checks, run once per world size by tests/gpu/test_gpu.py (NCCL, one GPU per rank).
 
-    python -m torch.distributed.run --nproc_per_node N tests/gpu/gpu_checks.py OUT.json
-    ... tests/gpu/gpu_checks.py OUT.json --smoke --only step_time,offload   # the same code, tiny, on a CPU
+    python -m torch.distributed.run --nproc_per_node N -m tests.gpu.gpu_checks OUT.json
+    ... -m tests.gpu.gpu_checks OUT.json --smoke --only step_time,offload   # the same code, tiny, on a CPU
 
 Each check builds its own engines and rank 0 records figures; the pytest side asserts on them. The
 equivalence, bf16 and overflow checks are the CPU suite's (tests/dist_engine_checks.py) run on CUDA;
@@ -18,22 +18,16 @@ import tempfile
 import time
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# tests/ (the CPU suite's helpers) and experiments/ (common: the floor) come on PYTHONPATH from the
-# launcher (tests/conftest.py's launch).
-
-import deepspeed  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-import lomo_ds  # noqa: E402
-from common import FloorEngine  # noqa: E402
-from compare import memory_run_config, predicted_peak_bytes, step_time_table  # noqa: E402
-from dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence  # noqa: E402
-from lomo_ds.runtime import ds_compat  # noqa: E402
-from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine  # noqa: E402
-from tiny import tiny_llama  # noqa: E402
-from dist_harness import run_checks  # noqa: E402
+import lomo_ds
+from experiments.common import FloorEngine
+from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
+from lomo_ds.runtime import ds_compat
+from tests.dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence
+from tests.gpu.compare import memory_run_config, predicted_peak_bytes, step_time_table
+from tests.ranks import run_checks
+from tests.tiny import tiny_llama
 
 # Model sizes: (GPU, --smoke). The memory model's states (0.9 GB bf16 + the update's 0.35 GB) dwarf
 # the allocator's fixed costs; its activations (checkpointed, 2 x 256 tokens) stay small, so the
@@ -156,7 +150,7 @@ def main() -> None:
     else:
         device = torch.device("cpu")
     lomo_ds.init_distributed()
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
     workdir = os.path.dirname(os.path.abspath(args.out)) or tempfile.gettempdir()
     checks = {
         "sgd": lambda: equivalence(lambda: tiny_llama(0), ds_cfg()),

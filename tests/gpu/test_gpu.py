@@ -1,8 +1,9 @@
 """The GPU check suite (issue 7 section 5): skipped without CUDA. `make test-gpu` or
 tests/gpu/run_all.sh runs it on every GPU there is (world 1, and world N when N > 1).
 
-One launch per world size runs every multi-rank check (tests/gpu/gpu_checks.py); the assertions
-on the equivalence, bf16 and overflow figures are the CPU suite's own (tests/test_engine_dist.py).
+One launch per world size runs every multi-rank GPU check (tests/gpu/gpu_checks.py: one GPU per
+rank, so its own launch, not the CPU suite's); the assertions on the bf16 and overflow figures are
+the CPU suite's own (tests/dist_engine_checks.py).
 Figures go to $LOMO_GPU_RESULTS (run_all.sh prints them) or a temporary folder.
 """
 from __future__ import annotations
@@ -17,17 +18,14 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("the GPU checks need CUDA", allow_module_level=True)
 
-from compare import MEMORY_TOLERANCE, predicted_peak_bytes, relative_gap, within_tolerance  # noqa: E402
-from conftest import ROOT, launch  # noqa: E402
-from test_engine_dist import ok  # noqa: E402
-from test_engine_dist import test_overflow_skips_everywhere_and_scale_recovers as overflow_assertions  # noqa: E402
-from test_engine_dist import test_stochastic_rounding_keeps_small_bf16_updates as bf16_assertions  # noqa: E402
+from tests.dist_engine_checks import assert_bf16_rounding, assert_overflow_recovers  # noqa: E402
+from tests.gpu.compare import MEMORY_TOLERANCE, predicted_peak_bytes, relative_gap, within_tolerance  # noqa: E402
+from tests.ranks import ROOT, launch, ok  # noqa: E402
 
 N_GPUS = torch.cuda.device_count()
 WORLDS = sorted({1, N_GPUS})
 # fp32 on CUDA against fp32 on the CPU: kernels sum in other orders (TF32 stays off: torch's default).
 GPU_TOL = 1e-5
-CHECKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_checks.py")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,7 @@ def gpu_results(results_dir):
     def get(world: int) -> dict:
         if world not in cache:
             out = os.path.join(results_dir, f"results_{world}.json")
-            launch(CHECKS, world, [out], timeout=420)
+            launch(["-m", "tests.gpu.gpu_checks", out], world, timeout=420, cpu=False)
             with open(out) as f:
                 cache[world] = json.load(f)
         return cache[world]
@@ -63,12 +61,12 @@ def test_fp32_matches_sgd_on_cuda(gpu_results, world, check):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_bf16_stochastic_rounding_on_gpu(gpu_results, world):
-    bf16_assertions(lambda _world: gpu_results(world))
+    assert_bf16_rounding(ok(gpu_results(world), "bf16"))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_fp16_overflow_skips_everywhere_and_scale_halves(gpu_results, world):
-    overflow_assertions(gpu_results, world)
+    assert_overflow_recovers(ok(gpu_results(world), "overflow"))
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -112,7 +110,7 @@ def test_train_builtin_bf16_norm_clipping_20_steps(tmp_path, results_dir):
     cfg["output"].update(dir=str(tmp_path / "run"), export_hf=True)
     path = tmp_path / "gpu_builtin.json"
     path.write_text(json.dumps(cfg))
-    launch(os.path.join(ROOT, "launch", "train.py"), 1, ["--config", str(path)], timeout=480)
+    launch([os.path.join(ROOT, "launch", "train.py"), "--config", str(path)], 1, timeout=480, cpu=False)
 
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         steps = [r for r in map(json.loads, f) if "loss" in r and "phase" not in r]

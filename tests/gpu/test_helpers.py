@@ -6,25 +6,38 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from compare import (MEMORY_TOLERANCE, format_summary, memory_run_config, predicted_peak_bytes, relative_gap,
-                     step_time_table, summarize_dir, within_tolerance)
-from conftest import family
 from lomo_ds.planning.planner import RunSpec, estimate, run_spec, spec_from_hf_config
+from tests.gpu import gpu_checks
+from tests.gpu.compare import (
+    MEMORY_TOLERANCE,
+    format_summary,
+    memory_run_config,
+    predicted_peak_bytes,
+    relative_gap,
+    step_time_table,
+    summarize_dir,
+    within_tolerance,
+)
+from tests.ranks import multi_rank_checks, ok
 
+# The GPU suite's newer checks (LOMO against the floor and DeepSpeed SGD; offload_param), tiny, on the
+# CPU ranks of the 2-rank launch: they prove the code runs end to end, not how fast it is.
+gpu_step_time, gpu_offload = multi_rank_checks(
+    [2], gpu_step_time=lambda: gpu_checks.check_step_time(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
+    gpu_offload=lambda: gpu_checks.check_offload(pin=False))
 
 
 def test_test_gpu_imports_exist():
     # test_gpu.py is skipped at module level here, before its imports: they are checked here instead.
-    from test_engine_dist import ok, test_overflow_skips_everywhere_and_scale_recovers, \
-        test_stochastic_rounding_keeps_small_bf16_updates  # noqa: F401
+    from tests.dist_engine_checks import assert_bf16_rounding, assert_overflow_recovers  # noqa: F401
+    from tests.ranks import ROOT, launch, ok  # noqa: F401
 
 
 def test_memory_prediction_is_the_planners_for_the_same_run(tmp_path):
-    from gpu_checks import MEMORY_MODEL, llama_config
-
-    sizes = MEMORY_MODEL["gpu"]
-    llama_config(sizes).save_pretrained(tmp_path)
+    sizes = gpu_checks.MEMORY_MODEL["gpu"]
+    gpu_checks.llama_config(sizes).save_pretrained(tmp_path)
     run = memory_run_config(str(tmp_path), sizes["micro"], sizes["seq"])
     with open(tmp_path / "config.json") as f:
         spec = spec_from_hf_config(json.load(f))
@@ -77,13 +90,10 @@ def test_summary_names_every_check(tmp_path):
         "steps: loss 2.000 -> 1.500; peak 1.000 GiB (model loading included), planner 0.500 GiB"
 
 
-def test_new_checks_run_tiny_on_cpu(dist_results):
+def test_new_checks_run_tiny_on_cpu(rank_results):
     """The step-time comparison (LOMO, the floor, DeepSpeed SGD) and the offload check, tiny, on
-    the 2 gloo ranks of tests/dist_checks.py's launch."""
-    smoke = family(dist_results, "smoke")(2)
-    r = {"step_time": smoke["gpu_step_time"], "offload": smoke["gpu_offload"]}
-    assert "error" not in r["offload"], r["offload"].get("error")
-    assert r["offload"]["max_abs_diff"] <= 1e-6 and r["offload"]["shard_device"] == "cpu"
-    assert "error" not in r["step_time"], r["step_time"].get("error")
-    assert list(r["step_time"]["table"]) == ["floor", "lomo", "deepspeed_sgd"]
-    assert all(len(t) == 2 and min(t) > 0 for t in r["step_time"]["times"].values())
+    the 2 gloo ranks of the CPU suite's launch."""
+    offload, step_time = ok(rank_results(2), gpu_offload), ok(rank_results(2), gpu_step_time)
+    assert offload["max_abs_diff"] <= 1e-6 and offload["shard_device"] == "cpu"
+    assert list(step_time["table"]) == ["floor", "lomo", "deepspeed_sgd"]
+    assert all(len(t) == 2 and min(t) > 0 for t in step_time["times"].values())
