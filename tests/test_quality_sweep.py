@@ -1,0 +1,174 @@
+"""experiments/quality.py's plumbing, no training: every run it would launch is a valid run config,
+the coordinate search and the stages pick what they say, --reuse/--max-runs run pieces, and the
+table written from result files (hand-made here, for the writer only) says what the runs gave."""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from lomo_ds.config.run import load_run_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def quality():
+    return importlib.import_module("experiments.quality")
+
+
+@pytest.fixture(scope="module")
+def hp(quality):
+    return quality.table3.load_hparams(quality.HPARAMS)
+
+
+def _every_stage1_setting(quality, hp, method):
+    base = hp["methods"][method]["base"]
+    return [base] + [{**base, **v} for variants in quality.axes_of(hp, method).values() for v in variants]
+
+
+@pytest.mark.parametrize("method", ["lomo", "adalomo", "adamw", "lora", "lora_lomo"])
+def test_every_run_is_a_valid_run_config(quality, hp, method):
+    for setting in _every_stage1_setting(quality, hp, method):
+        for run in quality.stage1_runs_of(hp, method, setting):
+            o = quality.overrides_of(run, hp, hp["ranks"], "/tmp/x")
+            cfg = load_run_config(os.path.join(ROOT, hp["config"]), o, check_files=False)
+            assert cfg.data.task == "numcompare" and cfg.eval.split == "validation" and cfg.data.eval_samples == 500
+            assert cfg.micro_batch * hp["ranks"] == 8 and cfg.train.max_steps == run.max_steps
+            assert cfg.tokenizer.max_length == 96 and cfg.train.seed == cfg.data.seed == 42
+            assert cfg.train.method == ("lomo" if method == "adalomo" else method)
+            assert cfg.lomo.optimizer == ("adalomo" if method == "adalomo" else "sgd")
+            assert cfg.lomo.clip_grad_norm == setting.get("clip_grad_norm", 1.0)
+            assert cfg.lomo.clip_grad_value == setting.get("clip_grad_value")
+            assert cfg.lomo.scheduler.type == setting.get("schedule", "linear")
+            if method in ("lomo", "adalomo"):
+                assert cfg.lomo.lr == setting["lr"] and cfg.lomo.scheduler.warmup_ratio == setting["warmup_ratio"]
+            elif method == "lora_lomo":
+                assert cfg.lomo.lr == setting["lomo.lr"] and cfg.train.lora.lr == setting["lora.lr"]
+                assert cfg.train.lora.targets == ("q_proj", "v_proj")
+            else:
+                lr = cfg.train.lora.lr if method == "lora" else cfg.train.baseline_lr
+                assert lr == setting["lr"]
+            if run.accumulation > 1:  # equal steps, and equal tokens: max_steps / K steps of K micro-batches
+                assert cfg.lomo.accumulation_steps == run.accumulation
+                assert quality.tokens_of(run, hp) in (100 * 8 * run.accumulation, 100 * 8)
+
+
+def test_heldout_runs_and_zero_shot(quality, hp):
+    best = quality.Run(1, "lomo", quality.freeze({"lr": 0.3, "warmup_ratio": 0.0}), "numcompare", 42, "validation", 100)
+    runs = [r for r, _ in quality.stage2(hp, "lomo", best, lambda r: None)]
+    assert {(r.task, r.seed) for r in runs} == {(t, s) for t in hp["tasks"] for s in hp["shared"]["seeds"]}
+    assert all(r.split == "heldout" and r.setting == best.setting and r.stage == 2 for r in runs)
+    cfg = load_run_config(os.path.join(ROOT, hp["config"]), quality.overrides_of(runs[-1], hp, 2, "/tmp/x"))
+    assert cfg.eval.split == "heldout" and cfg.data.task == "countryfacts" and cfg.lomo.lr == 0.3
+    zs = [r for r, _ in quality.stage2(hp, "zero_shot", None, lambda r: None)]
+    assert [r.task for r in zs] == hp["tasks"] and len({r.seed for r in zs}) == 1  # the seed changes nothing
+    zs_cfg = load_run_config(os.path.join(ROOT, hp["config"]), quality.overrides_of(zs[0], hp, 2, "/x"))
+    assert zs_cfg.train.zero_shot_eval and zs_cfg.train.method == "zero_shot"
+
+
+def test_coordinate_search_moves_from_the_best_and_stops_at_an_unfinished_run(quality):
+    hp = {"tune_task": "rhyme", "shared": {"seeds": [1, 2], "max_steps": 10, "global_batch": 8},
+          "methods": {"lomo": {"base": {"lr": 0.1, "schedule": "linear"},
+                               "axes": {"lr": [0.01, 0.1, 1.0],
+                                        "clip": [{"clip_grad_norm": None, "clip_grad_value": 1.0}],
+                                        "schedule": ["linear", "cosine"]}}}}
+    score = {0.01: 60.0, 0.1: 70.0, 1.0: 80.0}
+
+    def runner(run):
+        s = run.settings
+        assert run.task == "rhyme" and run.seed == 1 and run.split == "validation"
+        return {"accuracy": score[s["lr"]] + (5 if s.get("schedule") == "cosine" else 0), "minutes": 1.0}
+
+    search = quality.stage1(hp, "lomo", runner)
+    tried = [r.settings for r, _ in search.tried]
+    assert tried[0] == {"lr": 0.1, "schedule": "linear"}
+    assert [s["lr"] for s in tried[1:3]] == [0.01, 1.0]  # 0.1 again is the base run, not run twice
+    assert tried[3] == {"lr": 1.0, "schedule": "linear", "clip_grad_norm": None, "clip_grad_value": 1.0}
+    assert tried[4] == {"lr": 1.0, "schedule": "cosine"}  # from the best so far (lr 1.0, which the clip tied)
+    assert search.complete and search.best[0].settings == {"lr": 1.0, "schedule": "cosine"}
+    partial = quality.stage1(hp, "lomo", lambda run: None if run.settings["lr"] == 1.0 else runner(run))
+    assert not partial.complete and len(partial.tried) == 3  # the clip axis needs the lr axis's best
+
+
+def _args(tmp_path, **kw):
+    return SimpleNamespace(**{"runs_dir": str(tmp_path / "runs"), "reuse": True, "max_runs": 0, "dry_run": False,
+                              "extra_overrides": {}, "timeout": 1, **kw})
+
+
+def _finish(quality, hp, runner, run, accuracy, split=None):
+    """A result file as table3.record_run writes it for a finished run of `run`."""
+    out_dir = os.path.join(runner.a.runs_dir, run.name)
+    os.makedirs(out_dir, exist_ok=True)
+    key = "zero_shot_accuracy" if run.method == "zero_shot" else "final_accuracy"
+    quality.table3.record_run(out_dir, runner.config, quality.overrides_of(run, hp, runner.nproc, out_dir),
+                              {"rc": 0, "minutes": 2.0, "steps": run.max_steps, key: accuracy / 100,
+                               "eval_split": split or run.split})
+
+
+def test_reuse_and_pieces(quality, hp, tmp_path, capsys):
+    run = quality.stage1_runs_of(hp, "adamw", hp["methods"]["adamw"]["base"])[0]
+    runner = quality.Runner(hp, _args(tmp_path), {(1, "adamw")})
+    assert runner(run) is None and runner.missing == [run]  # --max-runs 0: nothing starts
+    _finish(quality, hp, runner, run, 81.0)
+    assert quality.Runner(hp, _args(tmp_path), {(1, "adamw")})(run)["accuracy"] == pytest.approx(81.0)
+    assert quality.Runner(hp, _args(tmp_path, reuse=False), set())(run)["accuracy"] == pytest.approx(81.0)
+    # without --reuse a runnable finished run runs again (dry run: its command is printed instead)
+    again = quality.Runner(hp, _args(tmp_path, reuse=False, max_runs=None, dry_run=True), {(1, "adamw")})
+    assert again(run) is None and again.started == 1 and "launch/train.py" in capsys.readouterr().out
+    # another override (a smoke test's --set) is another run
+    other = quality.Runner(hp, _args(tmp_path, extra_overrides={"train.max_steps": 2}), {(1, "adamw")})
+    assert other(run) is None
+    _finish(quality, hp, runner, run, 81.0, split="heldout")
+    with pytest.raises(RuntimeError, match="evaluated on 'heldout', expected 'validation'"):
+        runner(run)
+
+
+def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
+    monkeypatch.setattr(quality, "accumulation_available", lambda: False)
+    runner = quality.Runner(hp, _args(tmp_path), set())
+    # stage 1: every method's base setting best (the axes' other values score lower)
+    for method in ("lomo", "adalomo", "adamw", "lora", "lora_lomo"):
+        base = hp["methods"][method]["base"]
+        for setting in _every_stage1_setting(quality, hp, method):
+            for run in quality.stage1_runs_of(hp, method, setting):
+                _finish(quality, hp, runner, run, 70.0 if setting == base else 60.0)
+    seeds = hp["shared"]["seeds"]
+    accs = {"lomo": [80, 82, 84], "adamw": [85, 86, 90], "adalomo": [88, 89, 90]}  # per seed, every task
+    for method, per_seed in accs.items():
+        best = quality.stage1_runs_of(hp, method, hp["methods"][method]["base"])[0]
+        for run, _ in quality.stage2(hp, method, best, lambda r: None):
+            _finish(quality, hp, runner, run, per_seed[seeds.index(run.seed)] + hp["tasks"].index(run.task))
+    for run, _ in quality.stage2(hp, "zero_shot", None, lambda r: None):
+        _finish(quality, hp, runner, run, 50.0)
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nHand-written notes.\n")
+    argv = ["--stage", "2", "--reuse", "--max-runs", "0", "--runs-dir", str(tmp_path / "runs"),
+            "--results", str(results)]
+    assert quality.main(argv) == 0
+    assert quality.main(argv) == 0  # rewritten in place, not appended twice
+    text = results.read_text()
+    assert text.startswith("# Results\n\nHand-written notes.\n") and text.count(quality.BEGIN) == 1
+    assert "--stage 2 --reuse --max-runs 0" in text and "at commit " in text
+    lines = text.splitlines()
+    row = next(line for line in lines if line.startswith("| LOMO |") and "| 9/9 |" in line)
+    assert "lr=0.1" in row and "clip_grad_norm=1" in row
+    # 9 runs: mean of (80, 82, 84) + (0, 1, 2) = 83.0, minimum 80.0; NumCompare's seeds 80 82 84
+    assert "| 9/9 | 83.0 | 80.0 | 82.0 (min 80.0; 80.0 82.0 84.0) |" in row
+    assert any(line.startswith("| Zero-shot | - | 3/3 | 50.0 | 50.0 |") for line in lines)
+    assert any(line.startswith("| AdamW | lr=3e-05, warmup_ratio=0.1 | 100 | 800 | **70.0** |") for line in lines)
+    assert "- LOMO 83.0 against AdamW 88.0 -2: NOT met" in text and "- AdaLomo 90.0 against AdamW 88.0: met" in text
+    assert not any("LoRA+LOMO | lomo" in line and "| 9/9 |" in line for line in lines)  # stage 2 not run: no row
+
+
+def test_makefile_target_and_help():
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        make = f.read()
+    assert "quality-cpu:" in make and "-m experiments.quality --stage 1" in make
+    proc = subprocess.run([sys.executable, "-m", "experiments.quality", "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and "--max-runs" in proc.stdout and "--reuse" in proc.stdout, proc.stderr
