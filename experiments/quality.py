@@ -267,7 +267,10 @@ def stage2_rows(results: dict[str, list[tuple]]) -> list[dict]:
             if res is not None:
                 per_task.setdefault(run.task, {})[run.seed] = res["accuracy"]
         accs = [a for seeds in per_task.values() for a in seeds.values()]
-        rows.append({"method": method, "setting": runs[0][0].settings if runs else {}, "per_task": per_task,
+        first = runs[0][0] if runs else None
+        rows.append({"method": method, "setting": first.settings if first else {}, "per_task": per_task,
+                     "steps": 0 if method == "zero_shot" or not first else first.max_steps,
+                     "accumulation": first.accumulation if first else 1,
                      "runs": len(accs), "planned": len(runs), "mean": sum(accs) / len(accs) if accs else None,
                      "min": min(accs) if accs else None})
     return rows
@@ -293,8 +296,9 @@ def stage2_table(rows: list[dict], hp: dict) -> list[str]:
              "Mean and minimum over the finished runs (tasks x seeds); per task: mean, minimum and the "
              "per-seed figures (seeds " + ", ".join(map(str, table3.seeds_of(hp))) + "; zero-shot does not "
              "depend on the seed and runs once per task).", "",
-             "| method | setting | runs | mean | min | " + " | ".join(TASKS[t].title for t in tasks) + " |",
-             "|---|---|---|---|---|" + "---|" * len(tasks)]
+             "| method | setting | steps | tokens | runs | mean | min | "
+             + " | ".join(TASKS[t].title for t in tasks) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(tasks)]
     for r in rows:
         cells = []
         for t in tasks:
@@ -302,8 +306,10 @@ def stage2_table(rows: list[dict], hp: dict) -> list[str]:
             vals = list(seeds.values())
             cells.append("-" if not vals else f"{sum(vals) / len(vals):.1f} (min {min(vals):.1f}; "
                          + " ".join(f"{a:.1f}" for a in vals) + ")")
+        tokens = r["steps"] * int(hp["shared"]["global_batch"]) * r["accumulation"]
         lines.append(f"| {table3.METHOD_NAMES[r['method']]} | {table3.describe(r['method'], r['setting'])} | "
-                     f"{r['runs']}/{r['planned']} | {_pct(r['mean'])} | {_pct(r['min'])} | " + " | ".join(cells) + " |")
+                     f"{r['steps']} | {tokens} | {r['runs']}/{r['planned']} | {_pct(r['mean'])} | {_pct(r['min'])} | "
+                     + " | ".join(cells) + " |")
     return lines + [""] + goals(rows)
 
 

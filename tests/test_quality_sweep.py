@@ -156,10 +156,10 @@ def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
     assert "--stage 2 --reuse --max-runs 0" in text and "at commit " in text
     lines = text.splitlines()
     row = next(line for line in lines if line.startswith("| LOMO |") and "| 9/9 |" in line)
-    assert "lr=0.1" in row and "clip_grad_norm=1" in row
+    assert "lr=0.1" in row and "clip_grad_norm=1" in row and "| 100 | 800 | 9/9 |" in row
     # 9 runs: mean of (80, 82, 84) + (0, 1, 2) = 83.0, minimum 80.0; NumCompare's seeds 80 82 84
     assert "| 9/9 | 83.0 | 80.0 | 82.0 (min 80.0; 80.0 82.0 84.0) |" in row
-    assert any(line.startswith("| Zero-shot | - | 3/3 | 50.0 | 50.0 |") for line in lines)
+    assert any(line.startswith("| Zero-shot | - | 0 | 0 | 3/3 | 50.0 | 50.0 |") for line in lines)
     assert any(line.startswith("| AdamW | lr=3e-05, warmup_ratio=0.1 | 100 | 800 | **70.0** |") for line in lines)
     assert "- LOMO 83.0 against AdamW 88.0 -2: NOT met" in text and "- AdaLomo 90.0 against AdamW 88.0: met" in text
     assert not any("LoRA+LOMO | lomo" in line and "| 9/9 |" in line for line in lines)  # stage 2 not run: no row
