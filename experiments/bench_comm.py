@@ -79,13 +79,15 @@ def main() -> None:
         print(f"\n{params / 1e6:.1f}M parameters, {torch.distributed.get_world_size()} ranks, "
               f"seq {args.seq}, micro-batch {args.micro}; bytes sent per rank per step (ring model)")
         base_bytes, base_time = None, None
-        print(f"{'variant':66s} {'all-gather MB':>13s} {'grad comm MB':>12s} {'step s':>7s} {'x bytes':>8s} {'x time':>7s}")
+        print(f"{'variant':66s} {'all-gather MB':>13s} {'grad comm MB':>12s} {'step s':>7s} {'x bytes':>8s} "
+              f"{'x time':>7s}")
         for name, counts, t in rows:
             grad = counts.get("reduce_scatter", {}).get("bytes", 0) + counts.get("all_reduce", {}).get("bytes", 0)
             ag = counts.get("all_gather_into_tensor", {}).get("bytes", 0)
             if base_bytes is None:
                 base_bytes, base_time = ag + grad, t
-            print(f"{name:66s} {ag / 1e6:13.2f} {grad / 1e6:12.2f} {t:7.3f} {(ag + grad) / base_bytes:8.2f} {t / base_time:7.2f}")
+            print(f"{name:66s} {ag / 1e6:13.2f} {grad / 1e6:12.2f} {t:7.3f} {(ag + grad) / base_bytes:8.2f} "
+                  f"{t / base_time:7.2f}")
 
 
 if __name__ == "__main__":

@@ -139,18 +139,19 @@ def report(args, base, world, times, parts, transports) -> None:
     print(f"{'engine':16s} {'step s':>8s} {'x floor':>8s}   (x floor: median of the per-round ratios)")
     ratios = {}
     for name, ts in times.items():
-        ratios[name] = statistics.median(t / f for t, f in zip(ts, floor))
+        ratios[name] = statistics.median(t / f for t, f in zip(ts, floor, strict=True))
         print(f"{name:16s} {statistics.median(ts):8.3f} {ratios[name]:8.3f}")
     if "lomo" in ratios and "lomo clipped" in ratios:
         extra = ratios["lomo clipped"] - ratios["lomo"]
-        print(f"norm clipping costs {extra:.3f} x floor over lomo; one backward is {ratios['floor backward']:.3f} x floor")
+        print(f"norm clipping costs {extra:.3f} x floor over lomo; one backward is "
+              f"{ratios['floor backward']:.3f} x floor")
     for name, steps in parts.items():
         print(f"\n{name} (grad_reduction -> {transports[name]}): time in LOMO's own code per step, ms (median), "
               "and as a share of the floor step")
         floor_ms = statistics.median(floor) * 1e3
         in_code = [s.get("hook", 0.0) + s.get("flush", 0.0) for s in steps]
         rows = {k: [s.get(k, 0.0) for s in steps] for k in BREAKDOWN}
-        rows["bookkeeping"] = [t - sum(s.get(k, 0.0) for k in BREAKDOWN) for t, s in zip(in_code, steps)]
+        rows["bookkeeping"] = [t - sum(s.get(k, 0.0) for k in BREAKDOWN) for t, s in zip(in_code, steps, strict=True)]
         rows["total in hooks + flush"] = in_code
         for k, v in rows.items():
             ms = statistics.median(v) * 1e3

@@ -1,8 +1,9 @@
 """What the experiment scripts share: the models they build, the DeepSpeed and lomo settings every
 method runs under, the methods' options, random batches, and launching ranks on this machine.
 
-The scripts run from the repository as modules (`python -m experiments.tableN`). Heavy imports (torch, transformers, DeepSpeed) happen inside the functions: a
-launcher that only starts workers, or prints --help, never loads them.
+The scripts run from the repository as modules (`python -m experiments.tableN`). Heavy imports (torch,
+transformers, DeepSpeed) happen inside the functions: a launcher that only starts workers, or prints
+--help, never loads them.
 """
 from __future__ import annotations
 

@@ -28,9 +28,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
     order = epoch_order(len(data.train), cfg.train.seed, 0)
     batch = collate([data.train[i] for i in order[:32]], pad_id_of(tok))
+    first = data.train[order[0]]
     print("a training example, tokens that carry labels marked *:",
           " ".join(t + ("*" if lab != -100 else "") for t, lab in
-                   zip(tok.convert_ids_to_tokens(data.train[order[0]]["input_ids"]), data.train[order[0]]["labels"])))
+                   zip(tok.convert_ids_to_tokens(first["input_ids"]), first["labels"], strict=True)))
 
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

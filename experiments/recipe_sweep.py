@@ -55,7 +55,8 @@ def run(model, init_state, data, pad_id, clip, lr, warmup, steps, seed, global_b
                 p.add_(g, alpha=-sched.lr_at(step))
         losses.append(round(loss.item(), 3))
         norms.append(round(norm.item(), 1))
-        print(f"{clip}:{lr}:{warmup} step {step + 1} loss {losses[-1]} grad norm {norms[-1]}", file=sys.stderr, flush=True)
+        print(f"{clip}:{lr}:{warmup} step {step + 1} loss {losses[-1]} grad norm {norms[-1]}", file=sys.stderr,
+              flush=True)
     model.eval()
     with torch.no_grad():
         acc = evaluate(lambda b: model(**b).logits, data.eval, pad_id, eval_batch)["accuracy"]

@@ -99,7 +99,8 @@ def write_outputs(rows: list[dict], args, tag: str) -> None:
     for r in rows:
         p = PAPER_T1[(r["method"], r["ac"])]
         cells = [f"{fmt(r[c], unit)} [{p[i]:.2f}]" for i, c in enumerate(CATS)]
-        lines.append(f"| {r['method']} | {'yes' if r['ac'] else 'no'} | {' | '.join(cells)} | {r['peak_rss'] / MIB:.0f} |")
+        ac = "yes" if r["ac"] else "no"
+        lines.append(f"| {r['method']} | {ac} | {' | '.join(cells)} | {r['peak_rss'] / MIB:.0f} |")
     by = {(r["method"], r["ac"]): r for r in rows}
     lines.append("")
     for ac in (False, True):
@@ -120,14 +121,14 @@ def plot(rows, path, unit, uname, model) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_states": "#55A868", "activations": "#C44E52"}
-    for ax, (title, getter, u, un) in zip(axes, [("ours: " + model, lambda r, c: r[c] / unit, unit, uname),
-                                                  ("paper: LLaMA-7B", None, 1, "GB")]):
+    for ax, (title, getter, _scale, un) in zip(axes, [("ours: " + model, lambda r, c: r[c] / unit, unit, uname),
+                                                  ("paper: LLaMA-7B", None, 1, "GB")], strict=True):
         labels = [f"{r['method']}\n{'AC' if r['ac'] else 'no AC'}" for r in rows]
         bottom = [0.0] * len(rows)
         for i, c in enumerate(("params", "grads", "optimizer_states", "activations")):
             vals = [getter(r, c) if getter else PAPER_T1[(r["method"], r["ac"])][i] for r in rows]
             ax.bar(labels, vals, bottom=bottom, label=c, color=colors[c])
-            bottom = [b + v for b, v in zip(bottom, vals)]
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(un)
         ax.tick_params(axis="x", labelsize=8)
@@ -165,8 +166,8 @@ def main(argv=None) -> int:
             got = common.results_of(proc.stdout)
             if proc.returncode != 0 or not got:
                 oom = "out of memory" in proc.stderr.lower()
-                print(f"{method} AC={ac}: {'OUT OF MEMORY' if oom else 'FAILED'} (rc {proc.returncode})\n{proc.stderr[-3000:]}",
-                      file=sys.stderr)
+                print(f"{method} AC={ac}: {'OUT OF MEMORY' if oom else 'FAILED'} (rc {proc.returncode})\n"
+                      f"{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
             r = got[-1]
             rows.append(r)

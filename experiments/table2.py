@@ -134,7 +134,7 @@ def run_group(jobs: list[dict], a) -> list[dict]:
     times: dict[int, list[float]] = {i: [] for i in range(len(built))}
     t0 = time.perf_counter()
     for rnd in range(a.rounds):
-        for i, (job, eng, _, batches) in enumerate(built):
+        for i, (_job, eng, _, batches) in enumerate(built):
             # rotate the order each round: no method always runs first (or right after another's memory)
             batches = batches[rnd % len(batches):] + batches[:rnd % len(batches)]
             res = measure_tgs(eng, batches, warmup=a.warmup if rnd == 0 else 0, steps=a.steps)
@@ -159,7 +159,7 @@ def run_group(jobs: list[dict], a) -> list[dict]:
                     "peak_rss": vals[1].item(),
                     "memory_source": "cuda_max_memory_allocated" if cuda_peak is not None else "accounting",
                     **dict(zip(("params", "grads", "optimizer_states", "activations", "accounted_total"),
-                               (v.item() for v in vals[2:]))),
+                               (v.item() for v in vals[2:]), strict=True)),
                     "step_time_s": step, "tgs": tokens / step, "all_times_s": times[i],
                     "seconds": time.perf_counter() - t0})
     rank = built[0][1].rank
@@ -275,11 +275,13 @@ def markdown(rows: list[dict], a) -> str:
                 f"AC {'on' if a.ac else 'off'}")
         note = (f"Memory: peak per rank in {uname} (tensor accounting, lomo_ds/methods; the planner's "
                 f"prediction beside it). TGS: tokens per rank per second, median of {a.steps * a.rounds} steps after "
-                f"{a.warmup} warm-up, the methods taking turns step by step. The paper's figures (LLaMA-7B..65B on RTX 3090s, GB) are below for the layout.")
+                f"{a.warmup} warm-up, the methods taking turns step by step. The paper's figures (LLaMA-7B..65B on "
+                "RTX 3090s, GB) are below for the layout.")
     else:
         head = f"# Table 2: LLaMA, seq {a.seq}, batch {a.batch}, {a.dtype}, ZeRO-3, AC {'on' if a.ac else 'off'}"
         note = (f"Memory: peak allocated per GPU ({uname}, torch.cuda.max_memory_allocated). TGS: tokens per GPU "
-                f"per second, median of {a.steps * a.rounds} steps after {a.warmup} warm-up. The paper's in brackets (GB, TGS).")
+                f"per second, median of {a.steps * a.rounds} steps after {a.warmup} warm-up. The paper's in "
+                "brackets (GB, TGS).")
     lines = [head, "", note, "",
              "| model | optimizer | GPUs | memory | TGS | step time s | planner |",
              "|---|---|---|---|---|---|---|"]
@@ -310,7 +312,8 @@ def markdown(rows: list[dict], a) -> str:
 
 
 def label(method: str) -> str:
-    return {"adamw": "AdamW", "sgd": "SGD", "lomo": "LOMO", "lomo_clip": "LOMO (norm clip, 2 passes)"}.get(method, method)
+    names = {"adamw": "AdamW", "sgd": "SGD", "lomo": "LOMO", "lomo_clip": "LOMO (norm clip, 2 passes)"}
+    return names.get(method, method)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -333,7 +336,8 @@ def ratio_lines(rows: list[dict]) -> list[str]:
     lines = []
     for q in ratios(rows):
         parts = []
-        for key, name in (("mem_lomo_over_adamw", "LOMO peak / AdamW peak"), ("mem_lomo_over_sgd", "LOMO peak / SGD peak"),
+        for key, name in (("mem_lomo_over_adamw", "LOMO peak / AdamW peak"),
+                          ("mem_lomo_over_sgd", "LOMO peak / SGD peak"),
                           ("time_lomo_over_sgd", "LOMO step time / SGD step time"),
                           ("time_lomo_over_adamw", "LOMO step time / AdamW step time")):
             if q[key] is not None:
@@ -355,7 +359,8 @@ def plot(rows: list[dict], path: str, a) -> None:
             pts = sorted((r["n_params"] / (1e6 if a.cpu else 1e9), r) for r in ok
                          if r["method"] == method and r["world"] == world)
             xs = [x for x, _ in pts]
-            axes[0].plot(xs, [r["tgs"] for _, r in pts], "o-", color=colors.get(method), label=f"{label(method)}, {world} rank(s)")
+            axes[0].plot(xs, [r["tgs"] for _, r in pts], "o-", color=colors.get(method),
+                         label=f"{label(method)}, {world} rank(s)")
             axes[1].plot(xs, [r["peak_bytes"] / unit for _, r in pts], "o-", color=colors.get(method),
                          label=f"{label(method)}, {world} rank(s)")
     if not a.cpu:
@@ -363,8 +368,9 @@ def plot(rows: list[dict], path: str, a) -> None:
             pts = [(PAPER_T2[(s, method)], s) for s in GPU_SIZES if (s, method) in PAPER_T2]
             if pts:
                 xs = [LLAMA_PARAMS_B[s] for _, s in pts]
-                axes[0].plot(xs, [p[2] for p, _ in pts], "x--", color=colors[method], alpha=0.6, label=f"paper {label(method)}")
-                axes[1].plot(xs, [p[1] for p, _ in pts], "x--", color=colors[method], alpha=0.6, label=f"paper {label(method)}")
+                for ax, col in ((axes[0], 2), (axes[1], 1)):
+                    ax.plot(xs, [p[col] for p, _ in pts], "x--", color=colors[method], alpha=0.6,
+                            label=f"paper {label(method)}")
     xl = "parameters (M)" if a.cpu else "parameters (B)"
     axes[0].set(xlabel=xl, ylabel="TGS (tokens / rank / s)", title="Throughput vs model size")
     axes[1].set(xlabel=xl, ylabel=f"peak memory per rank ({uname})", title="Memory vs model size")
@@ -373,7 +379,8 @@ def plot(rows: list[dict], path: str, a) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    common.save_figure(fig, path, f"Table 2: {'CPU, random-init LLaMA' if a.cpu else 'LLaMA'}, seq {a.seq}, batch {a.batch}, {a.dtype}")
+    model = "CPU, random-init LLaMA" if a.cpu else "LLaMA"
+    common.save_figure(fig, path, f"Table 2: {model}, seq {a.seq}, batch {a.batch}, {a.dtype}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -393,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
                     help="default fp16 (GPU, the paper's), fp32 (--cpu: bf16 matmuls are ~15x slower on this CPU)")
-    ap.add_argument("--ac", action="store_true", default=None, help="activation checkpointing (default on, as the paper's Table 2)")
+    ap.add_argument("--ac", action="store_true", default=None,
+                    help="activation checkpointing (default on, as the paper's Table 2)")
     ap.add_argument("--no-ac", dest="ac", action="store_false")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps excluded (default 2 GPU, 1 CPU)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per round (default 5 GPU, 1 CPU)")
@@ -435,7 +443,8 @@ def main(argv=None) -> int:
             got = launch(jobs, nproc, a, a.timeout or 900)
             for r in got:
                 print(f"{r['size']:4s} {r['method']:9s} {nproc} ranks: "
-                      + ("OOM" if r.get("oom") else f"peak {r['peak_bytes'] / MIB:8.1f} MiB, step {r['step_time_s']:.3f} s, "
+                      + ("OOM" if r.get("oom") else
+                         f"peak {r['peak_bytes'] / MIB:8.1f} MiB, step {r['step_time_s']:.3f} s, "
                          f"TGS {r['tgs']:.1f}, steps {[round(t, 3) for t in r['all_times_s']]}"), flush=True)
             rows += got
     else:

@@ -40,8 +40,8 @@ RESULTS = os.path.join(HERE, "results")
 TASKS = SUPERGLUE_TASKS  # the paper's column order
 TASK_NAMES = {name: task.title for name, task in TASK_REGISTRY.items()}
 METHODS = ("zero_shot", "lora", "lomo", "adalomo", "lora_lomo", "adamw")
-METHOD_NAMES = {"zero_shot": "Zero-shot", "lora": "LoRA", "lomo": "LOMO", "adalomo": "AdaLomo", "lora_lomo": "LoRA+LOMO",
-                "adamw": "AdamW"}
+METHOD_NAMES = {"zero_shot": "Zero-shot", "lora": "LoRA", "lomo": "LOMO", "adalomo": "AdaLomo",
+                "lora_lomo": "LoRA+LOMO", "adamw": "AdamW"}
 SIZES = ("7b", "13b", "30b", "65b")
 # The paper's Table 3 (accuracy %, columns TASKS then the average).
 PAPER_T3 = {
@@ -93,7 +93,7 @@ def _expand(section: dict, prefix: str = "") -> list[dict]:
     out = []
     for combo in itertools.product(*choices):
         d: dict = {}
-        for k, c in zip(keys, combo):
+        for k, c in zip(keys, combo, strict=True):
             if k is None:
                 d.update(c)
             else:
@@ -269,7 +269,7 @@ def run_cell(size: str, task: str, method: str, hp: dict, config: str, nproc: in
     if any(acc is None for acc in accs):  # a failed seed makes the row meaningless
         return None
     return {"size": size, "task": task, "method": method, "accuracy": sum(accs) / len(accs),
-            "seeds": dict(zip(seeds, accs)), "setting": top["setting"],
+            "seeds": dict(zip(seeds, accs, strict=True)), "setting": top["setting"],
             "steps": top.get("steps"), "minutes": sum(r["minutes"] for r in per_seed) / len(per_seed),
             "first_loss": top.get("first_loss"), "last_loss": top.get("last_loss"),
             "tried": [{"setting": r["setting"], "accuracy": r["accuracy"], "minutes": r["minutes"]} for r in tried]}
@@ -293,7 +293,8 @@ def markdown(rows: list[dict], cpu: bool, title: str = "") -> str:
                 delta = "" if zs_max is None or m == "zero_shot" else f"{min(accs.values()) - zs_max:+.1f}"
                 lines.append(f"| {METHOD_NAMES[m]} | {r['accuracy']:.1f} | {min(accs.values()):.1f} | {delta} | "
                              + " ".join(f"{acc:.0f}" for acc in accs.values())
-                             + f" | {r.get('steps') or 0} | {describe(m, r.get('setting', {}))} | {r.get('minutes', 0):.1f} |")
+                             + f" | {r.get('steps') or 0} | {describe(m, r.get('setting', {}))} | "
+                             + f"{r.get('minutes', 0):.1f} |")
         return "\n".join(lines) + "\n"
     lines += ["Ours, the paper's in brackets (LoRA+LOMO: the paper shows it only in Figure 3). "
               "Best of the Table 4 sweep, seed 42.", "",
@@ -338,7 +339,8 @@ def write_outputs(rows: list[dict], cpu: bool, title: str = "") -> str:
             p = paper[TASKS.index(r["task"])] if paper and r["task"] in TASKS else ""
             w.writerow([r["size"], r["task"], r["method"], f"{r['accuracy']:.2f}", f"{min(r_seeds(r).values()):.2f}",
                         json.dumps(r_seeds(r)), json.dumps(r.get("setting", {})),
-                        r.get("steps", ""), f"{r.get('minutes', 0):.2f}", r.get("first_loss", ""), r.get("last_loss", ""), p])
+                        r.get("steps", ""), f"{r.get('minutes', 0):.2f}", r.get("first_loss", ""),
+                        r.get("last_loss", ""), p])
     text = markdown(rows, cpu, title)
     with open(base + ".md", "w") as f:
         f.write(text)
@@ -357,14 +359,15 @@ def plot(rows: list[dict], path: str, cpu: bool) -> None:
 
     tasks = [t for t in (("builtin",) if cpu else TASKS) if any(r["task"] == t for r in rows)]
     sizes = sorted({r["size"] for r in rows}, key=lambda s: SIZES.index(s) if s in SIZES else -1)
-    fig, axes = plt.subplots(1, len(sizes), figsize=(max(5, 3 + 1.6 * len(tasks)) * len(sizes) / max(1, len(sizes)) + 1, 4),
-                             squeeze=False)
-    colors = {"zero_shot": "#999999", "lora": "#DD8452", "lomo": "#4C72B0", "adalomo": "#8172B3", "lora_lomo": "#55A868",
-              "adamw": "#C44E52"}
+    width_in = max(5, 3 + 1.6 * len(tasks)) * len(sizes) / max(1, len(sizes)) + 1
+    fig, axes = plt.subplots(1, len(sizes), figsize=(width_in, 4), squeeze=False)
+    colors = {"zero_shot": "#999999", "lora": "#DD8452", "lomo": "#4C72B0", "adalomo": "#8172B3",
+              "lora_lomo": "#55A868", "adamw": "#C44E52"}
     width = 0.8 / len(METHODS)
-    for ax, size in zip(axes[0], sizes):
+    for ax, size in zip(axes[0], sizes, strict=True):
         for j, m in enumerate(METHODS):
-            vals = [next((r["accuracy"] for r in rows if (r["size"], r["task"], r["method"]) == (size, t, m)), 0) for t in tasks]
+            vals = [next((r["accuracy"] for r in rows if (r["size"], r["task"], r["method"]) == (size, t, m)), 0)
+                    for t in tasks]
             ax.bar([i + j * width for i in range(len(tasks))], vals, width, label=METHOD_NAMES[m], color=colors[m])
             paper = PAPER_T3.get((size, m))
             if paper and not cpu:
@@ -381,7 +384,8 @@ def plot(rows: list[dict], path: str, cpu: bool) -> None:
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu", action="store_true", help="built-in model and task on 2 CPU ranks (table3_hparams/cpu.yaml)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="built-in model and task on 2 CPU ranks (table3_hparams/cpu.yaml)")
     ap.add_argument("--model-path", action="append", metavar="[SIZE=]PATH", help="LLaMA HF folder (GPU); repeatable")
     ap.add_argument("--model-root", default=None, help="folder holding llama-7b, llama-13b, ... (GPU)")
     ap.add_argument("--gpus", type=int, default=None, help="ranks per run (GPU default 8; --cpu: cpu.yaml's ranks)")

@@ -1,4 +1,6 @@
 """lomo_ds: LOMO (fused backward + update) on DeepSpeed ZeRO-3 shards."""
+from importlib import metadata as _metadata
+
 from lomo_ds.config.lomo import ConfigError, LomoConfig, load_config
 from lomo_ds.engine.lomo_engine import LomoEngine, initialize
 from lomo_ds.runtime.dist import init_distributed
@@ -6,4 +8,7 @@ from lomo_ds.methods import Engine, build_engine
 
 __all__ = ["initialize", "init_distributed", "LomoEngine", "LomoConfig", "ConfigError", "load_config",
            "Engine", "build_engine"]
-__version__ = "0.1.0"
+try:  # the one version is pyproject.toml's, as installed
+    __version__ = _metadata.version("lomo_ds")
+except _metadata.PackageNotFoundError:  # a source tree on the path, not installed
+    __version__ = "0+unknown"

@@ -65,7 +65,7 @@ def equivalence(make_model, cfg, clip_norm=None, clip_value=None, wd=0.0, forwar
         mbs = global_batch(step, world)
         losses.append(engine.train_step(mbs[rank])["loss"])
         ref_losses.append(reference_step(ref, opt, mbs, world, clip_norm, clip_value, forward))
-    moved = max((p.detach() - p0).abs().max().item() for p, p0 in zip(ref.parameters(), start))
+    moved = max((p.detach() - p0).abs().max().item() for p, p0 in zip(ref.parameters(), start, strict=True))
     return {"max_abs_diff": max_diff(engine, ref), "moved": moved, "loss": losses, "ref_loss": ref_losses,
             "crosses_rows": crosses_rows(engine), "n_persistent": len(engine.offload.persistent_parameters),
             "n_params": len(engine.params)}

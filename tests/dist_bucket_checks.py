@@ -143,7 +143,7 @@ def check_two_groups():
     with deepspeed.zero.Init(config_dict_or_path=ds_conf, data_parallel_group=second):
         head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     model = HeadLlama(llama, head)
-    for p, src in zip(model.parameters(), ref.parameters()):
+    for p, src in zip(model.parameters(), ref.parameters(), strict=True):
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
             if torch.distributed.get_rank() == 0:
                 p.data.copy_(src.data)

@@ -75,7 +75,7 @@ def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_b
         group = torch.distributed.new_group(list(range(torch.distributed.get_world_size()))) if own_group else None
         with deepspeed.zero.Init(config_dict_or_path=ds_conf, data_parallel_group=group):
             model = make_model()
-        for p, src in zip(model.parameters(), ref.parameters()):
+        for p, src in zip(model.parameters(), ref.parameters(), strict=True):
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 if torch.distributed.get_rank() == 0:
                     p.data.copy_(src.data)
@@ -94,7 +94,8 @@ def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_b
         rl, rn = reference_step(ref, mbs, world, forward=forward, step=step if seeded else None, **ref_kwargs)
         losses.append(out["loss"]), ref_losses.append(rl), norms.append(out["grad_norm"]), ref_norms.append(rn)
     diff = max_diff(engine, ref)
-    return {"max_abs_diff": diff, "loss": losses, "ref_loss": ref_losses, "grad_norm": norms, "ref_grad_norm": ref_norms,
+    return {"max_abs_diff": diff, "loss": losses, "ref_loss": ref_losses, "grad_norm": norms,
+            "ref_grad_norm": ref_norms,
             "n_persistent": len(engine.offload.persistent_parameters), "n_params": len(engine.params),
             "shard_device": str(ds_compat.shard(engine.params[0]).device),
             "param_group_is_world": ds_compat.process_group(engine.params[0]) is torch.distributed.group.WORLD}
@@ -134,7 +135,7 @@ def watched_step(engine, step: int, watched=raw_shards) -> tuple[dict, dict]:
     verdict on it: skipped, the watched shards bit-identical, every real shard element finite."""
     before = watched(engine)
     out = engine.train_step(global_batch(step, engine.world)[engine.rank])
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, watched(engine)))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, watched(engine), strict=True))
     finite = all(bool(torch.isfinite(ds_compat.shard(p)[:engine.updater.geometry(p).local]).all())
                  for p in engine.params)
     g = on_every_rank(out["skipped"], unchanged, finite)
@@ -161,7 +162,8 @@ def check_overflow(fp16: bool = False):
     for step in range(5):
         inject["on"] = step == 1
         out, verdict = watched_step(engine, step)
-        record.append({"step": step, "skipped_all_ranks": verdict["skipped"], "unchanged_all_ranks": verdict["unchanged"],
+        record.append({"step": step, "skipped_all_ranks": verdict["skipped"],
+                       "unchanged_all_ranks": verdict["unchanged"],
                        "loss_scale_used": out["loss_scale"], "scale_after": engine.loss_scaler.scale})
     return {"steps": record}
 
@@ -198,7 +200,8 @@ def nonfinite_grad_steps(cfg, poison_pass: int) -> dict:
     for step in range(3):
         passes.update(step=step, seen=0)
         _, verdict = watched_step(engine, step, watched=lambda e: [ds_compat.shard(target).clone().view(torch.uint8)])
-        record.append({"skipped": verdict["skipped"], "target_unchanged": verdict["unchanged"], "finite": verdict["finite"]})
+        record.append({"skipped": verdict["skipped"], "target_unchanged": verdict["unchanged"],
+                       "finite": verdict["finite"]})
     return {"steps": record, "skipped_steps": engine.skipped_steps}
 
 
@@ -238,7 +241,7 @@ def check_unlabelled_rank():
     mb["labels"][:] = -100
     before = raw_shards(scaled)
     out = scaled.train_step(mb)
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, raw_shards(scaled)))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, raw_shards(scaled), strict=True))
     return {"max_abs_diff": diff, "loss": losses, "ref_loss": ref_losses, "skipped": skipped,
             "none_labelled": {"skipped": out["skipped"], "unchanged": unchanged,
                               "scale_kept": scaled.loss_scaler.scale == out["loss_scale"]}}

@@ -24,8 +24,8 @@ def run_config(method: str, **lomo):
     zero = dict(DS["zero_optimization"])
     if method not in LOMO_METHODS:
         zero["reduce_bucket_size"] = DS_BASELINE_BUCKET
-    return load_run_config({**DS, "zero_optimization": zero, "lomo": lomo, "model": {"path": "tiny-llama-in-memory"}, "train": train},
-                           check_files=False)
+    return load_run_config({**DS, "zero_optimization": zero, "lomo": lomo, "model": {"path": "tiny-llama-in-memory"},
+                            "train": train}, check_files=False)
 
 
 def fresh_engine(cfg, total_steps: int, seed: int = 0):
@@ -51,7 +51,8 @@ def interface_and_memory(method: str) -> dict:
     after = eng.full_state_dict()
     changed = {n: bool((after[n].float() - t.float()).abs().max().item() > 0) for n, t in before.items()} \
         if eng.rank == 0 else {}
-    return {"world": eng.world, "device": str(eng.device), "is_engine": isinstance(eng, Engine), "supports_resume": eng.supports_resume,
+    return {"world": eng.world, "device": str(eng.device), "is_engine": isinstance(eng, Engine),
+            "supports_resume": eng.supports_resume,
             "loss_before": loss0, "loss_after": loss1,
             "steps": [{k: s[k] for k in ("loss", "lr", "grad_norm", "skipped", "loss_scale")} for s in steps],
             "step_keys": sorted(steps[0]), "global_step": eng.global_step, "memory": mem, "n_params": n_params,

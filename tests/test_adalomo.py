@@ -133,9 +133,10 @@ def test_reference_matches_public_adalomo(tie, kw):
     start = tiny_llama(0, tie=tie)
     public = run_public(copy.deepcopy(start), 3, **kw)
     ref = run_reference(copy.deepcopy(start), 3, **kw)
-    diff = max((a - b).abs().max().item() for a, b in zip(public.parameters(), ref.parameters()))
-    moved = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), start.parameters()))
-    print(f"{kw}{' tied' if tie else ''}: max |reference - lomo_optim.AdaLomo| = {diff:.2e} after 3 steps (largest move {moved:.2e})")
+    diff = max((a - b).abs().max().item() for a, b in zip(public.parameters(), ref.parameters(), strict=True))
+    moved = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), start.parameters(), strict=True))
+    print(f"{kw}{' tied' if tie else ''}: max |reference - lomo_optim.AdaLomo| = {diff:.2e} after 3 steps "
+          f"(largest move {moved:.2e})")
     assert diff <= TOL
     assert moved > 1000 * TOL
 

@@ -45,7 +45,8 @@ def test_a_new_task_is_one_registry_entry(tmp_path, monkeypatch):
     sst2 = Task("sst2", {"sentence": (str,), "label": (int,)}, lambda r: f'{r["sentence"]}\nIt was',
                 candidates=lambda r: [" terrible", " great"], values={"label": (0, 1)})
     monkeypatch.setitem(TASKS, "sst2", sst2)
-    write_jsonl(str(tmp_path / "train.jsonl"), [{"sentence": "Fine film.", "label": 1}, {"sentence": "Dull.", "label": 0}])
+    write_jsonl(str(tmp_path / "train.jsonl"),
+                [{"sentence": "Fine film.", "label": 1}, {"sentence": "Dull.", "label": 0}])
     write_jsonl(str(tmp_path / "validation.jsonl"), [{"sentence": "Bad.", "label": 2}])
     data = SimpleNamespace(task="sst2", source=str(tmp_path), train_file=None, eval_file=None)
     ex = D.format_example("sst2", D.load_split(data, "train")[0])
@@ -143,7 +144,7 @@ def test_labels_mask_prompt_and_seam_matches_joint_encoding(bos):
     assert all(x == -100 for x in out["labels"][:-n_answer])
     assert out["truncated"] == 0
     ev, _ = D.tokenize_eval_example(ex, tok, 64)
-    for cand, ids in zip(candidates, ev.candidate_ids):
+    for cand, ids in zip(candidates, ev.candidate_ids, strict=True):
         assert ev.context_ids + ids == tok(prompt + cand)["input_ids"]
 
 

@@ -34,7 +34,8 @@ def test_move_batch_moves_every_tensor_and_keeps_the_rest():
 
 def test_collective_tensor_off_the_group_device_is_refused_by_name():
     ds_compat.check_device(torch.zeros(1), torch.device("cpu"), "loss")  # on the right device: fine
-    with pytest.raises(ValueError, match=r"loss: a collective on this process group takes tensors on cpu, got one on meta"):
+    with pytest.raises(ValueError,
+                       match=r"loss: a collective on this process group takes tensors on cpu, got one on meta"):
         ds_compat.check_device(torch.zeros(1, device="meta"), torch.device("cpu"), "loss")
 
 

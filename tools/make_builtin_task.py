@@ -56,7 +56,7 @@ QUESTIONS = ["Is this review positive?", "Did the reviewer like it?", "Is the re
 Vocab = tuple[list[str], list[str], list[str]]  # positive words, negative words, items
 FULL: Vocab = (POSITIVE, NEGATIVE, ITEMS)
 HELDOUT: Vocab = (HELDOUT_POSITIVE, HELDOUT_NEGATIVE, HELDOUT_ITEMS)
-SEEN: Vocab = tuple([w for w in full if w not in held] for full, held in zip(FULL, HELDOUT))
+SEEN: Vocab = tuple([w for w in full if w not in held] for full, held in zip(FULL, HELDOUT, strict=True))
 
 
 def make_passage(rng: random.Random, positive: bool, vocab: Vocab = FULL) -> str:
@@ -74,7 +74,7 @@ def generate(seed: int = SEED, n_train: int = N_TRAIN, n_validation: int = N_VAL
     rng = random.Random(seed)
     seen: set[str] = set()
     splits = []
-    for n, vocab in zip((n_train, n_validation), vocabs):
+    for n, vocab in zip((n_train, n_validation), vocabs, strict=True):
         records = []
         for label in [1] * (n // 2) + [0] * (n - n // 2):  # balanced labels
             while True:  # a passage is used once across both splits

@@ -36,7 +36,8 @@ import random
 
 SEED = 20240801
 N_TRAIN, N_VALIDATION = 600, 100
-OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "chat")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_DIR = os.path.join(ROOT, "lomo_ds", "data", "builtin", "chat")
 
 NAMES = ["Anna", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kira",
          "Liam", "Maya", "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera",
@@ -106,7 +107,8 @@ def conversation(rng: random.Random, vocab, kind: str) -> dict:
 def generate(seed: int = SEED) -> tuple[list, list]:
     rng = random.Random(seed)
     (train_names, val_names), (train_items, val_items), (train_nums, val_nums) = (
-        split_vocab(rng, NAMES, HELD_NAMES), split_vocab(rng, ITEMS, HELD_ITEMS), split_vocab(rng, NUMBERS, HELD_NUMBERS))
+        split_vocab(rng, NAMES, HELD_NAMES), split_vocab(rng, ITEMS, HELD_ITEMS),
+        split_vocab(rng, NUMBERS, HELD_NUMBERS))
     # train: 60% single exchange, 20% with a system message, 20% two exchanges (with a system message)
     kinds = ["single"] * (N_TRAIN * 3 // 5) + ["system"] * (N_TRAIN // 5) + ["multi"] * (N_TRAIN - N_TRAIN * 4 // 5)
     seen: set[str] = set()

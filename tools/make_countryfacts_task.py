@@ -47,7 +47,8 @@ import pycountry
 SEED = 20240804
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
 HELDOUT_SHARE = 0.25
-OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "countryfacts")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_DIR = os.path.join(ROOT, "lomo_ds", "data", "builtin", "countryfacts")
 
 FACTS = [
     "{region} is a {kind} of {country}.",

@@ -41,7 +41,8 @@ SEED = 20240802
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
 LOW, HIGH = 11, 1999
 HELDOUT_SHARE = 0.25
-OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "numcompare")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_DIR = os.path.join(ROOT, "lomo_ds", "data", "builtin", "numcompare")
 
 # (place, thing, thing): two things counted in the same place
 SETTINGS = [

@@ -18,8 +18,9 @@ word list of the package `english-words` (which drops names, abbreviations and s
 Why this task: spelling only half tells. 70% of the rhyming pairs end in the same two letters
 (cat/hat) and 30% do not (blue/through); 30% of the non-rhyming pairs DO end in the same two
 letters (home/come, great/treat) and 70% are any two words. So "same ending letters" scores about
-70% (68.4% on validation, 71.4% on heldout), and going further needs what the model knows of pronunciation: a learnable rule (it is
-deterministic and the dictionary's), not a random one, but harder than the built-in sentiment task.
+70% (68.4% on validation, 71.4% on heldout), and going further needs what the model knows of
+pronunciation: a learnable rule (it is deterministic and the dictionary's), not a random one, but
+harder than the built-in sentiment task.
 Zero-shot the 135M model is near chance (it mostly says the same word for every pair). Labels are
 balanced in every split; no pair of words is in two splits.
 
@@ -52,7 +53,8 @@ N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
 TOP_N = 20000
 HELDOUT_SHARE = 0.25
 ALIKE_POSITIVE, ALIKE_NEGATIVE = 0.7, 0.3  # shares of the pairs that end in the same two letters
-OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "rhyme")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_DIR = os.path.join(ROOT, "lomo_ds", "data", "builtin", "rhyme")
 # Words a benchmark has no need for (checked as substrings).
 BLOCKED = ("fuck", "shit", "bitch", "cunt", "dick", "cock", "pussy", "whore", "slut", "fag", "nigg",
            "rape", "porn", "penis", "vagina", "anal", "tits", "boob", "nazi", "retard", "cum", "sex")

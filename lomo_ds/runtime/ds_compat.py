@@ -1,6 +1,6 @@
 """Every DeepSpeed internal lomo_ds touches, in one place.
 
-These are private names of DeepSpeed's ZeRO-3 (tested with the range pinned in setup.py).
+These are private names of DeepSpeed's ZeRO-3 (tested with the range pinned in pyproject.toml).
 `check_internals()` fails loudly, naming what moved, if a DeepSpeed release changes them;
 tests/test_ds_compat.py runs it.
 """

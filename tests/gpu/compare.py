@@ -83,7 +83,8 @@ def summarize_dir(path: str) -> str:
     for name in glob.glob(os.path.join(path, "results_*.json")):
         with open(name) as f:
             results[int(os.path.basename(name)[len("results_"):-len(".json")])] = json.load(f)
-    lines = [format_summary(results)] if results else ["no worker results (no GPU here, or the launches failed: see pytest.log)"]
+    lines = ([format_summary(results)] if results else
+             ["no worker results (no GPU here, or the launches failed: see pytest.log)"])
     train = os.path.join(path, "train_builtin.json")
     if os.path.exists(train):
         with open(train) as f:

@@ -82,7 +82,8 @@ def test_peak_memory_matches_planner(gpu_results, world):
     gap = relative_gap(r["measured"], r["predicted"])
     print(f"{world} GPU(s): peak {r['measured'] / 2**30:.3f} GiB measured (per rank {r['per_rank']}), "
           f"{r['predicted'] / 2**30:.3f} GiB predicted ({100 * gap:+.1f}%)")
-    assert within_tolerance(r["measured"], r["predicted"]), f"planner off by {100 * gap:+.1f}% (> {MEMORY_TOLERANCE:.0%})"
+    assert within_tolerance(r["measured"], r["predicted"]), \
+        f"planner off by {100 * gap:+.1f}% (> {MEMORY_TOLERANCE:.0%})"
 
 
 @pytest.mark.skipif(N_GPUS < 2, reason="step time side by side needs 2 or more GPUs")

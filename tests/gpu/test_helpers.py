@@ -69,7 +69,8 @@ def test_step_time_table():
 
 def test_summary_names_every_check(tmp_path):
     results = {1: {"sgd": {"max_abs_diff": 3e-7, "loss": [1.0]},
-                   "bf16": {m: {"realized": r} for m, r in (("stochastic", 1.01), ("nearest", 0.4), ("fp32_master", 1.0))},
+                   "bf16": {m: {"realized": r}
+                            for m, r in (("stochastic", 1.01), ("nearest", 0.4), ("fp32_master", 1.0))},
                    "overflow": {"steps": [{"skipped_all_ranks": [s], "scale_after": c} for s, c in
                                           ((False, 256.0), (True, 128.0), (False, 128.0))]},
                    "memory": {"measured": 1.0 * 2**30, "predicted": 1.05 * 2**30},
