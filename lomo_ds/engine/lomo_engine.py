@@ -32,7 +32,7 @@ import torch
 
 from lomo_ds.runtime import ds_compat
 from lomo_ds.engine.adalomo import AdaLomo
-from lomo_ds.config.lomo import LomoConfig, load_config, model_dtype
+from lomo_ds.config.lomo import LomoConfig, Precision, load_config
 from lomo_ds.engine.buckets import GradientBuckets
 from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.runtime.device import accelerator_device, capture_rng, group_device, move_batch, restore_rng
@@ -49,17 +49,20 @@ def initialize(model: torch.nn.Module, config: dict | str | os.PathLike, total_s
     """Wrap `model` (already partitioned by zero.Init, or a plain module) in a LomoEngine.
     `total_steps`, when given, wins over lomo.scheduler.total_steps."""
     ds_config, lomo = load_config(config)
-    return LomoEngine(model, ds_config, lomo, total_steps=total_steps)
+    return LomoEngine(model, ds_config, lomo, total_steps=total_steps, precision=Precision.of(ds_config))
 
 
 class LomoEngine:
-    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int | None = None):
+    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int | None = None,
+                 precision: Precision | None = None):
+        """`ds_config` goes to deepspeed.initialize as it is; the engine reads its settings from the
+        typed `lomo` section and `precision` (default: read from `ds_config`'s fp16/bf16)."""
         import deepspeed
 
         init_distributed()
         self.config = lomo
         self.ds_config = ds_config
-        self.dtype = model_dtype(ds_config)
+        self.dtype = (precision or Precision.of(ds_config)).torch_dtype
         self.schedule = self._make_schedule(lomo, total_steps)
         # This rank's device: batches are moved here and every tensor the engine makes lives here.
         self.device = accelerator_device()

@@ -27,7 +27,7 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
     if method == "lomo":
         from lomo_ds.methods.lomo import LomoMethodEngine
 
-        return LomoMethodEngine(model, cfg.ds, cfg.lomo, total_steps)
+        return LomoMethodEngine(model, cfg.ds, cfg.lomo, total_steps, cfg.precision)
     if method == "zero_shot":
         from lomo_ds.methods.zero_shot import ZeroShotEngine
 
@@ -47,7 +47,8 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
     if method == "lora":
         return DeepSpeedOptimizerEngine(model, cfg.ds, method, "adamw", lr=lora.lr, clip=cfg.lomo.clip_grad_norm,
                                         total_steps=total_steps, warmup_steps=warmup)
-    return LoraLomoEngine(model, cfg.ds, cfg.lomo, total_steps, lora_lr=lora.lr, warmup_steps=warmup)
+    return LoraLomoEngine(model, cfg.ds, cfg.lomo, total_steps, lora_lr=lora.lr, warmup_steps=warmup,
+                          precision=cfg.precision)
 
 
 __all__ = ["METHODS", "Engine", "MethodEngine", "build_engine"]

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from lomo_ds.config.lomo import LomoConfig
+from lomo_ds.config.lomo import LomoConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
 from lomo_ds.planning.memory import MemoryTracker, tensor_bytes
 from lomo_ds.methods.base import MethodEngine, load_rank_state, rank_state_file
@@ -14,9 +14,10 @@ from lomo_ds.methods.base import MethodEngine, load_rank_state, rank_state_file
 class LomoMethodEngine(MethodEngine):
     method = "lomo"
 
-    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int):
+    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int,
+                 precision: Precision | None = None):
         super().__init__()
-        self.engine = LomoEngine(model, ds_config, lomo, total_steps=total_steps)
+        self.engine = LomoEngine(model, ds_config, lomo, total_steps=total_steps, precision=precision)
         self.module = self.engine.module
         self.params = self.engine.params
         self.group = self.engine.group

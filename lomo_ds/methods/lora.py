@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lomo_ds.runtime import ds_compat
-from lomo_ds.config.lomo import LomoConfig
+from lomo_ds.config.lomo import LomoConfig, Precision
 from lomo_ds.planning.memory import optimizer_state_bytes, tensor_bytes
 from lomo_ds.config.run import LoraConfig
 from lomo_ds.methods.deepspeed_optim import linear_lr_factor
@@ -50,14 +50,15 @@ class LoraLomoEngine(LomoMethodEngine):
     method = "lora_lomo"
 
     def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int, *,
-                 lora_lr: float, warmup_steps: int):
+                 lora_lr: float, warmup_steps: int, precision: Precision | None = None):
         names = [n for n, _ in model.named_parameters() if any(fnmatch.fnmatch(n, pat) for pat in ADAPTER_PATTERNS)]
         if not names:
             raise ValueError("lora_lomo needs a peft LoRA model (no lora_ parameters found)")
         for p in model.parameters():
             p.requires_grad_(True)  # peft froze the base; LOMO trains it
         excluded = list(lomo.exclude_params) + [p for p in ADAPTER_PATTERNS if p not in lomo.exclude_params]
-        super().__init__(model, ds_config, lomo.model_copy(update={"exclude_params": excluded}), total_steps)
+        super().__init__(model, ds_config, lomo.model_copy(update={"exclude_params": excluded}), total_steps,
+                         precision)
         by_name = dict(self.module.named_parameters())
         self.adapters = [by_name[n] for n in names]
         import deepspeed
@@ -97,13 +98,12 @@ class LoraLomoEngine(LomoMethodEngine):
         return out
 
     def _write_adapters(self) -> None:
-        """Each rank copies its slice of the fp32 masters into the adapters' ZeRO-3 shards."""
-        for p, m in zip(self.adapters, self.masters):
-            part = ds_compat.shard(p).numel()
-            start = self.rank * part
-            local = max(0, min(part, ds_compat.full_numel(p) - start))
-            if local:
-                ds_compat.shard(p)[:local].copy_(m.detach().reshape(-1)[start:start + local])
+        """Each rank copies its slice of the fp32 masters into the adapters' ZeRO-3 shards (the slice
+        of each adapter's own process group, as LOMO's update cuts it)."""
+        for p, m in zip(self.adapters, self.masters, strict=True):
+            g = self.engine.updater.geometry(p)
+            if g.local:
+                ds_compat.shard(p)[:g.local].copy_(m.detach().reshape(-1)[g.start:g.start + g.local])
         ds_compat.release_all(self.engine.offload)  # the next forward gathers the new adapters
 
     # ----------------------------------------------------------------- resume: both halves

@@ -11,7 +11,6 @@ import os
 
 import torch
 
-from lomo_ds.config.lomo import model_dtype
 from lomo_ds.config.run import RunConfig, resolve_model_source
 
 _hf_ds_config = None  # transformers consults the live HfDeepSpeedConfig through a weak reference
@@ -57,7 +56,7 @@ def load_model(cfg: RunConfig, ds_config: dict) -> torch.nn.Module:
 
     _hf_ds_config = HfDeepSpeedConfig(ds_config)  # must stay alive while the model is built
     source, gguf = resolve_model_source(cfg.model.path, cfg.model.gguf_file)
-    kwargs = {"dtype": model_dtype(ds_config), "trust_remote_code": cfg.model.trust_remote_code}
+    kwargs = {"dtype": cfg.precision.torch_dtype, "trust_remote_code": cfg.model.trust_remote_code}
     if gguf:
         kwargs["gguf_file"] = gguf
     model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
