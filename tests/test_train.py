@@ -18,7 +18,7 @@ import lomo_ds
 from lomo_ds.runtime.launch import local_ranks, run_local
 from lomo_ds.storage.checkpoint import export_hf
 from tests.helpers_data import byte_bpe_tokenizer
-from tests.ranks import ROOT, multi_rank_checks, ok, work_dir
+from tests.ranks import ROOT, multi_rank, multi_rank_checks, ok, work_dir
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -125,7 +125,8 @@ def export(tie: str, max_shard_size: int = MAX_SHARD_SIZE) -> dict:
     `max_shard_size` bytes), and saves the engine's own logits on a fixed batch beside it."""
     out_dir = os.path.join(work_dir(), f"export_{tie}")
     engine = lomo_ds.initialize(tiny_llama(11, tie=tie == "tied"), {
-        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
         "lomo": {"lr": 0.05, "clip_grad_norm": 1.0}})
     for step in range(2):
         engine.train_step(global_batch(step, engine.world)[engine.rank])
@@ -167,6 +168,56 @@ def test_export_loads_in_transformers_with_engine_logits(rank_results, check):
     assert torch.allclose(logits, saved["logits"], atol=1e-5), (logits - saved["logits"]).abs().max()
 
 
+# ----------------------------------------------------------------------------- the recipe's parts
+@multi_rank(worlds=[2])
+def recipe_parts() -> dict:
+    """TrainRecipe's parts one at a time on 2 ranks: setup, an evaluation, one step, a checkpoint;
+    then a second recipe resumes from it and runs train, finish and cleanup."""
+    from transformers import LlamaForCausalLM
+
+    from lomo_ds.config.run import load_run_config
+    from lomo_ds.recipe.train import TrainRecipe
+
+    root = pathlib.Path(work_dir())
+    if torch.distributed.get_rank() == 0:
+        tok = byte_bpe_tokenizer()
+        torch.manual_seed(0)
+        LlamaForCausalLM(tiny_llama_config(vocab=len(tok))).save_pretrained(root / "recipe_model")
+        tok.save_pretrained(root / "recipe_model")
+    torch.distributed.barrier()
+    cfg = load_run_config(os.path.join(ROOT, "ds_configs", "tiny_cpu.json"), {
+        "model.path": str(root / "recipe_model"), "output.dir": str(root / "recipe_run"), "train.max_steps": 2,
+        "output.checkpoint_every": 1, "data.train_samples": 16, "data.eval_samples": 8})
+    first = TrainRecipe(cfg)
+    first.setup()
+    out = {"steps": first.total_steps, "start": first.start_step}
+    out["zero_shot"] = first.evaluate("zero_shot", 0)
+    out["record"] = first.train_step(0)
+    first.save()
+    first.cleanup()
+    out["checkpoints"] = sorted(os.listdir(root / "recipe_run" / "checkpoints"))
+    second = TrainRecipe(cfg, resume=True)
+    second.setup()
+    out["resumed_start"] = second.start_step
+    second.train()
+    second.finish()
+    second.cleanup()
+    out["summary"] = json.loads((root / "recipe_run" / "summary.json").read_text())
+    out["logged_steps"] = logged_steps(root / "recipe_run")
+    return out
+
+
+def test_recipe_parts_run_alone(rank_results):
+    r = ok(rank_results(2), recipe_parts)
+    assert r["steps"] == 2 and r["start"] == 0
+    assert 0.0 <= r["zero_shot"]["eval/accuracy"] <= 1.0 and r["zero_shot"]["eval/n"] == 8
+    assert r["record"]["step"] == 1 and r["record"]["loss"] > 0 and not r["record"]["skipped"]
+    assert r["checkpoints"] == ["latest", "step_00000001"]
+    assert r["resumed_start"] == 1  # the second recipe starts where the first one's checkpoint is
+    assert r["summary"]["steps"] == 2 and 0.0 <= r["summary"]["final_accuracy"] <= 1.0
+    assert r["logged_steps"] == [1, 2]  # the resumed run appends to the first one's metrics
+
+
 def test_dry_run_prints_config_and_memory_plan():
     out = subprocess.run([sys.executable, TRAIN, "--config", "ds_configs/llama65b.json", "--dry-run"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -184,3 +235,38 @@ def test_bad_config_fails_before_any_model(tmp_path):
                          timeout=120)
     assert out.returncode == 2
     assert "lomo.lr" in out.stderr and "expected a number" in out.stderr
+
+
+# ----------------------------------------------------------------------------- the first command a user types
+PLACEHOLDER_CONFIGS = [n for n in sorted(os.listdir(os.path.join(ROOT, "ds_configs")))
+                       if n.endswith(".json") and n != "tiny_cpu.json"  # the tests' own placeholder
+                       and json.load(open(os.path.join(ROOT, "ds_configs", n)))["model"]["path"].startswith("/")]
+
+
+def test_every_gpu_config_holds_a_placeholder():
+    assert PLACEHOLDER_CONFIGS == ["llama13b.json", "llama30b.json", "llama65b.json", "llama7b.json"]
+
+
+@pytest.mark.parametrize("name", PLACEHOLDER_CONFIGS)
+def test_shipped_config_without_model_is_one_config_error(name, capsys, monkeypatch):
+    """`deepspeed launch/train.py --config ds_configs/<name>` on a machine without the model: one line
+    naming model.path, the placeholder and --model, before anything is loaded."""
+    from lomo_ds.recipe.train import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    path = os.path.join("ds_configs", name)
+    placeholder = json.load(open(os.path.join(ROOT, path)))["model"]["path"]
+    monkeypatch.chdir(ROOT)
+    assert main(["--config", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"config error: {path}: model.path: {placeholder!r}") and "--model" in err[0], err
+
+
+def test_placeholder_error_is_printed_once_on_two_ranks():
+    """The same under a launcher: every rank stops before loading a model, rank 0 alone says why."""
+    proc = run_local([TRAIN, "--config", "ds_configs/llama65b.json"], 2, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("model.path: '/path/to/llama-65b'") == 1, out[-3000:]
+    assert "Repo id" not in out and "from_pretrained" not in out, out[-3000:]

@@ -17,7 +17,7 @@ import sys
 import time
 
 from lomo_ds.config.lomo import ConfigError
-from lomo_ds.config.run import METHODS, load_run_config, parse_override_args
+from lomo_ds.config.run import METHODS, check_model_on_disk, load_run_config, parse_override_args
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def check_runtime(cfg) -> None:
     """Errors only the machine can tell, still before any model is allocated."""
     from deepspeed.accelerator import get_accelerator
 
-    if cfg.ds.get("fp16", {}).get("enabled") and get_accelerator().device_name() == "cpu":
+    if cfg.precision.dtype == "fp16" and get_accelerator().device_name() == "cpu":
         raise ConfigError(f"{cfg.source_path}: fp16.enabled: DeepSpeed refuses fp16 on a CPU; use bf16 or fp32 here")
 
 
@@ -117,99 +117,144 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The program: the config checked before anything heavy, then the recipe from setup to cleanup."""
+    rank = int(os.environ.get("RANK", "0"))  # the launcher's
     try:
         cfg = load_run_config(args.config, overrides_from(args))
         if args.dry_run:
             dry_run(cfg)
             return 0
-        show_what_matters(int(os.environ.get("RANK", "0")))  # the launcher's rank, before any library speaks
+        check_model_on_disk(cfg)
+        show_what_matters(rank)  # before any library speaks
         check_runtime(cfg)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if rank == 0:  # every rank stops; one says why
+            print(f"config error: {e}", file=sys.stderr)
         return 2
 
-    # Heavy imports only once the config is known to be good.
-    import torch
-    from tqdm import tqdm
+    from lomo_ds.data.loading import DataError
 
-    from lomo_ds.storage import checkpoint
-    from lomo_ds.data.loading import DataError, batches_for_step, build_datasets, collate, epoch_order, pad_id_of, position_of_step
-    from lomo_ds.runtime.dist import init_distributed
-    from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
-    from lomo_ds.planning.memory import cuda_peak_bytes, process_peak_rss_bytes
-    from lomo_ds.methods import build_engine
-    from lomo_ds.recipe.metrics import Metrics
-    from lomo_ds.storage.models import load_model, load_tokenizer
-
-    torch.manual_seed(cfg.train.seed)
-    init_distributed()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    barrier = torch.distributed.barrier
-
-    def say(msg: str) -> None:
-        if rank == 0:
-            print(msg, flush=True)
-
-    # ---- data (before the model: a malformed file fails fast and cheap)
-    tokenizer = load_tokenizer(cfg, rank, barrier)
+    recipe = TrainRecipe(cfg, resume=args.resume)
     try:
-        data = build_datasets(cfg, tokenizer)
+        recipe.setup()
     except DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
+        if rank == 0:
+            print(f"data error: {e}", file=sys.stderr)
         return 2
-    pad_id = pad_id_of(tokenizer)
-    steps_per_epoch, total_steps = planned_steps(cfg, len(data.train), world)
-    say(f"data: {json.dumps(data.stats)}; {steps_per_epoch} steps/epoch, {total_steps} steps in all")
+    try:
+        recipe.train()
+        recipe.finish()
+    finally:
+        recipe.cleanup()
+    return 0
 
-    # ---- model and engine
-    engine = build_engine(cfg, load_model(cfg, cfg.ds), total_steps)
-    if not engine.supports_resume and (args.resume or cfg.output.checkpoint_every):
-        say(f"train.method={cfg.train.method}: nothing to checkpoint or resume")
-    start_step = 0
-    if args.resume and engine.supports_resume:
-        ckpt = checkpoint.latest_checkpoint(cfg.output.dir)
+
+class TrainRecipe:
+    """One fine-tuning run, in the parts a reader (or a test) takes one at a time:
+
+        recipe = TrainRecipe(cfg, resume=False)
+        recipe.setup()       # process group, tokenizer, data, engine, resume point, metrics
+        recipe.train()       # the steps, with periodic checkpoints and evaluations
+        recipe.finish()      # final evaluation, checkpoint, Hugging Face export, summary.json
+        recipe.cleanup()     # close the metrics; every rank done
+
+    evaluate(tag, step) and save() are the parts train() and finish() call."""
+
+    def __init__(self, cfg, resume: bool = False):
+        self.cfg = cfg
+        self.resume_requested = resume
+        self.results: dict[str, dict] = {}  # evaluation results by tag: zero_shot, final
+        self.start_step = 0
+        self.metrics = None
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> None:
+        import torch
+
+        from lomo_ds.runtime.dist import init_distributed
+
+        torch.manual_seed(self.cfg.train.seed)
+        init_distributed()
+        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.barrier = torch.distributed.barrier
+        self.setup_data()  # before the model: a malformed file fails fast and cheap
+        self.setup_engine()
+        self.start_step = self.resume_point()
+        from lomo_ds.recipe.metrics import Metrics
+
+        out = self.cfg.output
+        self.metrics = Metrics(out.dir, out.metrics_file, self.rank, append=self.resume_requested,
+                               tensorboard=out.tensorboard)
+
+    def setup_data(self) -> None:
+        """The tokenizer and the datasets (raises DataError on a bad file), and the run's step count."""
+        from lomo_ds.data.loading import build_datasets, pad_id_of
+        from lomo_ds.storage.models import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.cfg, self.rank, self.barrier)
+        self.data = build_datasets(self.cfg, self.tokenizer)
+        self.pad_id = pad_id_of(self.tokenizer)
+        self.steps_per_epoch, self.total_steps = planned_steps(self.cfg, len(self.data.train), self.world)
+        self.say(f"data: {json.dumps(self.data.stats)}; {self.steps_per_epoch} steps/epoch, "
+                 f"{self.total_steps} steps in all")
+
+    def setup_engine(self) -> None:
+        from lomo_ds.methods import build_engine
+        from lomo_ds.storage.models import load_model
+
+        self.engine = build_engine(self.cfg, load_model(self.cfg, self.cfg.ds), self.total_steps)
+        if not self.engine.supports_resume and (self.resume_requested or self.cfg.output.checkpoint_every):
+            self.say(f"train.method={self.cfg.train.method}: nothing to checkpoint or resume")
+
+    def resume_point(self) -> int:
+        """The step to start from: the newest checkpoint's when resuming (loaded into the engine), else 0."""
+        from lomo_ds.storage import checkpoint
+
+        if not (self.resume_requested and self.engine.supports_resume):
+            return 0
+        ckpt = checkpoint.latest_checkpoint(self.cfg.output.dir)
         if ckpt is None:
-            say(f"resume: no checkpoint in {cfg.output.dir}; starting from scratch")
-        else:
-            start_step = checkpoint.load_checkpoint(ckpt, engine)["step"]
-            say(f"resumed from {ckpt} at step {start_step}")
-    metrics = Metrics(cfg.output.dir, cfg.output.metrics_file, rank, append=args.resume,
-                      tensorboard=cfg.output.tensorboard)
+            self.say(f"resume: no checkpoint in {self.cfg.output.dir}; starting from scratch")
+            return 0
+        step = checkpoint.load_checkpoint(ckpt, self.engine)["step"]
+        self.say(f"resumed from {ckpt} at step {step}")
+        return step
 
-    def save() -> None:
-        checkpoint.save_checkpoint(cfg.output.dir, engine, {"config": cfg.to_dict()}, cfg.output.keep_last, barrier)
+    # ---------------------------------------------------------------- train
+    def train(self) -> None:
+        """Zero-shot evaluation on a fresh start, then every step from the resume point on."""
+        from tqdm import tqdm
 
-    def run_eval(tag: str, step: int) -> dict:
-        def forward_logits(batch):
-            return engine.eval_forward(batch).logits
+        cfg = self.cfg
+        if cfg.train.zero_shot_eval and self.start_step == 0:
+            self.results["zero_shot"] = self.evaluate("zero_shot", 0)
+        progress = tqdm(total=self.total_steps, initial=self.start_step, disable=self.rank != 0, dynamic_ncols=True,
+                        desc="train")
+        for step in range(self.start_step, self.total_steps):
+            record = self.train_step(step)
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tgs=f"{record['tgs']:.0f}",
+                                 mem=f"{record['peak_mem_gb']:.2f}G")
+            done = step + 1
+            if done < self.total_steps:  # the last step's checkpoint and evaluation are finish()'s
+                if self.engine.supports_resume and cfg.output.checkpoint_every and done % cfg.output.checkpoint_every == 0:
+                    self.save()
+                if cfg.eval.every_steps and done % cfg.eval.every_steps == 0:
+                    self.evaluate("eval", done)
+        progress.close()
 
+    def train_step(self, step: int) -> dict:
+        """Step `step` (0-based) on this rank's micro-batch of the global batch; its record, logged."""
+        from lomo_ds.data.loading import batches_for_step, collate, epoch_order, position_of_step
+        from lomo_ds.planning.memory import cuda_peak_bytes, process_peak_rss_bytes
+
+        cfg = self.cfg
+        epoch, step_in_epoch = position_of_step(step, self.steps_per_epoch)
+        order = epoch_order(len(self.data.train), cfg.train.seed, epoch)
+        rows = batches_for_step(order, step_in_epoch, self.world, cfg.micro_batch, self.rank)
+        batch = collate([self.data.train[i] for i in rows], self.pad_id)
         t0 = time.perf_counter()
-        if data.eval:
-            res = evaluate(forward_logits, data.eval, pad_id, cfg.eval.batch_size, rank, world, progress=rank == 0)
-        elif data.eval_lm:
-            res = evaluate_loss(forward_logits, data.eval_lm, pad_id, cfg.eval.batch_size, rank, world,
-                                progress=rank == 0)
-        else:
-            return {}
-        res = {f"eval/{k}": v for k, v in res.items()}
-        metrics.log({"step": step, "phase": tag, **res, "eval_seconds": time.perf_counter() - t0})
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if "accuracy" in k or "loss" in k}
-        say(f"[{tag}] step {step}: {shown}")
-        return res
-
-    results = {}
-    if cfg.train.zero_shot_eval and start_step == 0:
-        results["zero_shot"] = run_eval("zero_shot", 0)
-
-    # ---- the training loop
-    progress = tqdm(total=total_steps, initial=start_step, disable=rank != 0, dynamic_ncols=True, desc="train")
-    for step in range(start_step, total_steps):
-        epoch, step_in_epoch = position_of_step(step, steps_per_epoch)
-        order = epoch_order(len(data.train), cfg.train.seed, epoch)
-        batch = collate([data.train[i] for i in batches_for_step(order, step_in_epoch, world, cfg.micro_batch, rank)],
-                        pad_id)
-        t0 = time.perf_counter()
-        out = engine.train_step(batch)
+        out = self.engine.train_step(batch)
         elapsed = time.perf_counter() - t0
         tokens = int(batch["attention_mask"].sum())
         peak_mem = cuda_peak_bytes()
@@ -217,41 +262,87 @@ def run(args: argparse.Namespace) -> int:
         record = {"step": step + 1, "epoch": epoch, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                   "skipped": out["skipped"], "loss_scale": out["loss_scale"], "tokens": tokens,
                   "tgs": tokens / elapsed, "step_seconds": elapsed, "peak_mem_gb": peak_mem / 2**30}
-        metrics.log(record)
-        progress.update(1)
-        progress.set_postfix(loss=f"{out['loss']:.4f}", lr=f"{out['lr']:.2e}", tgs=f"{record['tgs']:.0f}",
-                             mem=f"{record['peak_mem_gb']:.2f}G")
-        done = step + 1
-        if engine.supports_resume and cfg.output.checkpoint_every and done % cfg.output.checkpoint_every == 0 \
-                and done < total_steps:
-            save()
-        if cfg.eval.every_steps and done % cfg.eval.every_steps == 0 and done < total_steps:
-            run_eval("eval", done)
-    progress.close()
+        self.metrics.log(record)
+        return record
 
-    # ---- the end: evaluate, checkpoint, export
-    if cfg.eval.at_end and total_steps > 0:
-        results["final"] = run_eval("final", total_steps)
-    if engine.supports_resume and 0 < total_steps and start_step < total_steps and (
-            cfg.output.checkpoint_every or cfg.output.export_hf):
-        save()
-    if cfg.output.export_hf and total_steps > 0:
-        path = checkpoint.export_hf(engine, tokenizer, os.path.join(cfg.output.dir, "hf_model"), barrier)
-        say(f"exported Hugging Face model to {path}")
-    metrics.close()
-    if rank == 0:
+    # ---------------------------------------------------------------- evaluate
+    def evaluate(self, tag: str, step: int) -> dict:
+        """Candidate accuracy on the eval set (or its loss, for a language-modelling task), logged
+        under `tag`; {} when the task has no eval set."""
+        from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
+
+        def forward_logits(batch):
+            return self.engine.eval_forward(batch).logits
+
+        cfg, data, show = self.cfg, self.data, self.rank == 0
+        t0 = time.perf_counter()
+        if data.eval:
+            res = evaluate(forward_logits, data.eval, self.pad_id, cfg.eval.batch_size, self.rank, self.world,
+                           progress=show)
+        elif data.eval_lm:
+            res = evaluate_loss(forward_logits, data.eval_lm, self.pad_id, cfg.eval.batch_size, self.rank, self.world,
+                                progress=show)
+        else:
+            return {}
+        res = {f"eval/{k}": v for k, v in res.items()}
+        self.metrics.log({"step": step, "phase": tag, **res, "eval_seconds": time.perf_counter() - t0})
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if "accuracy" in k or "loss" in k}
+        self.say(f"[{tag}] step {step}: {shown}")
+        return res
+
+    # ---------------------------------------------------------------- save
+    def save(self) -> None:
+        """A checkpoint of the engine at its current step (atomic; the oldest beyond keep_last go)."""
+        from lomo_ds.storage import checkpoint
+
+        checkpoint.save_checkpoint(self.cfg.output.dir, self.engine, {"config": self.cfg.to_dict()},
+                                   self.cfg.output.keep_last, self.barrier)
+
+    def export(self) -> str:
+        from lomo_ds.storage import checkpoint
+
+        path = checkpoint.export_hf(self.engine, self.tokenizer, os.path.join(self.cfg.output.dir, "hf_model"),
+                                    self.barrier)
+        self.say(f"exported Hugging Face model to {path}")
+        return path
+
+    def finish(self) -> None:
+        """The end of the run: the final evaluation, the last checkpoint, the export and the summary."""
+        cfg, total = self.cfg, self.total_steps
+        if cfg.eval.at_end and total > 0:
+            self.results["final"] = self.evaluate("final", total)
+        if self.engine.supports_resume and self.start_step < total and (cfg.output.checkpoint_every or
+                                                                        cfg.output.export_hf):
+            self.save()
+        if cfg.output.export_hf and total > 0:
+            self.export()
+        if self.rank == 0:
+            self.write_summary()
+
+    def write_summary(self) -> None:
+        results = self.results
         # Which split (validation or heldout) and how many examples the accuracies are on.
-        summary = {"steps": total_steps, "eval_split": cfg.eval.split, "eval_examples": data.stats["eval_size"],
+        summary = {"steps": self.total_steps, "eval_split": self.cfg.eval.split,
+                   "eval_examples": self.data.stats["eval_size"],
                    **{f"{k}_accuracy": v.get("eval/accuracy") for k, v in results.items() if v}}
-        with open(os.path.join(cfg.output.dir, "summary.json"), "w") as f:
+        with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         zs, ft = (results.get(k, {}).get("eval/accuracy") for k in ("zero_shot", "final"))
         if zs is not None and ft is not None and not math.isnan(zs):
             # The run's result in one line: where it started, where it ended, and the gain.
-            print(f"accuracy: zero-shot {zs:.3f} -> fine-tuned ({cfg.train.method}) {ft:.3f} "
+            print(f"accuracy: zero-shot {zs:.3f} -> fine-tuned ({self.cfg.train.method}) {ft:.3f} "
                   f"({100 * (ft - zs):+.1f} points)", flush=True)
-    barrier()
-    return 0
+
+    # ---------------------------------------------------------------- cleanup
+    def cleanup(self) -> None:
+        """Close the metrics (flushed to disk) and wait for every rank."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.barrier()
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
 
 
 if __name__ == "__main__":
