@@ -2,7 +2,7 @@
 prompts, candidates, where their data lives) are the registry in tasks.py.
 
 The training loss is on the answer tokens and EOS only; evaluation scores every candidate by its
-mean token log-probability (evaluation.py). The instruction task has no candidates, so its
+mean token log-probability (lomo_ds/evaluation/scoring.py). The instruction task has no candidates, so its
 evaluation is the mean token loss on `eval_file` (Datasets.eval_lm), or nothing without one.
 
 Data order is a pure function of (seed, epoch, step), so a resumed run replays it exactly.
