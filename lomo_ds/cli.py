@@ -94,7 +94,7 @@ def _run_plan(args) -> int:
                "estimates": [dict(e.gib(), fits=p.fits(e.method, e.gpus)) for e in p.estimates.values()]}
         print(json.dumps(out, indent=1))
         return 0
-    print(planner.format_plan(p))
+    print(planner.format_plan(p, args.gpus))
     if args.gpus:
         print()
         for m in p.min_gpus:

@@ -24,8 +24,8 @@ LR = 0.01
 STEPS = 3
 
 
-def adalomo_cfg(persist=0, lr=LR, **lomo):
-    cfg = ds_cfg(persist=persist, optimizer="adalomo", **lomo)
+def adalomo_cfg(persist=0, lr=LR, fetch=None, **lomo):
+    cfg = ds_cfg(persist=persist, fetch=fetch, optimizer="adalomo", **lomo)
     cfg["lomo"]["lr"] = lr
     return cfg
 
@@ -68,6 +68,7 @@ def equivalence(make_model, cfg, clip_norm=None, clip_value=None, wd=0.0, forwar
     moved = max((p.detach() - p0).abs().max().item() for p, p0 in zip(ref.parameters(), start, strict=True))
     return {"max_abs_diff": max_diff(engine, ref), "moved": moved, "loss": losses, "ref_loss": ref_losses,
             "crosses_rows": crosses_rows(engine), "n_persistent": len(engine.offload.persistent_parameters),
+            "leaf_modules": sorted({type(m).__name__ for m in ds_compat.leaf_modules(engine.module)}),
             "n_params": len(engine.params)}
 
 

@@ -18,10 +18,15 @@ LR = 0.05
 STEPS = 3
 
 
-def ds_cfg(persist=0, micro=2, **lomo):
+# zero_optimization.leaf_module: each decoder layer gathered whole, by one set of hooks (the
+# shipped configs' fetch granularity; without it, DeepSpeed's default: one gather per module).
+PER_LAYER = {"leaf_module": {"classes": ["LlamaDecoderLayer"]}}
+
+
+def ds_cfg(persist=0, micro=2, fetch=None, **lomo):
     return {"train_micro_batch_size_per_gpu": micro,
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persist,
-                                  "stage3_prefetch_bucket_size": 0},
+                                  "stage3_prefetch_bucket_size": 0, **(fetch or {})},
             "lomo": {"lr": LR, "bucket_size": 700, **lomo}}
 
 
@@ -97,6 +102,7 @@ def equivalence(make_model, cfg, ref_kwargs=None, forward=None, engine_forward_b
     return {"max_abs_diff": diff, "loss": losses, "ref_loss": ref_losses, "grad_norm": norms,
             "ref_grad_norm": ref_norms,
             "n_persistent": len(engine.offload.persistent_parameters), "n_params": len(engine.params),
+            "leaf_modules": sorted({type(m).__name__ for m in ds_compat.leaf_modules(engine.module)}),
             "shard_device": str(ds_compat.shard(engine.params[0]).device),
             "param_group_is_world": ds_compat.process_group(engine.params[0]) is torch.distributed.group.WORLD}
 

@@ -18,7 +18,7 @@ from lomo_ds.engine.adalomo import row_pieces
 from lomo_ds.planning.planner import LLAMA
 from tests import dist_adalomo_checks as A
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import scaled_forward
+from tests.dist_engine_checks import PER_LAYER, scaled_forward
 from tests.ranks import multi_rank_checks, ok
 from tests.tiny import ScaledLlama, global_batch, tiny_llama
 
@@ -29,6 +29,7 @@ CFG, EQ = A.adalomo_cfg, A.equivalence
 EQUIVALENCE = multi_rank_checks(
     WORLDS,
     plain=lambda: EQ(lambda: tiny_llama(0), CFG()),
+    plain_per_layer=lambda: EQ(lambda: tiny_llama(0), CFG(fetch=PER_LAYER)),
     clip_norm=lambda: EQ(lambda: tiny_llama(1), CFG(clip_grad_norm=0.5), clip_norm=0.5),
     clip_value=lambda: EQ(lambda: tiny_llama(2), CFG(clip_grad_value=0.002), clip_value=0.002),
     weight_decay=lambda: EQ(lambda: tiny_llama(2), CFG(weight_decay=0.3), wd=0.3),
@@ -161,6 +162,9 @@ def test_checks_cover_persistent_parameters(rank_results, world):
     persistent, mixed = (ok(rank_results(world), by_name[n]) for n in ("persistent", "persistent_mixed"))
     assert persistent["n_persistent"] == persistent["n_params"]
     assert 0 < mixed["n_persistent"] < mixed["n_params"]
+    # and both fetch granularities: per module, and each decoder layer gathered whole
+    plain, per_layer = (ok(rank_results(world), by_name[n]) for n in ("plain", "plain_per_layer"))
+    assert plain["leaf_modules"] == [] and per_layer["leaf_modules"] == ["LlamaDecoderLayer"]
 
 
 @pytest.mark.parametrize("world", WORLDS)

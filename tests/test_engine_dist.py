@@ -17,6 +17,10 @@ EQUIVALENCE = multi_rank_checks(
     WORLDS,
     sgd=lambda: EQ(lambda: tiny_llama(0), CFG()),
     sgd_zero_init=lambda: EQ(lambda: tiny_llama(0), CFG(), zero_init=True),
+    # Each decoder layer fetched whole: its gradients arrive while the whole layer is gathered.
+    sgd_per_layer=lambda: EQ(lambda: tiny_llama(0), CFG(fetch=E.PER_LAYER)),
+    clip_norm_per_layer=lambda: EQ(lambda: tiny_llama(1), CFG(clip_grad_norm=0.5, fetch=E.PER_LAYER),
+                                   {"clip_norm": 0.5}),
     clip_norm=lambda: EQ(lambda: tiny_llama(1), CFG(clip_grad_norm=0.5), {"clip_norm": 0.5}),
     clip_norm_recompute=lambda: EQ(lambda: tiny_llama(1), CFG(clip_grad_norm=0.5, two_pass_mode="recompute"),
                                    {"clip_norm": 0.5}),
@@ -67,7 +71,7 @@ def test_matches_sgd(rank_results, world, check):
 @pytest.mark.parametrize("world", WORLDS)
 def test_norm_clipping_reports_exact_global_norm(rank_results, world):
     for name in ("clip_norm", "clip_norm_recompute", "persistent_mixed", "grad_checkpointing", "offload_param",
-                 "dropout_recompute", "own_process_group"):
+                 "dropout_recompute", "own_process_group", "clip_norm_per_layer"):
         r = ok(rank_results(world), by_name[name])
         assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
         assert all(n > 0.5 for n in r["ref_grad_norm"])  # the clip was active, not a no-op
@@ -80,6 +84,10 @@ def test_checks_cover_the_hard_cases(rank_results, world):
     assert persistent["n_persistent"] == persistent["n_params"]  # all persistent
     assert 0 < mixed["n_persistent"] < mixed["n_params"]
     assert ok(res, by_name["sgd"])["n_persistent"] == 0
+    # Both fetch granularities: DeepSpeed's default (per module) and one gather per decoder layer.
+    assert ok(res, by_name["sgd"])["leaf_modules"] == []
+    for name in ("sgd_per_layer", "clip_norm_per_layer"):
+        assert ok(res, by_name[name])["leaf_modules"] == ["LlamaDecoderLayer"]
     # Sharded over a group object other than the default one: the engine reduces over each
     # parameter's own ds_process_group.
     assert ok(res, by_name["own_process_group"])["param_group_is_world"] is False

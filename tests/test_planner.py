@@ -122,7 +122,7 @@ def test_run_config_plan_takes_the_typed_config(tmp_path):
     assert sorted({n for _, n in p.estimates}) == [1, 2, 3, 4, 8]
     # every field from the config; zero_optimization keys it leaves out are DeepSpeed's defaults
     assert p.run == RunSpec(seq=256, batch=3, dtype="fp16", checkpointing=False, offload=True, lomo_bucket=1000,
-                            lomo_fp32_master=True, max_live=100_000_000, persistence=100_000)
+                            lomo_fp32_master=True, max_live=100_000_000, persistence=100_000, leaf_classes=())
     with pytest.raises(ValueError, match="planner_size"):
         plan_for_run(load_run_config(dict(raw, model={"path": "/not/here"})))
     assert plan_for_run(load_run_config(dict(raw, model={"path": "/not/here"})), model_size="13b").model is LLAMA["13b"]

@@ -1,8 +1,13 @@
-"""Counts the bytes each rank sends through DeepSpeed's communication backend, and times the
-parts of a LOMO step (StepTimers, for experiments/bench_step.py).
+"""Counts the collectives each rank issues and the bytes it sends, and times the parts of a LOMO
+step (StepTimers, for experiments/bench_step.py).
 
-All of ZeRO-3's parameter all-gathers and lomo_ds's own reduce-scatters and all-reduces go
-through `deepspeed.comm`'s backend object, so wrapping its methods sees every collective.
+Three paths carry collectives, and `count_comm` sees all of them, each call once:
+  deepspeed.comm's backend object: ZeRO-3's parameter all-gathers, lomo_ds's reduce-scatters and
+      all-reduces, and DeepSpeed's CPU all-reduce, which goes through shared memory and never
+      reaches torch.distributed;
+  torch.distributed itself: what calls it directly (PyTorch FSDP2 in experiments/bench_fsdp.py);
+      a call made from inside a DeepSpeed one is that one, not a second;
+  lomo_ds's shared-memory reduce-scatter (shm_reduce_scatter.py), which reports each post here.
 Bytes are counted as a ring algorithm sends them per rank, the usual cost model:
 all-gather and reduce-scatter of an n-element result/input: (w-1)/w * n elements;
 all-reduce of n elements: 2 (w-1)/w * n; broadcast: n from the root.
@@ -29,54 +34,103 @@ class CommCounts:
 
 
 def _world(group):
-    import deepspeed.comm as dist
+    import torch.distributed as dist
 
     return dist.get_world_size(group=group)
 
 
+_ACTIVE: list[CommCounts] = []  # the counts of every count_comm block now open
+
+
+def record(op: str, nbytes: int) -> None:
+    """One collective issued outside deepspeed.comm and torch.distributed (the shared-memory
+    reduce-scatter): counted by every open count_comm block, free when none is."""
+    for counts in _ACTIVE:
+        counts.bytes_by_op[op] += int(nbytes)
+        counts.calls_by_op[op] += 1
+
+
+def ring_part(tensor, group) -> int:
+    """Bytes a rank sends in a ring all-gather (of `tensor`, the output) or reduce-scatter (the input)."""
+    w = _world(group)
+    return tensor.numel() * tensor.element_size() * (w - 1) // w
+
+
 @contextlib.contextmanager
 def count_comm():
-    """Within the block, count every collective's bytes sent by this rank."""
+    """Within the block, count every collective this rank issues and the bytes it sends."""
     import deepspeed.comm.comm as dscomm
+    import torch.distributed as tdist
 
-    backend = dscomm.cdb
     counts = CommCounts()
-    originals = {}
+    restore = []
+    depth = [0]  # > 0 inside a counted call: the calls it makes are part of it
 
-    def wrap(name, elems_sent, op=None):
-        fn = getattr(backend, name)
-        originals[name] = fn
+    def wrap(owner, name, elems_sent, op=None):
+        fn = getattr(owner, name, None)
+        if fn is None:  # not in this torch / DeepSpeed release
+            return
+        restore.append((owner, name, fn))
         op = op or name
 
         def counted(*args, **kwargs):
-            nbytes = elems_sent(*args, **kwargs)
-            counts.bytes_by_op[op] += int(nbytes)
-            counts.calls_by_op[op] += 1
-            return fn(*args, **kwargs)
+            if depth[0] == 0:
+                counts.bytes_by_op[op] += int(elems_sent(*args, **kwargs))
+                counts.calls_by_op[op] += 1
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
 
-        setattr(backend, name, counted)
+        setattr(owner, name, counted)
 
-    def ring_part(tensor, group):
-        w = _world(group)
-        return tensor.numel() * tensor.element_size() * (w - 1) // w
+    def arg(args, kwargs, index, names):
+        """The argument at `index`, or passed by one of `names` (callers spell them differently)."""
+        if len(args) > index:
+            return args[index]
+        return next((kwargs[n] for n in names if n in kwargs), None)
 
-    wrap("all_gather_into_tensor",
-         lambda output_tensor, input_tensor, group=None, async_op=False: ring_part(output_tensor, group))
-    # Both forms of the reduce-scatter (flat tensor, list of per-rank chunks) count as one collective.
-    wrap("reduce_scatter_tensor",
-         lambda output_tensor, input_tensor, op=None, group=None, async_op=False: ring_part(input_tensor, group),
-         op="reduce_scatter")
-    wrap("reduce_scatter",
-         lambda output, input_list, op=None, group=None, async_op=False:
-         sum(t.numel() * t.element_size() for t in input_list) * (_world(group) - 1) // _world(group))
-    wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: 2 * ring_part(tensor, group))
-    wrap("all_gather",
-         lambda tensor_list, tensor, group=None, async_op=False: tensor.numel() * tensor.element_size() * (_world(group) - 1))
+    def ring(tensor_at, names, group_at, factor=1):
+        """Bytes sent: `factor` x the ring share of the tensor at `tensor_at` (all-gather: the
+        output; reduce-scatter: the input; all-reduce: twice the tensor)."""
+        return lambda *a, **k: factor * ring_part(arg(a, k, tensor_at, names), arg(a, k, group_at, ("group",)))
+
+    def scattered_list(*a, **k):
+        inputs, group = arg(a, k, 1, ("input_list",)), arg(a, k, 3, ("group",))
+        return sum(t.numel() * t.element_size() for t in inputs) * (_world(group) - 1) // _world(group)
+
+    def gathered_list(*a, **k):
+        tensor, group = arg(a, k, 1, ("tensor",)), arg(a, k, 2, ("group",))
+        return tensor.numel() * tensor.element_size() * (_world(group) - 1)
+
+    def broadcast(*a, **k):
+        tensor = arg(a, k, 0, ("tensor",))
+        return tensor.numel() * tensor.element_size()
+
+    gathered = ring(0, ("output_tensor", "output"), 2)
+    scattered = ring(1, ("input_tensor", "input"), 3)
+    # Both forms of each collective (flat tensor, list of per-rank chunks), and torch's newer
+    # names (FSDP2 calls these), count as one op.
+    for owner in (dscomm.cdb, tdist):
+        wrap(owner, "all_gather_into_tensor", gathered)
+        wrap(owner, "reduce_scatter_tensor", scattered, op="reduce_scatter")
+        wrap(owner, "reduce_scatter", scattered_list)
+        wrap(owner, "all_reduce", ring(0, ("tensor",), 2, factor=2))
+        wrap(owner, "all_gather", gathered_list)
+        wrap(owner, "broadcast", broadcast)
+    wrap(tdist, "all_gather_single", gathered, op="all_gather_into_tensor")
+    wrap(tdist, "reduce_scatter_single", scattered, op="reduce_scatter")
+    wrap(tdist, "barrier", lambda *a, **k: 0)
+    # DeepSpeed's CPU all-reduce through shared memory, which never reaches torch.distributed.
+    wrap(dscomm.cdb, "inference_all_reduce", ring(0, ("tensor",), 2, factor=2), op="all_reduce")
+    _ACTIVE.append(counts)
     try:
         yield counts
     finally:
-        for name, fn in originals.items():
-            setattr(backend, name, fn)
+        _ACTIVE.remove(counts)
+        for owner, name, fn in reversed(restore):
+            setattr(owner, name, fn)
 
 
 _OFF = contextlib.nullcontext()

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from lomo_ds.engine import comm_stats
 from lomo_ds.runtime import ds_compat
 
 SLOTS = 2  # a rank may post its next bucket while its peers still read its last one
@@ -126,6 +127,8 @@ class SharedMemoryReduceScatter:
         self._next = None
         self.seq += 1
         self.flags[self.rank][self.seq % SLOTS] = self.seq  # after the payload's stores (x86 keeps their order)
+        # Counted as the reduce-scatter it replaces (by an open comm_stats.count_comm, else free).
+        comm_stats.record("reduce_scatter", width * dtype.itemsize * (self.world - 1))
         return _Pending(self, self.seq, out)
 
     def reduce_into(self, out: torch.Tensor, seq: int) -> None:

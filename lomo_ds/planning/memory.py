@@ -116,7 +116,9 @@ class ActivationCounter:
         self._seen = {}
         self._param_ptrs = set()
         for p in module.parameters():
-            self._param_ptrs.add(p.data.untyped_storage().data_ptr())
+            # A DTensor (FSDP2's sharded parameter) has no storage of its own: its local shard does.
+            local = p.to_local() if hasattr(p, "to_local") else p.data
+            self._param_ptrs.add(local.untyped_storage().data_ptr())
             if hasattr(p, "ds_tensor"):
                 self._param_ptrs.add(p.ds_tensor.untyped_storage().data_ptr())
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

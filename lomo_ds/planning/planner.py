@@ -8,7 +8,7 @@ that fits, and (with `offload_param: cpu`) the host RAM a LOMO run needs.
 
 Defaults are the shipped GPU configs' (ds_configs/llama*.json): bf16 weights, sequences of 512
 tokens, activation checkpointing on, stochastic rounding on, lomo.bucket_size 25e6, and their
-ZeRO-3 settings; `shipped_run(size)` adds that size's micro-batch (global batch 16 over the
+ZeRO-3 settings (one gather per decoder layer included); `shipped_run(size)` adds that size's micro-batch (global batch 16 over the
 paper's GPU count). Every printed plan starts with the assumptions it made.
 
 Notation: P parameters, N GPUs (ZeRO-3 data-parallel ranks), b bytes of the model dtype (2 for
@@ -24,11 +24,19 @@ Model states
              + b W            (N > 1)         the gathered working set. DeepSpeed keeps gathered
                                               parameters up to stage3_max_live_parameters (and keeps
                                               those reused within stage3_max_reuse_distance), plus the
-                                              module being computed and the prefetch bucket:
+                                              fetch unit being computed and the prefetch bucket:
                                               W = min(P - P_persist, min(max_live, max_reuse) + largest
-                                              parameter + stage3_prefetch_bucket_size).
+                                              fetch unit + stage3_prefetch_bucket_size).
                                               On one GPU the shard is the whole parameter: nothing is
                                               gathered.
+  Fetch units (the fetch granularity). By default ZeRO-3 gathers each module's own parameters in
+  its own hooks: the largest unit is the largest parameter (a Linear, or the embedding). A leaf
+  module (zero_optimization.leaf_module: classes, names or name suffixes; or every module whose
+  DeepSpeed "granularity", its parameters over its modules, is at most
+  stage3_module_granularity_threshold, outermost first) is gathered whole, by one set of hooks:
+  per decoder layer, the largest unit is a whole layer (12 h^2 for LLaMA-7B's 4096, 1.6 GB in bf16
+  for 65B, against 0.36 GB for its largest Linear). Fewer, larger gathers cost less host time
+  (fetch_units() lists them; format_plan prints W under each granularity).
   LOMO grads   b max_p                        N = 1: the one gradient alive at a time (the largest
                                               parameter: the embedding / LM head)
   (2 + 1/N) b max(bucket x N, max_p)  N > 1: the gradients filling the next bucket (bucket_size
@@ -168,6 +176,10 @@ _ZERO_FIELDS = {"reduce_bucket_size": "reduce_bucket", "stage3_prefetch_bucket_s
                 "stage3_param_persistence_threshold": "persistence", "sub_group_size": "sub_group"}
 
 
+# zero_optimization.leaf_module.classes for one gather per decoder layer (the shipped configs').
+PER_LAYER = ("LlamaDecoderLayer",)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """What a run does that the memory depends on. Defaults: the shipped GPU configs'."""
@@ -187,6 +199,9 @@ class RunSpec:
     persistence: int = 10_000  # stage3_param_persistence_threshold
     sub_group: int = 1_000_000_000  # sub_group_size
     sgd_momentum: bool = False  # the paper's SGD has none (Table 1: optimizer states = fp32 master only)
+    # The fetch granularity (zero_optimization.leaf_module and stage3_module_granularity_threshold).
+    leaf_classes: tuple[str, ...] = PER_LAYER  # class names, or modules' dotted names / name suffixes
+    granularity_threshold: int = 0
 
     @property
     def b(self) -> int:
@@ -198,7 +213,16 @@ class RunSpec:
             f"offload_param {'cpu' if self.offload else 'none'}", f"lomo.bucket_size {self.lomo_bucket:,}",
             f"stochastic rounding {'on' if self.stochastic_rounding else 'off'}",
             f"fp32 masters {'on' if self.lomo_fp32_master else 'off'}",
-            f"persistence threshold {self.persistence:,}", f"max live parameters {self.max_live:,}"])
+            f"persistence threshold {self.persistence:,}", f"max live parameters {self.max_live:,}",
+            f"fetch {self.fetch_label}"])
+
+    @property
+    def fetch_label(self) -> str:
+        """The fetch granularity in words."""
+        parts = [f"leaf_module {', '.join(self.leaf_classes)}"] if self.leaf_classes else []
+        if self.granularity_threshold:
+            parts.append(f"stage3_module_granularity_threshold {self.granularity_threshold:,}")
+        return " + ".join(parts) if parts else "per module"
 
 
 @dataclass
@@ -243,12 +267,125 @@ def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
     return m.layers * layer + head, 0.0
 
 
+@dataclass
+class ModuleNode:
+    """One module of a LLaMA as transformers builds it: its class, dotted name, own parameters
+    (element counts; a tied weight is the same entry under both modules) and children."""
+
+    cls: str
+    name: str
+    own: list = field(default_factory=list)  # [(parameter key, numel)]
+    children: list = field(default_factory=list)
+    container: bool = False  # an nn.ModuleList: never a leaf (DeepSpeed's rule)
+
+    def params(self) -> dict:
+        """Every parameter under this module, once each: key -> numel."""
+        out = dict(self.own)
+        for c in self.children:
+            out.update(c.params())
+        return out
+
+
+def module_tree(m: ModelSpec) -> ModuleNode:
+    """LlamaForCausalLM's module tree (transformers' LLaMA), with parameter sizes."""
+    h, f, d = m.hidden, m.intermediate, m.d
+
+    def linear(name, numel):
+        return ModuleNode("Linear", name, [(name + ".weight", numel)])
+
+    def norm(name):
+        return ModuleNode("LlamaRMSNorm", name, [(name + ".weight", h)])
+
+    layers = []
+    for i in range(m.layers):
+        p = f"model.layers.{i}"
+        attn = ModuleNode("LlamaAttention", p + ".self_attn", children=[
+            linear(p + ".self_attn.q_proj", h * m.heads * d), linear(p + ".self_attn.k_proj", h * m.k * d),
+            linear(p + ".self_attn.v_proj", h * m.k * d), linear(p + ".self_attn.o_proj", m.heads * d * h)])
+        mlp = ModuleNode("LlamaMLP", p + ".mlp", children=[
+            linear(p + ".mlp.gate_proj", h * f), linear(p + ".mlp.up_proj", h * f), linear(p + ".mlp.down_proj", f * h),
+            ModuleNode("SiLU", p + ".mlp.act_fn")])
+        layers.append(ModuleNode("LlamaDecoderLayer", p, children=[
+            attn, mlp, norm(p + ".input_layernorm"), norm(p + ".post_attention_layernorm")]))
+    embed = ModuleNode("Embedding", "model.embed_tokens", [("model.embed_tokens.weight", m.vocab * h)])
+    model = ModuleNode("LlamaModel", "model", children=[
+        embed, ModuleNode("ModuleList", "model.layers", children=layers, container=True), norm("model.norm"),
+        ModuleNode("LlamaRotaryEmbedding", "model.rotary_emb")])
+    head_key = "model.embed_tokens.weight" if m.tie else "lm_head.weight"
+    return ModuleNode("LlamaForCausalLM", "", children=[model, ModuleNode("Linear", "lm_head", [(head_key, m.vocab * h)])])
+
+
+_MAX_LEAF = 1e9  # DeepSpeed never makes a module of more parameters a leaf by threshold (Z3_MAX_LEAF_SIZE)
+
+
+def _granularity(node: ModuleNode, out: dict) -> tuple[int, int]:
+    """DeepSpeed's module granularity (its parameters over its modules, torch leaves and itself
+    counted; a tied weight counted under each module), recorded in out[id(node)]; returns
+    (modules, parameters) under `node`."""
+    if not node.params():
+        out[id(node)] = math.inf
+        return 0, 0
+    own = sum(n for _, n in node.own)
+    if not node.children:
+        out[id(node)] = math.inf
+        return 1, own
+    layers, params = 0, own
+    for c in node.children:
+        cl, cp = _granularity(c, out)
+        layers, params = layers + cl, params + cp
+    if node.container:
+        out[id(node)] = math.inf
+        return layers, params
+    layers += 1
+    out[id(node)] = params // layers if params <= _MAX_LEAF else math.inf
+    return layers, params
+
+
+def _is_leaf_by_config(node: ModuleNode, run: RunSpec) -> bool:
+    return any(node.cls == c or node.name == c or (node.name and node.name.endswith(c)) for c in run.leaf_classes)
+
+
+def fetch_units(m: ModelSpec, run: RunSpec) -> list[tuple[str, int]]:
+    """What ZeRO-3 gathers as one unit under the run's fetch granularity, as (module name,
+    elements), each parameter in the first unit that holds it; persistent parameters (at most
+    stage3_param_persistence_threshold elements) stay gathered and belong to none."""
+    root = module_tree(m)
+    gran: dict = {}
+    if run.granularity_threshold:
+        _granularity(root, gran)
+    units, seen = [], set()
+
+    def add(name, params: dict):
+        fresh = {k: n for k, n in params.items() if k not in seen and n > run.persistence}
+        seen.update(fresh)
+        if fresh:
+            units.append((name or "(model)", sum(fresh.values())))
+
+    def walk(node: ModuleNode):
+        if not node.params():
+            return
+        if _is_leaf_by_config(node, run) or gran.get(id(node), math.inf) <= run.granularity_threshold:
+            add(node.name, node.params())
+            return
+        add(node.name, dict(node.own))
+        for c in node.children:
+            walk(c)
+
+    walk(root)
+    return units
+
+
 def _working_set(m: ModelSpec, run: RunSpec) -> tuple[int, int]:
     """(persistent elements, elements of the gathered working set W)."""
     numels = m.param_numels()
     persist = sum(x for x in numels if x <= run.persistence)
-    work = min(sum(numels) - persist, min(run.max_live, run.max_reuse) + max(numels) + run.prefetch)
+    work = min(sum(numels) - persist, min(run.max_live, run.max_reuse) + largest_fetch_unit(m, run)[1] + run.prefetch)
     return persist, work
+
+
+def largest_fetch_unit(m: ModelSpec, run: RunSpec) -> tuple[str, int]:
+    """The largest unit gathered at once: (module name, elements); ("", 0) when none is."""
+    return max(fetch_units(m, run), key=lambda u: u[1], default=("", 0))
 
 
 def update_temp_bytes(n: int, run: RunSpec) -> int:
@@ -332,7 +469,68 @@ def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_
     return p
 
 
-def format_plan(p: Plan) -> str:
+# The fetch granularities the planner weighs, coarsest first: one decoder layer per gather (as
+# PyTorch FSDP2 wraps a layer), then DeepSpeed's default of one module's own parameters.
+GRANULARITIES = {"per decoder layer": {"leaf_classes": PER_LAYER, "granularity_threshold": 0},
+                 "per module": {"leaf_classes": (), "granularity_threshold": 0}}
+
+
+@dataclass(frozen=True)
+class GranularityRow:
+    name: str
+    run: RunSpec
+    units: int  # gathers per pass over the model
+    largest: tuple[str, int]  # (module, elements) of the largest unit
+    gathered: float  # bytes per GPU: persistent + the working set W (0 on one GPU)
+    estimate: Estimate
+    fits: bool
+
+
+def granularity_rows(m: ModelSpec, run: RunSpec, gpus: int, gpu_mem_gib: float, method: str = "lomo"
+                     ) -> list[GranularityRow]:
+    """`method` on `gpus` GPUs under each fetch granularity, coarsest first; the run's own
+    granularity is added when it is neither."""
+    options = {name: replace(run, **fields) for name, fields in GRANULARITIES.items()}
+    if all(o.fetch_label != run.fetch_label for o in options.values()):
+        options = {f"this config: {run.fetch_label}": run, **options}
+    rows = []
+    for name, r in options.items():
+        est = estimate(m, method, gpus, r)
+        persist, work = _working_set(m, r)
+        gathered = r.b * (persist + work) if gpus > 1 or r.offload else 0
+        rows.append(GranularityRow(name, r, len(fetch_units(m, r)), largest_fetch_unit(m, r), float(gathered), est,
+                                   est.total <= gpu_mem_gib * GIB))
+    return rows
+
+
+def coarsest_fitting(m: ModelSpec, run: RunSpec, gpus: int, gpu_mem_gib: float) -> GranularityRow | None:
+    """The coarsest of GRANULARITIES under which LOMO fits on `gpus` GPUs (None: not even per module)."""
+    return next((row for row in granularity_rows(m, run, gpus, gpu_mem_gib)
+                 if row.name in GRANULARITIES and row.fits), None)
+
+
+def format_granularity(p: Plan, gpus: int | None = None) -> str:
+    """The gathered working set and LOMO's total under each fetch granularity, on `gpus` GPUs
+    (default: the smallest count LOMO fits on, else the largest planned)."""
+    counts = sorted({n for _, n in p.estimates})
+    n = gpus or p.min_gpus.get("lomo") or counts[-1]
+    rows = granularity_rows(p.model, p.run, n, p.gpu_mem_gib)
+    lines = [f"fetch granularity: LOMO on {n} GPU(s), {p.gpu_mem_gib:g} GiB each (this config: {p.run.fetch_label})",
+             "", "| fetch | gathers per pass | largest unit (elements) | gathered GiB/GPU | total GiB/GPU | fits |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row.name} | {row.units} | {row.largest[1]:,} ({row.largest[0]}) | {row.gathered / GIB:.2f} | "
+                     f"{row.estimate.total / GIB:.2f} | {'yes' if row.fits else 'OOM'} |")
+    best = next((r for r in rows if r.name in GRANULARITIES and r.fits), None)
+    lines.append("")
+    lines.append(f"coarsest fetch that fits: {best.name} ({best.run.fetch_label})" if best else
+                 "coarsest fetch that fits: none (LOMO does not fit on this count even per module)")
+    if n == 1:
+        lines.append("(one GPU holds whole parameters: nothing is gathered, so coarse fetch costs no memory)")
+    return "\n".join(lines)
+
+
+def format_plan(p: Plan, gpus: int | None = None) -> str:
     m, run = p.model, p.run
     columns = ["method", "GPUs", "params", "grads", "optimizer states", "activations (+recompute)", "update tmp",
                "total GiB/GPU", *(["host RAM GiB (node)"] if run.offload else []), "fits"]
@@ -350,6 +548,8 @@ def format_plan(p: Plan) -> str:
     counts = sorted({n for _, n in p.estimates})
     for method, g in p.min_gpus.items():
         lines.append(f"smallest GPU count for {method}: {g if g else 'none of ' + ','.join(map(str, counts))}")
+    if "lomo" in p.min_gpus:
+        lines += ["", format_granularity(p, gpus)]
     return "\n".join(lines)
 
 
@@ -408,6 +608,11 @@ def run_overrides_from_ds(ds: dict) -> dict:
     offload. A zero_optimization key left out is DeepSpeed's default, not the planner's."""
     zero = ds.get("zero_optimization") or {}
     out = {f: int(float(zero.get(k, DEEPSPEED_ZERO_DEFAULTS[k]))) for k, f in _ZERO_FIELDS.items()}
+    leaf = zero.get("leaf_module") or {}
+    out["leaf_classes"] = tuple(str(x) for key in ("classes", "names", "name_suffixes")
+                                for x in ([leaf[key]] if isinstance(leaf.get(key), str) else leaf.get(key) or []))
+    out["granularity_threshold"] = int(float(zero.get("stage3_module_granularity_threshold",
+                                                      zero.get("module_granularity_threshold", 0))))
     out["dtype"] = ("bf16" if (ds.get("bf16") or {}).get("enabled") else
                     "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32")
     out["offload"] = ((zero.get("offload_param") or {}).get("device") or "none") == "cpu"

@@ -61,7 +61,7 @@ def dry_run(cfg) -> None:
     except ValueError as e:
         print(f"memory plan: not available ({e})")
         return
-    print(planner.format_plan(p))
+    print(planner.format_plan(p, world))
     if world:
         print(f"this launch ({world} ranks): LOMO needs {p.estimates[('lomo', world)].total / planner.GIB:.2f} GiB per GPU")
 

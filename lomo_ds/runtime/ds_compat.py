@@ -6,6 +6,7 @@ tests/test_ds_compat.py runs it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -137,6 +138,38 @@ def release_all(offload) -> None:
     offload.get_param_coordinator().release_and_reset_all(offload.module)
 
 
+_FETCH_HOOKS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
+                "pre_sub_module_backward_function", "post_sub_module_backward_function")
+
+
+@contextlib.contextmanager
+def timed_fetch_hooks(offload, timers, name: str = "fetch hooks"):
+    """While the block runs, time ZeRO-3's per-module parameter hooks (gather before a module's
+    forward and backward, release after) under `timers.span(name)`: the host cost of the fetch
+    granularity. DeepSpeed's module hooks call these through the instance, so shadowing them
+    there is enough; the block's end removes the shadows."""
+    for hook in _FETCH_HOOKS:
+        original = getattr(offload, hook)
+
+        def timed(module, _original=original):
+            with timers.span(name):
+                return _original(module)
+
+        setattr(offload, hook, timed)
+    try:
+        yield
+    finally:
+        for hook in _FETCH_HOOKS:
+            delattr(offload, hook)
+
+
+def leaf_modules(module) -> list:
+    """The modules ZeRO-3 fetches as one unit (leaf_module, stage3_module_granularity_threshold)."""
+    from deepspeed.utils import z3_leaf_module
+
+    return [m for m in module.modules() if z3_leaf_module(m)]
+
+
 _BACKWARD_COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
 
 
@@ -166,6 +199,9 @@ def check_internals() -> list[str]:
     for name in ("get_param_coordinator", "persistent_parameters", "module"):
         if name not in dir(DeepSpeedZeRoOffload) and name not in DeepSpeedZeRoOffload.__init__.__code__.co_names:
             problems.append(f"DeepSpeedZeRoOffload.{name}")
+    for hook in _FETCH_HOOKS:
+        if not hasattr(DeepSpeedZeRoOffload, hook):
+            problems.append(f"DeepSpeedZeRoOffload.{hook}")
     if not hasattr(PartitionedParameterCoordinator, "release_and_reset_all"):
         problems.append("PartitionedParameterCoordinator.release_and_reset_all")
     for status in ("AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"):
