@@ -1,6 +1,6 @@
 """lomo_ds against the peer a user would pick instead: PyTorch FSDP2 with SGD applied in the backward.
 
-  python -m torch.distributed.run --nproc_per_node 2 experiments/bench_fsdp.py [--fetch config|per-module]
+  python -m torch.distributed.run --nproc_per_node 2 -m experiments.bench_fsdp [--fetch config|per-module|per-layer]
 
 The peer is torchtune's optimizer-in-backward design, written here: `fully_shard` on every decoder
 layer and on the whole model, one torch.optim.SGD per (sharded) parameter, stepped and cleared in
@@ -44,10 +44,9 @@ import time
 
 import torch
 
-import common
 import lomo_ds
-from bench_step import bench_llama, start_ranks
-from lomo_ds.config.lomo import LomoConfig
+from experiments import common
+from experiments.bench_step import bench_llama, start_ranks
 from lomo_ds.engine.comm_stats import StepTimers, count_comm
 from lomo_ds.planning import planner
 from lomo_ds.planning.memory import ActivationCounter
@@ -64,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fetch", choices=("config", "per-module", "per-layer"), default="config",
                     help="the config's fetch granularity, DeepSpeed's default per-module one, or one decoder "
                          "layer at a time (leaf_module LlamaDecoderLayer)")
+    ap.add_argument("--engines", default="deepspeed floor,lomo,fsdp2 floor,fsdp2 sgd",
+                    help="comma-separated subset to time (a profile of one engine against its floor)")
+    ap.add_argument("--bucket-size", type=int, default=None,
+                    help="lomo.bucket_size (default: the run config's lomo section, else lomo's default)")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=10_000)
@@ -218,30 +221,47 @@ def sampled_memory(name: str, engine):
         peak["activations"] = acts.peak
 
 
-def predicted_bytes(args, zero: dict, world: int) -> float:
+def predicted_bytes(args, zero: dict, bucket: int, world: int) -> float:
     """The planner's accounted bytes per rank for lomo on this model and zero_optimization."""
     spec = planner.ModelSpec("bench", hidden=args.hidden, layers=args.layers, intermediate=args.hidden * 8 // 3,
                              vocab=args.vocab, heads=max(1, args.hidden // 64))
     ds = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": zero}
     run = planner.run_spec(**{**planner.run_overrides_from_ds(ds), "seq": args.seq, "checkpointing": False,
-                              "lomo_bucket": LomoConfig().bucket_size})
+                              "lomo_bucket": bucket})
     return planner.estimate(spec, "lomo", world, run).accounted
+
+
+def lomo_section(args) -> dict:
+    """Plain SGD at a constant lr (the work FSDP2's hooks do), the run config's buckets."""
+    from lomo_ds.config.run import load_run_config
+
+    bucket = args.bucket_size or load_run_config(args.config, check_files=False).lomo.bucket_size
+    return {"lr": LR, "bucket_size": bucket}
 
 
 def run(args) -> dict:
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     zero = zero_section(args)
     ds = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": zero}
+    lomo = lomo_section(args)
     base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
-    engines = {
-        "deepspeed floor": common.FloorEngine(copy.deepcopy(base), ds),
-        "lomo": lomo_ds.initialize(copy.deepcopy(base), {**ds, "lomo": {"lr": LR}}),
-        "fsdp2 floor": Fsdp2Engine(copy.deepcopy(base), lr=None),
-        "fsdp2 sgd": Fsdp2Engine(copy.deepcopy(base), lr=LR),
+    makers = {
+        "deepspeed floor": lambda m: common.FloorEngine(m, ds),
+        "lomo": lambda m: lomo_ds.initialize(m, {**ds, "lomo": lomo}),
+        "fsdp2 floor": lambda m: Fsdp2Engine(m, lr=None),
+        "fsdp2 sgd": lambda m: Fsdp2Engine(m, lr=LR),
     }
+    wanted = args.engines.split(",")
+    unknown = set(wanted) - set(makers)
+    if unknown:
+        raise SystemExit(f"--engines: unknown {sorted(unknown)}; expected a subset of {list(makers)}")
+    engines = {name: make(copy.deepcopy(base)) for name, make in makers.items() if name in wanted}
+    full = set(engines) == set(makers)  # the figures beyond step times need all four
     counted_only = {"lomo rs": lomo_ds.initialize(copy.deepcopy(base), {**ds, "lomo": {
-        "lr": LR, "grad_reduction": "reduce_scatter"}})}
-    leaves = sorted({type(m).__name__ for m in ds_compat.leaf_modules(engines["lomo"].module)})
+        **lomo, "grad_reduction": "reduce_scatter"}})} if full else {}
+    deepspeed_engines = [e for e in engines.values() if hasattr(e, "ds_engine")]
+    leaves = sorted({type(m).__name__ for m in ds_compat.leaf_modules(deepspeed_engines[0].module)}
+                    ) if deepspeed_engines else []
     device = common.rank_device()
     batches = common.random_batches(args.vocab, args.micro, args.seq, args.warmup + args.steps + args.measure_steps,
                                     seed=rank, device=device)
@@ -255,8 +275,12 @@ def run(args) -> dict:
             torch.distributed.barrier()
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
-        if step < args.warmup:
+        if step < args.warmup and counted_only:
             counted_only["lomo rs"].train_step(batch)  # its first step records DeepSpeed's trace
+    if not full:
+        return {"world": world, "zero_optimization": zero, "leaf_modules": leaves, "times": times,
+                "params": sum(p.numel() for p in base.parameters()), "threads": torch.get_num_threads(),
+                "bucket_size": lomo["bucket_size"]}
 
     # Untimed steps, each engine on its next batch: collectives and hook time, then one more with
     # memory sampled at every gradient hook (its cost kept out of the hook times).
@@ -290,17 +314,28 @@ def run(args) -> dict:
     n_buckets = len(counted_only["lomo rs"].buckets.layout)
     return {"world": world, "zero_optimization": zero, "leaf_modules": leaves, "times": times,
             "measured": measured, "memory": memory, "max_abs_diff": diff, "buckets": n_buckets,
-            "predicted_lomo_bytes": predicted_bytes(args, zero, world),
-            "params": sum(p.numel() for p in base.parameters()), "threads": torch.get_num_threads()}
+            "predicted_lomo_bytes": predicted_bytes(args, zero, lomo["bucket_size"], world),
+            "params": sum(p.numel() for p in base.parameters()), "threads": torch.get_num_threads(),
+            "bucket_size": lomo["bucket_size"]}
 
 
 def report(args, r: dict) -> None:
-    times, measured = r["times"], r["measured"]
+    times = r["times"]
     med = {n: statistics.median(t) for n, t in times.items()}
-    fetch = ", ".join(r["leaf_modules"]) or "per module (DeepSpeed's default)"
-    print(f"\n{r['params'] / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), {r['world']} ranks, "
-          f"micro-batch {args.micro} x {args.seq}, fp32, {r['threads']} torch thread(s) per rank; zero_optimization "
-          f"{json.dumps(r['zero_optimization'])}: fetched per {fetch}; median of {args.steps} steps")
+    fetch = ", ".join(r["leaf_modules"]) or "module (DeepSpeed's default)"
+    print(f"\n{r['params'] / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), "
+          f"{r['world']} ranks, micro-batch {args.micro} x {args.seq}, fp32, {r['threads']} torch thread(s) per rank; "
+          f"zero_optimization {json.dumps(r['zero_optimization'])}: fetched per {fetch}; "
+          f"lomo.bucket_size {r['bucket_size']:,}; median of {args.steps} steps")
+    if "measured" not in r:
+        floors = {"lomo": "deepspeed floor", "fsdp2 sgd": "fsdp2 floor"}
+        for name, t in med.items():
+            ratios = [a / b for a, b in zip(times[name], times.get(floors.get(name), times[name]), strict=True)]
+            own = (f", {statistics.median(ratios):.3f} x its floor (median of the per-round ratios)"
+                   if floors.get(name) in times else "")
+            print(f"{name:16s} {t:7.3f} s{own}")
+        return
+    measured = r["measured"]
     print(f"{'engine':16s} {'step s':>7s} {'/ fsdp2 sgd':>11s} {'/ own floor':>11s} {'collectives':>11s} "
           f"{'MB sent':>8s} {'update hooks ms':>15s} {'fetch hooks ms':>14s}")
     floors = {"lomo": "deepspeed floor", "fsdp2 sgd": "fsdp2 floor"}
@@ -308,7 +343,8 @@ def report(args, r: dict) -> None:
         m = measured[name]
         step = f"{med[name]:7.3f} {med[name] / med['fsdp2 sgd']:11.3f}" if name in med else f"{'-':>7s} {'-':>11s}"
         own = f"{med[name] / med[floors[name]]:11.3f}" if name in floors else f"{'-':>11s}"
-        print(f"{name:16s} {step} {own} {m['calls'][-1]:11d} {m['bytes'][-1] / 1e6:8.2f} {1e3 * statistics.median(m['update hooks']):15.1f} "
+        print(f"{name:16s} {step} {own} {m['calls'][-1]:11d} {m['bytes'][-1] / 1e6:8.2f} "
+              f"{1e3 * statistics.median(m['update hooks']):15.1f} "
               f"{1e3 * statistics.median(m['fetch hooks']):14.1f}")
     print(f"lomo's buckets: {r['buckets']}; collectives per step, lomo rs - fsdp2 sgd: "
           f"{measured['lomo rs']['calls'][-1] - measured['fsdp2 sgd']['calls'][-1]}")

@@ -18,10 +18,10 @@ DS_BASELINE_BUCKET = 5000  # DeepSpeed's own reduce bucket (full-gradient elemen
 BASELINE_LR = {"adamw": 1e-3, "sgd": 0.1}
 
 
-def run_config(method: str, **lomo):
+def run_config(method: str, zero_extra: dict | None = None, **lomo):
     lomo = {"lr": 0.05 if method == "lomo" else 1e-3, "bucket_size": BUCKET, **lomo}
     train = {"method": method, "baseline_lr": BASELINE_LR.get(method, 1e-5), "lora": {"warmup_ratio": 0.25}}
-    zero = dict(DS["zero_optimization"])
+    zero = {**DS["zero_optimization"], **(zero_extra or {})}
     if method not in LOMO_METHODS:
         zero["reduce_bucket_size"] = DS_BASELINE_BUCKET
     return load_run_config({**DS, "zero_optimization": zero, "lomo": lomo, "model": {"path": "tiny-llama-in-memory"},
@@ -102,4 +102,23 @@ def resume_every_method() -> dict:
         torch.distributed.broadcast_object_list(root, src=0)  # one directory for all ranks
         out = {m: resume(m, root[0]) for m in METHODS if m != "zero_shot"}
         torch.distributed.barrier()  # every rank is done with the directory before it goes
+    return out
+
+
+def fetch_per_layer() -> dict:
+    """Every method under the shipped configs' fetch granularity (each decoder layer gathered
+    whole): which modules DeepSpeed made leaves, and one step that trains."""
+    from lomo_ds.runtime import ds_compat
+    from tests.dist_engine_checks import PER_LAYER
+
+    out = {}
+    for method in METHODS:
+        eng = fresh_engine(run_config(method, PER_LAYER), total_steps=0)
+        batch = batch_for(0, eng)
+        before = eng.eval_forward(batch).loss.item()
+        step = eng.train_step(batch)
+        out[method] = {"leaf_modules": sorted({type(m).__name__ for m in ds_compat.leaf_modules(eng.module)}),
+                       "n_leaves": len(ds_compat.leaf_modules(eng.module)), "loss": step["loss"],
+                       "loss_before": before, "loss_after": eng.eval_forward(batch).loss.item()}
+        del eng
     return out

@@ -10,9 +10,9 @@ from lomo_ds.methods import METHODS
 from tests import dist_methods_checks as M
 from tests.ranks import multi_rank_checks, ok
 
-interface, resume, lora_lomo_two_passes = multi_rank_checks(
+interface, resume, lora_lomo_two_passes, fetch_per_layer = multi_rank_checks(
     [2], interface=lambda: {m: M.interface_and_memory(m) for m in METHODS}, resume=M.resume_every_method,
-    lora_lomo_two_passes=M.lora_lomo_two_passes)
+    lora_lomo_two_passes=M.lora_lomo_two_passes, fetch_per_layer=M.fetch_per_layer)
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +117,13 @@ def test_method_registry_matches_the_run_config():
     from lomo_ds.config import run as run_config
 
     assert METHODS is run_config.METHODS
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_fetches_as_the_config_says(rank_results, method):
+    """zero_optimization.leaf_module reaches every method's DeepSpeed engine (the baselines run
+    under the same fetch settings as LOMO, so their comparison stays fair), and each still trains."""
+    r = ok(rank_results(2), fetch_per_layer)[method]
+    assert r["leaf_modules"] == ["LlamaDecoderLayer"] and r["n_leaves"] == 2, r
+    if method != "zero_shot":
+        assert r["loss_after"] < r["loss_before"], r

@@ -1,13 +1,15 @@
 """One device per rank: batches are moved to it, collectives refuse tensors off their group's
 device. On this CPU the `meta` device stands in for "some other device" (a GPU); the engine's own
 moves are checked on 1, 2 and 3 ranks in tests/dist_engine_checks.py ("device")."""
+import os
+
 import pytest
 import torch
 
 from lomo_ds.data.loading import EvalExample
 from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 from lomo_ds.runtime import ds_compat
-from lomo_ds.runtime.device import capture_rng, move_batch, restore_rng
+from lomo_ds.runtime.device import capture_rng, move_batch, restore_rng, set_cpu_threads
 
 V = 7
 
@@ -66,3 +68,23 @@ def test_rng_state_restores_the_same_draws():
     first = torch.rand(4)
     restore_rng(state, torch.device("cpu"))
     assert torch.equal(torch.rand(4), first)
+
+
+def test_cpu_ranks_split_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher: two ranks on this node
+        line = set_cpu_threads(torch.device("cpu"))
+        assert torch.get_num_threads() == max(1, cores // 2)
+        assert line.startswith(f"{max(1, cores // 2)} torch thread(s) per rank ({cores} cores / 2 ranks")
+        # The user's choice (or DeepSpeed's --bind_cores_to_rank) is kept, and said so.
+        torch.set_num_threads(3)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert set_cpu_threads(torch.device("cpu")) == "3 torch thread(s) per rank (OMP_NUM_THREADS=3)"
+        assert torch.get_num_threads() == 3
+        assert set_cpu_threads(torch.device("cuda", 0)) == "cuda ranks"
+    finally:
+        torch.set_num_threads(before)

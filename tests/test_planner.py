@@ -21,9 +21,14 @@ from lomo_ds.methods import build_engine
 from lomo_ds.planning.planner import (
     GIB,
     LLAMA,
+    PER_LAYER,
     ModelSpec,
     RunSpec,
+    coarsest_fitting,
     estimate,
+    fetch_units,
+    largest_fetch_unit,
+    leaf_module_names,
     model_spec_for,
     plan,
     plan_for_run,
@@ -34,6 +39,7 @@ from lomo_ds.planning.planner import (
     shipped_run,
     update_temp_bytes,
 )
+from lomo_ds.runtime import ds_compat
 from tests.ranks import ROOT, multi_rank, ok
 
 
@@ -46,8 +52,12 @@ def test_llama_sizes_from_real_configs():
     assert counts["65b"] == pytest.approx(65.29, abs=0.01)
 
 
+# The paper's runs: DeepSpeed's default fetch, one module at a time.
+PAPER_RUN = dict(seq=1024, batch=1, dtype="fp16", checkpointing=True, leaf_classes=())
+
+
 def test_table2_gpu_counts_and_oom_rows():
-    run = run_spec(seq=1024, batch=1, dtype="fp16", checkpointing=True)
+    run = run_spec(**PAPER_RUN)
     want_lomo = {"7b": 1, "13b": 2, "30b": 4, "65b": 8}
     for size, model in LLAMA.items():
         p = plan(model, 24, run)
@@ -58,7 +68,7 @@ def test_table2_gpu_counts_and_oom_rows():
 
 
 def test_table2_memory_close_to_paper():
-    run = run_spec(seq=1024, batch=1, dtype="fp16", checkpointing=True)
+    run = run_spec(**PAPER_RUN)
     paper = {("7b", "adamw", 8): 15.76, ("7b", "sgd", 8): 9.49, ("7b", "lomo", 1): 13.61,
              ("13b", "sgd", 8): 15.74, ("13b", "lomo", 2): 15.92, ("30b", "lomo", 4): 19.78,
              ("65b", "lomo", 8): 19.18}
@@ -242,6 +252,71 @@ def test_offload_rows(capsys):
     assert "| 65b | 65.29B | 2 | 1 |" in out
 
 
+# ----------------------------------------------------------------------------- fetch granularity
+# Table 2's GPU count for each size (the shipped configs' hardware).
+SHIPPED_GPUS = {"7b": 1, "13b": 2, "30b": 4, "65b": 8}
+# SmolLM2-135M (the built-in model, builtin:smollm2-135m): read from its GGUF by model_spec_for.
+SMOLLM2 = ModelSpec("smollm2-135m", hidden=576, layers=30, intermediate=1536, vocab=49152, heads=9, kv_heads=3,
+                    tie=True)
+
+
+def test_fetch_units_per_module_and_per_layer():
+    m, per_module = LLAMA["65b"], replace(shipped_run("65b"), leaf_classes=())
+    # Per module: one gather per module's own tensor (the RMSNorm weights, 8,192 elements, persist).
+    assert largest_fetch_unit(m, per_module) == ("model.embed_tokens", 32000 * 8192)
+    assert len(fetch_units(m, per_module)) == 80 * 7 + 2
+    # Per decoder layer: 4 h^2 + 3 h f, 1.6 GB in bf16 (against 0.36 GB for its largest Linear).
+    name, layer = largest_fetch_unit(m, shipped_run("65b"))
+    assert (name, layer) == ("model.layers.0", 4 * 8192**2 + 3 * 8192 * 22016) and 2 * layer / 1e9 > 1.6
+    assert len(fetch_units(m, shipped_run("65b"))) == 80 + 2
+    assert leaf_module_names(m, shipped_run("65b")) == [f"model.layers.{i}" for i in range(80)]
+    # The working set grows by the difference: one layer gathered instead of one embedding.
+    grown = estimate(m, "lomo", 8, shipped_run("65b")).params - estimate(m, "lomo", 8, per_module).params
+    assert grown == 2 * (layer - 32000 * 8192)
+    # DeepSpeed's threshold rule: a module is a leaf when its parameters over its modules (itself and
+    # the torch leaves under it) are at most the threshold, outermost first. A 65B layer has 12
+    # (its two RMSNorm weights included in its parameters).
+    layer_granularity = (layer + 2 * 8192) // 12
+    by_threshold = replace(per_module, granularity_threshold=layer_granularity)
+    assert leaf_module_names(m, by_threshold) == leaf_module_names(m, shipped_run("65b"))
+    attention = leaf_module_names(m, replace(per_module, granularity_threshold=layer_granularity - 1))
+    assert attention[0] == "model.layers.0.self_attn" and len(attention) == 80  # 4 h^2 / 5 < layer / 12
+
+
+@pytest.mark.parametrize("size", list(LLAMA))
+def test_shipped_configs_fetch_the_coarsest_that_fits(size):
+    """Each shipped GPU config fetches one decoder layer per gather because the planner says that
+    still fits its GPUs (the reason ds_configs/README.md gives); per module where it would not."""
+    cfg = load_run_config(os.path.join(ROOT, "ds_configs", f"llama{size}.json"), check_files=False)
+    run, gpus = run_spec_for(cfg), SHIPPED_GPUS[size]
+    best = coarsest_fitting(LLAMA[size], run, gpus, 24.0)
+    assert best is not None and best.run.leaf_classes == run.leaf_classes == PER_LAYER
+    assert best.estimate.total <= 24 * GIB
+
+
+def test_builtin_model_fetch_costs_no_memory_per_layer():
+    """On the built-in model the largest unit is the tied embedding either way: gathering a whole
+    layer (3.5M elements) at once adds nothing to the working set (ds_configs/cpu_default.json)."""
+    cfg = load_run_config(os.path.join(ROOT, "ds_configs", "cpu_default.json"), check_files=False)
+    run = replace(run_spec_for(cfg), dtype="fp32")
+    assert run.leaf_classes == PER_LAYER
+    assert largest_fetch_unit(SMOLLM2, run) == largest_fetch_unit(SMOLLM2, replace(run, leaf_classes=()))
+    assert estimate(SMOLLM2, "lomo", 2, run).total == estimate(SMOLLM2, "lomo", 2, replace(run, leaf_classes=())).total
+
+
+def test_cli_plan_prints_the_working_set_per_granularity(capsys):
+    assert main(["plan", "--model", os.path.join(ROOT, "ds_configs", "llama65b.json"), "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "fetch granularity: LOMO on 8 GPU(s), 24 GiB each (this config: leaf_module LlamaDecoderLayer)" in out
+    assert "| per decoder layer | 82 | 809,500,672 (model.layers.0) | 3.47 | 22.34 | yes |" in out
+    assert "| per module | 562 | 262,144,000 (model.embed_tokens) | 2.45 | 21.32 | yes |" in out
+    assert "coarsest fetch that fits: per decoder layer (leaf_module LlamaDecoderLayer)" in out
+    # a budget where only per-module fetch fits
+    assert main(["plan", "--model", os.path.join(ROOT, "ds_configs", "llama65b.json"), "--gpus", "8",
+                 "--gpu-mem", "22"]) == 0
+    assert "coarsest fetch that fits: per module (per module)" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- measured runs
 # The LOMO engine's memory, measured by its own tracker on small runs on 1 and 2 ranks, against the
 # planner's prediction (within 10%).
@@ -252,6 +327,16 @@ CASES = {  # name -> (DeepSpeed zero_optimization extras, activation checkpointi
     "default": ({}, False),
     "ac_small_live": ({"stage3_max_live_parameters": 30_000, "stage3_max_reuse_distance": 30_000,
                        "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 1000}, True),
+    # The same, each decoder layer gathered whole (the shipped configs' fetch): the working set
+    # holds a layer (181,504 elements) where per module it held one Linear (44,032).
+    "ac_small_live_per_layer": ({"stage3_max_live_parameters": 30_000, "stage3_max_reuse_distance": 30_000,
+                                 "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 1000,
+                                 "leaf_module": {"classes": ["LlamaDecoderLayer"]}}, True),
+    # DeepSpeed's own rule: modules of granularity <= 12,000 (parameters per module) are leaves,
+    # outermost first; on this model that is each attention block (9,830), not its layer (15,125).
+    "small_live_threshold": ({"stage3_max_live_parameters": 30_000, "stage3_max_reuse_distance": 30_000,
+                              "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 1000,
+                              "stage3_module_granularity_threshold": 12_000}, True),
 }
 
 
@@ -281,8 +366,10 @@ def measured_memory() -> dict:
         eng.train_step({"input_ids": ids, "labels": ids.clone()})
         eng.reset_memory()
         eng.train_step({"input_ids": ids, "labels": ids.clone()})
+        names = {id(m): n for n, m in eng.module.named_modules()}
         results[name] = {"world": eng.world, **eng.memory_breakdown(),
-                         "tracker_total": eng.tracker.peak.total}
+                         "tracker_total": eng.tracker.peak.total,
+                         "leaf_modules": sorted(names[id(m)] for m in ds_compat.leaf_modules(eng.module))}
         del eng
     return results
 
@@ -313,3 +400,5 @@ def test_planner_matches_measured_lomo(measured, case):
     assert r["params"] == pytest.approx(est.params, rel=0.10), detail
     assert r["activations"] == pytest.approx(est.activations, rel=0.10), detail
     assert r["total"] == pytest.approx(est.accounted, rel=0.10), detail
+    # The units the planner sizes are the ones DeepSpeed fetched.
+    assert sorted(leaf_module_names(spec, run)) == r["leaf_modules"], detail

@@ -79,10 +79,10 @@ context, Python, the DeepSpeed runtime) and the dataset. `lomo-ds plan --offload
 shipped configs' settings on 24 GiB GPUs:
 
   | model | micro-batch | LOMO GPUs | GiB/GPU | host RAM GiB (node) |    without offload:
-  | 7b    | 16          | 1         | 7.91    | 15.4                |    1 GPU, 20.83 GiB
-  | 13b   | 8           | 1         | 6.18    | 27.8                |    2 GPUs, 20.36 GiB
-  | 30b   | 4           | 1         | 5.53    | 65.2                |    4 GPUs, 22.22 GiB
-  | 65b   | 2           | 1         | 4.93    | 127.2               |    8 GPUs, 21.32 GiB
+  | 7b    | 16          | 1         | 8.05    | 15.4                |    1 GPU, 20.83 GiB
+  | 13b   | 8           | 1         | 6.46    | 27.8                |    2 GPUs, 20.64 GiB
+  | 30b   | 4           | 1         | 6.13    | 65.2                |    4 GPUs, 22.81 GiB
+  | 65b   | 2           | 1         | 5.95    | 127.2               |    8 GPUs, 22.34 GiB
 
 Activations (bytes autograd saves in the forward; what lomo_ds.planning.memory.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------
@@ -349,11 +349,20 @@ def fetch_units(m: ModelSpec, run: RunSpec) -> list[tuple[str, int]]:
     """What ZeRO-3 gathers as one unit under the run's fetch granularity, as (module name,
     elements), each parameter in the first unit that holds it; persistent parameters (at most
     stage3_param_persistence_threshold elements) stay gathered and belong to none."""
+    return _fetch_plan(m, run)[0]
+
+
+def leaf_module_names(m: ModelSpec, run: RunSpec) -> list[str]:
+    """The modules ZeRO-3 makes leaves (gathered whole) under the run's settings, by dotted name."""
+    return _fetch_plan(m, run)[1]
+
+
+def _fetch_plan(m: ModelSpec, run: RunSpec) -> tuple[list[tuple[str, int]], list[str]]:
     root = module_tree(m)
     gran: dict = {}
     if run.granularity_threshold:
         _granularity(root, gran)
-    units, seen = [], set()
+    units, leaves, seen = [], [], set()
 
     def add(name, params: dict):
         fresh = {k: n for k, n in params.items() if k not in seen and n > run.persistence}
@@ -365,6 +374,7 @@ def fetch_units(m: ModelSpec, run: RunSpec) -> list[tuple[str, int]]:
         if not node.params():
             return
         if _is_leaf_by_config(node, run) or gran.get(id(node), math.inf) <= run.granularity_threshold:
+            leaves.append(node.name)
             add(node.name, node.params())
             return
         add(node.name, dict(node.own))
@@ -372,7 +382,7 @@ def fetch_units(m: ModelSpec, run: RunSpec) -> list[tuple[str, int]]:
             walk(c)
 
     walk(root)
-    return units
+    return units, leaves
 
 
 def _working_set(m: ModelSpec, run: RunSpec) -> tuple[int, int]:

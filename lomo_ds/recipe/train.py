@@ -171,12 +171,17 @@ class TrainRecipe:
     def setup(self) -> None:
         import torch
 
+        from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
         from lomo_ds.runtime.dist import init_distributed
 
         torch.manual_seed(self.cfg.train.seed)
         init_distributed()
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.barrier = torch.distributed.barrier
+        # CPU ranks split the cores (unless OMP_NUM_THREADS says otherwise); the run's first line says which.
+        threads = set_cpu_threads(accelerator_device())
+        self.say(f"run: {self.cfg.train.method} on {self.world} rank(s), {threads}; "
+                 f"config {self.cfg.source_path or 'given in memory'}")
         self.setup_data()  # before the model: a malformed file fails fast and cheap
         self.setup_engine()
         self.start_step = self.resume_point()

@@ -7,6 +7,7 @@ device: gloo reduces CPU tensors, NCCL only accelerator ones.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,24 @@ def accelerator_device() -> torch.device:
     from deepspeed.accelerator import get_accelerator
 
     return torch.device(get_accelerator().current_device_name())
+
+
+def set_cpu_threads(device: torch.device) -> str:
+    """On a CPU rank, give torch this process's cores / the ranks on this node as intra-op threads
+    (else every rank starts one thread per core and they fight over them), unless OMP_NUM_THREADS
+    is set: by the user, by DeepSpeed's --bind_cores_to_rank, or by torch.distributed.run. Returns
+    what was decided, for the run's first log line."""
+    if device.type != "cpu":
+        return f"{device.type} ranks"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f"{torch.get_num_threads()} torch thread(s) per rank (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # The launcher's count of ranks on this node (DeepSpeed's LOCAL_SIZE, torchrun's LOCAL_WORLD_SIZE).
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    threads = max(1, cores // local)
+    torch.set_num_threads(threads)
+    return (f"{threads} torch thread(s) per rank ({cores} cores / {local} ranks on this node; "
+            "set OMP_NUM_THREADS to choose)")
 
 
 def group_device(group=None) -> torch.device:
