@@ -17,9 +17,9 @@ import collections
 import re
 
 ENGINES = {  # a frame of the engine's train_step, as py-spy prints it: "function (file:line)"
-    "lomo": re.compile(r"^train_step \(.*lomo_engine\.py"),
-    "deepspeed floor": re.compile(r"^train_step \(.*experiments/common\.py"),
-    "fsdp2": re.compile(r"^train_step \(.*bench_fsdp\.py"),
+    "lomo": re.compile(r"^(\w+\.)?train_step \(.*lomo_engine\.py"),
+    "deepspeed floor": re.compile(r"^(\w+\.)?train_step \(.*experiments/common\.py"),
+    "fsdp2": re.compile(r"^(\w+\.)?train_step \(.*bench_fsdp\.py"),
 }
 _LINE = re.compile(r":\d+\)$")
 

@@ -36,7 +36,10 @@ Model states
   stage3_module_granularity_threshold, outermost first) is gathered whole, by one set of hooks:
   per decoder layer, the largest unit is a whole layer (12 h^2 for LLaMA-7B's 4096, 1.6 GB in bf16
   for 65B, against 0.36 GB for its largest Linear). Fewer, larger gathers cost less host time
-  (fetch_units() lists them; format_plan prints W under each granularity).
+  (fetch_units() lists them; format_plan prints W under each granularity). Not modelled: leaves
+  made by the threshold go through DeepSpeed's fast leaf fetch, which was measured keeping about
+  three times the working set above gathered on a small model (tests/test_planner.py); the
+  shipped configs name their leaves (leaf_module.classes), where the measured peak matches W.
   LOMO grads   b max_p                        N = 1: the one gradient alive at a time (the largest
                                               parameter: the embedding / LM head)
   (2 + 1/N) b max(bucket x N, max_p)  N > 1: the gradients filling the next bucket (bucket_size
