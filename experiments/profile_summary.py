@@ -45,7 +45,8 @@ def summarize(path: str) -> dict[str, collections.Counter]:
                 continue
             n = int(count)
             out[engine]["<total>"] += n
-            for name in {frame_name(fr) for fr in frames}:
+            # py-spy's first frames name the processes (the launcher, the rank): not functions.
+            for name in {frame_name(fr) for fr in frames if not fr.startswith("process ")}:
                 out[engine][name] += n
     return out
 
