@@ -18,7 +18,7 @@ import json
 import os
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lomo_ds.config.lomo import (ConfigError, Int, LomoConfig, Precision, Section, errors_in, expects,
                                  read_config_file, submodel, validate_deepspeed_section, validated)
@@ -58,6 +58,9 @@ class TokenizerConfig(Section):
     max_length: Int = Field(512, ge=8)  # tokens per training sequence, answer and EOS included
     # truncate (drop prompt tokens from the left) | reject (skip the example)
     overlong: Literal["truncate", "reject"] = "truncate"
+    # chat tasks: a Jinja chat template, inline or the path of a file holding one; replaces the
+    # tokenizer's own (which a tokenizer without one needs). The export carries it.
+    chat_template: str | None = None
 
 
 class DataConfig(Section):
@@ -67,9 +70,28 @@ class DataConfig(Section):
     source: str | None = None
     train_file: str | None = None  # explicit files win over `source`
     eval_file: str | None = None
-    train_samples: Int = Field(1000, ge=1)  # the first N of a seeded permutation of the train split
-    eval_samples: Int = Field(1000, ge=1)  # the first N of a seeded permutation of the validation split (all if fewer)
+    # The first N of a seeded permutation of the split (all of it if fewer). Unset: every record for
+    # the chat and instruction tasks, 1000 for the classification tasks (the paper's protocol).
+    train_samples: Int | None = Field(None, ge=1)
+    eval_samples: Int | None = Field(None, ge=1)
     seed: Int = 42
+    # chat tasks: {our field: the dataset's column}, e.g. {"messages": "dialog"} or
+    # {"instruction": "question", "output": "answer"} (data/chat.py lists the fields)
+    columns: dict[str, str] = Field(default_factory=dict)
+    hub_subset: str | None = None  # chat tasks from "hub:NAME": the dataset's configuration name
+    hub_train_split: str = "train"  # chat tasks from "hub:NAME": the dataset's split names
+    hub_eval_split: str = "validation"
+    # chat/instruction tasks: concatenate examples into rows of tokenizer.max_length (position ids
+    # restart and attention is block-diagonal per example); off: batches grouped by length
+    packing: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _paper_sample_sizes(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and TASK_SPECS.get(raw.get("task", "builtin")) is not None \
+                and TASK_SPECS[raw.get("task", "builtin")].has_candidates:
+            raw = {"train_samples": 1000, "eval_samples": 1000, **{k: v for k, v in raw.items() if v is not None}}
+        return raw
 
 
 class LoraConfig(Section):
@@ -98,6 +120,10 @@ class EvalConfig(Section):
     # The split of the task's folder evaluated: "heldout" is the quality benchmark's split for
     # reporting recipes chosen on "validation" (lomo_ds/data/tasks.py); refused where there is none.
     split: Literal["validation", "heldout"] = "validation"
+    # chat tasks: greedy replies to this many eval prompts (0: none), scored by exact match and
+    # containment against the reference and written to output.dir/generations/step_N.jsonl
+    generate_samples: Int = Field(0, ge=0)
+    max_new_tokens: Int = Field(32, ge=1)
 
 
 class OutputConfig(Section):
@@ -180,8 +206,29 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
     if d.task == "instruction" and d.source is None and d.train_file is None:
         raise ConfigError("data.source: the 'instruction' task needs a JSONL file of prompt/response "
                           "records in data.source or data.train_file")
-    if d.source is not None and d.source.startswith("hub:") and TASK_SPECS[d.task].hub_config is None:
-        raise ConfigError(f"data.source: 'hub:NAME' is for the SuperGLUE tasks; task {d.task!r} reads local files")
+    if d.task == "chat" and d.source is None and d.train_file is None:
+        raise ConfigError("data.source: the 'chat' task needs conversations: a directory ({train,validation}"
+                          ".{jsonl,parquet}), a file, or 'hub:NAME'")
+    conversational = TASK_SPECS[d.task].conversational
+    if d.source is not None and d.source.startswith("hub:") and TASK_SPECS[d.task].hub_config is None \
+            and not conversational:
+        raise ConfigError(f"data.source: 'hub:NAME' is for the SuperGLUE and chat tasks; task {d.task!r} reads "
+                          f"local files")
+    for name, value in (("columns", d.columns), ("hub_subset", d.hub_subset)):
+        if value and not conversational:
+            raise ConfigError(f"data.{name}: only the chat tasks map columns; task {d.task!r} has a fixed schema")
+    if d.packing and TASK_SPECS[d.task].has_candidates:
+        raise ConfigError(f"data.packing: task {d.task!r} is scored by candidates; packing is for the chat and "
+                          f"instruction tasks")
+    if cfg.eval.generate_samples and not conversational:
+        raise ConfigError(f"eval.generate_samples: generation is evaluated on conversations; task {d.task!r} "
+                          f"is not a chat task")
+    if cfg.eval.generate_samples and cfg.eval.max_new_tokens >= cfg.tokenizer.max_length:
+        raise ConfigError(f"eval.max_new_tokens: {cfg.eval.max_new_tokens} leaves no room for a prompt in "
+                          f"tokenizer.max_length={cfg.tokenizer.max_length}")
+    template = cfg.tokenizer.chat_template
+    if check_files and template is not None and "{" not in template and not os.path.isfile(template):
+        raise ConfigError(f"tokenizer.chat_template: {template!r} is neither a Jinja template nor a file")
     if cfg.eval.split != "validation":
         _check_eval_split(cfg, check_files)
     if check_files:

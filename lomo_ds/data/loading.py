@@ -18,16 +18,13 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from lomo_ds.data.errors import DataError
 from lomo_ds.data.tasks import SUPERGLUE_HUB, TASKS, split_file
 
 # SuperGLUE's loading script is not run by datasets >= 4: the loader falls back to the hub's
 # Parquet export of the same data.
 SUPERGLUE_PARQUET_REVISION = "refs/convert/parquet"
 SPLITS = {"train": "train", "eval": "validation"}  # the hub's names; eval.split picks a local folder's
-
-
-class DataError(ValueError):
-    """A data file or record is malformed; the message names the file and the 1-based line/row."""
 
 
 @dataclass
@@ -52,8 +49,12 @@ class EvalExample:
 class Datasets:
     train: list[dict]  # {"input_ids", "labels"} per example
     eval: list[EvalExample]  # candidate-scoring examples (empty for the instruction task)
-    eval_lm: list[dict] = field(default_factory=list)  # instruction task: tokenized eval records (mean loss)
+    eval_lm: list[dict] = field(default_factory=list)  # instruction/chat: tokenized eval records (mean loss)
     stats: dict = field(default_factory=dict)
+    # chat: prompts to answer by generation ({"prompt_ids", "messages", "reference"}, data/chat.py)
+    eval_prompts: list[dict] = field(default_factory=list)
+    packed: bool = False  # train holds packed rows (data/packing.py)
+    group_by_length: bool = False  # train batches are grouped by length (data/packing.py)
 
 
 # ----------------------------------------------------------------------------- records
@@ -131,18 +132,21 @@ def _split_file(directory: str, split: str) -> str:
     return path
 
 
-def _load_hub(task: str, split: str, name: str | None) -> list[tuple[dict, str]]:
+def load_hub_split(name: str, config: str | None, split: str) -> list[tuple[dict, str]]:
+    """Every row of a dataset through datasets.load_dataset: a hub name or a local dataset
+    directory (its data files in the hub's layout, e.g. data/train-00000-of-00001.parquet)."""
     import datasets
 
-    hub = name or SUPERGLUE_HUB
-    config = TASKS[task].hub_config
     try:
-        ds = datasets.load_dataset(hub, config, split=split)
+        ds = datasets.load_dataset(name, config, split=split)
     except RuntimeError as e:  # "Dataset scripts are no longer supported"
         if "script" not in str(e).lower():
             raise
-        ds = datasets.load_dataset(hub, config, split=split, revision=SUPERGLUE_PARQUET_REVISION)
-    return [(dict(r), f"{hub}/{config}[{split}]:row {i}") for i, r in enumerate(ds, 1)]
+        ds = datasets.load_dataset(name, config, split=split, revision=SUPERGLUE_PARQUET_REVISION)
+    except ValueError as e:  # an unknown split, or a dataset with no such configuration
+        raise DataError(f"{name}{f'/{config}' if config else ''}: {e}") from None
+    where = f"{name}{f'/{config}' if config else ''}[{split}]"
+    return [(dict(r), f"{where}:row {i}") for i, r in enumerate(ds, 1)]
 
 
 def split_path(data_cfg, split: str, eval_split: str = "validation") -> str | None:
@@ -173,22 +177,27 @@ def split_path(data_cfg, split: str, eval_split: str = "validation") -> str | No
                     f"set data.eval_file for the evaluation split")
 
 
+def load_rows(data_cfg, split: str, eval_split: str = "validation") -> list[tuple[dict, str]]:
+    """[(record, where it came from)] of split 'train' or 'eval' (the folder's `eval_split`), unchecked."""
+    task = TASKS[data_cfg.task]
+    path = split_path(data_cfg, split, eval_split)
+    hub = data_cfg.source[len("hub:"):] if data_cfg.source and data_cfg.source.startswith("hub:") else None
+    if path is not None:
+        return read_records(path)
+    if task.conversational and hub is not None:
+        return load_hub_split(hub, data_cfg.hub_subset, data_cfg.hub_train_split if split == "train" else data_cfg.hub_eval_split)
+    if task.hub_config is not None:
+        return load_hub_split(hub or SUPERGLUE_HUB, task.hub_config, SPLITS[split])
+    return []  # a task without candidates and without an eval file
+
+
 def load_split(data_cfg, split: str, eval_split: str = "validation") -> list[dict]:
     """All records of split 'train' or 'eval' (the folder's `eval_split`), checked against the task's schema."""
-    task = data_cfg.task
-    path = split_path(data_cfg, split, eval_split)
-    if path is not None:
-        rows = read_records(path)
-    elif TASKS[task].hub_config is not None:
-        hub = data_cfg.source[len("hub:"):] if data_cfg.source else None
-        rows = _load_hub(task, SPLITS[split], hub)
-    else:
-        return []  # a task without candidates and without an eval file
-    return [check_record(task, r, where) for r, where in rows]
+    return [check_record(data_cfg.task, r, where) for r, where in load_rows(data_cfg, split, eval_split)]
 
 
-def sample_indices(n: int, k: int, seed: int) -> list[int]:
-    """The first k of a seeded permutation of range(n) (all n, permuted, when k >= n)."""
+def sample_indices(n: int, k: int | None, seed: int) -> list[int]:
+    """The first k of a seeded permutation of range(n) (all n, permuted, when k is None or >= n)."""
     return [int(i) for i in np.random.RandomState(seed).permutation(n)[:k]]
 
 
@@ -294,6 +303,10 @@ def build_datasets(run_cfg, tokenizer) -> Datasets:
     stats: available/sampled records, examples kept, truncated and rejected counts, per split.
     """
     d, t = run_cfg.data, run_cfg.tokenizer
+    if TASKS[d.task].conversational:
+        from lomo_ds.data.chat import build_chat_datasets
+
+        return build_chat_datasets(run_cfg, tokenizer)
     scored = TASKS[d.task].has_candidates  # else records are prompt/response pairs, evaluated by their loss
     stats: dict[str, Any] = {"task": d.task, "eval_split": run_cfg.eval.split}
     out = Datasets(train=[], eval=[], eval_lm=[], stats=stats)
@@ -324,10 +337,30 @@ def build_datasets(run_cfg, tokenizer) -> Datasets:
         stats[f"{split}_rejected"] = rejected
     stats["train_size"] = len(out.train)
     stats["eval_size"] = len(out.eval) + len(out.eval_lm)
-    if not out.train and run_cfg.train.method != "zero_shot":
-        raise DataError(f"task {d.task!r}: no training examples left (rejected {stats['train_rejected']} "
-                        f"of {stats['train_sampled']} as longer than tokenizer.max_length={t.max_length})")
+    check_some_left(out, run_cfg, stats["train_rejected"], stats["train_sampled"])
+    if not scored:  # instruction records: packed or grouped by length like conversations
+        finish_train_split(out, run_cfg)
     return out
+
+
+def check_some_left(data: Datasets, run_cfg, rejected: int, sampled: int) -> None:
+    if not data.train and run_cfg.train.method != "zero_shot":
+        raise DataError(f"task {run_cfg.data.task!r}: no training examples left (rejected {rejected} of {sampled} "
+                        f"as longer than tokenizer.max_length={run_cfg.tokenizer.max_length})")
+
+
+def finish_train_split(data: Datasets, run_cfg) -> None:
+    """Pack the training examples (data.packing) or else group their batches by length."""
+    from lomo_ds.data.packing import pack
+
+    if run_cfg.data.packing:
+        n = len(data.train)
+        data.train = pack(data.train, run_cfg.tokenizer.max_length, run_cfg.data.seed)
+        data.packed = True
+        data.stats["train_packed_rows"] = len(data.train)
+        data.stats["train_examples_packed"] = n
+    else:
+        data.group_by_length = True
 
 
 def pad_id_of(tokenizer) -> int:

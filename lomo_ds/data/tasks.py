@@ -14,6 +14,11 @@ scores every candidate by its mean token log-probability. The prompts are MeZO's
   countryfacts reads (eval.split: heldout); written by tools/make_<name>_task.py
   instruction  {"prompt", "response"} records with no candidates: trained on the response, and
                evaluated by the mean token loss on an eval file
+  chat         conversations (messages, ShareGPT, Alpaca or prompt/response records: data/chat.py)
+               rendered with the tokenizer's chat template, trained on every assistant turn;
+               evaluated by the eval loss and optionally by greedy generation
+  builtin_chat the chat task on a small synthetic set shipped in lomo_ds/data/builtin/chat/
+               (tools/make_chat_task.py)
 
 This module imports nothing heavy: the run config validates `data.task` against it.
 """
@@ -45,6 +50,7 @@ class Task:
     hub_config: str | None = None  # the task's configuration of the SuperGLUE hub dataset
     default_source: str | None = None  # where its data comes from when data.source is not set
     title: str = ""  # the name tables print (the paper's spelling)
+    conversational: bool = False  # records are conversations (data/chat.py checks them, not `fields`)
 
     @property
     def has_candidates(self) -> bool:
@@ -108,6 +114,9 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          _copa_prompt, candidates=lambda r: [_copa_choice(r["choice1"]), _copa_choice(r["choice2"])],
          values={**_BINARY, "question": ("cause", "effect")}, hub_config="copa", title="COPA"),
     Task("instruction", {"prompt": _STR, "response": _STR}, title="instruction"),
+    Task("chat", {}, conversational=True, title="chat"),
+    Task("builtin_chat", {}, conversational=True, default_source=os.path.join(BUILTIN_DIR, "chat"),
+         title="built-in chat"),
 )}
 TASK_NAMES = tuple(TASKS)
 SUPERGLUE_TASKS = tuple(name for name, t in TASKS.items() if t.hub_config is not None)
