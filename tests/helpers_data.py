@@ -65,3 +65,26 @@ def write_jsonl(path: str, records: list) -> str:
 
 def boolq_records(n: int, prefix: str = "p") -> list[dict]:
     return [{"passage": f"{prefix} passage {i}.", "question": f"is it {i}", "label": i % 2} for i in range(n)]
+
+
+# ChatML, as SmolLM2's and Qwen's templates write it (with SmolLM2's default system message).
+CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou help."
+          "<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chatml_tokenizer(template: bool = True) -> PreTrainedTokenizerFast:
+    """byte_bpe_tokenizer with ChatML's special tokens, and (template=True) the template itself."""
+    import copy
+
+    tok = copy.deepcopy(byte_bpe_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML if template else None
+    return tok
+
+
+def conversation(*turns: str, system: str | None = None) -> dict:
+    """{"messages": [...]} alternating user/assistant contents, with an optional system message."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs += [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+    return {"messages": msgs}

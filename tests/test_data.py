@@ -36,7 +36,8 @@ def test_registry_covers_every_task():
     assert TASKS["wsc"].hub_config == "wsc.fixed"
     assert SUPERGLUE_TASKS == ("rte", "boolq", "wsc", "wic", "multirc", "copa")  # the paper's Table 3 column order
     assert [TASKS[t].title for t in SUPERGLUE_TASKS] == ["RTE", "BoolQ", "WSC", "WiC", "MultiRC", "COPA"]
-    assert [t for t, spec in TASKS.items() if not spec.has_candidates] == ["instruction"]
+    assert [t for t, spec in TASKS.items() if not spec.has_candidates] == ["instruction", "chat", "builtin_chat"]
+    assert [t for t, spec in TASKS.items() if spec.conversational] == ["chat", "builtin_chat"]
     with pytest.raises(ValueError, match="no prompt"):
         D.format_example("instruction", {"prompt": "p", "response": "r"})
 

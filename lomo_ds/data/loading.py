@@ -95,7 +95,7 @@ def read_jsonl(path: str) -> list[tuple[dict, str]]:
                 if not line.strip():
                     continue
                 try:
-                    out.append((json.loads(line), f"{path}:{i}"))
+                    out.append((json.loads(line.rstrip("\r\n")), f"{path}:{i}"))
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
     except FileNotFoundError:
