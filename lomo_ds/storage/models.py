@@ -64,3 +64,31 @@ def load_model(cfg: RunConfig, ds_config: dict) -> torch.nn.Module:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
+
+
+def plain_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full state dict under the names the base architecture loads: for a peft LoRA model, every
+    adapter merged into its base weight (W + scaling * B @ A, in fp32, back to W's dtype) and the
+    wrapper's name parts (base_model.model., .base_layer) removed; any other model as it is."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # no peft: no LoRA model either
+        return state
+    if not isinstance(module, PeftModel):
+        return state
+    state = dict(state)
+    for name, layer in module.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        weight = f"{name}.base_layer.weight"
+        for adapter, scaling in layer.scaling.items():
+            if layer.use_dora.get(adapter):
+                raise ValueError(f"{name}: DoRA adapters are not merged by this export")
+            a, b = state.pop(f"{name}.lora_A.{adapter}.weight"), state.pop(f"{name}.lora_B.{adapter}.weight")
+            delta = (b.float() @ a.float()) * scaling
+            if layer.fan_in_fan_out:
+                delta = delta.T
+            state[weight] = (state[weight].float() + delta).to(state[weight].dtype)
+    prefix = "base_model.model."
+    return {k[len(prefix):].replace(".base_layer.", ".") if k.startswith(prefix) else k: v for k, v in state.items()}
