@@ -48,4 +48,4 @@ def test_generation_over_three_ranks_matches_each_prompt_alone(dist_results):
     r = ok(family(dist_results, "chat")(3), "generation")
     assert r["world"] == 3 and r["metrics"]["n"] == 7
     assert r["replies"] == r["reference"]
-    assert len(set(r["lengths"])) > 1 and min(r["lengths"]) == 2  # replies stop at different lengths
+    assert r["lengths"][0] == 2 and len(set(r["lengths"])) > 1  # replies stop at different lengths

@@ -80,19 +80,13 @@ class Talker:
 def read_prompts(path: str) -> list[list[dict]]:
     """Conversations to answer, from --file (this module's docstring)."""
     from lomo_ds.data.chat import checked_turn
+    from lomo_ds.data.loading import read_jsonl
 
+    if not path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            return [[{"role": "user", "content": line.strip()}] for line in f if line.strip()]
     out = []
-    with open(path, encoding="utf-8") as f:
-        lines = [(i, line.strip()) for i, line in enumerate(f, 1) if line.strip()]
-    for i, line in lines:
-        where = f"{path}:{i}"
-        if not path.endswith(".jsonl"):
-            out.append([{"role": "user", "content": line}])
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    for record, where in read_jsonl(path):
         if isinstance(record, dict) and isinstance(record.get("messages"), list) and record["messages"]:
             messages = [checked_turn(t, k, where) for k, t in enumerate(record["messages"])]
             if messages[-1]["role"] != "user":
