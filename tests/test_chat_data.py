@@ -22,7 +22,7 @@ def run_cfg(source, **over):
 
 
 def labelled_text(tok, ex) -> str:
-    return tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"]) if lab != -100])
+    return tok.decode([i for i, lab in zip(ex["input_ids"], ex["labels"], strict=True) if lab != -100])
 
 
 def test_loss_on_every_assistant_turn_and_its_end_of_turn_token_only():
@@ -44,7 +44,8 @@ def test_loss_on_every_assistant_turn_and_its_end_of_turn_token_only():
     ({"instruction": "Say hi", "input": "", "output": "hi"},
      [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]),
     ({"prompt": "Q?", "response": "A."}, [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]),
-    ({"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]},
+    ({"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
+                        {"from": "gpt", "value": "A"}]},
      [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]),
 ])
 def test_formats_map_onto_conversations(record, messages):
@@ -61,7 +62,8 @@ BAD = {
     "non_string_content": ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}',
                            r"bad\.jsonl:2: turn 0 \(user\) content: expected a string, got int 3"),
     "malformed_json": ('{"messages": [{"role": "user", "content": "x"}', r"bad\.jsonl:2: not valid JSON"),
-    "sharegpt_role": ('{"conversations": [{"from": "robot", "value": "x"}]}', r"bad\.jsonl:2: turn 0: unknown role 'robot'"),
+    "sharegpt_role": ('{"conversations": [{"from": "robot", "value": "x"}]}',
+                      r"bad\.jsonl:2: turn 0: unknown role 'robot'"),
     "ends_with_user": ('{"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}',
                        r"bad\.jsonl:2: the last turn is the user's"),
     "not_a_conversation": ('{"text": "x"}', r"bad\.jsonl:2: not a conversation: expected 'messages'"),
@@ -87,7 +89,7 @@ def test_a_tokenizer_without_a_template_is_an_error_and_the_config_supplies_one(
     tok = chatml_tokenizer(template=False)
     from_file = build_datasets(run_cfg(path, tokenizer={"chat_template": str(tmp_path / "chatml.jinja")}), tok)
     assert inline.train == from_file.train and tok.chat_template == CHATML  # the export saves this tokenizer
-    with pytest.raises(ConfigError, match=r"tokenizer\.chat_template: 'nope\.jinja' is neither a Jinja template nor a file"):
+    with pytest.raises(ConfigError, match=r"tokenizer\.chat_template: 'nope\.jinja' is neither a Jinja template"):
         run_cfg(path, tokenizer={"chat_template": "nope.jinja"})
 
 
@@ -145,7 +147,7 @@ def test_hub_dataset_through_load_dataset_with_a_column_mapping(tmp_path, monkey
     tok = chatml_tokenizer()
     for where in ("saved", "hub"):
         cfg = run_cfg(f"hub:{tmp_path / where}", data={"columns": {"prompt": "question", "response": "answer"},
-                                                        "eval_split": "test"})
+                                                        "hub_eval_split": "test"})
         data = build_datasets(cfg, tok)
         assert data.stats["train"]["kept"] == 3 and data.stats["eval"]["kept"] == 1
         assert sorted(labelled_text(tok, e) for e in data.train) == ["4<|im_end|>", "6<|im_end|>", "8<|im_end|>"]

@@ -9,10 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT
-from helpers_data import CHATML, chatml_tokenizer, conversation, write_jsonl
-from test_train import TRAIN_CLI, TRAIN_SCRIPT, run_train
-from tiny import tiny_llama_config
+from lomo_ds.runtime.launch import run_local
+from tests.helpers_data import CHATML, chatml_tokenizer, conversation, write_jsonl
+from tests.ranks import ROOT
+from tests.tiny import tiny_llama_config
+
+
+def train(entry: list[str], config, out_dir, *extra):
+    """A 2-rank run of the training program (entry: launch/train.py, or the lomo-ds console command's module)."""
+    proc = run_local([*entry, "--config", str(config), "--output-dir", str(out_dir), *extra], 2, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +51,7 @@ def chat_run(tmp_path_factory):
 def test_chat_run_evaluates_by_generation_resumes_exactly_and_exports(chat_run, capsys):
     root, config = chat_run
     straight = root / "straight"
-    out = run_train(TRAIN_SCRIPT, config, straight)
+    out = train([os.path.join(ROOT, "launch", "train.py")], config, straight)
     assert '"train": {"read": 24, "sampled": 24, "kept": 24' in out.stdout  # every record, counted
     assert "exact match: zero-shot" in out.stdout and "--- prompt 1:" in out.stdout
     rows = [json.loads(line) for line in open(straight / "generations" / "step_4.jsonl")]
@@ -61,7 +68,7 @@ def test_chat_run_evaluates_by_generation_resumes_exactly_and_exports(chat_run, 
     os.makedirs(resumed / "checkpoints")
     shutil.copytree(straight / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
     (resumed / "checkpoints" / "latest").write_text("step_00000002")
-    out = run_train(TRAIN_CLI, config, resumed, "--resume")
+    out = train(["-m", "lomo_ds.cli", "train"], config, resumed, "--resume")
     assert "at step 2" in out.stdout
     a, b = (load_file(d / "hf_model" / "model.safetensors") for d in (straight, resumed))
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0

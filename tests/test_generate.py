@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from helpers_data import chatml_tokenizer
 from lomo_ds import cli
 from lomo_ds.evaluation.generation import cut_at_stop, generate_ids, left_padded, score
-from tiny import tiny_llama_config
+from tests.helpers_data import chatml_tokenizer
+from tests.tiny import tiny_llama_config
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from lomo_ds.data.loading import batches_for_step, collate, epoch_order
-from lomo_ds.data.packing import (collate_packed, length_grouped_order, make_batch, pack, padding_fraction,
-                                  train_order)
-from tiny import VOCAB, tiny_llama_config
+from lomo_ds.data.packing import collate_packed, length_grouped_order, make_batch, pack, padding_fraction, train_order
+from tests.tiny import VOCAB, tiny_llama_config
 
 
 def examples(n: int, seed: int = 0) -> list[dict]:
@@ -68,7 +67,7 @@ def packed_and_alone(model, batch_transform=lambda b: b):
 def test_each_example_loss_in_a_packed_row_equals_its_loss_alone(model):
     packed, alone = packed_and_alone(model)
     assert len(packed) == 12
-    assert max(abs(a - b) for a, b in zip(packed, alone)) < 1e-5, (packed, alone)
+    assert max(abs(a - b) for a, b in zip(packed, alone, strict=True)) < 1e-5, (packed, alone)
 
 
 def test_without_the_block_diagonal_mask_the_losses_differ(model):
@@ -79,7 +78,7 @@ def test_without_the_block_diagonal_mask_the_losses_differ(model):
         return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
 
     packed, alone = packed_and_alone(model, one_block)
-    assert max(abs(a - b) for a, b in zip(packed, alone)) > 1e-2
+    assert max(abs(a - b) for a, b in zip(packed, alone, strict=True)) > 1e-2
 
 
 def test_packed_labels_positions_and_padding():
@@ -106,7 +105,8 @@ def test_length_grouped_order_is_a_seeded_permutation_with_less_padding():
     exs = [{"input_ids": [0] * n} for n in lengths]
 
     def padding(o):
-        return padding_fraction([[exs[i] for i in batches_for_step(o, s, 2, 4, r)] for s in range(25) for r in range(2)])
+        return padding_fraction([[exs[i] for i in batches_for_step(o, s, 2, 4, r)]
+                                 for s in range(25) for r in range(2)])
 
     assert padding(order) < 0.5 * padding(epoch_order(203, 5, 2))
 

@@ -185,7 +185,8 @@ def load_rows(data_cfg, split: str, eval_split: str = "validation") -> list[tupl
     if path is not None:
         return read_records(path)
     if task.conversational and hub is not None:
-        return load_hub_split(hub, data_cfg.hub_subset, data_cfg.hub_train_split if split == "train" else data_cfg.hub_eval_split)
+        name = data_cfg.hub_train_split if split == "train" else data_cfg.hub_eval_split
+        return load_hub_split(hub, data_cfg.hub_subset, name)
     if task.hub_config is not None:
         return load_hub_split(hub or SUPERGLUE_HUB, task.hub_config, SPLITS[split])
     return []  # a task without candidates and without an eval file

@@ -18,6 +18,7 @@ import torch
 
 from lomo_ds.evaluation.scoring import agree_on_calls
 
+
 def left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """input_ids and attention_mask with the padding on the left, so every reply starts at the same column."""
     width = max(len(p) for p in prompts)
@@ -76,7 +77,7 @@ def evaluate_generation(module: torch.nn.Module, prompts: Sequence[dict], tokeni
         ids = [prompts[i]["prompt_ids"] for i in chunk] or [[pad_id]]  # a dummy prompt keeps this rank in step
         replies = generate_ids(module, ids, stop_ids=stop_ids, pad_id=pad_id, max_new_tokens=max_new_tokens,
                                device=device, synced=world > 1)
-        for i, reply_ids in zip(chunk, replies):
+        for i, reply_ids in zip(chunk, replies, strict=True):
             reply = tokenizer.decode(reply_ids, skip_special_tokens=True)
             p = prompts[i]
             rows.append({"index": i, "messages": p["messages"], "reference": p["reference"], "reply": reply,

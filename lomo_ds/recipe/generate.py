@@ -90,7 +90,8 @@ def read_prompts(path: str) -> list[list[dict]]:
         if isinstance(record, dict) and isinstance(record.get("messages"), list) and record["messages"]:
             messages = [checked_turn(t, k, where) for k, t in enumerate(record["messages"])]
             if messages[-1]["role"] != "user":
-                raise DataError(f"{where}: the last turn is the {messages[-1]['role']}'s; a prompt ends with the user's")
+                raise DataError(f"{where}: the last turn is the {messages[-1]['role']}'s; "
+                                f"a prompt ends with the user's")
             out.append(messages)
         elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
             out.append([{"role": "user", "content": record["prompt"]}])
