@@ -77,6 +77,8 @@ def evaluate_generation(module: torch.nn.Module, prompts: Sequence[dict], tokeni
         ids = [prompts[i]["prompt_ids"] for i in chunk] or [[pad_id]]  # a dummy prompt keeps this rank in step
         replies = generate_ids(module, ids, stop_ids=stop_ids, pad_id=pad_id, max_new_tokens=max_new_tokens,
                                device=device, synced=world > 1)
+        if not chunk:
+            continue  # the dummy prompt's reply
         for i, reply_ids in zip(chunk, replies, strict=True):
             reply = tokenizer.decode(reply_ids, skip_special_tokens=True)
             p = prompts[i]
