@@ -41,8 +41,11 @@ CHAT_ARGS ?=
 demo-chat: .installed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_chat.json --set train.seed=$(SEED) $(CHAT_ARGS)
 
+# pytest-xdist: the single-process tests spread over TEST_WORKERS workers while one of them runs
+# the multi-rank launches (tests/conftest.py groups every test that starts ranks).
+TEST_WORKERS ?= 2
 test: .installed
-	$(PYTHON) -m pytest -q tests tools $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests tools $(PYTEST_ARGS)
 
 # The GPU check suite (tests/gpu, skipped without CUDA) on every GPU here, with a summary.
 .PHONY: test-gpu

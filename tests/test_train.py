@@ -83,6 +83,7 @@ def run_and_kill_rank1(config, out_dir, after_step: int):
         return proc.wait(timeout=300)
 
 
+@pytest.mark.ranks
 def test_killed_run_resumes_to_identical_parameters(tiny_run):
     root, config = tiny_run
     straight, interrupted = root / "straight", root / "interrupted"
@@ -263,6 +264,7 @@ def test_shipped_config_without_model_is_one_config_error(name, capsys, monkeypa
     assert err[0].startswith(f"config error: {path}: model.path: {placeholder!r}") and "--model" in err[0], err
 
 
+@pytest.mark.ranks
 def test_placeholder_error_is_printed_once_on_two_ranks():
     """The same under a launcher: every rank stops before loading a model, rank 0 alone says why."""
     proc = run_local([TRAIN, "--config", "ds_configs/llama65b.json"], 2, timeout=300, cwd=ROOT)

@@ -22,6 +22,7 @@ from tests.dist_engine_checks import assert_bf16_rounding, assert_overflow_recov
 from tests.gpu.compare import MEMORY_TOLERANCE, predicted_peak_bytes, relative_gap, within_tolerance  # noqa: E402
 from tests.ranks import ROOT, launch, ok  # noqa: E402
 
+pytestmark = pytest.mark.ranks  # its launches run in the one xdist worker that starts ranks
 N_GPUS = torch.cuda.device_count()
 WORLDS = sorted({1, N_GPUS})
 # fp32 on CUDA against fp32 on the CPU: kernels sum in other orders (TF32 stays off: torch's default).
