@@ -1,33 +1,60 @@
 """Fixtures and hooks only (nothing imports this file): the multi-rank checks' figures, one launch
-per world size; the tests that start ranks kept in one pytest-xdist worker."""
+per world size, also under pytest-xdist."""
+import json
+import os
+
 import pytest
+from filelock import FileLock
 
 from tests import ranks
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "ranks: the test starts several ranks itself (one xdist worker runs these)")
+    config.addinivalue_line("markers", "ranks: the test starts several ranks itself")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    # Under `pytest -n N --dist loadgroup` (make test) the single-process tests spread over the
-    # workers while one worker runs every test that starts ranks: the multi-rank launches stay one
-    # per world size (the rank_results cache is a worker's), and never two run at once.
+    # Under `pytest -n N --dist loadgroup` (make test) the tests that start ranks go to one worker
+    # when pytest-xdist honours the group; the lock below keeps the launches one at a time and one
+    # per world size whatever worker runs them.
     for item in items:
         if "rank_results" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ranks"):
             item.add_marker(pytest.mark.xdist_group("ranks"))
 
 
 @pytest.fixture(scope="session")
-def rank_results(tmp_path_factory):
+def shared_tmp(tmp_path_factory):
+    """A folder every pytest-xdist worker of this session shares (the session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_launch_at_a_time(shared_tmp):
+    """Every launch of several ranks in this session (tests.ranks.launch) takes this lock: on a few
+    cores two launches side by side only fight over them."""
+    ranks.LAUNCH_LOCK = FileLock(str(shared_tmp / "launch.lock"))
+    yield
+    ranks.LAUNCH_LOCK = None
+
+
+@pytest.fixture(scope="session")
+def rank_results(shared_tmp):
     """get(world): the figures of every multi-rank check declared for `world` in the collected test
-    modules (tests/ranks.py), from one launch per world size, cached for the session."""
+    modules (tests/ranks.py), from one launch per world size in the session: the first worker that
+    needs them launches, the others read its results."""
     cache: dict[int, dict] = {}
 
     def get(world: int) -> dict:
         if world not in cache:
-            cache[world] = ranks.run_world(world, str(tmp_path_factory.mktemp(f"ranks{world}")))
+            out_dir = shared_tmp / f"ranks{world}"
+            with FileLock(str(shared_tmp / f"ranks{world}.lock")):
+                if (out_dir / "results.json").exists():
+                    cache[world] = json.loads((out_dir / "results.json").read_text())
+                else:
+                    out_dir.mkdir(exist_ok=True)
+                    cache[world] = ranks.run_world(world, str(out_dir))
         return cache[world]
 
     return get

@@ -35,6 +35,7 @@ modules skip themselves before their checks are declared).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -63,6 +64,7 @@ class Check:
 
 REGISTRY: dict[str, Check] = {}  # in declaration order
 _work_dir: str | None = None
+LAUNCH_LOCK = None  # set by tests/conftest.py: one launch of several ranks at a time in a pytest session
 
 
 def _declaring_module() -> str:
@@ -110,13 +112,19 @@ def ok(results: dict, check: Check | str) -> Any:
 
 
 # ----------------------------------------------------------------------------- the pytest side
+def one_launch():
+    """Hold this while ranks run: one launch at a time in a pytest session (a no-op outside one)."""
+    return LAUNCH_LOCK or contextlib.nullcontext()
+
+
 def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | None = None, cpu: bool = True):
     """Run `program` (a script, or "-m" and a module) on `nproc` ranks (CPU ranks unless `cpu` is
     False: one GPU each); fail with its log if it fails."""
     from lomo_ds.runtime.launch import run_local
 
     def run():
-        return run_local(program, nproc, timeout=timeout, env=env, cwd=ROOT, cpu=cpu)
+        with one_launch():
+            return run_local(program, nproc, timeout=timeout, env=env, cwd=ROOT, cpu=cpu)
 
     proc = run()
     if proc.returncode != 0 and RANK_ABORT in proc.stderr:
