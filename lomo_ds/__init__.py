@@ -3,8 +3,8 @@ from importlib import metadata as _metadata
 
 from lomo_ds.config.lomo import ConfigError, LomoConfig, load_config
 from lomo_ds.engine.lomo_engine import LomoEngine, initialize
-from lomo_ds.runtime.dist import init_distributed
 from lomo_ds.methods import Engine, build_engine
+from lomo_ds.runtime.dist import init_distributed
 
 __all__ = ["initialize", "init_distributed", "LomoEngine", "LomoConfig", "ConfigError", "load_config",
            "Engine", "build_engine"]

@@ -1,7 +1,8 @@
 """`lomo-ds` command line. Subcommands are argparse subparsers; add one with a `_add_<name>` function
 registered in `_SUBCOMMANDS`.
 
-    lomo-ds train --config ds_configs/cpu_default.json        # under a launcher: deepspeed --num_gpus 2 -m lomo_ds.cli train ...
+    lomo-ds train --config ds_configs/cpu_default.json        # under a launcher:
+                                                               #   deepspeed --num_gpus 2 -m lomo_ds.cli train ...
     lomo-ds plan --model 65b --gpu-mem 24          # the shipped config's settings, assumptions printed
     lomo-ds plan --offload                         # LLaMA 7B-65B with offload_param: GPUs and host RAM
     lomo-ds plan --model ds_configs/llama13b.json --size 13b --gpus 2
@@ -52,8 +53,8 @@ def _make_plan(args):
     """A Plan for --model, or None for the all-sizes summary. Raises ValueError / ConfigError."""
     from dataclasses import replace
 
-    from lomo_ds.planning import planner
     from lomo_ds.config.run import load_run_config
+    from lomo_ds.planning import planner
 
     overrides = _plan_overrides(args)
     counts = set(planner.GPU_COUNTS) | ({args.gpus} if args.gpus else set())
@@ -75,8 +76,8 @@ def _run_plan(args) -> int:
     import json
     from dataclasses import asdict
 
-    from lomo_ds.planning import planner
     from lomo_ds.config.lomo import ConfigError
+    from lomo_ds.planning import planner
 
     try:
         p = _make_plan(args)
@@ -86,7 +87,8 @@ def _run_plan(args) -> int:
     if p is None:
         plans = planner.shipped_plans(args.gpu_mem, **_plan_overrides(args))
         if args.json:
-            print(json.dumps({size: {"min_gpus": q.min_gpus, "run": asdict(q.run)} for size, q in plans.items()}, indent=1))
+            print(json.dumps({size: {"min_gpus": q.min_gpus, "run": asdict(q.run)} for size, q in plans.items()},
+                             indent=1))
         else:
             print(planner.format_summary(plans))
         return 0

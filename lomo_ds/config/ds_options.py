@@ -123,7 +123,8 @@ OPTIONS: tuple[DsOption, ...] = (
     DsOption(_Z + "cpu_offload_use_pin_memory", SUPPORTED, "deprecated spelling of offload_param.pin_memory"),
     DsOption(_Z + "stage3_prefetch_bucket_size", SUPPORTED, _FETCH, aliases=("prefetch_bucket_size",)),
     DsOption(_Z + "stage3_param_persistence_threshold", SUPPORTED,
-             "small tensors stay gathered; the engine releases them after each update, the next forward gathers them fresh",
+             "small tensors stay gathered; the engine releases them after each update, the next forward gathers "
+             "them fresh",
              aliases=("param_persistence_threshold",)),
     DsOption(_Z + "stage3_model_persistence_threshold", SUPPORTED, "caps the tensors kept gathered (see above)",
              aliases=("model_persistence_threshold",)),

@@ -20,8 +20,19 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lomo_ds.config.lomo import (ConfigError, Int, LomoConfig, Precision, Section, errors_in, expects,
-                                 read_config_file, submodel, validate_deepspeed_section, validated)
+from lomo_ds.config.lomo import (
+    ConfigError,
+    Int,
+    LomoConfig,
+    Precision,
+    Section,
+    errors_in,
+    expects,
+    read_config_file,
+    submodel,
+    validate_deepspeed_section,
+    validated,
+)
 from lomo_ds.data.tasks import TASK_NAMES as TASKS
 from lomo_ds.data.tasks import TASKS as TASK_SPECS
 from lomo_ds.data.tasks import split_file
@@ -109,7 +120,8 @@ class TrainConfig(Section):
     seed: Int = 42
     zero_shot_eval: bool = True  # evaluate once before the first step
     lora: LoraConfig = LoraConfig()
-    baseline_lr: float = Field(1e-5, gt=0, json_schema_extra=expects("a positive learning rate"))  # adamw / sgd baselines
+    # the adamw / sgd baselines
+    baseline_lr: float = Field(1e-5, gt=0, json_schema_extra=expects("a positive learning rate"))
     baseline_weight_decay: float = Field(0.0, ge=0)
 
 
@@ -238,7 +250,8 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
                 raise ConfigError(f"data.{name}: no such file or directory: {p!r}")
     # The engine's defaults (lr 1e-3, no clipping) are not the paper's: a LOMO run must say what it wants.
     if cfg.train.method in LOMO_METHODS and "lomo" not in raw:
-        raise ConfigError(f"lomo: train.method {cfg.train.method!r} needs a 'lomo' section (lr, clip_grad_norm, scheduler)")
+        raise ConfigError(f"lomo: train.method {cfg.train.method!r} needs a 'lomo' section "
+                          "(lr, clip_grad_norm, scheduler)")
     # fp16 on a CPU (DeepSpeed refuses it there) is checked when the accelerator is known: at run time.
 
 

@@ -214,7 +214,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # a prefix: the shorter one ends it
         if x != y:
             break
         n += 1
@@ -234,7 +234,7 @@ def encode_with_candidates(tokenizer, prompt: str, candidates: list[str]) -> tup
     full = [_encode(tokenizer, prompt + c) for c in candidates]
     cut = min(_common_prefix(prompt_ids, f) for f in full)
     cands = [f[cut:] for f in full]
-    for c, ids in zip(candidates, cands):
+    for c, ids in zip(candidates, cands, strict=True):
         if not ids:
             raise DataError(f"candidate {c!r} encodes to no tokens after prompt {prompt[-40:]!r}")
     return prompt_ids[:cut], cands

@@ -50,10 +50,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lomo_ds.runtime import ds_compat
 from lomo_ds.config.lomo import AdaLomoConfig
-from lomo_ds.runtime.device import group_device
 from lomo_ds.engine.fused_update import ShardGeometry
+from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import group_device
 
 
 def row_pieces(start: int, n: int, cols: int) -> list[tuple[int, int, int, int, int]]:

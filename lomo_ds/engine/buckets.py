@@ -44,12 +44,12 @@ from typing import Callable
 
 import torch
 
-from lomo_ds.runtime import ds_compat
+from lomo_ds.config.lomo import GradReduction
 from lomo_ds.engine import shm_reduce_scatter
 from lomo_ds.engine.comm_stats import StepTimers
-from lomo_ds.config.lomo import GradReduction
-from lomo_ds.runtime.device import group_device
 from lomo_ds.engine.fused_update import geometry
+from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import group_device
 
 OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]]], None]
 
@@ -278,7 +278,7 @@ class GradientBuckets:
     def _pack(self, send: torch.Tensor, params, grads) -> None:
         """Fill the rank-major payload `send`; its last column (the flag) is left for the caller."""
         col = 0
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             part = part_of(p, self.world)
             if g is None:
                 send[:, col:col + part].zero_()  # no gradient on this rank: it contributes zeros

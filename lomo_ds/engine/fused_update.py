@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lomo_ds.runtime import ds_compat
 from lomo_ds.engine.precision import stochastic_round_to_bf16
+from lomo_ds.runtime import ds_compat
 
 
 @dataclass(frozen=True)

@@ -30,22 +30,23 @@ from typing import Any
 
 import torch
 
-from lomo_ds.runtime import ds_compat
-from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.config.lomo import LomoConfig, Precision, load_config
+from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.buckets import GradientBuckets
 from lomo_ds.engine.comm_stats import StepTimers
-from lomo_ds.runtime.device import accelerator_device, capture_rng, group_device, move_batch, restore_rng
 from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
-from lomo_ds.planning.memory import MemoryTracker
 from lomo_ds.engine.precision import DynamicLossScaler
 from lomo_ds.engine.schedule import Schedule
-from lomo_ds.runtime.dist import has_labelled_tokens, init_distributed, loss_of, gather_full_state_dict, sum_over_ranks
+from lomo_ds.planning.memory import MemoryTracker
+from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import accelerator_device, capture_rng, move_batch, restore_rng
+from lomo_ds.runtime.dist import gather_full_state_dict, has_labelled_tokens, init_distributed, loss_of, sum_over_ranks
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def initialize(model: torch.nn.Module, config: dict | str | os.PathLike, total_steps: int | None = None) -> "LomoEngine":
+def initialize(model: torch.nn.Module, config: dict | str | os.PathLike,
+               total_steps: int | None = None) -> "LomoEngine":
     """Wrap `model` (already partitioned by zero.Init, or a plain module) in a LomoEngine.
     `total_steps`, when given, wins over lomo.scheduler.total_steps."""
     ds_config, lomo = load_config(config)
@@ -251,7 +252,8 @@ class LomoEngine:
             scale = f", loss scale {self.loss_scaler.scale}" if self.loss_scaler is not None else ""
             raise RuntimeError(f"lomo.max_consecutive_skips: the last {self.consecutive_skips} steps were all skipped "
                                f"(non-finite loss or gradients, or no labelled tokens on any rank{scale}), "
-                               f"{self.global_step} steps into the run; lower lomo.lr, check the data, or raise the limit")
+                               f"{self.global_step} steps into the run; lower lomo.lr, check the data, or raise "
+                               "the limit")
         return result
 
     def _end_step(self) -> None:
@@ -292,7 +294,7 @@ class LomoEngine:
             raise ValueError(f"checkpoint shard was written by rank {state['rank']} of {state['world']}, "
                              f"this is rank {self.rank} of {self.world}")
         by_name = dict(self.module.named_parameters())
-        for name, tensor in state["shards"].items():
+        for name in state["shards"]:
             if name not in by_name:
                 raise ValueError(f"checkpoint has parameter {name!r}, the model does not")
         names = {id(p): n for n, p in by_name.items()}

@@ -93,7 +93,8 @@ class SharedMemoryReduceScatter:
         mine = torch.from_file(path(self.rank), shared=True, size=nbytes, dtype=torch.uint8)
         mine[:_HEADER_BYTES].zero_()
         self._barrier()
-        self.buffers = [mine if r == self.rank else torch.from_file(path(r), shared=True, size=nbytes, dtype=torch.uint8)
+        self.buffers = [mine if r == self.rank else
+                        torch.from_file(path(r), shared=True, size=nbytes, dtype=torch.uint8)
                         for r in range(self.world)]
         self._barrier()
         # Every rank has it mapped: the name can go, so nothing is left in /dev/shm, even after a crash.

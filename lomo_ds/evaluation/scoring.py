@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from lomo_ds.runtime import ds_compat
 from lomo_ds.data.loading import EvalExample, collate
+from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, group_device, move_batch
 
 ForwardLogits = Callable[[dict], torch.Tensor]  # batch dict -> logits [B, T, V]
@@ -126,7 +126,7 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
     # Every rank knows every task name (all ranks hold the full example list): same tensor layout.
     tasks = sorted({ex.task for ex in examples})
     counts = torch.zeros((len(tasks), 2), dtype=torch.float64, device="cpu")  # host-side tallies
-    for ex, sc in zip(mine, scores):
+    for ex, sc in zip(mine, scores, strict=True):
         k = tasks.index(ex.task)
         counts[k, 0] += int(max(range(len(sc)), key=sc.__getitem__) == ex.label)
         counts[k, 1] += 1

@@ -36,9 +36,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from lomo_ds.planning.memory import ActivationCounter, MemoryTracker, breakdown, tensor_bytes
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.dist import gather_full_state_dict
-from lomo_ds.planning.memory import ActivationCounter, MemoryTracker, breakdown, tensor_bytes
 
 
 @runtime_checkable

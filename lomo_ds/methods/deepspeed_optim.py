@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from lomo_ds.runtime import ds_compat
-from lomo_ds.runtime.dist import init_distributed, loss_of, mean_over_ranks
-from lomo_ds.planning.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.methods.base import MethodEngine
+from lomo_ds.planning.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
+from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.dist import init_distributed, loss_of, mean_over_ranks
 
 DS_CHECKPOINT_TAG = "deepspeed"
 

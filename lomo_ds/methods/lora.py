@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from lomo_ds.runtime import ds_compat
 from lomo_ds.config.lomo import LomoConfig, Precision
-from lomo_ds.planning.memory import optimizer_state_bytes, tensor_bytes
 from lomo_ds.config.run import LoraConfig
 from lomo_ds.methods.deepspeed_optim import linear_lr_factor
 from lomo_ds.methods.lomo import LomoMethodEngine
+from lomo_ds.planning.memory import optimizer_state_bytes, tensor_bytes
+from lomo_ds.runtime import ds_compat
 
 ADAPTER_PATTERNS = ("*lora_*",)
 
@@ -91,7 +91,7 @@ class LoraLomoEngine(LomoMethodEngine):
             out["lora_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.masters, clip))
             self.lora_optimizer.step()
         self.lora_scheduler.step()
-        for p, m in zip(self.adapters, self.masters):
+        for p, m in zip(self.adapters, self.masters, strict=True):
             p.grad = None
             m.grad = None
         self._write_adapters()

@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from lomo_ds.runtime import ds_compat
-from lomo_ds.runtime.dist import init_distributed, loss_of, mean_over_ranks
 from lomo_ds.methods.base import MethodEngine
 from lomo_ds.methods.deepspeed_optim import baseline_ds_config
+from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.dist import init_distributed, loss_of, mean_over_ranks
 
 
 class ZeroShotEngine(MethodEngine):

@@ -27,7 +27,8 @@ class MemorySample:
 
     @property
     def total(self) -> int:
-        return self.shard_bytes + self.state_bytes + self.gathered_bytes + self.persistent_bytes + self.grad_bytes + self.bucket_bytes
+        return (self.shard_bytes + self.state_bytes + self.gathered_bytes + self.persistent_bytes + self.grad_bytes
+                + self.bucket_bytes)
 
 
 @dataclass

@@ -8,8 +8,8 @@ that fits, and (with `offload_param: cpu`) the host RAM a LOMO run needs.
 
 Defaults are the shipped GPU configs' (ds_configs/llama*.json): bf16 weights, sequences of 512
 tokens, activation checkpointing on, stochastic rounding on, lomo.bucket_size 25e6, and their
-ZeRO-3 settings (one gather per decoder layer included); `shipped_run(size)` adds that size's micro-batch (global batch 16 over the
-paper's GPU count). Every printed plan starts with the assumptions it made.
+ZeRO-3 settings (one gather per decoder layer included); `shipped_run(size)` adds that size's
+micro-batch (global batch 16 over the paper's GPU count). Every printed plan starts with the assumptions it made.
 
 Notation: P parameters, N GPUs (ZeRO-3 data-parallel ranks), b bytes of the model dtype (2 for
 fp16/bf16, 4 for fp32), T = batch x seq tokens per GPU, L layers, h hidden, f intermediate, V vocab,
@@ -104,8 +104,8 @@ Activations (bytes autograd saves in the forward; what lomo_ds.planning.memory.A
         + 2 S d b (rotary cos/sin, shared by all layers).
 
 The total is a conservative peak: model states + forward activations (+ recompute) + the update's
-temporaries, all at once. `accounted` is the same without the recompute and update terms: what the engines' accounting (the
-MemoryTracker peak + the saved-tensor count) measures, and what tests/test_planner.py compares
+temporaries, all at once. `accounted` is the same without the recompute and update terms: what the
+engines' accounting (the MemoryTracker peak + the saved-tensor count) measures, and what tests/test_planner.py compares
 against measured runs.
 """
 from __future__ import annotations
@@ -211,7 +211,8 @@ class RunSpec:
         return DTYPE_BYTES[self.dtype]
 
     def assumptions(self, batch: bool = True) -> str:
-        return ", ".join([f"{self.dtype} weights", f"seq {self.seq}"] + ([f"micro-batch {self.batch} per GPU"] if batch else []) + [
+        per_gpu = [f"micro-batch {self.batch} per GPU"] if batch else []
+        return ", ".join([f"{self.dtype} weights", f"seq {self.seq}"] + per_gpu + [
             f"activation checkpointing {'on' if self.checkpointing else 'off'}",
             f"offload_param {'cpu' if self.offload else 'none'}", f"lomo.bucket_size {self.lomo_bucket:,}",
             f"stochastic rounding {'on' if self.stochastic_rounding else 'off'}",
@@ -315,7 +316,8 @@ def module_tree(m: ModelSpec) -> ModuleNode:
         embed, ModuleNode("ModuleList", "model.layers", children=layers, container=True), norm("model.norm"),
         ModuleNode("LlamaRotaryEmbedding", "model.rotary_emb")])
     head_key = "model.embed_tokens.weight" if m.tie else "lm_head.weight"
-    return ModuleNode("LlamaForCausalLM", "", children=[model, ModuleNode("Linear", "lm_head", [(head_key, m.vocab * h)])])
+    head = ModuleNode("Linear", "lm_head", [(head_key, m.vocab * h)])
+    return ModuleNode("LlamaForCausalLM", "", children=[model, head])
 
 
 _MAX_LEAF = 1e9  # DeepSpeed never makes a module of more parameters a leaf by threshold (Z3_MAX_LEAF_SIZE)
@@ -554,9 +556,10 @@ def format_plan(p: Plan, gpus: int | None = None) -> str:
              "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for (method, n), e in p.estimates.items():
         host_cell = f" {e.host / GIB:.1f} |" if run.offload else ""
-        lines.append(f"| {method} | {n} | {e.params / GIB:.2f} | {e.grads / GIB:.2f} | {e.optimizer_states / GIB:.2f} | "
-                     f"{e.activations / GIB:.2f} (+{e.recompute / GIB:.2f}) | {e.update / GIB:.2f} | {e.total / GIB:.2f} |"
-                     f"{host_cell} {'yes' if p.fits(method, n) else 'OOM'} |")
+        lines.append(f"| {method} | {n} | {e.params / GIB:.2f} | {e.grads / GIB:.2f} | "
+                     f"{e.optimizer_states / GIB:.2f} | {e.activations / GIB:.2f} (+{e.recompute / GIB:.2f}) | "
+                     f"{e.update / GIB:.2f} | {e.total / GIB:.2f} |{host_cell} "
+                     f"{'yes' if p.fits(method, n) else 'OOM'} |")
     lines.append("")
     counts = sorted({n for _, n in p.estimates})
     for method, g in p.min_gpus.items():

@@ -33,7 +33,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="override any field, e.g. --set lomo.clip_grad_norm=1.0 (value parsed as JSON)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved config and predicted memory, then exit")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    # the deepspeed launcher's
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap
 
 
@@ -63,7 +64,8 @@ def dry_run(cfg) -> None:
         return
     print(planner.format_plan(p, world))
     if world:
-        print(f"this launch ({world} ranks): LOMO needs {p.estimates[('lomo', world)].total / planner.GIB:.2f} GiB per GPU")
+        need = p.estimates[("lomo", world)].total / planner.GIB
+        print(f"this launch ({world} ranks): LOMO needs {need:.2f} GiB per GPU")
 
 
 def check_runtime(cfg) -> None:
@@ -248,7 +250,8 @@ class TrainRecipe:
                                  mem=f"{record['peak_mem_gb']:.2f}G")
             done = step + 1
             if done < self.total_steps:  # the last step's checkpoint and evaluation are finish()'s
-                if self.engine.supports_resume and cfg.output.checkpoint_every and done % cfg.output.checkpoint_every == 0:
+                every = cfg.output.checkpoint_every
+                if self.engine.supports_resume and every and done % every == 0:
                     self.save()
                 if cfg.eval.every_steps and done % cfg.eval.every_steps == 0:
                     self.evaluate("eval", done)

@@ -29,7 +29,8 @@ def loss_of(outputs) -> torch.Tensor:
     return loss
 
 
-def sum_over_ranks(values: list[float], world: int, group=None, dtype=torch.float32, name="step statistics") -> list[float]:
+def sum_over_ranks(values: list[float], world: int, group=None, dtype=torch.float32,
+                   name="step statistics") -> list[float]:
     """Element-wise sums over the group's ranks, in one all-reduce of a few bytes."""
     t = torch.tensor(values, dtype=dtype, device=group_device(group) if world > 1 else "cpu")
     if world > 1:

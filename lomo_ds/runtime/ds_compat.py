@@ -114,7 +114,8 @@ def offload_of(engine):
 
     opt = engine.optimizer
     if not isinstance(opt, DeepSpeedZeRoOffload):
-        raise RuntimeError(f"expected DeepSpeed to build DeepSpeedZeRoOffload with no optimizer, got {type(opt).__name__}")
+        raise RuntimeError("expected DeepSpeed to build DeepSpeedZeRoOffload with no optimizer, "
+                           f"got {type(opt).__name__}")
     return opt
 
 
