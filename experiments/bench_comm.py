@@ -20,6 +20,7 @@ from experiments import common
 from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.runtime.launch import as_deepspeed_launched
+from lomo_ds.runtime.device import accelerator_device
 
 # The collective the network carries (grad_reduction "reduce_scatter"), not the shared-memory
 # path that CPU ranks on one node take by default: bytes on the wire are what is compared.
@@ -57,7 +58,7 @@ def main() -> None:
               "lomo": {"lr": 1e-3, "bucket_size": 5_000_000, **extra}}
         engines[name] = lomo_ds.initialize(copy.deepcopy(base), ds)
     batches = common.random_batches(args.vocab, args.micro, args.seq, args.warmup + args.steps,
-                                    seed=torch.distributed.get_rank(), device=common.rank_device())
+                                    seed=torch.distributed.get_rank(), device=accelerator_device())
     times = {name: [] for name in engines}
     counts = {}
     # Variants take turns step by step, so a slow spell on a shared machine hits them all alike.

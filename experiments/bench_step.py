@@ -75,7 +75,7 @@ def bench(args: argparse.Namespace):
     engine's buckets came to."""
     base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
     zero = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": {"stage": 3}}
-    lomo = {"lr": LR, "bucket_size": args.bucket_size}
+    lomo = {"lr": LR, "bucket_size": args.bucket_size, "max_in_flight": args.in_flight}
     makers = {
         "lomo": lambda m: lomo_ds.initialize(m, {**zero, "lomo": lomo}),
         "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "clip_grad_norm": 1.0}}),
@@ -88,8 +88,7 @@ def bench(args: argparse.Namespace):
                     if name in args.engines.split(",")})
     timed = {name: e for name, e in engines.items() if name.startswith("lomo")}
     for e in timed.values():
-        e.timers.enabled = True
-        e.buckets.max_in_flight = args.in_flight
+        e.timers.enable()
 
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
     times = {name: [] for name in engines}

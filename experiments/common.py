@@ -123,14 +123,6 @@ def count_params(model) -> int:
     return sum(ds_compat.full_numel(p) if ds_compat.is_zero_param(p) else p.numel() for p in model.parameters())
 
 
-def rank_device():
-    """This rank's device (DeepSpeed's accelerator: the rank's GPU, or the CPU)."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
 def random_batches(vocab: int, batch: int, seq: int, n: int, seed: int, device=None) -> list[dict]:
     """`n` language-modelling batches of random tokens (labels = inputs), reproducible from `seed`."""
     import torch

@@ -19,6 +19,7 @@ import time
 from experiments import common
 from experiments.common import GIB, MIB, RESULTS
 from lomo_ds.planning.planner import ModelSpec
+from lomo_ds.runtime.device import accelerator_device
 
 # Built-in random-init LLaMA shapes for --cpu (vocab 8192 so the embedding does not dominate).
 CPU_SIZES = {
@@ -59,7 +60,7 @@ def run_one(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for b in common.random_batches(model.config.vocab_size, args.batch, args.seq, 2, seed=100 + eng.rank,
-                                   device=common.rank_device()):
+                                   device=accelerator_device()):
         out = eng.train_step(b)
     mem = eng.memory_breakdown()
     return {"method": args.one, "ac": args.ac, "n_params": n_params, "world": eng.world, "loss": out["loss"],

@@ -41,6 +41,7 @@ import time
 from experiments import common
 from experiments.common import GIB, LLAMA_PARAMS_B, MIB, RESULTS
 from lomo_ds.planning.planner import ModelSpec
+from lomo_ds.runtime.device import accelerator_device
 
 METHODS = ("adamw", "sgd", "lomo")
 
@@ -126,7 +127,7 @@ def run_group(jobs: list[dict], a) -> list[dict]:
     built = []
     for job in jobs:
         eng, n_params, vocab = make_engine(job, a)
-        batches = common.random_batches(vocab, a.batch, a.seq, 4, seed=100 + eng.rank, device=common.rank_device())
+        batches = common.random_batches(vocab, a.batch, a.seq, 4, seed=100 + eng.rank, device=accelerator_device())
         built.append((job, eng, n_params, batches))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -149,7 +150,7 @@ def run_group(jobs: list[dict], a) -> list[dict]:
         vals = torch.tensor([peak, float(mem["peak_rss"]), *[float(mem[k]) for k in
                              ("params", "grads", "optimizer_states", "activations", "total")]], dtype=torch.float64)
         if eng.world > 1:
-            vals = vals.to(common.rank_device())
+            vals = vals.to(accelerator_device())
             torch.distributed.all_reduce(vals, op=torch.distributed.ReduceOp.MAX, group=eng.group)
             vals = vals.cpu()
         step = statistics.median(times[i])

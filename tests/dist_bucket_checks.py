@@ -12,16 +12,8 @@ import lomo_ds
 from lomo_ds.engine.buckets import resolve_transport
 from lomo_ds.engine.fused_update import geometry
 from lomo_ds.runtime import ds_compat
-from tests.dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, reference_step
+from tests.dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, on_every_rank, reference_step
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
-
-
-def all_ranks(values: list[float]) -> list[list[float]]:
-    """Every rank's `values`, in rank order (a test-side collective)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    out = [torch.zeros_like(t) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(out, t)
-    return [o.tolist() for o in out]
 
 
 # The two ways buckets are summed over several ranks (lomo.grad_reduction).
@@ -30,7 +22,7 @@ TRANSPORTS = ("reduce_scatter", "shared_memory")
 
 def check_nonfinite(bf16: bool, transport: str = "auto"):
     """inf in one parameter's gradient on the last rank only, in a one-pass step: every rank sees
-    found_nonfinite, the buckets before it are applied, that bucket and every later one are not."""
+    the non-finite flag, the buckets before it are applied, that bucket and every later one are not."""
     cfg = ds_cfg(bucket_size=3000, grad_reduction=transport)
     if bf16:
         cfg["bf16"] = {"enabled": True}
@@ -40,7 +32,7 @@ def check_nonfinite(bf16: bool, transport: str = "auto"):
     inject = {"on": False}
     target.register_hook(lambda g: g * float("inf") if inject["on"] and rank == world - 1 else g)
     engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
-    layout = [list(b) for b in engine.buckets.layout] if world > 1 else [[p] for p in engine.buckets.arrived]
+    layout = [list(b) for b in engine.buckets.layout]
     bad = next(b for b, params in enumerate(layout) if any(p is target for p in params))
     shards = lambda: {id(p): ds_compat.shard(p).clone() for p in engine.params}  # noqa: E731
     before = shards()
@@ -48,7 +40,7 @@ def check_nonfinite(bf16: bool, transport: str = "auto"):
     engine.train_step(global_batch(1, world)[rank])
     after = shards()
     changed = [[float(not torch.equal(before[id(p)], after[id(p)])) for p in params] for params in layout]
-    found = engine.buckets.found_nonfinite
+    found = not bool(engine.buckets.stats.finite)
     inject["on"] = False
     engine.train_step(global_batch(2, world)[rank])
     again = shards()
@@ -58,7 +50,7 @@ def check_nonfinite(bf16: bool, transport: str = "auto"):
     # any bit pattern, NaN included.
     finite_after = float(all(torch.isfinite(ds_compat.shard(p)[:geometry(p, world, rank).local]).all()
                              for p in engine.params))
-    flags = all_ranks([float(found), float(engine.buckets.found_nonfinite), moved_next, finite_after])
+    flags = on_every_rank(float(found), float(not bool(engine.buckets.stats.finite)), moved_next, finite_after)
     return {"n_buckets": len(layout), "bad_bucket": bad, "changed_by_bucket": changed,
             "found_all_ranks": [f[0] for f in flags], "found_next_step": [f[1] for f in flags],
             "next_step_updates_all": [f[2] for f in flags], "finite_all_ranks": [f[3] for f in flags]}
@@ -193,8 +185,8 @@ def check_overlap():
     events = []
     add, apply_bucket = engine.buckets.add, engine.buckets.on_bucket
     engine.buckets.add = lambda p, g: (events.append(("grad", id(p))), add(p, g))[-1]
-    engine.buckets.on_bucket = lambda items: (events.append(("apply", tuple(id(p) for p, _ in items))),
-                                              apply_bucket(items))[-1]
+    engine.buckets.on_bucket = lambda items, stats: (events.append(("apply", tuple(id(p) for p, _ in items))),
+                                                     apply_bucket(items, stats))[-1]
     engine.train_step(global_batch(1, world)[rank])
     arrived_before = []  # for each applied bucket: gradients that arrived after its last one
     for i, (kind, what) in enumerate(events):
@@ -222,9 +214,9 @@ def check_apply_points(transport: str = "auto"):
         add(p, g)
 
     engine.buckets.add = counted_add
-    engine.buckets.on_bucket = lambda items: (applied_at.append(arrived[0]), apply_bucket(items))[-1]
+    engine.buckets.on_bucket = lambda items, stats: (applied_at.append(arrived[0]), apply_bucket(items, stats))[-1]
     engine.train_step(global_batch(1, world)[rank])
-    return {"n_buckets": len(engine.buckets.layout), "applied_at": all_ranks([float(n) for n in applied_at])}
+    return {"n_buckets": len(engine.buckets.layout), "applied_at": on_every_rank(*applied_at)}
 
 
 def check_transport():

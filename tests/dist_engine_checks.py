@@ -12,6 +12,7 @@ import torch
 import lomo_ds
 from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import group_device
 from tests.tiny import global_batch, tiny_llama
 
 LR = 0.05
@@ -124,11 +125,12 @@ def scaled_forward(m, b):
 
 
 def on_every_rank(*values: float) -> list[list[float]]:
-    """values from every rank, rank by rank."""
-    mine = torch.tensor([float(v) for v in values])
+    """`values` from every rank, rank by rank (a test-side collective, on the group's device: NCCL
+    gathers only accelerator tensors)."""
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64, device=group_device())
     gathered = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(gathered, mine)
-    return [g.tolist() for g in gathered]
+    ds_compat.all_gather(gathered, mine, name="check figures")
+    return [g.cpu().tolist() for g in gathered]
 
 
 def raw_shards(engine):

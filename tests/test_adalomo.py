@@ -53,8 +53,9 @@ def stat_floats(shapes) -> int:
 
 
 def state_bytes(shapes, world: int, rank: int = 0) -> int:
-    """fp32 state one rank holds: full rows + columns of each matrix, its slice of each vector."""
-    total = 0
+    """State one rank holds: fp32 full rows + columns of each matrix, its slice of each vector,
+    and an fp64 step count per parameter (8 bytes: 2 floats)."""
+    total = 2 * len(shapes)
     for s in shapes:
         if len(s) == 2:
             total += s[0] + s[1]

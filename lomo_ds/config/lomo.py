@@ -119,6 +119,12 @@ class LomoConfig(Section):
     seed: Int = Field(1234, description="seed of the stochastic rounding")
     exclude_params: tuple[str, ...] = Field((), strict=False, description="fnmatch patterns of parameter names "
                                                                           "LOMO leaves alone (a list)")
+    max_in_flight: Int = Field(1, ge=1, description="reduce-scatters outstanding at once (memory: one bucket's "
+                                                    "payload and receive buffer each)")
+    collective_timeout: float = Field(600.0, gt=0, description="seconds a collective may wait on a peer before the "
+                                                               "run fails (NCCL's watchdog, gloo's timeout, the "
+                                                               "shared-memory transport's); a dead peer is detected "
+                                                               "sooner where it can be")
 
 
 def options_markdown(cls: type[BaseModel] = None, prefix: str = "lomo") -> str:

@@ -45,7 +45,6 @@ Where the paper, the public `lomo-optim` code and this module differ, and which 
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -87,6 +86,11 @@ class _Slice(NamedTuple):
     weights: torch.Tensor  # fp32 weights to update (the master, or the shard or a copy of it)
 
 
+def _ema_where(state: torch.Tensor, new: torch.Tensor, beta: torch.Tensor, keep: torch.Tensor) -> None:
+    """state = beta state + (1 - beta) new where `keep`, else left as it was (`new` may be NaN)."""
+    state.copy_(torch.where(keep, state * beta + new * (1.0 - beta), state))
+
+
 class AdaLomo:
     """AdaLomo's second-moment state and update for this rank's shards; ShardUpdater calls
     `apply_bucket` with each reduced bucket of the update pass."""
@@ -100,7 +104,8 @@ class AdaLomo:
         names = {id(p): n for n, p in module.named_parameters()}
         self.names = {ds_compat.param_id(p): names[id(p)] for p in params}
         # ds_id -> {"step": updates applied, "row", "col"} (matrices, replicated) or {"step", "sq"}
-        # (this rank's slice), fp32 on the shard's device.
+        # (this rank's slice), on the shard's device: fp32 moments, an fp64 step count (a device
+        # tensor, so that a skipped bucket leaves it where it was without a host sync).
         self.state: dict[int, dict[str, Any]] = {}
         for p in params:
             shape, device = ds_compat.full_shape(p), ds_compat.shard(p).device
@@ -109,10 +114,15 @@ class AdaLomo:
                            "col": torch.zeros(shape[1], dtype=torch.float32, device=device)}
             else:
                 moments = {"sq": torch.zeros(geometry(p).local, dtype=torch.float32, device=device)}
-            self.state[ds_compat.param_id(p)] = {"step": 0, **moments}
+            self.state[ds_compat.param_id(p)] = {"step": torch.zeros((), dtype=torch.float64, device=device),
+                                                 **moments}
 
     # ----------------------------------------------------------------- the update
-    def apply_bucket(self, updater, items: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    def apply_bucket(self, updater, items: list[tuple[torch.nn.Parameter, torch.Tensor]],
+                     finite: torch.Tensor) -> None:
+        """Update every parameter of a reduced bucket, unless `finite` (a device flag: every bucket
+        of the pass so far was finite) or the bucket's reduced statistics say otherwise. Decided
+        on the device: nothing here reads a number back to the host."""
         cfg = self.cfg
         slices = []
         for param, grad_shard in items:
@@ -124,67 +134,74 @@ class AdaLomo:
                                  updater.weights(param)))
 
         # 1. Partial row/column sums of g^2 and partial sums of θ^2 for the whole bucket in one
-        #    buffer: [rows, cols] of each matrix, then one θ^2 per parameter.
+        #    buffer on the group's device: [rows, cols] of each matrix, then one θ^2 per parameter.
+        #    Each slice's sums are taken where its shard lives (they need not all be on one device).
+        device = group_device(self.group) if torch.distributed.is_initialized() else slices[0].g.device
         width = sum(s.shape[0] + s.shape[1] for s in slices if s.pieces is not None)
-        # Built where the shards live (the state's device) and reduced on the group's device: the
-        # same one unless the shards are offloaded to host memory.
-        state_device = slices[0].g.device
-        sums = torch.zeros(width + len(slices), dtype=torch.float32, device=state_device)
+        sums = torch.zeros(width + len(slices), dtype=torch.float32, device=device)
         at = 0
         for i, s in enumerate(slices):
             if s.pieces is not None:
                 cols_at = at + s.shape[0]
                 for pos, row, col, rows, w in s.pieces:
                     block = s.g[pos:pos + rows * w].view(rows, w)
-                    sums[at + row:at + row + rows] += torch.linalg.vector_norm(block, dim=1).square_()
-                    sums[cols_at + col:cols_at + col + w] += torch.linalg.vector_norm(block, dim=0).square_()
+                    sums[at + row:at + row + rows] += torch.linalg.vector_norm(block, dim=1).square_().to(device)
+                    sums[cols_at + col:cols_at + col + w] += torch.linalg.vector_norm(block, dim=0).square_().to(device)
                 at += s.shape[0] + s.shape[1]
-            sums[width + i] = torch.linalg.vector_norm(s.weights).square()
+            sums[width + i] = torch.linalg.vector_norm(s.weights).square().to(device)
         self._all_reduce(sums)
+        # Every rank's g^2 is in the reduced sums: a non-finite slice anywhere makes them
+        # non-finite on every rank, so every rank keeps or drops this bucket alike.
+        keep = finite.to(device) & torch.isfinite(sums).all()
 
         # 2. Second moments, then u = g / sqrt(v) in place of g, and partial sums of u^2.
-        u_sq = torch.zeros(len(slices), dtype=torch.float32, device=state_device)
+        u_sq = torch.zeros(len(slices), dtype=torch.float32, device=device)
         at = 0
         for i, s in enumerate(slices):
             state = self.state[ds_compat.param_id(s.param)]
-            state["step"] += 1
-            beta = 1.0 - state["step"] ** cfg.decay_rate
+            here = keep.to(state["step"].device)
+            state["step"].add_(here.double())
+            beta = 1.0 - state["step"].clamp(min=1.0).pow(cfg.decay_rate)  # fp64, as a Python float was
             if s.pieces is not None:
                 rows, cols = s.shape
-                row_mean = sums[at:at + rows].div(cols).add_(cfg.eps1)
-                col_mean = sums[at + rows:at + rows + cols].div(rows).add_(cfg.eps1)
+                row_mean = sums[at:at + rows].div(cols).add_(cfg.eps1).to(state["row"].device)
+                col_mean = sums[at + rows:at + rows + cols].div(rows).add_(cfg.eps1).to(state["col"].device)
                 at += rows + cols
-                state["row"].mul_(beta).add_(row_mean, alpha=1.0 - beta)
-                state["col"].mul_(beta).add_(col_mean, alpha=1.0 - beta)
+                _ema_where(state["row"], row_mean, beta, here)
+                _ema_where(state["col"], col_mean, beta, here)
                 row_factor = (state["row"] / state["row"].mean()).rsqrt_()
                 col_factor = state["col"].rsqrt()
                 for pos, row, col, n_rows, w in s.pieces:
                     block = s.g[pos:pos + n_rows * w].view(n_rows, w)
                     block.mul_(row_factor[row:row + n_rows, None]).mul_(col_factor[col:col + w])
             else:
-                state["sq"].mul_(beta).add_(s.g.square().add_(cfg.eps1), alpha=1.0 - beta)
+                _ema_where(state["sq"], s.g.square().add_(cfg.eps1), beta, here)
                 s.g.mul_(state["sq"].rsqrt())
-            u_sq[i] = torch.linalg.vector_norm(s.g).square()
+            u_sq[i] = torch.linalg.vector_norm(s.g).square().to(device)
         self._all_reduce(u_sq)
+        keep &= torch.isfinite(u_sq).all()
 
-        # 3. θ -= lr * max(eps2, RMS(θ)) * u / max(1, RMS(u) / clip_threshold)
-        param_sq, u_sq = sums[width:].tolist(), u_sq.tolist()
-        lr, wd = updater.rule.lr, updater.rule.weight_decay
+        # 3. θ -= lr * max(eps2, RMS(θ)) * u / max(1, RMS(u) / clip_threshold), every coefficient
+        #    a device tensor; a dropped bucket gets coefficient 0 and a zeroed u.
+        numels = torch.tensor([float(max(s.geo.numel, 1)) for s in slices], dtype=torch.float32, device="cpu")
+        numels = numels.to(device, non_blocking=True)
+        step = sums[width:].div(numels).sqrt_().clamp_(min=cfg.eps2).mul_(updater.rule.lr)
+        clip = u_sq.div(numels).sqrt_().div_(cfg.clip_threshold).clamp_(min=1.0)
+        coef = torch.where(keep, step / clip, 0.0)
+        decay = torch.where(keep, 1.0 - step * updater.rule.weight_decay, 1.0)
         for i, s in enumerate(slices):
             if s.geo.local == 0:
                 continue
-            step = lr * max(cfg.eps2, math.sqrt(param_sq[i] / s.geo.numel))
-            clip = max(1.0, math.sqrt(u_sq[i] / s.geo.numel) / cfg.clip_threshold)
-            if wd:
-                s.weights.mul_(1.0 - step * wd)
-            s.weights.add_(s.g, alpha=-step / clip)
+            here = keep.to(s.g.device)
+            s.g.masked_fill_(~here, 0.0)
+            if updater.rule.weight_decay:
+                s.weights.mul_(decay[i].to(s.weights.device))
+            s.weights.sub_(s.g.mul_(coef[i].to(s.g.device)))
             updater.write_back(s.param, s.weights)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         if self.world > 1:
-            on_group = t.to(group_device(self.group))
-            ds_compat.all_reduce(on_group, group=self.group, name="AdaLomo bucket statistics")
-            t.copy_(on_group)
+            ds_compat.all_reduce(t, group=self.group, name="AdaLomo bucket statistics")
 
     # ----------------------------------------------------------------- state
     def state_bytes(self) -> int:
@@ -209,5 +226,7 @@ class AdaLomo:
                         raise ValueError(f"AdaLomo state {name}.{key}: shape {tuple(value.shape)}, "
                                          f"expected {tuple(mine[key].shape)}")
                     mine[key].copy_(value)
+                elif torch.is_tensor(mine[key]):  # a step count saved as a number
+                    mine[key].fill_(value)
                 else:
                     mine[key] = value

@@ -12,9 +12,14 @@ expert that none of this rank's tokens reached).
 
 Payload. The reduce-scatter input is rank-major: row r of a [world, width + 1] matrix holds, for
 every parameter of the bucket, the elements rank r owns (zero-padded to `part`), then one flag
-element: 0 when this rank's gradients in the bucket are all finite, NaN otherwise. The collective
-sums the flags with the gradients, so every rank receives the same verdict on the bucket with no
-extra collective. The gradient bytes are those of DeepSpeed's own ZeRO-3 path, half an all-reduce's.
+element: 0 when this rank's gradients in the bucket, and every reduced slice it has received in
+this pass, are all finite; NaN otherwise. The collective sums the flags with the gradients, so
+every rank receives the same verdict on the bucket with no extra collective. A sum that overflows
+only inside the reduction (fp16) shows in the received slice of one rank alone: that rank drops
+the bucket at once, and its next flag tells the others (the engine agrees on the last bucket once
+the pass ends). The verdict is a device flag (PassStats.finite): no host sync per bucket. The
+gradient bytes are those of DeepSpeed's own ZeRO-3 path, half an all-reduce's. One rank uses the
+same path (a one-rank collective), so the path a single GPU runs is the one many GPUs run.
 
 Overlap. Each bucket's reduce-scatter is started asynchronously (on an accelerator, packed on a
 side stream) and the backward goes on; the bucket is handed to `on_bucket` just before the next
@@ -47,11 +52,11 @@ import torch
 from lomo_ds.config.lomo import GradReduction
 from lomo_ds.engine import shm_reduce_scatter
 from lomo_ds.engine.comm_stats import StepTimers
-from lomo_ds.engine.fused_update import geometry
+from lomo_ds.engine.fused_update import PassStats, geometry
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
 
-OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]]], None]
+OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]], PassStats], None]
 
 
 def part_of(param: torch.nn.Parameter, world: int) -> int:
@@ -59,10 +64,13 @@ def part_of(param: torch.nn.Parameter, world: int) -> int:
     return geometry(param, world, 0).part
 
 
-def nonfinite_marker(t: torch.Tensor) -> torch.Tensor:
-    """0 when every element of `t` is finite, NaN otherwise: 0 * sum (inf * 0 and NaN * 0 are NaN).
-    A device tensor, so building the flag costs no host synchronisation."""
-    return t.sum(dtype=torch.float32).mul_(0.0)
+def nonfinite_marker(t: torch.Tensor, finite_so_far: torch.Tensor | None = None) -> torch.Tensor:
+    """0 when every element of `t` is finite (and `finite_so_far` holds), NaN otherwise: 0 * sum
+    (inf * 0 and NaN * 0 are NaN). A device tensor, so building the flag costs no host sync."""
+    marker = t.sum(dtype=torch.float32).mul_(0.0)
+    if finite_so_far is not None:
+        marker = torch.where(finite_so_far, marker, math.nan)
+    return marker
 
 
 @dataclass
@@ -96,8 +104,9 @@ class GradientBuckets:
     elements, calling `on_bucket([(param, this rank's reduced slice)])` per bucket."""
 
     def __init__(self, params: list[torch.nn.Parameter], group, world: int, rank: int, capacity: int,
-                 reduce_dtype: torch.dtype | None, on_bucket: OnBucket, device: torch.device, tracker=None,
-                 transport: str = "auto", max_in_flight: int = 1, timers: StepTimers | None = None):
+                 reduce_dtype: torch.dtype | None, on_bucket: OnBucket, device: torch.device,
+                 transport: str = "auto", max_in_flight: int = 1, timers: StepTimers | None = None,
+                 timeout_s: float | None = None):
         from deepspeed.accelerator import get_accelerator
 
         self.group, self.world, self.rank = group, world, rank
@@ -108,11 +117,14 @@ class GradientBuckets:
         # rule that needs a collective per bucket (AdaLomo's row/column statistics) can batch it.
         self.on_bucket = on_bucket
         self.device = device
-        self.tracker = tracker
-        self.transport = resolve_transport(transport, self.params, world)
-        self.shm = (shm_reduce_scatter.SharedMemoryReduceScatter(group, world, rank)
-                    if self.transport == "shared_memory" else None)
+        self.tracker = None  # a MemoryTracker, once track_memory() is called
+        if max_in_flight < 1:
+            raise ValueError(f"lomo.max_in_flight: expected >= 1, got {max_in_flight}")
         self.max_in_flight = max_in_flight
+        self.transport = resolve_transport(transport, self.params, world)
+        self.shm = (shm_reduce_scatter.SharedMemoryReduceScatter(group, world, rank, in_flight=max_in_flight,
+                                                                 timeout_s=timeout_s)
+                    if self.transport == "shared_memory" else None)
         self.timers = timers or StepTimers()
         self.accelerator = get_accelerator()
         # Gradients are produced on the current stream; packing and sending them on a side stream
@@ -120,12 +132,21 @@ class GradientBuckets:
         self.stream = self.accelerator.Stream() if device.type != "cpu" else None
         self.in_flight: deque[_InFlight] = deque()
         self._check_groups()
-        # One rank has nothing to reduce, and the all-reduce baseline goes one parameter at a time:
-        # neither uses buckets.
-        bucketed = world > 1 and self.transport != "all_reduce"
+        # The all-reduce baseline goes one parameter at a time: no buckets.
+        bucketed = self.transport != "all_reduce"
         self._plan(self.params[::-1] if bucketed else [])
         self._relayout_pending = bucketed
-        self.reset()
+        self.reset(PassStats(device))
+
+    def abandon(self) -> None:
+        """This rank's backward raised: peers waiting on it through shared memory fail at once,
+        naming this rank (gloo and NCCL peers fail by the process group's timeout)."""
+        if self.shm is not None:
+            self.shm.abandon()
+
+    def track_memory(self, tracker) -> None:
+        """Report the bytes held in buckets to `tracker` (a MemoryTracker) from now on."""
+        self.tracker = tracker
 
     # ----------------------------------------------------------------- layout
     def _check_groups(self) -> None:
@@ -192,11 +213,12 @@ class GradientBuckets:
         self._relayout_pending = False
 
     # ----------------------------------------------------------------- one backward
-    def reset(self) -> None:
-        """Start a backward: no bucket sent, no gradient in, no non-finite element seen."""
+    def reset(self, stats: PassStats) -> None:
+        """Start a backward: no bucket sent, no gradient in; `stats` (the updater's, for this pass)
+        collects whether everything stayed finite."""
         while self.in_flight:  # left by a backward that raised: finish it, apply nothing
             self.in_flight.popleft().work.wait()
-        self.found_nonfinite = False
+        self.stats = stats
         self.slots: list[list[torch.Tensor | None]] = [[None] * len(b) for b in self.layout]
         self.missing = [len(b) for b in self.layout]
         self.next_bucket = 0  # the next bucket to send, in layout order
@@ -204,15 +226,6 @@ class GradientBuckets:
         self.pending_bytes = 0  # gradients waiting for their bucket to be sent
 
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        if self.world == 1:
-            # One rank: the shard is the whole parameter and there is nothing to reduce.
-            self.arrived.append(param)
-            if not self.found_nonfinite and math.isnan(nonfinite_marker(grad).item()):
-                self.found_nonfinite = True
-            if not self.found_nonfinite:
-                with self.timers.span("update"):
-                    self.on_bucket([(param, grad.reshape(-1))])
-            return
         if self.transport == "all_reduce":
             self._all_reduce_one(param, grad)
             return
@@ -259,7 +272,7 @@ class GradientBuckets:
                         else torch.empty(self.world, width + 1, dtype=dtype, device=self.device))
                 self._pack(send, params, grads)
             with self.timers.span("flag"):
-                send[:, width] = nonfinite_marker(send[:, :width])
+                send[:, width] = nonfinite_marker(send[:, :width], self.stats.finite)
             if self.tracker is not None:
                 self.tracker.note_bucket(self._held_bytes() + send.numel() * send.element_size())
             # The gradients are packed: let them go before the receive buffer exists.
@@ -300,30 +313,25 @@ class GradientBuckets:
             done.work.wait()  # on an accelerator: the current stream waits for the collective
         if self.stream is not None:
             done.received.record_stream(self.accelerator.current_stream())
-        if self.found_nonfinite:
-            return
-        # The summed flag: 0, or NaN when some rank's part of the bucket is not finite, the same on
-        # every rank (on an accelerator, reading it is a host sync: the collective is done).
-        if math.isnan(done.received[-1].item()):
-            self.found_nonfinite = True  # every rank stops here: this bucket and later ones are dropped
-            return
+        # The summed flag (0, or NaN when some rank's part of the bucket or an earlier received
+        # slice was not finite: the same on every rank) and this rank's reduced slices (an fp16
+        # sum may overflow inside the reduction). On the device: from here on nothing is applied.
+        self.stats.finite.logical_and_(torch.isfinite(done.received).all())
         items, col = [], 0
         for p in done.params:
             part = part_of(p, self.world)
             items.append((p, done.received[col:col + part]))
             col += part
         with self.timers.span("update"):
-            self.on_bucket(items)
+            self.on_bucket(items, self.stats)
 
     def _all_reduce_one(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)
         ds_compat.all_reduce(full, group=ds_compat.process_group(param))
         # Every rank holds the same summed gradient: a local check is already agreed.
-        if self.found_nonfinite or math.isnan(nonfinite_marker(full).item()):
-            self.found_nonfinite = True
-            return
+        self.stats.finite.logical_and_(torch.isfinite(full).all())
         part = part_of(param, self.world)
-        self.on_bucket([(param, full[self.rank * part:(self.rank + 1) * part])])
+        self.on_bucket([(param, full[self.rank * part:(self.rank + 1) * part])], self.stats)
 
     def _held_bytes(self) -> int:
         return self.pending_bytes + sum(f.send.numel() * f.send.element_size()

@@ -137,18 +137,29 @@ _OFF = contextlib.nullcontext()
 
 
 class StepTimers:
-    """Wall-clock seconds spent in named parts of a step (the LOMO overhead breakdown).
+    """Seconds spent in named parts of a step (the LOMO overhead breakdown).
 
     Code under measurement asks `span(name)`; with timing off (`enabled = False`, the default)
-    that is a shared no-op context, so the hot paths pay one attribute test and nothing else.
+    that is a shared no-op context, so the hot paths pay one attribute test and nothing else;
+    `enable()` turns it on.
+    On a CPU a span is wall-clock time. On an accelerator the host only queues work (a collective's
+    `wait()` returns at once and makes the stream wait), so a span records accelerator events on
+    the current stream around the work it queued, and `take()` reads their elapsed times once.
     """
 
-    def __init__(self, enabled: bool = False):
+    def __init__(self, enabled: bool = False, device=None):
         self.enabled = enabled
+        self.on_accelerator = device is not None and getattr(device, "type", str(device)) != "cpu"
         self.seconds: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, object, object]] = []  # (name, start, end), read at take()
+
+    def enable(self) -> None:
+        self.enabled = True
 
     def span(self, name: str):
-        return self._timed(name) if self.enabled else _OFF
+        if not self.enabled:
+            return _OFF
+        return self._evented(name) if self.on_accelerator else self._timed(name)
 
     @contextlib.contextmanager
     def _timed(self, name: str):
@@ -158,7 +169,25 @@ class StepTimers:
         finally:
             self.seconds[name] += time.perf_counter() - t0
 
+    @contextlib.contextmanager
+    def _evented(self, name: str):
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        start, end = accelerator.Event(enable_timing=True), accelerator.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end.record()
+            self._events.append((name, start, end))
+
     def take(self) -> dict[str, float]:
-        """The totals since the last take, then start again from zero."""
+        """The totals since the last take, then start again from zero (on an accelerator: waits
+        for the recorded events, one host sync)."""
+        for name, start, end in self._events:
+            end.synchronize()
+            self.seconds[name] += start.elapsed_time(end) / 1000.0  # milliseconds
+        self._events.clear()
         out, self.seconds = dict(self.seconds), defaultdict(float)
         return out

@@ -45,9 +45,9 @@ def geometry(param: torch.nn.Parameter, world: int, rank: int) -> ShardGeometry:
     return ShardGeometry(ds_compat.full_numel(param), world, rank)
 
 
-@dataclass
+@dataclass(frozen=True)
 class UpdateRule:
-    """What the update pass does to a reduced gradient shard. Filled in per step by the engine."""
+    """What one backward pass does to the reduced gradient shards; the engine sets it per pass."""
 
     lr: float = 0.0
     grad_scale: float = 1.0  # 1 / (world * loss_scale) * clip coefficient
@@ -55,84 +55,127 @@ class UpdateRule:
     weight_decay: float = 0.0
 
 
-@dataclass
 class PassStats:
-    """What the measuring pass learns: this rank's share of the global squared norm."""
+    """What one backward pass learns, kept on the device so that learning it costs no host
+    synchronisation: this rank's share of the global squared norm (fp64, the measuring pass),
+    and whether every bucket so far was finite (the buckets fold each one in). `read()` is the
+    pass's one read; the engine sums the figures over the ranks first."""
 
-    sum_sq: float = 0.0
+    def __init__(self, device: torch.device):
+        self.sum_sq = torch.zeros((), dtype=torch.float64, device=device)
+        self.finite = torch.ones((), dtype=torch.bool, device=device)
+
+    def norm_sq_or_inf(self) -> torch.Tensor:
+        """This rank's squared norm, or inf once anything was non-finite: one fp64 number carries both."""
+        return torch.where(self.finite, self.sum_sq, torch.full_like(self.sum_sq, math.inf))
 
 
-class ShardUpdater:
-    """Applies one reduced gradient shard to this rank's slice of a parameter.
+class ShardGeometries:
+    """This rank's ShardGeometry of each parameter, from the parameter's own process group
+    (`ds_process_group`): that group's size and this rank's place in it."""
 
-    Each parameter is sharded over its own process group (`ds_process_group`): its shard
-    geometry comes from that group's size and this rank's place in it. The update runs where the
-    shard lives: on the accelerator, or in host memory under `offload_param: {device: cpu}`.
-    An AdaLomo rule (lomo_ds/engine/adalomo.py), when set, replaces the SGD update of the updating pass;
-    it takes each bucket whole for its per-bucket statistics collectives.
-    """
+    def __init__(self):
+        self._cache: dict[int, ShardGeometry] = {}
 
-    def __init__(self, stochastic_rounding: bool, fp32_master: bool, seed: int, device: torch.device):
-        self.adalomo = None
-        self.stochastic_rounding = stochastic_rounding
-        self.fp32_master = fp32_master
-        self.masters: dict[int, torch.Tensor] = {}  # ds_id -> fp32 copy of the local real elements
-        # Stochastic rounding draws its noise on the shards' device (torch refuses a generator
-        # on another device); reseeded every step, so resumed runs round as uninterrupted ones.
-        self.generator = torch.Generator(device=device)
-        self.rule = UpdateRule()
-        self.measuring = False
-        self.stats = PassStats()
-        self._geometry: dict[int, ShardGeometry] = {}
-
-    def reseed(self, seed: int, step: int) -> None:
-        # A pure function of (seed, rank, step): resumed runs round exactly as uninterrupted ones.
-        self.generator.manual_seed((seed * 1_000_003 + step) * 4099 + torch.distributed.get_rank())
-
-    def geometry(self, param: torch.nn.Parameter) -> ShardGeometry:
+    def __call__(self, param: torch.nn.Parameter) -> ShardGeometry:
         pid = ds_compat.param_id(param)
-        if pid not in self._geometry:
+        if pid not in self._cache:
             if torch.distributed.is_initialized():
                 group = ds_compat.process_group(param)
                 world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
             else:  # a single process without a process group holds the whole parameter
                 world, rank = 1, 0
-            self._geometry[pid] = geometry(param, world, rank)
-        return self._geometry[pid]
+            self._cache[pid] = geometry(param, world, rank)
+        return self._cache[pid]
 
-    def init_masters(self, params) -> None:
-        for p in params:
+
+class ShardUpdater:
+    """Applies one reduced gradient shard to this rank's slice of a parameter.
+
+    The update runs where the shard lives: on the accelerator, or in host memory under
+    `offload_param: {device: cpu}` (each shard's own device: they need not all be on one).
+    `adalomo` (lomo_ds/engine/adalomo.py), when given, replaces the SGD update of the updating
+    pass; it takes each bucket whole for its per-bucket statistics collectives.
+
+    One backward pass: `begin_pass(rule, measure=...)` returns the pass's PassStats, then the
+    buckets call `apply_bucket(items, stats)`. A bucket is applied only while `stats.finite`
+    holds, decided on the device (a non-finite gradient is zeroed, not read): no host sync.
+    """
+
+    def __init__(self, stochastic_rounding: bool, seed: int, stats_device: torch.device,
+                 geometry: ShardGeometries | None = None, adalomo=None, master_params=()):
+        self.stochastic_rounding = stochastic_rounding
+        self.seed = seed
+        self.stats_device = stats_device
+        self.geometry = geometry or ShardGeometries()
+        self.adalomo = adalomo
+        self.masters: dict[int, torch.Tensor] = {}  # ds_id -> fp32 copy of the local real elements
+        for p in master_params:
             n = self.geometry(p).local
             self.masters[ds_compat.param_id(p)] = ds_compat.shard(p)[:n].detach().float().clone()
+        # Stochastic rounding draws its noise on each shard's device (torch refuses a generator on
+        # another device): one generator per device, reseeded every step.
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._step = 0
+        self.rule = UpdateRule()
+        self.measuring = False
 
-    def apply_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
-        if self.adalomo is not None and not self.measuring:
-            self.adalomo.apply_bucket(self, items)
+    def begin_pass(self, rule: UpdateRule, measure: bool = False, step: int | None = None) -> PassStats:
+        """Start one backward pass: `measure` only sums squares (the first of two passes), else
+        update by `rule`. `step` (the optimizer step) reseeds the rounding noise."""
+        self.rule, self.measuring = rule, measure
+        if step is not None:
+            self._step = step
+            for device, gen in self._generators.items():
+                gen.manual_seed(self._seed_for(step))
+        return PassStats(self.stats_device)
+
+    def _seed_for(self, step: int) -> int:
+        # A pure function of (seed, rank, step): resumed runs round exactly as uninterrupted ones.
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return (self.seed * 1_000_003 + step) * 4099 + rank
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed_for(self._step))
+        return self._generators[device]
+
+    def apply_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]], stats: PassStats) -> None:
+        if self.measuring:
+            for param, grad_shard in items:
+                n = self.geometry(param).local
+                if n:
+                    # fp32 norm per tensor, accumulated in fp64 across tensors (as clip_grad_norm_
+                    # does), on the bucket's device: measuring never touches the shard.
+                    norm = torch.linalg.vector_norm(grad_shard[:n], dtype=torch.float32)
+                    stats.sum_sq.add_(norm.double().square_().mul_(self.rule.grad_scale**2))
+            return
+        if self.adalomo is not None:
+            self.adalomo.apply_bucket(self, items, stats.finite)
             return
         for param, grad_shard in items:
-            self.apply(param, grad_shard)
+            self.apply(param, grad_shard, stats.finite)
 
-    def apply(self, param: torch.nn.Parameter, grad_shard: torch.Tensor) -> None:
+    def apply(self, param: torch.nn.Parameter, grad_shard: torch.Tensor, finite: torch.Tensor) -> None:
         n = self.geometry(param).local
         if n == 0:
             return
         g = self.real_grad(param, grad_shard)
-        if self.measuring:
-            # fp32 norm per tensor, accumulated in fp64 across tensors (as clip_grad_norm_ does).
-            self.stats.sum_sq += float(torch.linalg.vector_norm(g)) ** 2 * self.rule.grad_scale**2
-            return
+        keep = finite.to(g.device)
+        g.masked_fill_(~keep, 0.0)  # a skipped bucket moves nothing (NaN * 0 would still be NaN)
         step_scale = self.rule.grad_scale
         if self.rule.clip_value is not None:
             g, step_scale = self.unscale_and_clip(g), 1.0
         weights = self.weights(param)
         if self.rule.weight_decay:
-            weights.mul_(1.0 - self.rule.lr * self.rule.weight_decay)
+            weights.mul_(torch.where(keep, 1.0 - self.rule.lr * self.rule.weight_decay, 1.0))
         weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
         self.write_back(param, weights)
 
     def real_grad(self, param: torch.nn.Parameter, grad_shard: torch.Tensor) -> torch.Tensor:
         """The fp32 real elements of a reduced gradient slice, where the shard lives (an offloaded
-        shard is updated in host memory: the slice goes there, not the shard here)."""
+        shard is updated in host memory: the slice goes there, not the shard here). Ours to
+        overwrite: a view of the received bucket, or a fresh copy."""
         return grad_shard[:self.geometry(param).local].to(ds_compat.shard(param).device, torch.float32)
 
     def unscale_and_clip(self, g: torch.Tensor) -> torch.Tensor:
@@ -155,9 +198,9 @@ class ShardUpdater:
     def write_back(self, param: torch.nn.Parameter, weights: torch.Tensor) -> None:
         """Store updated fp32 `weights` (from `weights(param)`) into the parameter's shard."""
         shard = ds_compat.shard(param)[:self.geometry(param).local]
-        if weights.data_ptr() == shard.data_ptr():
+        if weights.dtype == shard.dtype and weights.data_ptr() == shard.data_ptr():
             return  # fp32 shard updated in place
         if shard.dtype == torch.bfloat16 and self.stochastic_rounding and ds_compat.param_id(param) not in self.masters:
-            shard.copy_(stochastic_round_to_bf16(weights, self.generator))
+            shard.copy_(stochastic_round_to_bf16(weights, self.generator(shard.device)))
         else:
             shard.copy_(weights)

@@ -34,7 +34,7 @@ from lomo_ds.config.lomo import LomoConfig, Precision, load_config
 from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.buckets import GradientBuckets
 from lomo_ds.engine.comm_stats import StepTimers
-from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
+from lomo_ds.engine.fused_update import PassStats, ShardGeometries, ShardUpdater, UpdateRule
 from lomo_ds.engine.precision import DynamicLossScaler
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.planning.memory import MemoryTracker
@@ -60,7 +60,7 @@ class LomoEngine:
         typed `lomo` section and `precision` (default: read from `ds_config`'s fp16/bf16)."""
         import deepspeed
 
-        init_distributed()
+        init_distributed(timeout_s=lomo.collective_timeout)
         self.config = lomo
         self.ds_config = ds_config
         self.dtype = (precision or Precision.of(ds_config)).torch_dtype
@@ -89,23 +89,24 @@ class LomoEngine:
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
 
-        # Shards live on the accelerator, or in host memory with offload_param: the update runs there.
-        shard_device = ds_compat.shard(self.params[0]).device
-        self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.fp32_master_weights, lomo.seed, shard_device)
-        if lomo.optimizer == "adalomo":
-            self.updater.adalomo = AdaLomo(lomo.adalomo, self.module, self.params, self.group, self.updater.geometry)
-        if lomo.fp32_master_weights and self.dtype != torch.float32:
-            self.updater.init_masters(self.params)
+        # Shards live on the accelerator, or in host memory with offload_param: the update runs
+        # where each one lives; the pass statistics stay on this rank's device.
+        geometries = ShardGeometries()
+        adalomo = (AdaLomo(lomo.adalomo, self.module, self.params, self.group, geometries)
+                   if lomo.optimizer == "adalomo" else None)
+        masters = self.params if lomo.fp32_master_weights and self.dtype != torch.float32 else ()
+        self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.seed, self.device, geometries, adalomo, masters)
         self.memory: MemoryTracker | None = None
         # Each parameter is reduced over its own ds_process_group: one bucket set per group.
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
         # Off by default (costs nothing); experiments/bench_step.py turns it on for the breakdown.
-        self.timers = StepTimers()
+        self.timers = StepTimers(device=self.device)
         # One object for every parameter: it splits them by their own ds_process_group and refuses
         # a group that does not span every rank.
         self.buckets = GradientBuckets(self.params, self.group, self.world, self.rank, lomo.bucket_size,
                                        reduce_dtype, self.updater.apply_bucket, device=self.device,
-                                       transport=lomo.grad_reduction, timers=self.timers)
+                                       transport=lomo.grad_reduction, max_in_flight=lomo.max_in_flight,
+                                       timers=self.timers, timeout_s=lomo.collective_timeout)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
@@ -136,7 +137,7 @@ class LomoEngine:
     def enable_memory_tracking(self) -> MemoryTracker:
         self.memory = MemoryTracker(self.params, master_bytes=sum(m.numel() * 4 for m in self.updater.masters.values()),
                                     state_bytes=self.updater.adalomo.state_bytes() if self.updater.adalomo else 0)
-        self.buckets.tracker = self.memory
+        self.buckets.track_memory(self.memory)
         return self.memory
 
     # ----------------------------------------------------------------- the step
@@ -149,14 +150,20 @@ class LomoEngine:
             self.buckets.add(param, grad)
             del grad
 
-    def _backward(self, loss: torch.Tensor, retain_graph: bool) -> bool:
-        """One backward pass; True when some rank's gradient was non-finite (every rank agrees:
-        the buckets carry the flag, and from the first such bucket on apply nothing more)."""
-        self.buckets.reset()
-        loss.backward(retain_graph=retain_graph)
-        with self.timers.span("flush"):
-            self.buckets.flush()
-        return self.buckets.found_nonfinite
+    def _backward(self, loss: torch.Tensor, rule: UpdateRule, measure: bool, retain_graph: bool) -> PassStats:
+        """One backward pass (measuring, or updating by `rule`); its statistics stay on the device
+        (the buckets fold every bucket's verdict into them, and from the first non-finite bucket
+        on apply nothing more)."""
+        stats = self.updater.begin_pass(rule, measure=measure, step=self.global_step)
+        self.buckets.reset(stats)
+        try:
+            loss.backward(retain_graph=retain_graph)
+            with self.timers.span("flush"):
+                self.buckets.flush()
+        except BaseException:
+            self.buckets.abandon()
+            raise
+        return stats
 
     def forward(self, batch: dict[str, Any]):
         return self.module(**batch)
@@ -179,7 +186,6 @@ class LomoEngine:
         batch = move_batch(batch, self.device)
         lr = self.schedule.lr_at(self.global_step)
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        self.updater.reseed(self.config.seed, self.global_step)
         grad_scale = 1.0 / (self.world * loss_scale)  # averaged over ranks, unscaled
         result = {"lr": lr, "loss_scale": loss_scale, "grad_norm": None, "skipped": False}
         recompute = self.two_passes and self.config.two_pass_mode == "recompute"
@@ -201,14 +207,12 @@ class LomoEngine:
         if self.two_passes:
             retain = not recompute
             counters = ds_compat.snapshot_backward_counters(self.module) if retain else None
-            self.updater.measuring = True
-            self.updater.stats.sum_sq = 0.0
-            self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale)
-            nonfinite = self._backward(loss * loss_scale, retain_graph=retain)
-            self.updater.measuring = False
-            # fp64, and a non-finite sum stays non-finite through the sum: 8 bytes carry both.
-            sum_sq = math.inf if nonfinite else self.updater.stats.sum_sq
-            (total,) = sum_over_ranks([sum_sq], self.world, self.group, dtype=torch.float64, name="squared norm")
+            stats = self._backward(loss * loss_scale, UpdateRule(lr=lr, grad_scale=grad_scale), measure=True,
+                                   retain_graph=retain)
+            # fp64, and a non-finite sum stays non-finite through the sum: 8 bytes carry both, and
+            # reading the reduced sum is the pass's one host sync.
+            (total,) = sum_over_ranks(stats.norm_sq_or_inf().reshape(1), self.world, self.group,
+                                      name="squared norm")
             norm = math.sqrt(total) if math.isfinite(total) else math.inf
             result["grad_norm"] = norm
             if not math.isfinite(norm):
@@ -227,9 +231,14 @@ class LomoEngine:
                 if not labelled:
                     loss = loss * 0.0
             grad_scale *= coef
-        self.updater.rule = UpdateRule(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
-                                       weight_decay=self.config.weight_decay)
-        if self._backward(loss * loss_scale, retain_graph=False):
+        rule = UpdateRule(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
+                          weight_decay=self.config.weight_decay)
+        stats = self._backward(loss * loss_scale, rule, measure=False, retain_graph=False)
+        # The pass's one read, agreed over the ranks (a slice that overflowed only in the last
+        # bucket's reduction is known to its own rank alone until now).
+        (nonfinite_ranks,) = sum_over_ranks((~stats.finite).to(torch.float32).reshape(1), self.world, self.group,
+                                            name="non-finite flag")
+        if nonfinite_ranks:
             # Non-finite in the updating pass: the buckets before it were applied, none after.
             return self._skip(result, overflow=True)
         self._end_step()
@@ -257,6 +266,9 @@ class LomoEngine:
         return result
 
     def _end_step(self) -> None:
+        # The last bucket's update (the embeddings and first layer: what the next forward gathers
+        # first) was queued on the compute stream; DeepSpeed gathers on its own stream.
+        ds_compat.gathers_wait_for_updates(self.offload)
         # Every parameter goes back to its shard, persistent ones included, so the next forward
         # gathers each from its updated shard (a gathered copy kept across an update is stale).
         ds_compat.release_all(self.offload)

@@ -19,6 +19,7 @@ import torch
 from lomo_ds.data.loading import EvalExample, collate
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, group_device, move_batch
+from lomo_ds.runtime.dist import all_reduce_sum
 
 ForwardLogits = Callable[[dict], torch.Tensor]  # batch dict -> logits [B, T, V]
 
@@ -38,12 +39,6 @@ def agree_on_calls(n_calls: int, world: int) -> int:
     t = torch.tensor([n_calls], dtype=torch.long, device=group_device())
     ds_compat.all_reduce(t, name="evaluation forward count", op="max")
     return int(t.item())
-
-
-def _sum_over_ranks(t: torch.Tensor, name: str) -> torch.Tensor:
-    t = t.to(group_device())
-    ds_compat.all_reduce(t, name=name)
-    return t.cpu()
 
 
 def _dummy_batch(device: torch.device) -> dict[str, torch.Tensor]:
@@ -131,7 +126,7 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
         counts[k, 0] += int(max(range(len(sc)), key=sc.__getitem__) == ex.label)
         counts[k, 1] += 1
     if _distributed(world):
-        counts = _sum_over_ranks(counts, "evaluation counts")
+        counts = all_reduce_sum(counts, world, name="evaluation counts").cpu()
     total = counts.sum(0)
     out = {"accuracy": float(total[0] / total[1]) if total[1] else float("nan"), "n": int(total[1]),
            "forward_calls": n_calls}
@@ -165,6 +160,6 @@ def evaluate_loss(forward_logits: ForwardLogits, examples: Sequence[dict], pad_i
         sums[0] += loss.item()
         sums[1] += int((labels != -100).sum())
     if _distributed(world):
-        sums = _sum_over_ranks(sums, "evaluation loss sums")
+        sums = all_reduce_sum(sums, world, name="evaluation loss sums").cpu()
     return {"loss": float(sums[0] / sums[1]) if sums[1] else float("nan"), "n_tokens": int(sums[1]),
             "forward_calls": n_calls}

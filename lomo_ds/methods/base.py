@@ -38,7 +38,8 @@ import torch
 
 from lomo_ds.planning.memory import ActivationCounter, MemoryTracker, breakdown, tensor_bytes
 from lomo_ds.runtime import ds_compat
-from lomo_ds.runtime.dist import gather_full_state_dict
+from lomo_ds.runtime.device import accelerator_device, move_batch
+from lomo_ds.runtime.dist import gather_full_state_dict, init_distributed
 
 
 @runtime_checkable
@@ -60,13 +61,6 @@ class Engine(Protocol):
     def save_state(self, directory: str) -> None: ...
 
     def load_state(self, directory: str) -> None: ...
-
-
-def accelerator_device() -> torch.device:
-    """This rank's device as DeepSpeed's accelerator names it (cuda:LOCAL_RANK on GPUs, cpu here)."""
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
 
 
 def rank_state_file(directory: str, rank: int) -> str:
@@ -92,17 +86,15 @@ class MethodEngine:
     group = None
 
     def __init__(self):
+        init_distributed()  # sets this rank's accelerator before its device is read
         self.device = accelerator_device()
         self.tracker: MemoryTracker | None = None
         self.activations: ActivationCounter | None = None
 
-    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
     @torch.no_grad()
     def eval_forward(self, batch: dict[str, Any]):
         self.module.eval()
-        return self.module(**self.to_device(batch))
+        return self.module(**move_batch(batch, self.device))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return gather_full_state_dict(self.module, self.rank)

@@ -18,6 +18,7 @@ from lomo_ds.engine.schedule import Schedule
 from lomo_ds.methods.base import MethodEngine
 from lomo_ds.planning.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import move_batch
 from lomo_ds.runtime.dist import init_distributed, loss_of, mean_over_ranks
 
 DS_CHECKPOINT_TAG = "deepspeed"
@@ -73,7 +74,7 @@ class DeepSpeedOptimizerEngine(MethodEngine):
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
         self.module.train()
         lr = self.torch_optimizer.param_groups[0]["lr"]
-        loss = loss_of(self.ds_engine(**self.to_device(batch)))
+        loss = loss_of(self.ds_engine(**move_batch(batch, self.device)))
         self.ds_engine.backward(loss)
         if self.tracker is not None:
             self._note_step_grads()

@@ -28,10 +28,10 @@ class LomoMethodEngine(MethodEngine):
         return self.engine.global_step
 
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return self.engine.train_step(self.to_device(batch))
+        return self.engine.train_step(batch)  # the engine moves the batch to its device
 
     def eval_forward(self, batch: dict[str, Any]):
-        return self.engine.eval_forward(self.to_device(batch))
+        return self.engine.eval_forward(batch)
 
     def full_state_dict(self):
         return self.engine.full_state_dict()

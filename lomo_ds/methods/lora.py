@@ -73,7 +73,7 @@ class LoraLomoEngine(LomoMethodEngine):
         self._adapter_grad_bytes = 0
 
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
-        out = self.engine.train_step(self.to_device(batch))
+        out = self.engine.train_step(batch)
         passes = 2 if self.engine.two_passes else 1
         flat = one_pass_adapter_grads(self.adapters, self.device, passes, out["loss_scale"])
         held = tensor_bytes(flat) + sum(tensor_bytes(p.grad) for p in self.adapters)

@@ -9,6 +9,7 @@ import torch
 from lomo_ds.methods.base import MethodEngine
 from lomo_ds.methods.deepspeed_optim import baseline_ds_config
 from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import move_batch
 from lomo_ds.runtime.dist import init_distributed, loss_of, mean_over_ranks
 
 
@@ -34,7 +35,7 @@ class ZeroShotEngine(MethodEngine):
 
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
         with torch.no_grad():
-            loss = loss_of(self.module(**self.to_device(batch)))
+            loss = loss_of(self.module(**move_batch(batch, self.device)))
         if self.tracker is not None:
             self.tracker.sample()
         ds_compat.release_all(ds_compat.offload_of(self.ds_engine))

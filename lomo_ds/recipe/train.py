@@ -178,7 +178,7 @@ class TrainRecipe:
         from lomo_ds.runtime.dist import init_distributed
 
         torch.manual_seed(self.cfg.train.seed)
-        init_distributed()
+        init_distributed(timeout_s=self.cfg.lomo.collective_timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.barrier = torch.distributed.barrier
         # CPU ranks split the cores (unless OMP_NUM_THREADS says otherwise); the run's first line says which.

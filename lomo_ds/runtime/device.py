@@ -14,8 +14,21 @@ from typing import Any
 import torch
 
 
+def set_rank_device() -> None:
+    """Make this rank's accelerator the current device, from the launcher's LOCAL_RANK. Nothing
+    else does so before DeepSpeed's engine: torch's init_process_group does not, and a plain model
+    (not built under zero.Init) reaches lomo_ds with every rank on device 0."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and accelerator.device_name() != "cpu":
+        accelerator.set_device(int(local_rank))
+
+
 def accelerator_device() -> torch.device:
-    """This rank's device, as DeepSpeed's accelerator names it."""
+    """This rank's device, as DeepSpeed's accelerator names it (cuda:LOCAL_RANK on GPUs once
+    set_rank_device has run, cpu here)."""
     from deepspeed.accelerator import get_accelerator
 
     return torch.device(get_accelerator().current_device_name())

@@ -2,20 +2,28 @@
 statistics over the ranks, the loss of a model's outputs, and gathering full parameters."""
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 from lomo_ds.runtime import ds_compat
-from lomo_ds.runtime.device import group_device
+from lomo_ds.runtime.device import group_device, set_rank_device
 
 
-def init_distributed() -> None:
-    """Start the process group once (gloo on a CPU, NCCL on GPUs: DeepSpeed's accelerator picks)."""
+def init_distributed(timeout_s: float | None = None) -> None:
+    """Put this rank on its own accelerator, then start the process group once (gloo on a CPU,
+    NCCL on GPUs: DeepSpeed's accelerator picks). `timeout_s` (lomo.collective_timeout): how long
+    a collective may wait on a peer before the run fails; NCCL's watchdog then aborts the
+    communicator and raises (async error handling) instead of leaving the peers waiting."""
     import deepspeed
 
+    set_rank_device()
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed()
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        deepspeed.init_distributed(**kwargs)
         if torch.distributed.get_backend() == "gloo":
             torch.distributed.barrier()  # every rank has mapped its peers' shared memory
             ds_compat.forget_shm_allreduce_names()
@@ -29,13 +37,22 @@ def loss_of(outputs) -> torch.Tensor:
     return loss
 
 
-def sum_over_ranks(values: list[float], world: int, group=None, dtype=torch.float32,
-                   name="step statistics") -> list[float]:
-    """Element-wise sums over the group's ranks, in one all-reduce of a few bytes."""
-    t = torch.tensor(values, dtype=dtype, device=group_device(group) if world > 1 else "cpu")
-    if world > 1:
-        ds_compat.all_reduce(t, group=group, name=name)
-    return t.tolist()
+def all_reduce_sum(t: torch.Tensor, world: int, group=None, name: str = "step statistics") -> torch.Tensor:
+    """`t` summed over the group's ranks, on the group's device (NCCL: the accelerator; gloo: the
+    CPU; `t` is moved there first when it lives elsewhere)."""
+    if world == 1:
+        return t
+    t = t.to(group_device(group))
+    ds_compat.all_reduce(t, group=group, name=name)
+    return t
+
+
+def sum_over_ranks(values, world: int, group=None, dtype=torch.float32, name="step statistics") -> list[float]:
+    """Element-wise sums over the group's ranks, in one all-reduce of a few bytes, read back to
+    the host. `values`: numbers, or a 1-D tensor (kept in its dtype: a device tensor is reduced
+    with no host sync before the one read)."""
+    t = values if torch.is_tensor(values) else torch.tensor(values, dtype=dtype, device="cpu")
+    return all_reduce_sum(t, world, group, name).tolist()
 
 
 def mean_over_ranks(value: float, world: int, group=None) -> float:

@@ -68,6 +68,11 @@ def all_reduce(tensor: torch.Tensor, group=None, name: str = "all-reduce tensor"
     dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group)
 
 
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group=None, name: str = "all-gather tensor") -> None:
+    check_device(tensor, group_device(group), name)
+    torch.distributed.all_gather(outputs, tensor, group=group)
+
+
 def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group, name: str = "gradient bucket"):
     """Start the reduce-scatter and return its handle; `handle.wait()` before reading `output`.
 
@@ -171,6 +176,18 @@ def leaf_modules(module) -> list:
     return [m for m in module.modules() if z3_leaf_module(m)]
 
 
+def gathers_wait_for_updates(offload) -> None:
+    """ZeRO-3 issues its parameter all-gathers on a stream of its own, ordered after nothing on the
+    compute stream; the shard updates run on the compute stream. Make that stream wait for
+    everything queued so far (a device-side wait, no host sync): the next forward's gather reads
+    the updated shards, never half-updated ones. Nothing to order on a CPU (no such stream)."""
+    stream = getattr(offload.get_param_coordinator(), "_PartitionedParameterCoordinator__allgather_stream", None)
+    if stream is not None:
+        from deepspeed.accelerator import get_accelerator
+
+        stream.wait_stream(get_accelerator().current_stream())
+
+
 _BACKWARD_COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
 
 
@@ -205,6 +222,8 @@ def check_internals() -> list[str]:
             problems.append(f"DeepSpeedZeRoOffload.{hook}")
     if not hasattr(PartitionedParameterCoordinator, "release_and_reset_all"):
         problems.append("PartitionedParameterCoordinator.release_and_reset_all")
+    if "_PartitionedParameterCoordinator__allgather_stream" not in PartitionedParameterCoordinator.__init__.__code__.co_names:
+        problems.append("PartitionedParameterCoordinator.__allgather_stream")
     for status in ("AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"):
         if not hasattr(ZeroParamStatus, status):
             problems.append(f"ZeroParamStatus.{status}")
