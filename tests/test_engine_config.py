@@ -156,6 +156,37 @@ REFUSED_VALUES = {
     "fp16.fp16_master_weights_and_grads": True,
     "bf16.bf16_master_weights_and_grads": True,
     "zero_optimization.stage": 2,
+    "tensorboard": {"enabled": True, "output_path": "tb"},
+    "wandb": {"enabled": True},
+    "csv_monitor": {"enabled": True},
+    "comet": {"enabled": True},
+    "wall_clock_breakdown": True,
+    "flops_profiler": {"enabled": True},
+    "amp": {"enabled": True},
+    "torch_autocast": {"enabled": True},
+    "autotuning": {"enabled": True},
+    "compile": {"deepcompile": True},
+    "curriculum_learning": {"enabled": True},
+    "data_efficiency": {"enabled": True},
+    "progressive_layer_drop": {"enabled": True},
+    "quantize_training": {"enabled": True},
+    "eigenvalue": {"enabled": True},
+    "elasticity": {"enabled": True},
+    "hybrid_engine": {"enabled": True},
+    "nebula": {"enabled": True},
+    "checkpoint": {"tag_validation": "FAIL"},
+    "datastates_ckpt": {"host_cache_size": 8},
+    "compression_training": {"weight_quantization": {}},
+    "weight_quantization": {"post_init_quant": {}},
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "dataloader_drop_last": True,
+    "sparse_gradients": True,
+    "gradient_allreduce_op": "sum",
+    "managed_gradient_accumulation": True,
+    "pipeline": {"stages": 2},
+    "tensor_parallel": {"autotp_size": 2},
+    "expert_parallel": {"enabled": True},
+    "use_data_before_expert_parallelism": True,
     "zero_optimization.reduce_bucket_size": 5e8,
     "zero_optimization.offload_optimizer": {"device": "cpu"},
     "zero_optimization.cpu_offload": True,
@@ -194,6 +225,70 @@ def test_refused_deepspeed_keys_name_the_key_and_the_reason(key):
 @pytest.mark.parametrize("key", sorted(k for k in REFUSED_VALUES if ds_options.option(k).accepts))
 def test_refused_rows_accept_their_default(key):
     load_config(_nested(key, ds_options.option(key).accepts[0]))
+
+
+@pytest.mark.parametrize("key", sorted(o.key for o in ds_options.OPTIONS if o.when_enabled))
+def test_sections_refused_when_enabled_are_fine_while_off(key):
+    row = ds_options.option(key)
+    load_config({key: {row.when_enabled: False}})
+
+
+@pytest.mark.parametrize("monitor", ["tensorboard", "wandb", "csv_monitor", "comet"])
+def test_deepspeed_monitors_are_refused_under_lomo_naming_lomo_ds_metrics(monitor):
+    """LOMO never runs DeepSpeed's step, from which the monitors write: they would log nothing."""
+    with pytest.raises(ConfigError, match="output.metrics_file") as e:
+        load_config({monitor: {"enabled": True}})
+    assert "output.tensorboard" in str(e.value) and str(e.value).startswith(f"<config>: {monitor}: ")
+    # The baselines run DeepSpeed's step: their monitors work.
+    from lomo_ds.config.lomo import LomoConfig, validate_deepspeed_section
+
+    validate_deepspeed_section({monitor: {"enabled": True}}, LomoConfig(), lomo_method=False)
+
+
+def test_unknown_top_level_deepspeed_key_is_refused():
+    with pytest.raises(ConfigError, match=r"steps_per_prnt: unknown key; did you mean 'steps_per_print'\?"):
+        load_config({"steps_per_prnt": 10})
+
+
+def test_table_covers_every_top_level_key_of_the_installed_deepspeed():
+    """The keys the installed DeepSpeed's config reads, recorded as it reads them, are the table's."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    read = set()
+
+    class Keys:
+        def __init__(self, d):
+            self.d = d
+
+        def __contains__(self, k):
+            read.add(k)
+            return k in self.d
+
+        def __iter__(self):
+            return iter(list(self.d))
+
+    class Recording(dict):
+        def get(self, k, default=None):
+            read.add(k)
+            return super().get(k, default)
+
+        def __contains__(self, k):
+            read.add(k)
+            return super().__contains__(k)
+
+        def __getitem__(self, k):
+            read.add(k)
+            return super().__getitem__(k)
+
+        def keys(self):
+            return Keys(dict(self))
+
+    DeepSpeedConfig(Recording({"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1,
+                               "gradient_accumulation_steps": 1}))
+    top = {name for o in ds_options.OPTIONS if "." not in o.key for name in (o.key, *o.aliases)}
+    assert len(read) > 40, "recording DeepSpeed's reads found too few keys"
+    assert top == read, f"lomo_ds/config/ds_options.py differs from DeepSpeed's top-level keys: " \
+                        f"missing {sorted(read - top)}, not DeepSpeed's {sorted(top - read)}"
 
 
 def test_supported_options_pass_through_to_deepspeed():

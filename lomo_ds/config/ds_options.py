@@ -11,8 +11,12 @@ DeepSpeed's ZeRO-3 parameter partitioning and gathering. So every option is one 
 - refused: LOMO cannot honour it; the config fails, before any model is allocated, with the
   reason or the replacement. `accepts` lists the values that are still fine (the defaults).
 
-Every `zero_optimization` key of DeepSpeed 0.19 is listed (a test compares the table with the
-installed DeepSpeed's ZeRO config model), so an unknown key there is a typo and is refused too.
+Every top-level key and every `zero_optimization` key of DeepSpeed 0.19 is listed (tests compare
+the table with the keys the installed DeepSpeed's config reads), so an unknown key there is a
+typo and is refused too. A section refused `when_enabled` is fine while that switch is off.
+
+DeepSpeed's monitors (tensorboard, wandb, csv_monitor, comet) write from DeepSpeed's optimizer
+step, which LOMO never runs: under LOMO they are refused, naming lomo_ds's own metrics.
 """
 from __future__ import annotations
 
@@ -33,6 +37,15 @@ class DsOption:
     to_lomo: Callable[[Any], Any] | None = None  # MAPPED: DeepSpeed's value -> the lomo value
     accepts: tuple = ()  # REFUSED: values that are fine (nothing to refuse)
     all_methods: bool = False  # REFUSED for the baselines too: the trainer itself cannot honour it
+    when_enabled: str | None = None  # REFUSED only while this switch of the section is on
+
+    def refuses(self, value) -> bool:
+        """Whether `value` of this key is refused (by a REFUSED row)."""
+        if self.status != REFUSED or value is None or value in self.accepts:
+            return False
+        if self.when_enabled is not None:
+            return isinstance(value, dict) and bool(value.get(self.when_enabled))
+        return True
 
 
 def _clip(value):
@@ -48,6 +61,12 @@ _HARMLESS_12 = "ZeRO stage 1/2 only: no effect on stage 3"
 _GRAD_SIDE = "configures DeepSpeed's gradient reduction, which LOMO replaces with lomo's buckets: no effect"
 _FETCH = "parameter gathering/partitioning, which DeepSpeed still does under LOMO"
 _REMOVED = "removed from DeepSpeed 0.19 (DeepSpeed refuses it too)"
+_IN_DS_STEP = "runs in DeepSpeed's optimizer step, which LOMO does not run"
+_NO_EFFECT = "no effect on what LOMO computes"
+_DATA_PARALLEL = "every lomo_ds rank is a data-parallel rank (no tensor, pipeline, expert or sequence parallelism)"
+_MONITOR = ("DeepSpeed's monitors write from its optimizer step, which LOMO does not run: lomo_ds writes every "
+            "step's loss, lr and grad_norm to output.metrics_file (JSON lines) and, with output.tensorboard: true, "
+            "to TensorBoard; lomo_ds.initialize users log train_step()'s returned dict")
 _Z = "zero_optimization."
 _OP = _Z + "offload_param."
 
@@ -83,6 +102,80 @@ OPTIONS: tuple[DsOption, ...] = (
              "lomo.fp32_master_weights; expected false", accepts=(False,)),
     DsOption("bf16.bf16_master_weights_and_grads", REFUSED, "optimizer-side; LOMO's master copy is "
              "lomo.fp32_master_weights; expected false", accepts=(False,)),
+    # ---- top level: every other key DeepSpeed 0.19's config reads
+    DsOption("train_batch_size", SUPPORTED, "derived by DeepSpeed from the micro-batch and the ranks"),
+    DsOption("train_micro_batch_size_per_gpu", SUPPORTED, "the micro-batch of each rank"),
+    DsOption("fp16", SUPPORTED, "fp16 weights; lomo.loss_scale replaces DeepSpeed's loss scaler (keys below)"),
+    DsOption("bf16", SUPPORTED, "bf16 weights"),
+    DsOption("zero_optimization", SUPPORTED, "ZeRO-3's parameter partitioning (keys below)"),
+    DsOption("steps_per_print", SUPPORTED, "DeepSpeed's own step logs by it (the baselines); LOMO's steps are logged "
+             "by lomo_ds"),
+    DsOption("activation_checkpointing", SUPPORTED, "deepspeed.checkpointing, for a model that calls it: its "
+             "recomputed backward reaches the engine's hooks like any other"),
+    DsOption("aio", SUPPORTED, "NVMe I/O (NVMe offload is refused): no effect"),
+    DsOption("comms_logger", SUPPORTED, "logs every collective through deepspeed.comm, lomo_ds's own included"),
+    DsOption("disable_allgather", SUPPORTED, _HARMLESS_12),
+    DsOption("dump_state", SUPPORTED, "prints DeepSpeed's state at initialise: logging only"),
+    DsOption("log_level", SUPPORTED, "DeepSpeed's logging only"),
+    DsOption("memory_breakdown", SUPPORTED, "DeepSpeed's memory logging only"),
+    DsOption("timers", SUPPORTED, "DeepSpeed's throughput timers: logging only"),
+    DsOption("disable_python_gc", SUPPORTED, "garbage collection around DeepSpeed's step: " + _NO_EFFECT),
+    DsOption("graph_harvesting", SUPPORTED, "CUDA graphs of DeepSpeed's optimizer step: " + _NO_EFFECT),
+    DsOption("zero_allow_untested_optimizer", SUPPORTED, "checks a DeepSpeed optimizer: " + _NO_EFFECT),
+    DsOption("zero_force_ds_cpu_optimizer", SUPPORTED, "checks a DeepSpeed optimizer: " + _NO_EFFECT),
+    DsOption("sparse_attention", SUPPORTED, "read by DeepSpeed's sparse attention modules, if the model has them"),
+    DsOption("vocabulary_size", SUPPORTED, "read by DeepSpeed's data-efficiency tools only: " + _NO_EFFECT),
+    DsOption("seq_parallel_communication_data_type", SUPPORTED, "sequence parallelism only, which lomo_ds does not "
+             "use: " + _NO_EFFECT),
+    DsOption("tensorboard", REFUSED, _MONITOR, when_enabled="enabled"),
+    DsOption("wandb", REFUSED, _MONITOR, when_enabled="enabled"),
+    DsOption("csv_monitor", REFUSED, _MONITOR, when_enabled="enabled"),
+    DsOption("comet", REFUSED, _MONITOR, when_enabled="enabled"),
+    DsOption("wall_clock_breakdown", REFUSED, "times DeepSpeed's step, which LOMO does not run; LOMO's breakdown is "
+             "experiments/bench_step.py; expected false", accepts=(False,)),
+    DsOption("flops_profiler", REFUSED, "profiles through DeepSpeed's engine forward, which LOMO bypasses; time a "
+             "step with experiments/bench_step.py", when_enabled="enabled"),
+    DsOption("amp", REFUSED, "apex AMP wraps DeepSpeed's optimizer: set fp16 or bf16", when_enabled="enabled",
+             all_methods=True),
+    DsOption("torch_autocast", REFUSED, "autocast inside DeepSpeed's engine forward, which LOMO bypasses: set fp16 "
+             "or bf16 weights", when_enabled="enabled"),
+    DsOption("autotuning", REFUSED, "DeepSpeed's autotuner varies the ZeRO stage and the optimizer", when_enabled="enabled",
+             all_methods=True),
+    DsOption("compile", REFUSED, "DeepCompile rewrites ZeRO-3's hooks; not verified with the in-backward update",
+             when_enabled="deepcompile"),
+    DsOption("curriculum_learning", REFUSED, _IN_DS_STEP, when_enabled="enabled"),
+    DsOption("data_efficiency", REFUSED, _IN_DS_STEP, when_enabled="enabled"),
+    DsOption("progressive_layer_drop", REFUSED, _IN_DS_STEP, when_enabled="enabled"),
+    DsOption("quantize_training", REFUSED, _IN_DS_STEP, when_enabled="enabled"),
+    DsOption("eigenvalue", REFUSED, _IN_DS_STEP, when_enabled="enabled"),
+    DsOption("elasticity", REFUSED, "elastic batch sizes " + _IN_DS_STEP.split(" ", 1)[1], when_enabled="enabled",
+             all_methods=True),
+    DsOption("hybrid_engine", REFUSED, "the RLHF hybrid engine wraps DeepSpeed's engine", when_enabled="enabled",
+             all_methods=True),
+    DsOption("nebula", REFUSED, "a checkpoint engine for DeepSpeed's save_checkpoint; lomo_ds writes its own "
+             "checkpoints (output.checkpoint_every)", when_enabled="enabled"),
+    DsOption("checkpoint", REFUSED, "configures DeepSpeed's save_checkpoint; lomo_ds writes its own checkpoints "
+             "(output.checkpoint_every)", accepts=({},)),
+    DsOption("datastates_ckpt", REFUSED, "a checkpoint engine for DeepSpeed's save_checkpoint; lomo_ds writes its own "
+             "checkpoints (output.checkpoint_every)", accepts=({},)),
+    DsOption("compression_training", REFUSED, "compression schedules " + _IN_DS_STEP.split(" ", 1)[1], accepts=({},)),
+    DsOption("weight_quantization", REFUSED, "quantized weights are not verified against the in-place shard update",
+             accepts=({},)),
+    DsOption("data_types", REFUSED, "sets the dtype of DeepSpeed's gradient accumulation, which LOMO replaces: set "
+             "lomo.reduce_dtype", accepts=({},)),
+    DsOption("dataloader_drop_last", REFUSED, "DeepSpeed's dataloader only; lomo_ds batches its own data; expected "
+             "false", accepts=(False,)),
+    DsOption("sparse_gradients", REFUSED, "DeepSpeed's sparse embedding-gradient reduction; LOMO reduces dense "
+             "buckets; expected false", accepts=(False,)),
+    DsOption("gradient_allreduce_op", REFUSED, "LOMO averages gradients in its own reduce-scatter; expected 'mean'",
+             accepts=("mean",)),
+    DsOption("managed_gradient_accumulation", REFUSED, "DeepSpeed's gradient accumulation, which LOMO replaces; "
+             "expected false", accepts=(False,)),
+    DsOption("pipeline", REFUSED, _DATA_PARALLEL, accepts=({},), all_methods=True),
+    DsOption("tensor_parallel", REFUSED, _DATA_PARALLEL, accepts=({},), all_methods=True),
+    DsOption("expert_parallel", REFUSED, _DATA_PARALLEL, accepts=({},), all_methods=True),
+    DsOption("use_data_before_expert_parallelism", REFUSED, _DATA_PARALLEL + "; expected false", accepts=(False,),
+             all_methods=True),
     # ---- zero_optimization: every key DeepSpeed 0.19 knows
     DsOption(_Z + "stage", REFUSED, "LOMO runs on ZeRO stage 3: it updates the shards inside the backward; expected 3",
              accepts=(3,), all_methods=True),
@@ -177,6 +270,8 @@ def table_markdown() -> str:
         key = f"`{o.key}`" + "".join(f" (`{a}`)" for a in o.aliases)
         if o.status == MAPPED:
             status = f"mapped to `lomo.{o.lomo}`"
+        elif o.status == REFUSED and o.when_enabled:
+            status = f"refused when `{o.when_enabled}`"
         elif o.status == REFUSED and o.accepts:
             status = "refused unless " + " or ".join(f"`{json.dumps(v)}`" for v in o.accepts)
         else:

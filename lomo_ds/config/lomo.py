@@ -298,10 +298,10 @@ def validate_deepspeed_section(ds: dict, lomo: LomoConfig, lomo_method: bool = T
     for key, value in _deepspeed_values(ds):
         row = ds_options.option(key)
         if row is None:
-            if key.startswith("zero_optimization."):  # the table lists every key DeepSpeed knows there
+            # The table lists every top-level and zero_optimization key DeepSpeed knows.
+            if "." not in key or key.startswith("zero_optimization."):
                 raise ConfigError(f"{key}: unknown key{_did_you_mean(key)}")
-        elif (row.status == ds_options.REFUSED and value is not None and value not in row.accepts
-              and (lomo_method or row.all_methods)):
+        elif row.refuses(value) and (lomo_method or row.all_methods):
             raise ConfigError(f"{key}: {row.reason}" + (f", got {value!r}" if row.accepts else ""))
     if ds.get("fp16", {}).get("enabled", False) and ds.get("bf16", {}).get("enabled", False):
         raise ConfigError("fp16.enabled and bf16.enabled: choose one precision")
@@ -334,8 +334,8 @@ def _deepspeed_values(ds: dict):
 
 
 def _did_you_mean(key: str) -> str:
-    parent = key.rpartition(".")[0] + "."
-    known = [o.key for o in ds_options.OPTIONS if o.key.rpartition(".")[0] + "." == parent]
+    parent = key.rpartition(".")[0]
+    known = [o.key for o in ds_options.OPTIONS if o.key.rpartition(".")[0] == parent]
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     return f"; did you mean {near[0].rpartition('.')[2]!r}?" if near else ""
 
