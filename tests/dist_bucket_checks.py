@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 
 import lomo_ds
 from lomo_ds.engine.buckets import resolve_transport
+from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.engine.fused_update import geometry
 from lomo_ds.runtime import ds_compat
 from tests.dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, on_every_rank, reference_step
@@ -102,6 +103,30 @@ def check_experts(transport: str = "auto"):
     return equivalence(lambda: TwoExpertLlama(12), ds_cfg(bucket_size=2000, grad_reduction=transport),
                        forward=lambda m, b: m(**b),
                        steps=4, batches=routed_batch, prepare=lambda m: set_z3_leaf_modules(m, [TwoExperts]))
+
+
+def check_expert_send_order(transport: str = "auto"):
+    """Experts reached on some ranks only, every parameter gathered in the backward (no persistent
+    ones): each bucket is sent at the same point among ZeRO-3's all-gathers on every rank (the
+    collectives' order on one communicator); the experts' buckets are the last, flush-only."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    model = TwoExpertLlama(12)
+    set_z3_leaf_modules(model, [TwoExperts])
+    engine = lomo_ds.initialize(model, ds_cfg(bucket_size=2000, grad_reduction=transport))
+    world, rank = engine.world, engine.rank
+    engine.train_step(routed_batch(0, world)[rank])  # the first step settles the layout
+    gathers_at_send, send = [], engine.buckets._send_next
+    with count_comm() as counts:
+        engine.buckets._send_next = lambda: (gathers_at_send.append(counts.calls_by_op["all_gather_into_tensor"]),
+                                             send())[-1]
+        for step in (1, 2, 3):
+            engine.train_step(routed_batch(step, world)[rank])
+    experts = {id(p) for p in model.moe.parameters()}
+    flush_only = sorted(engine.buckets.flush_only)
+    return {"gathers_at_send": on_every_rank(*gathers_at_send),
+            "experts_flush_only": bool(flush_only) and flush_only[-1] == len(engine.buckets.layout) - 1
+            and all(any(id(p) in experts for p in engine.buckets.layout[b]) for b in flush_only)}
 
 
 class HeadLlama(torch.nn.Module):

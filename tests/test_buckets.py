@@ -31,6 +31,7 @@ SGD = by_transport("sgd", B.check_sgd)
 CLIP_NORM = by_transport("clip_norm", functools.partial(B.check_sgd, clip_norm=0.5))
 NONFINITE_FP32 = by_transport("nonfinite_fp32", functools.partial(B.check_nonfinite, False))
 EXPERTS = by_transport("experts", B.check_experts)
+EXPERT_SEND_ORDER = by_transport("expert_send_order", B.check_expert_send_order, worlds=[2, 3])
 APPLY_POINTS = by_transport("apply_points", B.check_apply_points, worlds=[2, 3])
 nonfinite_bf16, two_groups, transport = multi_rank_checks(
     WORLDS, nonfinite_bf16=lambda: B.check_nonfinite(True), two_groups=B.check_two_groups, transport=B.check_transport)
@@ -103,6 +104,18 @@ def check_nonfinite_verdict(r: dict, world: int, dtype: str) -> None:
         assert all(r["next_step_updates_all"])
     else:
         assert any(c == 1.0 for bucket in changed[:bad] for c in bucket), "buckets before it are applied"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_experts_buckets_go_at_the_same_point_among_the_gathers_on_every_rank(rank_results, world):
+    """A parameter without a gradient on one rank must not move its bucket behind the other ranks'
+    collectives (with the arrival mask reverted, the 2-rank reduce_scatter launch hangs)."""
+    for name in EXPERT_SEND_ORDER(world):
+        r = ok(rank_results(world), name)
+        sends = r["gathers_at_send"]
+        print(f"{name} on {world} rank(s): all-gathers before each send, per rank: {sends}")
+        assert all(s == sends[0] for s in sends), "ranks interleave bucket sends and all-gathers differently"
+        assert r["experts_flush_only"], "the experts' buckets are the last, sent at the end of the backward"
 
 
 @pytest.mark.parametrize("world", WORLDS)

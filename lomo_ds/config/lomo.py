@@ -125,6 +125,10 @@ class LomoConfig(Section):
                                                                "run fails (NCCL's watchdog, gloo's timeout, the "
                                                                "shared-memory transport's); a dead peer is detected "
                                                                "sooner where it can be")
+    sparse_params: tuple[str, ...] = Field((), strict=False, description=(
+        "fnmatch patterns of parameters that may get no gradient on some rank (mixture-of-experts experts): "
+        "reduced at the end of the backward on every rank from the first step on (one found without a gradient "
+        "in the first step is treated so from then on)"))
 
 
 def options_markdown(cls: type[BaseModel] = None, prefix: str = "lomo") -> str:

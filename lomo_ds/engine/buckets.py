@@ -10,6 +10,16 @@ parameters' gradients are in, buckets strictly in layout order; at the end of th
 rest are sent, with zeros for any parameter that got no gradient on this rank (a mixture-of-experts
 expert that none of this rank's tokens reached).
 
+Parameters without a gradient. Such a parameter would hold its bucket, and every later one, on
+the rank that lacks it until the end of the backward, while its peers send them mid-backward:
+ranks would interleave these collectives with ZeRO-3's all-gathers in different orders (a hang or
+mixed data on one communicator), and the lacking rank would hold every later gradient. So the
+re-plan also sums over the ranks which parameters arrived: one missing on any rank goes into
+buckets of their own at the end of the layout that every rank sends only at the end of the
+backward; those given as `sparse` (lomo.sparse_params) are there from the first backward on. A
+parameter that had a gradient everywhere in the first backward and lacks one later is an error
+naming it, raised before this rank sends anything out of order.
+
 Payload. The reduce-scatter input is rank-major: row r of a [world, width + 1] matrix holds, for
 every parameter of the bucket, the elements rank r owns (zero-padded to `part`), then one flag
 element: 0 when this rank's gradients in the bucket, and every reduced slice it has received in
@@ -55,6 +65,7 @@ from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.engine.fused_update import PassStats, geometry
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
+from lomo_ds.runtime.dist import all_reduce_sum
 
 OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]], PassStats], None]
 
@@ -106,7 +117,7 @@ class GradientBuckets:
     def __init__(self, params: list[torch.nn.Parameter], group, world: int, rank: int, capacity: int,
                  reduce_dtype: torch.dtype | None, on_bucket: OnBucket, device: torch.device,
                  transport: str = "auto", max_in_flight: int = 1, timers: StepTimers | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, sparse: list[torch.nn.Parameter] = ()):
         from deepspeed.accelerator import get_accelerator
 
         self.group, self.world, self.rank = group, world, rank
@@ -134,7 +145,8 @@ class GradientBuckets:
         self._check_groups()
         # The all-reduce baseline goes one parameter at a time: no buckets.
         bucketed = self.transport != "all_reduce"
-        self._plan(self.params[::-1] if bucketed else [])
+        self.declared_sparse = {id(p) for p in sparse}
+        self._plan(self.params[::-1] if bucketed else [], self.declared_sparse)
         self._relayout_pending = bucketed
         self.reset(PassStats(device))
 
@@ -161,11 +173,26 @@ class GradientBuckets:
                                  f"(this rank {index}), the others over {self.world} (this rank {self.rank}): "
                                  "lomo_ds updates shards of one partitioning only")
 
-    def _plan(self, order: list[torch.nn.Parameter]) -> None:
+    def _plan(self, order: list[torch.nn.Parameter], sparse: set[int] | None = None) -> None:
         """Buckets of at most `capacity` per-rank elements, in `order`; parameters partitioned over
-        different process groups never share a bucket (each bucket is reduced in its own group)."""
+        different process groups never share a bucket (each bucket is reduced in its own group).
+        The parameters in `sparse` (ids) go last, into flush-only buckets of their own."""
         self.layout: list[list[torch.nn.Parameter]] = []
         self.bucket_groups = []  # the process group each bucket is reduced in
+        self.flush_only = set()  # buckets sent only at the end of the backward, on every rank
+        sparse = sparse or set()
+        for params, at_end in (([p for p in order if id(p) not in sparse], False),
+                               ([p for p in order if id(p) in sparse], True)):
+            first = len(self.layout)
+            self._fill(params)
+            if at_end:
+                self.flush_only.update(range(first, len(self.layout)))
+        self.slot_of = {id(p): (b, i) for b, bucket in enumerate(self.layout) for i, p in enumerate(bucket)}
+        if self.shm is not None and self.layout:  # every rank plans alike, at the same moment
+            self.shm.reserve(max(self.world * (self._width(b) + 1) * self._dtype(b).itemsize
+                                 for b in range(len(self.layout))))
+
+    def _fill(self, order: list[torch.nn.Parameter]) -> None:
         filling: dict[int, tuple[object, list, int]] = {}  # id(group) -> (group, params, elements)
 
         def close(key):
@@ -185,10 +212,6 @@ class GradientBuckets:
                 close(id(group))
         for key in list(filling):
             close(key)
-        self.slot_of = {id(p): (b, i) for b, bucket in enumerate(self.layout) for i, p in enumerate(bucket)}
-        if self.shm is not None and self.layout:  # every rank plans alike, at the same moment
-            self.shm.reserve(max(self.world * (self._width(b) + 1) * self._dtype(b).itemsize
-                                 for b in range(len(self.layout))))
 
     def _width(self, b: int) -> int:
         """Per-rank gradient elements of bucket `b` (its payload rows carry one flag more)."""
@@ -208,8 +231,13 @@ class GradientBuckets:
         ds_compat.broadcast_from_first(order, self.group)
         first = [self.params[i] for i in order.tolist() if i >= 0]
         seen = {id(p) for p in first}
+        # Which parameters got a gradient on how many ranks: one missing anywhere is flush-only.
+        arrived_here = {id(p) for p in self.arrived}
+        counts = torch.tensor([float(id(p) in arrived_here) for p in self.params], dtype=torch.float32, device="cpu")
+        counts = all_reduce_sum(counts, self.world, self.group, name="parameters with a gradient")
+        sparse = self.declared_sparse | {id(p) for p, n in zip(self.params, counts.tolist()) if n < self.world}
         # Parameters the first rank got no gradient for keep their place relative to each other.
-        self._plan(first + [p for bucket in self.layout for p in bucket if id(p) not in seen])
+        self._plan(first + [p for bucket in self.layout for p in bucket if id(p) not in seen], sparse)
         self._relayout_pending = False
 
     # ----------------------------------------------------------------- one backward
@@ -243,11 +271,21 @@ class GradientBuckets:
             held.add_(grad)  # a second accumulation (reentrant checkpointing): ours to sum into
         if self.tracker is not None:
             self.tracker.note_bucket(self._held_bytes())
-        while self.next_bucket < len(self.layout) and self.missing[self.next_bucket] == 0:
+        while (self.next_bucket < len(self.layout) and self.missing[self.next_bucket] == 0
+               and self.next_bucket not in self.flush_only):
             self._send_next()
 
     def flush(self) -> None:
         """End of the backward: send what is left (zeros for gradients that never came), apply all."""
+        if not self._relayout_pending and self.world > 1:  # one rank has no peer to be out of order with
+            late = [p for b in range(self.next_bucket, len(self.layout)) if b not in self.flush_only
+                    for p, g in zip(self.layout[b], self.slots[b]) if g is None]
+            if late:
+                raise RuntimeError(
+                    f"parameters ds_id={[ds_compat.param_id(p) for p in late[:5]]} got no gradient on rank {self.rank} "
+                    "in this backward, though every rank had one in the first: their buckets would be sent here at "
+                    "the end of the backward and mid-backward on the other ranks (collectives in different orders): "
+                    "list the parameters that may lack a gradient (mixture-of-experts experts) in lomo.sparse_params")
         while self.next_bucket < len(self.layout):
             self._send_next()
         while self.in_flight:

@@ -106,7 +106,9 @@ class LomoEngine:
         self.buckets = GradientBuckets(self.params, self.group, self.world, self.rank, lomo.bucket_size,
                                        reduce_dtype, self.updater.apply_bucket, device=self.device,
                                        transport=lomo.grad_reduction, max_in_flight=lomo.max_in_flight,
-                                       timers=self.timers, timeout_s=lomo.collective_timeout)
+                                       timers=self.timers, timeout_s=lomo.collective_timeout,
+                                       sparse=[p for n, p in self.module.named_parameters() if p.requires_grad
+                                               and any(fnmatch.fnmatch(n, pat) for pat in lomo.sparse_params)])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
