@@ -7,10 +7,10 @@ import sys
 import threading
 import time
 
+import deepspeed.accelerator
 import pytest
 import torch
 
-import deepspeed.accelerator
 from lomo_ds.engine import shm_reduce_scatter
 from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule

@@ -139,8 +139,8 @@ OPTIONS: tuple[DsOption, ...] = (
              all_methods=True),
     DsOption("torch_autocast", REFUSED, "autocast inside DeepSpeed's engine forward, which LOMO bypasses: set fp16 "
              "or bf16 weights", when_enabled="enabled"),
-    DsOption("autotuning", REFUSED, "DeepSpeed's autotuner varies the ZeRO stage and the optimizer", when_enabled="enabled",
-             all_methods=True),
+    DsOption("autotuning", REFUSED, "DeepSpeed's autotuner varies the ZeRO stage and the optimizer",
+             when_enabled="enabled", all_methods=True),
     DsOption("compile", REFUSED, "DeepCompile rewrites ZeRO-3's hooks; not verified with the in-backward update",
              when_enabled="deepcompile"),
     DsOption("curriculum_learning", REFUSED, _IN_DS_STEP, when_enabled="enabled"),

@@ -235,7 +235,8 @@ class GradientBuckets:
         arrived_here = {id(p) for p in self.arrived}
         counts = torch.tensor([float(id(p) in arrived_here) for p in self.params], dtype=torch.float32, device="cpu")
         counts = all_reduce_sum(counts, self.world, self.group, name="parameters with a gradient")
-        sparse = self.declared_sparse | {id(p) for p, n in zip(self.params, counts.tolist()) if n < self.world}
+        sparse = self.declared_sparse | {id(p) for p, n in zip(self.params, counts.tolist(), strict=True)
+                                         if n < self.world}
         # Parameters the first rank got no gradient for keep their place relative to each other.
         self._plan(first + [p for bucket in self.layout for p in bucket if id(p) not in seen], sparse)
         self._relayout_pending = False
@@ -279,7 +280,7 @@ class GradientBuckets:
         """End of the backward: send what is left (zeros for gradients that never came), apply all."""
         if not self._relayout_pending and self.world > 1:  # one rank has no peer to be out of order with
             late = [p for b in range(self.next_bucket, len(self.layout)) if b not in self.flush_only
-                    for p, g in zip(self.layout[b], self.slots[b]) if g is None]
+                    for p, g in zip(self.layout[b], self.slots[b], strict=True) if g is None]
             if late:
                 raise RuntimeError(
                     f"parameters ds_id={[ds_compat.param_id(p) for p in late[:5]]} got no gradient on rank {self.rank} "

@@ -126,7 +126,7 @@ class ShardUpdater:
         self.rule, self.measuring = rule, measure
         if step is not None:
             self._step = step
-            for device, gen in self._generators.items():
+            for gen in self._generators.values():
                 gen.manual_seed(self._seed_for(step))
         return PassStats(self.stats_device)
 

@@ -222,7 +222,8 @@ def check_internals() -> list[str]:
             problems.append(f"DeepSpeedZeRoOffload.{hook}")
     if not hasattr(PartitionedParameterCoordinator, "release_and_reset_all"):
         problems.append("PartitionedParameterCoordinator.release_and_reset_all")
-    if "_PartitionedParameterCoordinator__allgather_stream" not in PartitionedParameterCoordinator.__init__.__code__.co_names:
+    gather_stream = "_PartitionedParameterCoordinator__allgather_stream"
+    if gather_stream not in PartitionedParameterCoordinator.__init__.__code__.co_names:
         problems.append("PartitionedParameterCoordinator.__allgather_stream")
     for status in ("AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"):
         if not hasattr(ZeroParamStatus, status):
