@@ -32,7 +32,7 @@ def check_nonfinite(bf16: bool, transport: str = "auto"):
     inject = {"on": False}
     target.register_hook(lambda g: g * float("inf") if inject["on"] and rank == world - 1 else g)
     engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
-    layout = [list(b) for b in engine.buckets.layout]
+    layout = [list(b) for b in engine.buckets.layout] if world > 1 else [[p] for p in engine.buckets.arrived]
     bad = next(b for b, params in enumerate(layout) if any(p is target for p in params))
     shards = lambda: {id(p): ds_compat.shard(p).clone() for p in engine.params}  # noqa: E731
     before = shards()

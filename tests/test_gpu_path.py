@@ -16,6 +16,7 @@ from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
 from lomo_ds.runtime import device as device_module
 from lomo_ds.runtime import dist
+from tests.ranks import multi_rank, multi_rank_checks, ok
 
 
 class FakeEvent:
@@ -203,3 +204,102 @@ def test_more_buckets_in_flight_than_two_get_as_many_slots():
     """With in_flight above two slots a rank would wait for peers that wait for it (a deadlock
     until the timeout): each in-flight bucket gets its own slot."""
     assert shm_reduce_scatter.SharedMemoryReduceScatter(None, 2, 0, in_flight=3).slots >= 3
+
+
+# ----------------------------------------------------------------------------- items 2 and 7, on real ranks
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+def _host_reads_in_backward(**lomo) -> dict:
+    """Host reads of a tensor by lomo_ds code inside the backward passes of one step (after the
+    first, which settles the layout): on a GPU each one drains the queue."""
+    import lomo_ds
+    from tests.dist_engine_checks import ds_cfg
+    from tests.tiny import global_batch, tiny_llama
+
+    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, **lomo))
+    world, rank = engine.world, engine.rank
+    engine.train_step(global_batch(0, world)[rank])
+    reads, originals = [], {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if f"{os.sep}lomo_ds{os.sep}" in caller.f_code.co_filename:
+                reads.append(f"{name} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}")
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    backward = engine._backward
+
+    def counted_backward(*args, **kwargs):
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, counting(name))
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            for name, fn in originals.items():
+                setattr(torch.Tensor, name, fn)
+
+    engine._backward = counted_backward
+    engine.train_step(global_batch(1, world)[rank])
+    return {"reads": sorted(set(reads)), "n_reads": len(reads)}
+
+
+HOST_READ_CASES = multi_rank_checks(
+    (1, 2),
+    sgd=lambda: _host_reads_in_backward(grad_reduction="reduce_scatter"),
+    clip_norm=lambda: _host_reads_in_backward(grad_reduction="reduce_scatter", clip_grad_norm=0.5),
+    adalomo=lambda: _host_reads_in_backward(grad_reduction="reduce_scatter", optimizer="adalomo"),
+)
+# One rank, "auto": each gradient applied as it arrives (on a CPU "auto" between ranks is shared
+# memory, whose flags are host memory by design).
+one_rank_direct, = multi_rank_checks((1,), one_rank_direct=lambda: _host_reads_in_backward(grad_reduction="auto"))
+
+
+@pytest.mark.parametrize("world, check", [(w, c) for w in (1, 2) for c in HOST_READ_CASES] + [(1, one_rank_direct)],
+                         ids=str)
+def test_no_host_sync_inside_the_backward(rank_results, world, check):
+    """Item 7: the per-bucket verdict, the per-parameter check on one rank, the measuring pass's
+    norms and AdaLomo's per-bucket statistics stay on the device; the pass is read once, after it."""
+    r = ok(rank_results(world), check)
+    assert r["n_reads"] == 0, f"host reads inside the backward: {r['reads']}"
+
+
+@multi_rank(worlds=(1, 2))
+def gather_order():
+    """Item 2: per step, the order of the shard updates, the gathers' wait and the release."""
+    import lomo_ds
+    from lomo_ds.runtime import ds_compat
+    from tests.dist_engine_checks import ds_cfg
+    from tests.tiny import global_batch, tiny_llama
+
+    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, grad_reduction="reduce_scatter"))
+    world, rank = engine.world, engine.rank
+    events, apply = [], engine.buckets.on_bucket
+    wait, release = ds_compat.gathers_wait_for_updates, ds_compat.release_all
+    engine.buckets.on_bucket = lambda items, stats: (events.append("update"), apply(items, stats))[-1]
+    ds_compat.gathers_wait_for_updates = lambda offload: (events.append("gathers wait"), wait(offload))[-1]
+    ds_compat.release_all = lambda offload: (events.append("release"), release(offload))[-1]
+    try:
+        for step in range(2):
+            engine.train_step(global_batch(step, world)[rank])
+            events.append("step end")
+    finally:
+        ds_compat.gathers_wait_for_updates, ds_compat.release_all = wait, release
+    return {"events": events}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_next_forward_gathers_wait_for_the_last_update(rank_results, world):
+    events = ok(rank_results(world), gather_order)["events"]
+    steps = " ".join(events).split("step end")[:-1]
+    assert len(steps) == 2
+    for step in steps:
+        order = step.split()
+        text = " ".join(order)
+        assert "update" in text and "gathers wait" in text, text
+        last_update = max(i for i, e in enumerate(order) if e == "update")
+        wait_at = text.rfind("gathers wait")
+        assert text.rfind("update") < wait_at < text.rfind("release"), \
+            f"the gathers must wait after the step's last update ({last_update}) and before the release: {text}"

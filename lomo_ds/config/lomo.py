@@ -111,8 +111,9 @@ class LomoConfig(Section):
                                                          "(4 bytes / parameter / rank count)")
     grad_reduction: GradReduction = Field("auto", description=(
         "how gradient buckets are summed over ranks: auto = through shared memory for CPU ranks on one node "
-        "(shared_memory), else the backend's overlapped reduce-scatter (reduce_scatter); all_reduce: the "
-        "reference code's way, twice the bytes (benchmarks only)"))
+        "(shared_memory), else the backend's overlapped reduce-scatter (reduce_scatter), and on one rank each "
+        "gradient applied as it arrives; all_reduce: the reference code's way, twice the bytes (benchmarks only); "
+        "a transport named on one rank runs as a one-rank collective"))
     two_pass_mode: Literal["retain_graph", "recompute"] = Field(
         "retain_graph", description="how norm clipping's second backward gets its graph: kept from the first, or "
                                     "recomputed by a second forward (less memory)")

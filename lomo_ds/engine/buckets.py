@@ -100,8 +100,12 @@ def resolve_transport(requested: str, params: list[torch.nn.Parameter], world: i
     shared memory where the ranks can use it; asking for it where they cannot is an error."""
     if requested not in TRANSPORTS:
         raise ValueError(f"lomo.grad_reduction: expected one of {TRANSPORTS}, got {requested!r}")
+    if world == 1 and requested == "auto":
+        # Nothing to reduce: each gradient is applied as it arrives (one gradient alive, no payload
+        # copy). Asked for by name, a transport runs as a one-rank collective (the GPU suite's path).
+        return "direct"
     if world == 1 or requested in ("reduce_scatter", "all_reduce"):
-        return requested if requested != "auto" else "reduce_scatter"
+        return requested
     possible = all(shm_reduce_scatter.available(ds_compat.process_group(p)) for p in params)
     if requested == "shared_memory" and not possible:
         raise ValueError(f"lomo.grad_reduction: 'shared_memory' needs CPU (gloo) ranks all on one x86-64 node, "
@@ -143,8 +147,8 @@ class GradientBuckets:
         self.stream = self.accelerator.Stream() if device.type != "cpu" else None
         self.in_flight: deque[_InFlight] = deque()
         self._check_groups()
-        # The all-reduce baseline goes one parameter at a time: no buckets.
-        bucketed = self.transport != "all_reduce"
+        # The all-reduce baseline and one rank's direct path go one parameter at a time: no buckets.
+        bucketed = self.transport not in ("all_reduce", "direct")
         self.declared_sparse = {id(p) for p in sparse}
         self._plan(self.params[::-1] if bucketed else [], self.declared_sparse)
         self._relayout_pending = bucketed
@@ -255,6 +259,13 @@ class GradientBuckets:
         self.pending_bytes = 0  # gradients waiting for their bucket to be sent
 
     def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        if self.transport == "direct":
+            self.arrived.append(param)
+            flat = grad.reshape(-1)
+            self.stats.finite.logical_and_(torch.isfinite(flat).all())  # on the device: no host sync
+            with self.timers.span("update"):
+                self.on_bucket([(param, flat)], self.stats)
+            return
         if self.transport == "all_reduce":
             self._all_reduce_one(param, grad)
             return
