@@ -16,6 +16,10 @@ the median of the per-round ratios to the floor:
                  async work on a CPU), the path of GPUs and of CPU ranks on several nodes
   deepspeed sgd  DeepSpeed ZeRO-3's own optimizer path with torch.optim.SGD
 
+--accumulation K: every engine's step is K micro-batches (LOMO's shard accumulator, DeepSpeed's own
+accumulation) and the floor's is K floor micro-steps; the report adds clipped / unclipped per round
+(at K > 1 norm clipping is one pass over the accumulated shards, not a second backward).
+
 and the breakdown of LOMO's time spent in its own code, from the engine's timers: packing the
 rank-major payload, the non-finite flag, starting the reduce-scatter (posting it, in shared
 memory), waiting for it during the backward and at its end (in shared memory: summing this rank's
@@ -64,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--in-flight", type=int, default=1, help="reduce-scatters LOMO lets run at once")
+    ap.add_argument("--accumulation", type=int, default=1, help="micro-batches per step (gradient_accumulation_steps)")
     ap.add_argument("--engines", default="floor,lomo,lomo clipped,lomo rs,deepspeed sgd",
                     help="comma-separated subset of the engines (the floor is always run)")
     return ap.parse_args(argv)
@@ -74,8 +79,10 @@ def bench(args: argparse.Namespace):
     the model, each engine's step times, LOMO's time breakdowns, and the transport each LOMO
     engine's buckets came to."""
     base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
-    zero = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": {"stage": 3}}
-    lomo = {"lr": LR, "bucket_size": args.bucket_size, "max_in_flight": args.in_flight}
+    zero = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.accumulation,
+            "zero_optimization": {"stage": 3}}
+    lomo = {"lr": LR, "bucket_size": args.bucket_size, "max_in_flight": args.in_flight,
+            "accumulation_steps": args.accumulation}
     makers = {
         "lomo": lambda m: lomo_ds.initialize(m, {**zero, "lomo": lomo}),
         "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "clip_grad_norm": 1.0}}),
@@ -96,12 +103,13 @@ def bench(args: argparse.Namespace):
     times["floor forward"] = []
     parts = {name: [] for name in timed}
     for step in range(args.warmup + args.steps):
-        ids = torch.randint(0, args.vocab, (args.micro, args.seq), generator=g)
-        batch = {"input_ids": ids, "labels": ids}
+        ids = [torch.randint(0, args.vocab, (args.micro, args.seq), generator=g) for _ in range(args.accumulation)]
+        batches = [{"input_ids": i, "labels": i} for i in ids]
         for name, engine in engines.items():
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            engine.train_step(batch)
+            for batch in batches:  # one optimizer step: K micro-batches (the floor: K floor micro-steps)
+                engine.train_step(batch)
             # A data-parallel step is done when its slowest rank is: the floor, which never waits
             # for another rank in its backward, must not be timed on a rank that happened to be fast.
             torch.distributed.barrier()
@@ -131,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
 def report(args, base, world, times, parts, transports) -> None:
     n_params = sum(p.numel() for p in base.parameters())
     print(f"\n{n_params / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), {world} ranks, "
-          f"micro-batch {args.micro} x {args.seq}, fp32, bucket {args.bucket_size:,} elements, "
+          f"micro-batch {args.micro} x {args.seq}, {args.accumulation} micro-batch(es) per step, fp32, "
+          f"bucket {args.bucket_size:,} elements, "
           f"at most {args.in_flight} reduce-scatter(s) in flight, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; median of {args.steps} steps")
     floor = times["floor"]
@@ -144,6 +153,8 @@ def report(args, base, world, times, parts, transports) -> None:
         extra = ratios["lomo clipped"] - ratios["lomo"]
         print(f"norm clipping costs {extra:.3f} x floor over lomo; one backward is "
               f"{ratios['floor backward']:.3f} x floor")
+        clipped = statistics.median(c / u for c, u in zip(times["lomo clipped"], times["lomo"], strict=True))
+        print(f"lomo clipped / lomo: {clipped:.3f} (median of the per-round ratios)")
     for name, steps in parts.items():
         print(f"\n{name} (grad_reduction -> {transports[name]}): time in LOMO's own code per step, ms (median), "
               "and as a share of the floor step")

@@ -86,7 +86,7 @@ def freeze(setting: dict) -> tuple:
 
 def overrides_of(run: Run, hp: dict, nproc: int, out_dir: str) -> dict:
     """launch/train.py's overrides for `run`: table3's protocol with the setting's shared keys in
-    `shared`, accumulation as lomo.accumulation_steps, and the split evaluated."""
+    `shared`, accumulation as gradient_accumulation_steps, and the split evaluated."""
     setting = {k: list(v) if isinstance(v, tuple) else v for k, v in run.settings.items()}
     hp = copy.deepcopy(hp)
     hp["task"] = run.task
@@ -94,7 +94,9 @@ def overrides_of(run: Run, hp: dict, nproc: int, out_dir: str) -> dict:
     k = setting.pop("accumulation_steps", 1)
     o = table3.train_overrides(run.method, setting, hp, nproc, out_dir, run.seed)
     if k != 1:
-        o["lomo.accumulation_steps"] = k
+        # DeepSpeed's key, which maps to lomo.accumulation_steps for every method: the config file
+        # sets it (to 1), and a different lomo.accumulation_steps beside it is refused as a conflict.
+        o["gradient_accumulation_steps"] = k
     o["eval.split"] = run.split
     return o
 

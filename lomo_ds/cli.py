@@ -39,13 +39,21 @@ def _add_plan(sub) -> None:
                    help="activation checkpointing (default on)")
     p.add_argument("--offload", action="store_true", help="zero_optimization.offload_param.device = cpu (LOMO)")
     p.add_argument("--lomo-bucket", type=int, default=None, help="lomo.bucket_size in elements (default 25e6)")
+    p.add_argument("--accumulation", type=int, default=None,
+                   help="gradient_accumulation_steps K: LOMO keeps a 1/N shard accumulator when K > 1 (default 1)")
+    p.add_argument("--accumulate-dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="lomo.accumulate_dtype (default fp32)")
+    p.add_argument("--accumulate-on", choices=["device", "cpu"], default=None,
+                   help="lomo.accumulate_on: the accumulator on the GPU (default) or in host RAM")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_run_plan)
 
 
 def _plan_overrides(args) -> dict:
     flags = {"seq": args.seq, "batch": args.batch, "dtype": args.dtype, "checkpointing": args.checkpointing,
-             "lomo_bucket": args.lomo_bucket, "offload": args.offload or None}
+             "lomo_bucket": args.lomo_bucket, "offload": args.offload or None, "accumulation": args.accumulation,
+             "accumulate_dtype": args.accumulate_dtype,
+             "accumulate_on_host": None if args.accumulate_on is None else args.accumulate_on == "cpu"}
     return {k: v for k, v in flags.items() if v is not None}
 
 
@@ -91,6 +99,13 @@ def _run_plan(args) -> int:
                              indent=1))
         else:
             print(planner.format_summary(plans))
+            if not args.offload:
+                # The same sizes with gradient accumulation: where the accumulator fits.
+                k = args.accumulation if args.accumulation and args.accumulation > 1 else 4
+                extra = {key: v for key, v in _plan_overrides(args).items()
+                         if key not in ("accumulation", "accumulate_dtype", "accumulate_on_host")}
+                print()
+                print(planner.format_accumulation_summary(args.gpu_mem, k, **extra))
         return 0
     if args.json:
         out = {"model": p.model.name, "params": p.model.n_params, "gpu_mem_gib": args.gpu_mem, "source": p.source,

@@ -18,14 +18,14 @@ DS_BASELINE_BUCKET = 5000  # DeepSpeed's own reduce bucket (full-gradient elemen
 BASELINE_LR = {"adamw": 1e-3, "sgd": 0.1}
 
 
-def run_config(method: str, zero_extra: dict | None = None, **lomo):
+def run_config(method: str, zero_extra: dict | None = None, accumulation: int = 1, **lomo):
     lomo = {"lr": 0.05 if method == "lomo" else 1e-3, "bucket_size": BUCKET, **lomo}
     train = {"method": method, "baseline_lr": BASELINE_LR.get(method, 1e-5), "lora": {"warmup_ratio": 0.25}}
     zero = {**DS["zero_optimization"], **(zero_extra or {})}
     if method not in LOMO_METHODS:
         zero["reduce_bucket_size"] = DS_BASELINE_BUCKET
-    return load_run_config({**DS, "zero_optimization": zero, "lomo": lomo, "model": {"path": "tiny-llama-in-memory"},
-                            "train": train}, check_files=False)
+    return load_run_config({**DS, "gradient_accumulation_steps": accumulation, "zero_optimization": zero, "lomo": lomo,
+                            "model": {"path": "tiny-llama-in-memory"}, "train": train}, check_files=False)
 
 
 def fresh_engine(cfg, total_steps: int, seed: int = 0):
@@ -122,3 +122,46 @@ def fetch_per_layer() -> dict:
                        "loss_before": before, "loss_after": eng.eval_forward(batch).loss.item()}
         del eng
     return out
+
+
+def concatenated(mbs: list[dict]) -> dict:
+    return {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0]}
+
+
+def accumulation_every_method(windows=(2, 1, 2)) -> dict:
+    """Each method with gradient_accumulation_steps 2 (windows of 2, 1 (start_window: an epoch's
+    end) and 2 micro-batches of 2 sequences) against the same method without accumulation on the
+    window's micro-batches concatenated into one (4, 2, 4 sequences): every sequence has the same
+    length and all its labels, so the mean of the micro-batches' means is the concatenated mean.
+    LoRA+LOMO's adapters accumulate in .grad; DeepSpeed's optimizers in their own partitions.
+    zero_shot ignores the setting."""
+    out = {}
+    for method in METHODS:
+        if method == "zero_shot":
+            eng = fresh_engine(run_config(method, accumulation=2), total_steps=0)
+            out[method] = {"accumulation_steps": eng.accumulation_steps,
+                           "boundary": eng.is_gradient_accumulation_boundary()}
+            del eng
+            continue
+        clip = {"clip_grad_norm": 1.0}
+        accumulating = fresh_engine(run_config(method, accumulation=2, **clip), total_steps=len(windows))
+        plain = fresh_engine(run_config(method, **clip), total_steps=len(windows))
+        start = plain.full_state_dict()
+        stepped, counts = [], []
+        for step, k in enumerate(windows):
+            mbs = [global_batch(10 * step + i, accumulating.world)[accumulating.rank] for i in range(k)]
+            if k < accumulating.accumulation_steps:
+                accumulating.start_window(k)
+            stepped.append([accumulating.train_step(mb)["stepped"] for mb in mbs])
+            plain.train_step(concatenated(mbs))
+            counts.append(accumulating.global_step)
+        a, b = accumulating.full_state_dict(), plain.full_state_dict()
+        diff = moved = None
+        if accumulating.rank == 0:
+            diff = max((a[n].float() - b[n].float()).abs().max().item() for n in a)
+            moved = max((b[n].float() - start[n].float()).abs().max().item() for n in b)
+        out[method] = {"max_abs_diff": diff, "moved": moved, "stepped": stepped, "global_steps": counts,
+                       "accumulation_steps": accumulating.accumulation_steps}
+        del accumulating, plain
+    return out
+

@@ -10,9 +10,10 @@ from lomo_ds.methods import METHODS
 from tests import dist_methods_checks as M
 from tests.ranks import multi_rank_checks, ok
 
-interface, resume, lora_lomo_two_passes, fetch_per_layer = multi_rank_checks(
+interface, resume, lora_lomo_two_passes, fetch_per_layer, accumulation = multi_rank_checks(
     [2], interface=lambda: {m: M.interface_and_memory(m) for m in METHODS}, resume=M.resume_every_method,
-    lora_lomo_two_passes=M.lora_lomo_two_passes, fetch_per_layer=M.fetch_per_layer)
+    lora_lomo_two_passes=M.lora_lomo_two_passes, fetch_per_layer=M.fetch_per_layer,
+    accumulation=M.accumulation_every_method)
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +128,20 @@ def test_every_method_fetches_as_the_config_says(rank_results, method):
     assert r["leaf_modules"] == ["LlamaDecoderLayer"] and r["n_leaves"] == 2, r
     if method != "zero_shot":
         assert r["loss_after"] < r["loss_before"], r
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "zero_shot"])
+def test_accumulation_equals_the_concatenated_micro_batches(rank_results, method):
+    """gradient_accumulation_steps 2 (windows of 2, 1 and 2 micro-batches) equals the same method
+    without accumulation on each window's micro-batches concatenated: LOMO's shard accumulator,
+    DeepSpeed's own accumulation for AdamW/SGD/LoRA, LoRA+LOMO's adapters in .grad; a step every
+    second call, and the epoch-end window of one micro-batch steps at once."""
+    r = ok(rank_results(2), accumulation)[method]
+    tol = 1e-5 if method == "adamw" else 1e-6  # AdamW's normalised step magnifies summation-order rounding
+    assert r["max_abs_diff"] <= tol and r["moved"] > 100 * tol
+    assert r["stepped"] == [[False, True], [True], [False, True]] and r["global_steps"] == [1, 2, 3]
+    assert r["accumulation_steps"] == 2
+
+
+def test_zero_shot_ignores_accumulation(rank_results):
+    assert ok(rank_results(2), accumulation)["zero_shot"] == {"accumulation_steps": 1, "boundary": True}

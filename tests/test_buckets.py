@@ -42,11 +42,11 @@ BENCH_ARGS = ["--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16"
               "--bucket-size", "2000", "--steps", "2", "--warmup", "1"]
 
 
-def bench_step_report() -> dict:
+def bench_step_report(extra: tuple = ()) -> dict:
     """The benchmark's printed report on a 1-layer model (rank 0's; the other ranks print nothing)."""
     from experiments import bench_step
 
-    args = bench_step.parse_args(BENCH_ARGS)
+    args = bench_step.parse_args(BENCH_ARGS + list(extra))
     base, times, parts, transports = bench_step.bench(args)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -55,7 +55,9 @@ def bench_step_report() -> dict:
     return {"stdout": out.getvalue()}
 
 
-bench_step, = multi_rank_checks([2], bench_step=bench_step_report)
+bench_step, bench_step_accumulation = multi_rank_checks(
+    [2], bench_step=bench_step_report,
+    bench_step_accumulation=lambda: bench_step_report(("--accumulation", "2", "--engines", "floor,lomo,lomo clipped")))
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -167,4 +169,12 @@ def test_bench_step_prints_ratios_and_breakdown(rank_results):
     out = ok(rank_results(2), bench_step)["stdout"]
     for row in ("floor", "lomo clipped", "lomo rs", "deepspeed sgd", "-> shared_memory", "-> reduce_scatter",
                 "pack", "wait at end", "update", "bookkeeping"):
+        assert row in out, out
+
+
+def test_bench_step_with_accumulation(rank_results):
+    """--accumulation K: every engine's step is K micro-batches, the floor's K floor micro-steps, and
+    the report gives clipped / unclipped per round."""
+    out = ok(rank_results(2), bench_step_accumulation)["stdout"]
+    for row in ("2 micro-batch(es) per step", "lomo clipped / lomo:", "lomo clipped"):
         assert row in out, out

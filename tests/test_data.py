@@ -221,3 +221,16 @@ def test_epoch_order_and_step_batches_reproducible():
             seen += b
     assert set(seen) == set(range(n))  # every example in every epoch (the last batch tops up)
     assert D.position_of_step(7, spe) == (2, 1)
+
+
+def test_accumulation_windows_cover_the_epoch_and_the_last_is_shorter():
+    """K = 3 micro-batches per step over an epoch of 10 global micro-batches: steps of 3, 3, 3 and
+    a last window of 1 (applied with its own 1/k by the engines); no micro-batch twice, none
+    carried over, and K = 1 is the micro-batch order itself."""
+    n, world, micro = 40, 2, 2
+    assert D.micro_batches_per_epoch(n, world, micro) == 10
+    assert D.steps_per_epoch(n, world, micro, accumulation=3) == 4
+    windows = [D.window_of_step(s, n, world, micro, 3) for s in range(4)]
+    assert [list(w) for w in windows] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert [list(D.window_of_step(s, n, world, micro)) for s in range(3)] == [[0], [1], [2]]
+    assert D.steps_per_epoch(n, world, micro, accumulation=5) == 2  # divides: no short window

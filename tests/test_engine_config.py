@@ -29,7 +29,13 @@ def test_defaults_and_split():
     ({"lomo": {"stochastic_rounding": "yes"}}, "lomo.stochastic_rounding: expected true or false"),
     ({"optimizer": {"type": "AdamW"}}, "optimizer: LOMO is the optimizer"),
     ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
-    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps (LOMO's lomo.accumulation_steps): expected an "
+                                         "integer >= 1, got 0"),
+    ({"gradient_accumulation_steps": 4, "lomo": {"accumulation_steps": 2}},
+     "gradient_accumulation_steps (4) and lomo.accumulation_steps (2) disagree"),
+    ({"lomo": {"accumulate_dtype": "fp64"}}, "lomo.accumulate_dtype: expected one of ['fp32', 'bf16', 'fp16']"),
+    ({"lomo": {"accumulate_on": "nvme"}}, "lomo.accumulate_on: expected one of ['device', 'cpu']"),
+    ({"lomo": {"loss_normalization": "sum"}}, "lomo.loss_normalization: expected one of ['mean', 'tokens']"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "choose one precision"),
 ])
 def test_bad_values_name_the_key(cfg, needle):
@@ -97,6 +103,7 @@ def test_whole_floats_count_as_integers():
     ({"fp16": {"enabled": True, "loss_scale_window": 50}}, "loss_scale.window", 50),
     ({"fp16": {"enabled": True, "min_loss_scale": 0.5}}, "loss_scale.min_scale", 0.5),
     ({"fp16": {"enabled": True, "loss_scale": 0}}, "loss_scale.initial_scale_power", 16),  # 0: dynamic, as LOMO's
+    ({"gradient_accumulation_steps": 8}, "accumulation_steps", 8),
 ])
 def test_mapped_deepspeed_keys_reach_the_lomo_section(ds, lomo_key, expected):
     lomo = load_config(ds)[1]
@@ -108,7 +115,7 @@ def test_mapped_deepspeed_keys_reach_the_lomo_section(ds, lomo_key, expected):
 
 def test_every_mapped_row_is_tested():
     tested = {"gradient_clipping", "communication_data_type", "fp16.initial_scale_power", "fp16.loss_scale_window",
-              "fp16.min_loss_scale"}
+              "fp16.min_loss_scale", "gradient_accumulation_steps"}
     assert {o.key for o in ds_options.OPTIONS if o.status == ds_options.MAPPED} == tested
 
 
@@ -122,6 +129,8 @@ def test_every_mapped_row_is_tested():
      ("fp16.loss_scale_window", "lomo.loss_scale.window")),
     ({"fp16": {"min_loss_scale": 2}}, {"loss_scale": {"min_scale": 1}},
      ("fp16.min_loss_scale", "lomo.loss_scale.min_scale")),
+    ({"gradient_accumulation_steps": 4}, {"accumulation_steps": 1}, ("gradient_accumulation_steps",
+                                                                    "lomo.accumulation_steps")),
 ])
 def test_conflicting_deepspeed_and_lomo_keys_name_both(ds, lomo, names):
     with pytest.raises(ConfigError, match="disagree") as e:
@@ -135,6 +144,20 @@ def test_agreeing_deepspeed_and_lomo_keys_are_fine():
     assert lomo.clip_grad_norm == 1.0 and lomo.loss_scale.window == 10
 
 
+def test_gradient_accumulation_steps_maps_both_ways():
+    """DeepSpeed's key sets lomo.accumulation_steps; the lomo key alone sets DeepSpeed's (which the
+    baselines' DeepSpeed optimizer reads); agreeing values are fine; the default is 1 on both."""
+    ds, lomo = load_config({"gradient_accumulation_steps": 4})
+    assert lomo.accumulation_steps == 4 and ds["gradient_accumulation_steps"] == 4
+    ds, lomo = load_config({"lomo": {"accumulation_steps": 3}})
+    assert lomo.accumulation_steps == 3 and ds["gradient_accumulation_steps"] == 3
+    ds, lomo = load_config({"gradient_accumulation_steps": 2, "lomo": {"accumulation_steps": 2}})
+    assert lomo.accumulation_steps == 2 and ds["gradient_accumulation_steps"] == 2
+    ds, lomo = load_config({})
+    assert (lomo.accumulation_steps, lomo.accumulate_dtype, lomo.accumulate_on, lomo.loss_normalization) == \
+        (1, "fp32", "device", "mean") and ds["gradient_accumulation_steps"] == 1
+
+
 def test_bad_mapped_value_names_the_deepspeed_key():
     with pytest.raises(ConfigError, match=r"gradient_clipping \(LOMO's lomo\.clip_grad_norm\): expected a positive"):
         load_config({"gradient_clipping": -1.0})
@@ -146,7 +169,6 @@ def test_bad_mapped_value_names_the_deepspeed_key():
 REFUSED_VALUES = {
     "optimizer": {"type": "AdamW"},
     "scheduler": {"type": "WarmupLR"},
-    "gradient_accumulation_steps": 4,
     "prescale_gradients": True,
     "gradient_predivide_factor": 2.0,
     "bfloat16": {"enabled": True},

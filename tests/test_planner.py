@@ -318,6 +318,43 @@ def test_cli_plan_prints_the_working_set_per_granularity(capsys):
     assert "coarsest fetch that fits: per module (per module)" in capsys.readouterr().out
 
 
+def test_accumulator_rows(capsys, tmp_path):
+    """K > 1: LOMO holds a shard accumulator of a P / N elements per GPU (a = 4 fp32, 2 bf16), in
+    its grads; with accumulate_on cpu, or offloaded shards, it is host RAM instead (every rank's on
+    the node). DeepSpeed's optimizers accumulate in the gradient partition they hold anyway."""
+    model = LLAMA["7b"]
+    shard = sum(-(-x // 8) for x in model.param_numels())
+    base = estimate(model, "lomo", 8, shipped_run("7b"))
+    for dtype, a in (("fp32", 4), ("bf16", 2)):
+        e = estimate(model, "lomo", 8, replace(shipped_run("7b"), accumulation=4, accumulate_dtype=dtype))
+        assert e.accumulator == a * shard and not e.accumulator_on_host
+        assert e.grads - base.grads == e.accumulator and e.total - base.total == e.accumulator
+    assert 3.0 < a * shard / 1e9 * 2 < 3.7  # the issue's figure: 7B on 8 GPUs, about 3.5 GB of fp32 per GPU
+    host = estimate(model, "lomo", 8, replace(shipped_run("7b"), accumulation=4, accumulate_on_host=True))
+    assert host.total == base.total and host.host == 8 * 4 * shard and host.accumulator_on_host
+    off = estimate(model, "lomo", 8, replace(shipped_run("7b"), accumulation=4, offload=True))
+    off1 = estimate(model, "lomo", 8, replace(shipped_run("7b"), offload=True))
+    assert off.total == off1.total and off.host - off1.host == 8 * 4 * shard
+    for method in ("sgd", "adamw"):
+        assert estimate(model, method, 8, replace(shipped_run("7b"), accumulation=4)).total == \
+            estimate(model, method, 8, shipped_run("7b")).total
+    assert main(["plan", "--model", "7b", "--accumulation", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "gradient accumulation 4 (fp32 accumulator on the GPU)" in out and "| accumulator |" in out
+    row = f"| lomo | 8 | {base.params / GIB:.2f} | {(base.grads + 4 * shard) / GIB:.2f} | {4 * shard / GIB:.2f} |"
+    assert row in out
+    assert main(["plan"]) == 0  # the all-sizes summary gains K = 4 rows
+    out = capsys.readouterr().out
+    assert "| 7b | 16 | fp32 on the GPU | 4 |" in out and "| 7b | 16 | fp32 on the host | 1 |" in out
+    # a run config's accumulation reaches the plan (--dry-run prints it)
+    cfg = json.load(open(os.path.join(ROOT, "ds_configs", "llama7b.json")))
+    cfg.update({"gradient_accumulation_steps": 4})
+    cfg["lomo"]["accumulate_on"] = "cpu"
+    (tmp_path / "k4.json").write_text(json.dumps(cfg))
+    p = plan_for_run(load_run_config(tmp_path / "k4.json", check_files=False), 8, "7b")
+    assert p.run.accumulation == 4 and p.run.accumulate_on_host and p.estimates[("lomo", 8)].host == 8 * 4 * shard
+
+
 # ----------------------------------------------------------------------------- measured runs
 # The LOMO engine's memory, measured by its own tracker on small runs on 1 and 2 ranks, against the
 # planner's prediction (within 10%).

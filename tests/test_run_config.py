@@ -242,3 +242,22 @@ def test_precision_is_read_once_into_a_typed_section(section, dtype):
     cfg = load_run_config({**MIN, **section}, check_files=False)
     assert cfg.precision.dtype == dtype
     assert cfg.precision.torch_dtype == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+def test_accumulation_for_every_method_and_token_normalisation_for_lomo_only(tmp_path):
+    """gradient_accumulation_steps reaches every method (the baselines read DeepSpeed's key, LOMO its
+    own); the --accumulation-steps flag overrides the DeepSpeed key even where a config lacks it;
+    token-weighted normalisation is refused for the methods DeepSpeed's optimizer steps."""
+    from lomo_ds.recipe.train import overrides_from, parse_args
+
+    for method in ("lomo", "adamw", "lora_lomo"):
+        cfg = load_run_config(write(tmp_path, {**MIN, "gradient_accumulation_steps": 4, "train": {"method": method}}))
+        assert cfg.accumulation_steps == 4 and cfg.ds["gradient_accumulation_steps"] == 4
+    args = parse_args(["--config", "x.json", "--accumulation-steps", "3"])
+    cfg = load_run_config(write(tmp_path, MIN), overrides_from(args))
+    assert cfg.accumulation_steps == 3 and cfg.ds["gradient_accumulation_steps"] == 3
+    tokens = {"lr": 0.03, "loss_normalization": "tokens"}
+    assert load_run_config(write(tmp_path, {**MIN, "lomo": tokens})).lomo.loss_normalization == "tokens"
+    for method in ("adamw", "sgd", "lora"):
+        with pytest.raises(ConfigError, match=rf"x\.json: lomo\.loss_normalization: 'tokens' is LOMO's .*{method!r}"):
+            load_run_config(write(tmp_path, {**MIN, "lomo": tokens, "train": {"method": method}}))

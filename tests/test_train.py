@@ -118,6 +118,42 @@ def test_killed_run_resumes_to_identical_parameters(tiny_run):
     assert sorted(os.listdir(straight / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
 
 
+def test_accumulation_counts_optimizer_steps_and_resumes_exactly(tiny_run):
+    """gradient_accumulation_steps 3 over 40 examples on 2 ranks with micro-batch 2: 10 micro-batches
+    an epoch, so 4 steps (3, 3, 3 and the epoch's last window of 1, applied with its own 1/k) per
+    epoch, 8 in two; the metrics, the schedule and the checkpoints count optimizer steps; a run
+    resumed from the step-6 checkpoint crosses the short window to the same parameters."""
+    import shutil
+
+    root, config = tiny_run
+    k3 = ["--accumulation-steps", "3", "--epochs", "2", "--set", "train.max_steps=null",
+          "--set", "output.checkpoint_every=3", "--set", "output.keep_last=5"]
+    straight, resumed = root / "k3_straight", root / "k3_resumed"
+    out = run_train(TRAIN_SCRIPT, config, straight, *k3)
+    assert "4 steps/epoch of 3 micro-batches each, 8 steps in all" in out.stdout
+    rows = [json.loads(line) for line in open(straight / "metrics.jsonl")]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert [r["micro_batches"] for r in steps] == [3, 3, 3, 1] * 2
+    from lomo_ds.engine.schedule import Schedule
+
+    schedule = Schedule("linear", 0.01, 8, 1)  # tiny_cpu.json: lr 0.01, warm-up 0.1 x 8 steps, over 8 steps
+    assert [r["lr"] for r in steps] == pytest.approx([schedule.lr_at(i) for i in range(8)])
+    assert sorted(os.listdir(straight / "checkpoints")) == ["latest", "step_00000003", "step_00000006",
+                                                            "step_00000008"]
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step_00000006", resumed / "checkpoints" / "step_00000006")
+    (resumed / "checkpoints" / "latest").write_text("step_00000006")
+    again = run_train(TRAIN_CLI, config, resumed, *k3, "--resume")
+    assert "at step 6" in again.stdout
+    a = load_file(straight / "hf_model" / "model.safetensors")
+    b = load_file(resumed / "hf_model" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    resumed_rows = [json.loads(line) for line in open(resumed / "metrics.jsonl") if '"loss"' in line]
+    assert [(r["step"], r["micro_batches"], r["loss"]) for r in resumed_rows] == \
+        [(r["step"], r["micro_batches"], r["loss"]) for r in steps[6:]]
+
+
 # ----------------------------------------------------------------------------- the Hugging Face export
 MAX_SHARD_SIZE = 40_000  # bytes: the ~0.2 MB tiny model in several shards, as a 65B one is in 5 GB ones
 

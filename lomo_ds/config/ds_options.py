@@ -76,9 +76,11 @@ OPTIONS: tuple[DsOption, ...] = (
              "(baselines: train.baseline_lr)", all_methods=True),
     DsOption("scheduler", REFUSED, "use lomo.scheduler (a DeepSpeed scheduler needs a DeepSpeed optimizer)",
              all_methods=True),
-    DsOption("gradient_accumulation_steps", REFUSED, "LOMO applies each gradient as it is produced; expected 1",
-             accepts=(1,), all_methods=True),
-    DsOption("gradient_clipping", MAPPED, "global-norm clipping (0 = off); costs LOMO a second backward",
+    DsOption("gradient_accumulation_steps", MAPPED, "one optimizer step every K micro-batches: LOMO sums each "
+             "rank's reduced shards into a 1/N accumulator (the baselines use DeepSpeed's own accumulation)",
+             lomo="accumulation_steps"),
+    DsOption("gradient_clipping", MAPPED, "global-norm clipping (0 = off); costs LOMO a second backward at K = 1, "
+             "a pass over the accumulated shards at K > 1",
              lomo="clip_grad_norm", to_lomo=_clip),
     DsOption("communication_data_type", MAPPED, "dtype of the gradient reduce-scatter", lomo="reduce_dtype",
              to_lomo=_dtype_name),

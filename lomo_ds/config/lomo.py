@@ -130,6 +130,17 @@ class LomoConfig(Section):
         "fnmatch patterns of parameters that may get no gradient on some rank (mixture-of-experts experts): "
         "reduced at the end of the backward on every rank from the first step on (one found without a gradient "
         "in the first step is treated so from then on)"))
+    # Gradient accumulation (lomo_ds/engine/accumulation.py).
+    accumulation_steps: Int = Field(1, ge=1, description=(
+        "micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps maps here): each rank sums "
+        "its own reduced shards into an accumulator of 1/N of the model"))
+    accumulate_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="dtype of the shard accumulator (fp16 runs the step as one pass after the last backward)")
+    accumulate_on: Literal["device", "cpu"] = Field(
+        "device", description="where the shard accumulator lives: beside the shards, or in pinned host memory")
+    loss_normalization: Literal["mean", "tokens"] = Field("mean", description=(
+        "how a step weighs its micro-batches: mean = each micro-batch's token mean, averaged over the window's "
+        "micro-batches x ranks (DeepSpeed's); tokens = every label token of the window weighs the same"))
 
 
 def options_markdown(cls: type[BaseModel] = None, prefix: str = "lomo") -> str:
@@ -312,12 +323,15 @@ def validate_deepspeed_section(ds: dict, lomo: LomoConfig, lomo_method: bool = T
         raise ConfigError("fp16.enabled and bf16.enabled: choose one precision")
     ds.setdefault("zero_optimization", {}).setdefault("stage", 3)
     ds.setdefault("train_micro_batch_size_per_gpu", 1)
-    ds.setdefault("gradient_accumulation_steps", 1)
-    ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
+    ds.pop("train_batch_size", None)  # derived by DeepSpeed from the micro batch, accumulation and world size
     mb = ds["train_micro_batch_size_per_gpu"]
     if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
         raise ConfigError(f"train_micro_batch_size_per_gpu: expected a positive integer, got {mb!r}")
-    return ds, _with_mapped(ds, lomo)
+    lomo = _with_mapped(ds, lomo)
+    # One accumulation count for the whole run: the baselines' DeepSpeed optimizer reads it from
+    # here, LOMO from lomo.accumulation_steps (set from either key).
+    ds["gradient_accumulation_steps"] = lomo.accumulation_steps
+    return ds, lomo
 
 
 def _deepspeed_values(ds: dict):

@@ -43,6 +43,7 @@ BUILTIN_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 METHODS = ("lomo", "adamw", "sgd", "lora", "lora_lomo", "zero_shot")
 LOMO_METHODS = ("lomo", "lora_lomo")  # the methods whose update is LOMO's (the rest use DeepSpeed's or none)
+DEEPSPEED_OPTIMIZER_METHODS = ("adamw", "sgd", "lora")  # stepped by DeepSpeed's ZeRO-3 optimizer
 # The sections this module owns; every other top-level key except "lomo" is DeepSpeed's.
 SECTIONS = ("model", "tokenizer", "data", "train", "eval", "output")
 
@@ -178,6 +179,11 @@ class RunConfig(Section):
         return int(self.ds["train_micro_batch_size_per_gpu"])
 
     @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on each rank (every method but zero_shot)."""
+        return self.lomo.accumulation_steps
+
+    @property
     def tokenizer_path(self) -> str:
         return self.tokenizer.path if self.tokenizer.path is not None else self.model.path
 
@@ -252,6 +258,10 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
     if cfg.train.method in LOMO_METHODS and "lomo" not in raw:
         raise ConfigError(f"lomo: train.method {cfg.train.method!r} needs a 'lomo' section "
                           "(lr, clip_grad_norm, scheduler)")
+    if cfg.lomo.loss_normalization == "tokens" and cfg.train.method in DEEPSPEED_OPTIMIZER_METHODS:
+        raise ConfigError(f"lomo.loss_normalization: 'tokens' is LOMO's (train.method lomo or lora_lomo); "
+                          f"train.method {cfg.train.method!r} steps DeepSpeed's optimizer, whose accumulation "
+                          "averages the micro-batches' losses: expected 'mean'")
     # fp16 on a CPU (DeepSpeed refuses it there) is checked when the accelerator is known: at run time.
 
 
@@ -306,7 +316,8 @@ def _known_path(raw: dict, parts: list[str]) -> bool:
         if not isinstance(node, dict) or part not in node:
             return False
         node = node[part]
-    return isinstance(node, dict) and (parts[-1] in node or parts == ["train_micro_batch_size_per_gpu"])
+    return isinstance(node, dict) and (parts[-1] in node or parts in (["train_micro_batch_size_per_gpu"],
+                                                                      ["gradient_accumulation_steps"]))
 
 
 def _apply_overrides(raw: dict, overrides: dict, src: str) -> None:

@@ -395,23 +395,38 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(n)]
 
 
-def steps_per_epoch(n: int, world: int, micro: int) -> int:
-    """Optimizer steps per epoch: every example once; the last global batch is topped up
-    (see batches_for_step) so every rank always has a full micro batch, which ZeRO-3 needs (each
-    step is a collective every rank must join)."""
+def micro_batches_per_epoch(n: int, world: int, micro: int) -> int:
+    """Global micro-batches (one micro batch on every rank) per epoch: every example once; the last
+    is topped up (see batches_for_step) so every rank always has a full micro batch, which ZeRO-3
+    needs (each backward is a collective every rank must join)."""
     if n < 1:
         raise ValueError("steps_per_epoch: no training examples")
     return math.ceil(n / (world * micro))
 
 
-def batches_for_step(order: list[int], step_in_epoch: int, world: int, micro: int, rank: int) -> list[int]:
-    """The example indices of rank `rank`'s micro batch at step `step_in_epoch` of an epoch.
+def steps_per_epoch(n: int, world: int, micro: int, accumulation: int = 1) -> int:
+    """Optimizer steps per epoch: windows of `accumulation` global micro-batches. When that does not
+    divide the epoch's micro-batches, the epoch's last window is shorter and its step is the mean
+    over its own micro-batches (window_of_step): epochs stay aligned (data order, evaluation), and
+    no example is seen twice or carried into the next epoch's order."""
+    return math.ceil(micro_batches_per_epoch(n, world, micro) / accumulation)
 
-    Global batch s is order[s*world*micro : (s+1)*world*micro], wrapping round to the start of the
-    same epoch's order when it runs past the end; rank r takes its r-th micro slice.
+
+def window_of_step(step_in_epoch: int, n: int, world: int, micro: int, accumulation: int = 1) -> range:
+    """The global micro-batch indices (within the epoch) of optimizer step `step_in_epoch`."""
+    start = step_in_epoch * accumulation
+    return range(start, min(start + accumulation, micro_batches_per_epoch(n, world, micro)))
+
+
+def batches_for_step(order: list[int], micro_in_epoch: int, world: int, micro: int, rank: int) -> list[int]:
+    """The example indices of rank `rank`'s micro batch in global micro-batch `micro_in_epoch` of an
+    epoch (the optimizer step's number when there is no accumulation).
+
+    Global micro-batch s is order[s*world*micro : (s+1)*world*micro], wrapping round to the start of
+    the same epoch's order when it runs past the end; rank r takes its r-th micro slice.
     """
     g = world * micro
-    start = step_in_epoch * g + rank * micro
+    start = micro_in_epoch * g + rank * micro
     return [order[(start + j) % len(order)] for j in range(micro)]
 
 

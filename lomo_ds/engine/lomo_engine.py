@@ -18,6 +18,12 @@ any rank skips the step on every rank with no weight touched. A gradient that tu
 only in a backward is flagged by the buckets on every rank at once; the step is then skipped
 from that bucket on. After lomo.max_consecutive_skips skipped steps in a row the run stops.
 
+With lomo.accumulation_steps K > 1, train_step takes one micro-batch (DeepSpeed's convention):
+micro-batches 1..K-1 add their reduced slices into a per-rank shard accumulator, and the K-th
+applies the update from the sum, fused into its backward or as one pass after it when the norm
+or the overflow verdict is needed first (accumulation.py); a non-finite value anywhere in the
+window skips the whole step.
+
 lomo.optimizer "adalomo" swaps the SGD update for AdaLomo's (lomo_ds/engine/adalomo.py) on the same
 reduced shards and passes; its state goes into the shard checkpoint and the memory tracker.
 """
@@ -26,11 +32,13 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
 from lomo_ds.config.lomo import LomoConfig, Precision, load_config
+from lomo_ds.engine.accumulation import ACCUMULATE_DTYPES, ShardAccumulator, check_window
 from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.buckets import GradientBuckets
 from lomo_ds.engine.comm_stats import StepTimers
@@ -40,7 +48,14 @@ from lomo_ds.engine.schedule import Schedule
 from lomo_ds.planning.memory import MemoryTracker
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, capture_rng, move_batch, restore_rng
-from lomo_ds.runtime.dist import gather_full_state_dict, has_labelled_tokens, init_distributed, loss_of, sum_over_ranks
+from lomo_ds.runtime.dist import (
+    gather_full_state_dict,
+    has_labelled_tokens,
+    init_distributed,
+    label_tokens,
+    loss_of,
+    sum_over_ranks,
+)
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -104,7 +119,7 @@ class LomoEngine:
         # One object for every parameter: it splits them by their own ds_process_group and refuses
         # a group that does not span every rank.
         self.buckets = GradientBuckets(self.params, self.group, self.world, self.rank, lomo.bucket_size,
-                                       reduce_dtype, self.updater.apply_bucket, device=self.device,
+                                       reduce_dtype, self._on_bucket, device=self.device,
                                        transport=lomo.grad_reduction, max_in_flight=lomo.max_in_flight,
                                        timers=self.timers, timeout_s=lomo.collective_timeout,
                                        sparse=[p for n, p in self.module.named_parameters() if p.requires_grad
@@ -118,6 +133,19 @@ class LomoEngine:
         self.global_step = 0  # optimizer steps taken (skipped ones included: the schedule moves on)
         self.skipped_steps = 0
         self.consecutive_skips = 0
+
+        # Gradient accumulation (accumulation.py): one step every accumulation_steps micro-batches.
+        self.accumulation_steps = lomo.accumulation_steps
+        self.accumulator = (ShardAccumulator(self.params, lambda p: self.updater.geometry(p).local,
+                                             ACCUMULATE_DTYPES[lomo.accumulate_dtype], lomo.accumulate_on == "cpu")
+                            if self.accumulation_steps > 1 else None)
+        self.micro_step = 0  # micro-batches of the current window already taken
+        self.window_length = self.accumulation_steps  # micro-batches of the current window
+        self.window = _Window()
+        # What the buckets do with a reduced slice in this backward: "update" (apply it), "add"
+        # (into the accumulator), "fold" (add, then apply the accumulated sum: the fused K-th).
+        self.bucket_mode = "update"
+
 
     # ----------------------------------------------------------------- configuration
     @staticmethod
@@ -134,7 +162,27 @@ class LomoEngine:
 
     @property
     def two_passes(self) -> bool:
+        """A K = 1 step needs the global norm or the overflow verdict before updating: two backwards."""
         return self.config.clip_grad_norm is not None or self.loss_scaler is not None
+
+    @property
+    def fused_accumulation(self) -> bool:
+        """Whether the K-th backward of a window applies the update as it goes (else one pass over
+        the accumulated shards after it). An fp16 accumulator may overflow in the sum of finite
+        micro-batch gradients, which only the pass's norm would see."""
+        return not self.two_passes and self.config.accumulate_dtype != "fp16"
+
+    # ----------------------------------------------------------------- accumulation windows (DeepSpeed's API)
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next train_step call ends a window and applies the update (DeepSpeed's name)."""
+        return self.micro_step + 1 >= self.window_length
+
+    def start_window(self, micro_batches: int) -> None:
+        """Make the window now starting `micro_batches` long (1..accumulation_steps) instead of
+        accumulation_steps: the end of an epoch whose micro-batch count K does not divide. Its step
+        is the mean over its own micro-batches (1/k, not 1/K). Only between windows."""
+        check_window(micro_batches, self.accumulation_steps, self.micro_step)
+        self.window_length = micro_batches
 
     def enable_memory_tracking(self) -> MemoryTracker:
         self.memory = MemoryTracker(self.params, master_bytes=sum(m.numel() * 4 for m in self.updater.masters.values()),
@@ -143,6 +191,16 @@ class LomoEngine:
         return self.memory
 
     # ----------------------------------------------------------------- the step
+    def _on_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]], stats: PassStats) -> None:
+        """A reduced bucket: this rank's summed slice of each of its parameters."""
+        if self.bucket_mode == "add":
+            for param, grad_shard in items:
+                self.accumulator.add(param, grad_shard)
+            return
+        if self.bucket_mode == "fold":
+            items = [(p, self.accumulator.total(p, ds_compat.shard(p).device, g)) for p, g in items]
+        self.updater.apply_bucket(items, stats)
+
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         with self.timers.span("hook"):
             if self.memory is not None:
@@ -170,42 +228,68 @@ class LomoEngine:
     def forward(self, batch: dict[str, Any]):
         return self.module(**batch)
 
-    def _agree_on_loss(self, loss: torch.Tensor, labelled: bool) -> tuple[float, bool, bool]:
+    def _agree_on_loss(self, loss: torch.Tensor, labelled: bool, tokens: int) -> "_Agreed":
         """Before any backward, ONE all-reduce of three fp32 numbers: the summed loss of the ranks
-        with labelled tokens, how many such ranks, and how many of them have a non-finite loss.
-        Returns (the mean loss over the labelled ranks, some loss is non-finite, no rank has labels)."""
+        with labelled tokens, how many such ranks, and how many of them have a non-finite loss;
+        with loss_normalization "tokens", two more: the token-weighted loss and the label tokens."""
         value = float(loss.detach()) if labelled else 0.0  # an unlabelled batch's loss is 0/0
         finite = math.isfinite(value)
-        total, n_labelled, n_nonfinite = sum_over_ranks(
-            [value if finite else 0.0, float(labelled), float(not finite)], self.world, self.group, name="loss")
+        values = [value if finite else 0.0, float(labelled), float(not finite)]
+        by_tokens = self.config.loss_normalization == "tokens"
+        if by_tokens:
+            tokens = tokens if labelled and finite else 0
+            values += [value * tokens, float(tokens)]
+        total, n_labelled, n_nonfinite, *weighted = sum_over_ranks(values, self.world, self.group, name="loss")
         if n_nonfinite or not n_labelled:
-            return math.nan, n_nonfinite > 0, n_labelled == 0
-        return total / n_labelled, False, False
+            return _Agreed(math.nan, 0.0, 0.0, n_nonfinite > 0, n_labelled == 0)
+        token_loss, all_tokens = weighted if by_tokens else (0.0, 0.0)
+        return _Agreed(total / n_labelled, token_loss, all_tokens, False, False)
 
-    def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """One optimizer step on this rank's micro-batch."""
-        self.module.train()
-        batch = move_batch(batch, self.device)
-        lr = self.schedule.lr_at(self.global_step)
-        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        grad_scale = 1.0 / (self.world * loss_scale)  # averaged over ranks, unscaled
-        result = {"lr": lr, "loss_scale": loss_scale, "grad_norm": None, "skipped": False}
-        recompute = self.two_passes and self.config.two_pass_mode == "recompute"
-        rng = capture_rng(self.device) if recompute else None
-
-        labelled = has_labelled_tokens(batch)
-        loss = loss_of(self.forward(batch))
-        result["loss"], nonfinite, unlabelled = self._agree_on_loss(loss, labelled)
-        if nonfinite or unlabelled:
-            # A non-finite loss on some rank (or nothing to learn anywhere): known before the
-            # backward, so no rank starts one.
-            del loss
-            return self._skip(result, overflow=nonfinite)
+    def _backward_loss(self, loss: torch.Tensor, labelled: bool, tokens: int, loss_scale: float) -> torch.Tensor:
+        """What this rank back-propagates: its token-mean loss ("mean"), or its token sum ("tokens");
+        unscaled and averaged afterwards, by the update's grad_scale."""
         if not labelled:
             # Nothing to learn on this rank, but its backward still runs (ZeRO-3's gathers and
             # the reduce-scatter are collectives) and contributes a zero gradient. transformers'
             # 0/0 loss already back-propagates zeros; a model's own loss may not.
-            loss = loss * 0.0
+            return loss * 0.0
+        weight = tokens if self.config.loss_normalization == "tokens" else 1
+        return loss * (weight * loss_scale)
+
+    def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """One micro-batch of this rank: a forward and a backward. With accumulation_steps K > 1,
+        every K-th call (see is_gradient_accumulation_boundary) also applies the update from the
+        window's accumulated gradient; the result's "stepped" says whether this call did."""
+        if self.micro_step == 0 and self.window_length == 1:
+            return self._single_step(batch)
+        return self._micro_step(batch)
+
+    def _single_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """One optimizer step on this rank's micro-batch alone (a window of one)."""
+        self.module.train()
+        self.window_length = self.accumulation_steps  # a shortened window of one is over
+        batch = move_batch(batch, self.device)
+        lr = self.schedule.lr_at(self.global_step)
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        result = {"lr": lr, "loss_scale": loss_scale, "grad_norm": None, "skipped": False, "stepped": True,
+                  "micro_batches": 1}
+        recompute = self.two_passes and self.config.two_pass_mode == "recompute"
+        rng = capture_rng(self.device) if recompute else None
+
+        labelled = has_labelled_tokens(batch)
+        tokens = label_tokens(batch) if self.config.loss_normalization == "tokens" else 1
+        raw_loss = loss_of(self.forward(batch))
+        agreed = self._agree_on_loss(raw_loss, labelled, tokens)
+        result["loss"] = agreed.report(self.config.loss_normalization)
+        if agreed.nonfinite or agreed.unlabelled:
+            # A non-finite loss on some rank (or nothing to learn anywhere): known before the
+            # backward, so no rank starts one.
+            del raw_loss
+            return self._skip(result, overflow=agreed.nonfinite)
+        result["normalizer"] = self._normalizer(1, agreed.tokens)
+        grad_scale = 1.0 / (result["normalizer"] * loss_scale)  # averaged, unscaled
+        loss = self._backward_loss(raw_loss, labelled, tokens, 1.0)
+        del raw_loss
         if self.two_passes:
             retain = not recompute
             counters = ds_compat.snapshot_backward_counters(self.module) if retain else None
@@ -229,9 +313,7 @@ class LomoEngine:
             else:
                 # The same random draws (dropout) as the measured forward: the same graph.
                 restore_rng(rng, self.device)
-                loss = loss_of(self.forward(batch))
-                if not labelled:
-                    loss = loss * 0.0
+                loss = self._backward_loss(loss_of(self.forward(batch)), labelled, tokens, 1.0)
             grad_scale *= coef
         rule = UpdateRule(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
                           weight_decay=self.config.weight_decay)
@@ -243,6 +325,102 @@ class LomoEngine:
         if nonfinite_ranks:
             # Non-finite in the updating pass: the buckets before it were applied, none after.
             return self._skip(result, overflow=True)
+        return self._stepped(result)
+
+    def _normalizer(self, micro_batches: int, tokens: float) -> float:
+        """What the summed gradient of a step is divided by: its micro-batches x ranks ("mean"),
+        or its label tokens over every rank and micro-batch ("tokens")."""
+        return tokens if self.config.loss_normalization == "tokens" else micro_batches * self.world
+
+    def _micro_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """One micro-batch of a window of several: its reduced slices go into the accumulator; the
+        window's last also applies the step (fused into its backward, or one pass after it)."""
+        self.module.train()
+        batch = move_batch(batch, self.device)
+        window = self.window
+        last = self.is_gradient_accumulation_boundary()
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0  # fixed over a window
+        lr = self.schedule.lr_at(self.global_step)
+        result = {"lr": lr, "loss_scale": loss_scale, "grad_norm": None, "skipped": False, "stepped": last,
+                  "micro_batches": self.micro_step + 1}
+
+        labelled = has_labelled_tokens(batch)
+        tokens = label_tokens(batch) if self.config.loss_normalization == "tokens" else 1
+        raw_loss = loss_of(self.forward(batch))
+        agreed = self._agree_on_loss(raw_loss, labelled, tokens)
+        window.note(agreed)
+        fused = last and self.fused_accumulation
+        if window.nonfinite or agreed.unlabelled:
+            # Known on every rank before the backward (a non-finite loss here, or something
+            # non-finite earlier in the window, or no labels anywhere): no rank starts one.
+            del raw_loss
+            ds_compat.release_all(self.offload)
+        else:
+            # Fused: the update rides on this backward, with the window's normalisation.
+            rule = (UpdateRule(lr=lr, grad_scale=1.0 / (self._normalizer(self.window_length, window.tokens)
+                                                         * loss_scale),
+                               clip_value=self.config.clip_grad_value, weight_decay=self.config.weight_decay)
+                    if fused else UpdateRule())
+            self.bucket_mode = "fold" if fused else "add"
+            try:
+                loss = self._backward_loss(raw_loss, labelled, tokens, loss_scale)
+                del raw_loss
+                stats = self._backward(loss, rule, measure=False, retain_graph=False)
+            finally:
+                self.bucket_mode = "update"
+            # The pass's one read, agreed over the ranks (a slice that overflowed only in the last
+            # bucket's reduction is known to its own rank alone until now).
+            (nonfinite_ranks,) = sum_over_ranks((~stats.finite).to(torch.float32).reshape(1), self.world,
+                                                self.group, name="non-finite flag")
+            window.nonfinite |= nonfinite_ranks > 0
+            window.backwards += 1
+        result["loss"] = window.report(self.config.loss_normalization)
+        self.micro_step += 1
+        if not last:
+            return result
+        return self._end_window(result, fused)
+
+    def _end_window(self, result: dict[str, Any], fused: bool) -> dict[str, Any]:
+        """The window's last micro-batch is in: apply the step from the accumulated gradient (or,
+        fused, it is applied already), or skip it on every rank; then start the next window."""
+        window, length = self.window, self.window_length
+        self.micro_step, self.window_length, self.window = 0, self.accumulation_steps, _Window()
+        if window.nonfinite or not window.backwards:
+            # A non-finite loss or gradient in any micro-batch (or no labels in the whole window):
+            # the whole step is skipped on every rank, once.
+            self.accumulator.zero()
+            return self._skip(result, overflow=window.nonfinite)
+        result["normalizer"] = self._normalizer(length, window.tokens)
+        if not fused:
+            grad_scale = 1.0 / (result["normalizer"] * result["loss_scale"])
+            # Exact global norm of the accumulated gradient: per-rank sums of squares, one all-reduce.
+            (total,) = sum_over_ranks([self.accumulator.sum_of_squares(self.params) * grad_scale**2], self.world,
+                                      self.group, dtype=torch.float64, name="squared norm")
+            norm = math.sqrt(total) if math.isfinite(total) else math.inf
+            result["grad_norm"] = norm
+            if not math.isfinite(norm):
+                self.accumulator.zero()  # overflow in some micro-batch on some rank: no parameter touched
+                return self._skip(result, overflow=True)
+            if self.config.clip_grad_norm is not None:
+                grad_scale *= min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
+            self._apply_accumulated(UpdateRule(lr=result["lr"], grad_scale=grad_scale,
+                                               clip_value=self.config.clip_grad_value,
+                                               weight_decay=self.config.weight_decay))
+        self.accumulator.zero()
+        return self._stepped(result)
+
+    def _apply_accumulated(self, rule: UpdateRule) -> None:
+        """The update as one pass over this rank's accumulated shards, bucket by bucket in the
+        layout every rank shares (so per-bucket collectives, AdaLomo's, come in one order)."""
+        stats = self.updater.begin_pass(rule, measure=False, step=self.global_step)
+        groups = getattr(self.buckets, "layout", None) or [[p] for p in self.params]
+        for group in groups:
+            with self.timers.span("update"):
+                self.updater.apply_bucket([(p, self.accumulator.total(p, ds_compat.shard(p).device))
+                                           for p in group], stats)
+
+    def _stepped(self, result: dict[str, Any]) -> dict[str, Any]:
+        """End a step that was applied."""
         self._end_step()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
@@ -288,7 +466,11 @@ class LomoEngine:
         return gather_full_state_dict(self.module, self.rank)
 
     def shard_state_dict(self) -> dict[str, Any]:
-        """This rank's part of a resumable checkpoint: its shards, masters and the step state."""
+        """This rank's part of a resumable checkpoint: its shards, masters and the step state.
+        Only at a step boundary: the accumulator is then empty, so it is not part of the state."""
+        if self.micro_step:
+            raise RuntimeError(f"shard_state_dict: {self.micro_step} micro-batch(es) of a window of "
+                               f"{self.window_length} are accumulated; checkpoint at a step boundary")
         names = {id(p): n for n, p in self.module.named_parameters()}
         return {
             "world": self.world,
@@ -338,3 +520,44 @@ class LomoEngine:
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         ds_compat.release_all(self.offload)
+
+
+class _Agreed(NamedTuple):
+    """One micro-batch's loss as every rank agreed on it before the backward."""
+
+    loss: float  # mean over the ranks with labels
+    token_loss: float  # summed over every label token of every rank
+    tokens: float  # label tokens of every rank
+    nonfinite: bool
+    unlabelled: bool  # no rank has a label
+
+    def report(self, normalization: str) -> float:
+        if normalization == "tokens" and not (self.nonfinite or self.unlabelled):
+            return self.token_loss / self.tokens
+        return self.loss
+
+
+@dataclass
+class _Window:
+    """What a window of micro-batches has seen so far, the same on every rank."""
+
+    losses: list[float] = field(default_factory=list)  # the micro-batches' agreed losses (with labels)
+    token_loss: float = 0.0
+    tokens: float = 0.0
+    nonfinite: bool = False
+    backwards: int = 0  # micro-batches whose gradient is in the accumulator
+
+    def note(self, agreed: _Agreed) -> None:
+        self.nonfinite |= agreed.nonfinite
+        if not (agreed.nonfinite or agreed.unlabelled):
+            self.losses.append(agreed.loss)
+            self.token_loss += agreed.token_loss
+            self.tokens += agreed.tokens
+
+    def report(self, normalization: str) -> float:
+        """The window's loss so far: the mean of its micro-batches' (or its token mean)."""
+        if self.nonfinite or not self.losses:
+            return math.nan
+        if normalization == "tokens":
+            return self.token_loss / self.tokens
+        return sum(self.losses) / len(self.losses)

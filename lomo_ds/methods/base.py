@@ -49,10 +49,18 @@ class Engine(Protocol):
     device: torch.device
     rank: int
     world: int
-    global_step: int
+    global_step: int  # optimizer steps
     supports_resume: bool
+    accumulation_steps: int  # micro-batches per optimizer step (gradient_accumulation_steps)
 
-    def train_step(self, batch: dict[str, Any]) -> dict[str, Any]: ...
+    def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """One micro-batch; the result's "stepped" says whether it ended an optimizer step."""
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next train_step ends an optimizer step (DeepSpeed's name)."""
+
+    def start_window(self, micro_batches: int) -> None:
+        """The window now starting has `micro_batches` (<= accumulation_steps) micro-batches."""
 
     def eval_forward(self, batch: dict[str, Any]) -> Any: ...
 
@@ -79,6 +87,7 @@ class MethodEngine:
 
     method = "base"
     supports_resume = True
+    accumulation_steps = 1
     module: torch.nn.Module
     params: list  # what the memory tracker samples
     rank: int
@@ -90,6 +99,14 @@ class MethodEngine:
         self.device = accelerator_device()
         self.tracker: MemoryTracker | None = None
         self.activations: ActivationCounter | None = None
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return True
+
+    def start_window(self, micro_batches: int) -> None:
+        if micro_batches != 1:
+            raise ValueError(f"start_window: train.method={self.method!r} takes one micro-batch per step, "
+                             f"got {micro_batches}")
 
     @torch.no_grad()
     def eval_forward(self, batch: dict[str, Any]):

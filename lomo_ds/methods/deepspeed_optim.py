@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lomo_ds.engine.accumulation import check_window
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.methods.base import MethodEngine
 from lomo_ds.planning.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
@@ -67,28 +68,57 @@ class DeepSpeedOptimizerEngine(MethodEngine):
         self.group = ds_compat.process_group(self.params[0])
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
-        self.global_step = 0
+        self.global_step = 0  # optimizer steps
+        self.accumulation_steps = int(self.ds_config.get("gradient_accumulation_steps", 1))
+        self.micro_step, self.window_length, self._window_losses = 0, self.accumulation_steps, []
         self._hooks = []
         self._peak_fp32_grad = 0
 
+    # ----------------------------------------------------------------- accumulation: DeepSpeed's own
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_step + 1 >= self.window_length
+
+    def start_window(self, micro_batches: int) -> None:
+        """A window of `micro_batches` < gradient_accumulation_steps (the end of an epoch): each of
+        its losses weighs 1/micro_batches instead of DeepSpeed's 1/gradient_accumulation_steps."""
+        check_window(micro_batches, self.accumulation_steps, self.micro_step)
+        self.window_length = micro_batches
+
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """One micro-batch: DeepSpeed accumulates its reduced gradient partitions and steps its
+        optimizer at the window's last (the boundary is set here on every call, so a shortened
+        window moves DeepSpeed's boundary with it)."""
         self.module.train()
+        last = self.is_gradient_accumulation_boundary()
         lr = self.torch_optimizer.param_groups[0]["lr"]
+        self.ds_engine.set_gradient_accumulation_boundary(last)
         loss = loss_of(self.ds_engine(**move_batch(batch, self.device)))
-        self.ds_engine.backward(loss)
+        # DeepSpeed divides each loss by gradient_accumulation_steps: a shortened window's step is
+        # the mean over its own micro-batches.
+        weight = self.accumulation_steps / self.window_length
+        self.ds_engine.backward(loss * weight if weight != 1 else loss)
         if self.tracker is not None:
             self._note_step_grads()
         self.ds_engine.step()
+        self._window_losses.append(mean_over_ranks(loss.detach().float().item(), self.world, self.group))
+        self.micro_step += 1
+        out = {"loss": sum(self._window_losses) / len(self._window_losses), "lr": lr, "grad_norm": None,
+               "skipped": False, "stepped": last, "micro_batches": self.micro_step,
+               "loss_scale": float(getattr(self.ds_engine.optimizer, "loss_scale", 1.0) or 1.0)}
+        if not last:
+            return out
+        self.micro_step, self.window_length, self._window_losses = 0, self.accumulation_steps, []
         self.global_step += 1
         norm = self.ds_engine.get_global_grad_norm()
-        scale = float(getattr(self.ds_engine.optimizer, "loss_scale", 1.0) or 1.0)
-        return {"loss": mean_over_ranks(loss.detach().float().item(), self.world, self.group), "lr": lr,
-                "grad_norm": float(norm) if norm is not None else None,
-                "skipped": not self.ds_engine.was_step_applied(), "loss_scale": scale}
+        out.update(grad_norm=float(norm) if norm is not None else None, skipped=not self.ds_engine.was_step_applied())
+        return out
 
     # ----------------------------------------------------------------- resume: DeepSpeed's own checkpoint
     def save_state(self, directory: str) -> None:
         # Collective. Masters, optimizer moments, LR scheduler and loss scaler: DeepSpeed's files.
+        if self.micro_step:
+            raise RuntimeError(f"save_state: {self.micro_step} micro-batch(es) of a window are accumulated; "
+                               "checkpoint at a step boundary")
         self.ds_engine.save_checkpoint(directory, tag=DS_CHECKPOINT_TAG, save_latest=False,
                                        client_state={"global_step": self.global_step})
 

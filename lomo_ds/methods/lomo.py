@@ -22,10 +22,17 @@ class LomoMethodEngine(MethodEngine):
         self.params = self.engine.params
         self.group = self.engine.group
         self.world, self.rank = self.engine.world, self.engine.rank
+        self.accumulation_steps = self.engine.accumulation_steps
 
     @property
     def global_step(self) -> int:
         return self.engine.global_step
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def start_window(self, micro_batches: int) -> None:
+        self.engine.start_window(micro_batches)
 
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
         return self.engine.train_step(batch)  # the engine moves the batch to its device
@@ -57,9 +64,13 @@ class LomoMethodEngine(MethodEngine):
         return self.engine.enable_memory_tracking()
 
     def _grad_bytes(self) -> int:
+        # The shard accumulator (accumulation_steps > 1) is held all the time, on the device; in
+        # host memory with lomo.accumulate_on "cpu" on an accelerator, where it is not GPU memory.
+        acc = self.engine.accumulator
+        held = acc.nbytes() if acc is not None and next(iter(acc.buffers.values())).device == self.device else 0
         if self.tracker is None or not self.tracker.samples:
-            return 0
-        return self.tracker.peak.grad_bytes + self.tracker.peak.bucket_bytes
+            return held
+        return held + self.tracker.peak.grad_bytes + self.tracker.peak.bucket_bytes
 
     def _optimizer_bytes(self) -> int:
         return sum(tensor_bytes(m) for m in self.engine.updater.masters.values())

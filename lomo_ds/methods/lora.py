@@ -73,16 +73,22 @@ class LoraLomoEngine(LomoMethodEngine):
         self._adapter_grad_bytes = 0
 
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """One micro-batch. The adapters' gradients accumulate in their `.grad` over the window
+        (outside LOMO's hooks); at its end they are unscaled, summed over ranks and divided as the
+        LOMO step divides its own (result["normalizer"]: micro-batches x ranks, or tokens)."""
         out = self.engine.train_step(batch)
-        passes = 2 if self.engine.two_passes else 1
+        if not out["stepped"]:
+            return out
+        # A window of one micro-batch is a K = 1 step: two backwards with clipping or loss scaling.
+        passes = 2 if self.engine.two_passes and out["micro_batches"] == 1 else 1
         flat = one_pass_adapter_grads(self.adapters, self.device, passes, out["loss_scale"])
-        held = tensor_bytes(flat) + sum(tensor_bytes(p.grad) for p in self.adapters)
+        held = tensor_bytes(flat) + sum(tensor_bytes(p.grad) for p in self.adapters if p.grad is not None)
         self._adapter_grad_bytes = max(self._adapter_grad_bytes, held)
         if self.world > 1:
             ds_compat.all_reduce(flat, group=self.group)
-            flat.div_(self.world)
         out["lora_lr"] = self.lora_optimizer.param_groups[0]["lr"]
         if not out["skipped"]:
+            flat.div_(out["normalizer"])
             offset = 0
             for m in self.masters:
                 m.grad = flat[offset:offset + m.numel()].view_as(m)

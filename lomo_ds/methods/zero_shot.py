@@ -24,8 +24,9 @@ class ZeroShotEngine(MethodEngine):
         init_distributed()
         for p in model.parameters():
             p.requires_grad_(False)
-        self.ds_engine, *_ = deepspeed.initialize(model=model, config=baseline_ds_config(ds_config, clip=None),
-                                                  model_parameters=None, optimizer=None)
+        # No step to accumulate for: gradient_accumulation_steps is ignored.
+        ds = {**baseline_ds_config(ds_config, clip=None), "gradient_accumulation_steps": 1}
+        self.ds_engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=None, optimizer=None)
         self.module = self.ds_engine.module
         self.params = self.all_params()
         self.group = ds_compat.process_group(self.params[0])
@@ -41,4 +42,4 @@ class ZeroShotEngine(MethodEngine):
         ds_compat.release_all(ds_compat.offload_of(self.ds_engine))
         self.global_step += 1
         return {"loss": mean_over_ranks(loss.float().item(), self.world, self.group), "lr": 0.0,
-                "grad_norm": None, "skipped": True, "loss_scale": 1.0}
+                "grad_norm": None, "skipped": True, "loss_scale": 1.0, "stepped": True, "micro_batches": 1}

@@ -46,6 +46,10 @@ Model states
                                               elements of shard = bucket x N full elements), the
                                               rank-major payload of the one in flight, and its
                                               receive buffer (1/N of it)
+  LOMO accum   a P / N  (K > 1)               gradient accumulation: this rank's accumulator of its
+                                              reduced shards, a = 4 (lomo.accumulate_dtype fp32) or 2;
+                                              on the GPU, or in host RAM (N a P / N per node) with
+                                              lomo.accumulate_on "cpu" or offload_param "cpu"
   LOMO optim   0                              (4 P / N with fp32 master shards)
   DeepSpeed ZeRO-3 optimizer (SGD / AdamW, mixed precision):
   grads        b P / N                        the gradient shard buffer for the whole model
@@ -205,6 +209,9 @@ class RunSpec:
     # The fetch granularity (zero_optimization.leaf_module and stage3_module_granularity_threshold).
     leaf_classes: tuple[str, ...] = PER_LAYER  # class names, or modules' dotted names / name suffixes
     granularity_threshold: int = 0
+    accumulation: int = 1  # gradient_accumulation_steps (LOMO keeps a shard accumulator when > 1)
+    accumulate_dtype: str = "fp32"  # lomo.accumulate_dtype
+    accumulate_on_host: bool = False  # lomo.accumulate_on == "cpu"
 
     @property
     def b(self) -> int:
@@ -218,7 +225,10 @@ class RunSpec:
             f"stochastic rounding {'on' if self.stochastic_rounding else 'off'}",
             f"fp32 masters {'on' if self.lomo_fp32_master else 'off'}",
             f"persistence threshold {self.persistence:,}", f"max live parameters {self.max_live:,}",
-            f"fetch {self.fetch_label}"])
+            f"fetch {self.fetch_label}",
+            f"gradient accumulation {self.accumulation}" + (
+                f" ({self.accumulate_dtype} accumulator on the {'host' if self.accumulate_on_host else 'GPU'})"
+                if self.accumulation > 1 else "")])
 
     @property
     def fetch_label(self) -> str:
@@ -241,6 +251,8 @@ class Estimate:
     update: float  # the update's transient fp32 memory on the GPU (LOMO)
     total: float
     host: float = 0.0  # host RAM for the whole node (all `gpus` ranks) with offloaded parameters
+    accumulator: float = 0.0  # LOMO's shard accumulator (K > 1) of one rank: in `grads`, or (x gpus) in `host`
+    accumulator_on_host: bool = False
 
     @property
     def accounted(self) -> float:
@@ -433,14 +445,20 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         masters = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
         slice_n = math.ceil(max_p / n)
         update = update_temp_bytes(slice_n, run)
+        accumulator = DTYPE_BYTES[run.accumulate_dtype] * shard_numel if run.accumulation > 1 else 0
+        on_host = run.offload or run.accumulate_on_host  # with offloaded shards it lives beside them
         host = 0.0
         if run.offload:
             # the masters live with the shards: in host RAM, like the update
             host = float(n * (b * shard_numel + masters + b * slice_n + update))
             masters = update = 0
+        if on_host:
+            host += n * accumulator  # every rank's accumulator on the node
+        else:
+            grads += accumulator
         total = params + grads + masters + acts + recompute + update
         return Estimate(method, n, float(params), float(grads), float(masters), float(acts), float(recompute),
-                        float(update), float(total), host)
+                        float(update), float(total), host, float(accumulator), on_host and accumulator > 0)
     grad_buf = b * shard_numel + b * run.reduce_bucket
     fp32_grad = 4 * min(shard_numel, run.sub_group)
     optim = 4 * shard_numel
@@ -547,19 +565,30 @@ def format_granularity(p: Plan, gpus: int | None = None) -> str:
 
 def format_plan(p: Plan, gpus: int | None = None) -> str:
     m, run = p.model, p.run
-    columns = ["method", "GPUs", "params", "grads", "optimizer states", "activations (+recompute)", "update tmp",
-               "total GiB/GPU", *(["host RAM GiB (node)"] if run.offload else []), "fits"]
+    accumulating = run.accumulation > 1
+    host = run.offload or (accumulating and run.accumulate_on_host)
+    grads = ["grads (incl. accumulator)", "accumulator"] if accumulating else ["grads"]
+    columns = ["method", "GPUs", "params", *grads,
+               "optimizer states",
+               "activations (+recompute)", "update tmp", "total GiB/GPU", *(["host RAM GiB (node)"] if host else []),
+               "fits"]
     lines = [f"# {m.name}: {m.n_params / 1e9:.2f}B parameters (h={m.hidden}, L={m.layers}, f={m.intermediate}, "
              f"V={m.vocab}); {p.gpu_mem_gib:g} GiB per GPU",
              f"assumptions ({p.source}): {run.assumptions()}",
              "",
              "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for (method, n), e in p.estimates.items():
-        host_cell = f" {e.host / GIB:.1f} |" if run.offload else ""
-        lines.append(f"| {method} | {n} | {e.params / GIB:.2f} | {e.grads / GIB:.2f} | "
-                     f"{e.optimizer_states / GIB:.2f} | {e.activations / GIB:.2f} (+{e.recompute / GIB:.2f}) | "
-                     f"{e.update / GIB:.2f} | {e.total / GIB:.2f} |{host_cell} "
-                     f"{'yes' if p.fits(method, n) else 'OOM'} |")
+        cells = [method, str(n), f"{e.params / GIB:.2f}", f"{e.grads / GIB:.2f}"]
+        if accumulating:
+            # Per GPU, inside grads; or per rank in host RAM (the node's host column counts every rank's).
+            cells.append("-" if not e.accumulator else
+                         f"{e.accumulator / GIB:.2f}" + (" (host)" if e.accumulator_on_host else ""))
+        cells += [f"{e.optimizer_states / GIB:.2f}", f"{e.activations / GIB:.2f} (+{e.recompute / GIB:.2f})",
+                  f"{e.update / GIB:.2f}", f"{e.total / GIB:.2f}"]
+        if host:
+            cells.append(f"{e.host / GIB:.1f}")
+        cells.append("yes" if p.fits(method, n) else "OOM")
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     counts = sorted({n for _, n in p.estimates})
     for method, g in p.min_gpus.items():
@@ -595,6 +624,29 @@ def format_summary(plans: dict[str, Plan]) -> str:
         else:
             cells += [str(p.min_gpus[m] or "none") for m in ("sgd", "adamw")]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+ACCUMULATOR_PLACES = (("fp32", False), ("bf16", False), ("fp32", True))  # (lomo.accumulate_dtype, on the host)
+
+
+def format_accumulation_summary(gpu_mem_gib: float = 24.0, accumulation: int = 4, **overrides) -> str:
+    """LOMO with gradient accumulation for every LLaMA size and its shipped config: the smallest GPU
+    count with an fp32 or bf16 accumulator on the GPU, or an fp32 one in host RAM."""
+    lines = [f"# LOMO with gradient_accumulation_steps {accumulation}: the accumulator (1/N of the model per rank) "
+             f"on each {gpu_mem_gib:g} GiB GPU or in host RAM (lomo.accumulate_on cpu)", "",
+             "| model | micro-batch | accumulator | LOMO GPUs | GiB/GPU | accumulator GiB/rank | host RAM GiB (node) |",
+             "|---|---|---|---|---|---|---|"]
+    for size, spec in LLAMA.items():
+        for dtype, on_host in ACCUMULATOR_PLACES:
+            run = replace(shipped_run(size), accumulation=accumulation, accumulate_dtype=dtype,
+                          accumulate_on_host=on_host, **overrides)
+            p = plan(spec, gpu_mem_gib, run, methods=("lomo",))
+            g = p.min_gpus["lomo"]
+            e = p.estimates[("lomo", g)] if g else None
+            lines.append(f"| {size} | {run.batch} | {dtype} on the {'host' if on_host else 'GPU'} | {g or 'none'} | "
+                         + (f"{e.total / GIB:.2f} | {e.accumulator / GIB:.2f} | {e.host / GIB:.1f} |" if e else
+                            "- | - | - |"))
     return "\n".join(lines)
 
 
@@ -641,7 +693,9 @@ def run_spec_for(cfg) -> RunSpec:
     """The RunSpec of a validated run config (lomo_ds.config.run.RunConfig)."""
     return replace(RunSpec(), **run_overrides_from_ds(cfg.ds), seq=cfg.tokenizer.max_length,
                    checkpointing=cfg.model.gradient_checkpointing, lomo_bucket=cfg.lomo.bucket_size,
-                   lomo_fp32_master=cfg.lomo.fp32_master_weights, stochastic_rounding=cfg.lomo.stochastic_rounding)
+                   lomo_fp32_master=cfg.lomo.fp32_master_weights, stochastic_rounding=cfg.lomo.stochastic_rounding,
+                   accumulation=cfg.lomo.accumulation_steps, accumulate_dtype=cfg.lomo.accumulate_dtype,
+                   accumulate_on_host=cfg.lomo.accumulate_on == "cpu")
 
 
 def model_spec_for(cfg, model_size: str | None = None) -> ModelSpec:

@@ -29,6 +29,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--output-dir", help="output.dir")
     ap.add_argument("--epochs", type=int, help="train.epochs")
     ap.add_argument("--max-steps", type=int, help="train.max_steps")
+    ap.add_argument("--accumulation-steps", type=int,
+                    help="gradient_accumulation_steps: micro-batches per optimizer step (= lomo.accumulation_steps)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override any field, e.g. --set lomo.clip_grad_norm=1.0 (value parsed as JSON)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
@@ -45,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def overrides_from(args) -> dict:
     flags = {"lomo.lr": args.lr, "data.task": args.task, "model.path": args.model, "train.method": args.method,
-             "output.dir": args.output_dir, "train.epochs": args.epochs, "train.max_steps": args.max_steps}
+             "output.dir": args.output_dir, "train.epochs": args.epochs, "train.max_steps": args.max_steps,
+             "gradient_accumulation_steps": args.accumulation_steps}
     out = {k: v for k, v in flags.items() if v is not None}
     out.update(parse_override_args(args.set))
     return out
@@ -104,10 +107,11 @@ def show_what_matters(rank: int) -> None:
 
 
 def planned_steps(cfg, n_train: int, world: int) -> tuple[int, int]:
-    """(steps per epoch, steps in the whole run)."""
+    """(optimizer steps per epoch, optimizer steps in the whole run); a step takes
+    gradient_accumulation_steps micro-batches per rank (fewer at the end of an epoch)."""
     from lomo_ds.data.loading import steps_per_epoch
 
-    per_epoch = steps_per_epoch(max(1, n_train), world, cfg.micro_batch)
+    per_epoch = steps_per_epoch(max(1, n_train), world, cfg.micro_batch, cfg.accumulation_steps)
     total = cfg.train.epochs * per_epoch
     if cfg.train.max_steps is not None:
         total = min(total, cfg.train.max_steps)
@@ -208,7 +212,9 @@ class TrainRecipe:
 
             self.stop_ids = chat_format(self.tokenizer).stop_ids  # the template the data was rendered with
         self.steps_per_epoch, self.total_steps = planned_steps(self.cfg, len(self.data.train), self.world)
-        self.say(f"data: {json.dumps(self.data.stats)}; {self.steps_per_epoch} steps/epoch, "
+        k = self.cfg.accumulation_steps
+        accumulation = f" of {k} micro-batches each" if k > 1 else ""
+        self.say(f"data: {json.dumps(self.data.stats)}; {self.steps_per_epoch} steps/epoch{accumulation}, "
                  f"{self.total_steps} steps in all")
 
     def setup_engine(self) -> None:
@@ -258,8 +264,10 @@ class TrainRecipe:
         progress.close()
 
     def train_step(self, step: int) -> dict:
-        """Step `step` (0-based) on this rank's micro-batch of the global batch; its record, logged."""
-        from lomo_ds.data.loading import batches_for_step, position_of_step
+        """Optimizer step `step` (0-based): this rank's micro-batch of each global micro-batch of the
+        step's window (gradient_accumulation_steps of them; an epoch's last window may be shorter,
+        and its step is the mean over its own); its record, logged."""
+        from lomo_ds.data.loading import batches_for_step, position_of_step, window_of_step
         from lomo_ds.data.packing import make_batch, padding_fraction, train_order
         from lomo_ds.planning.memory import cuda_peak_bytes, process_peak_rss_bytes
 
@@ -268,19 +276,27 @@ class TrainRecipe:
         # Grouped by length for chat/instruction data that is not packed; a pure function of
         # (seed, epoch) either way, so a resumed run replays it.
         order = train_order(self.data, cfg.train.seed, epoch, self.world * cfg.micro_batch)
-        micro = [[self.data.train[i] for i in batches_for_step(order, step_in_epoch, self.world, cfg.micro_batch, r)]
-                 for r in range(self.world)]  # every rank's, for the padding figure; this rank trains on its own
-        batch = make_batch(micro[self.rank], self.pad_id, self.data.packed)
-        t0 = time.perf_counter()
-        out = self.engine.train_step(batch)
+        window = window_of_step(step_in_epoch, len(self.data.train), self.world, cfg.micro_batch,
+                                self.engine.accumulation_steps)
+        if len(window) < self.engine.accumulation_steps:
+            self.engine.start_window(len(window))
+        t0, tokens, padding = time.perf_counter(), 0, []
+        for micro_index in window:
+            micro = [[self.data.train[i] for i in batches_for_step(order, micro_index, self.world, cfg.micro_batch, r)]
+                     for r in range(self.world)]  # every rank's, for the padding figure; this rank trains on its own
+            out = self.engine.train_step(make_batch(micro[self.rank], self.pad_id, self.data.packed))
+            tokens += sum(len(e["input_ids"]) for e in micro[self.rank])
+            padding.append(padding_fraction(micro))
+        if not out["stepped"]:
+            raise RuntimeError(f"step {step + 1}: its window of {len(window)} micro-batches ended without an "
+                               "optimizer step")
         elapsed = time.perf_counter() - t0
-        tokens = sum(len(e["input_ids"]) for e in micro[self.rank])
         peak_mem = cuda_peak_bytes()
         peak_mem = process_peak_rss_bytes() if peak_mem is None else peak_mem
         record = {"step": step + 1, "epoch": epoch, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                  "skipped": out["skipped"], "loss_scale": out["loss_scale"], "tokens": tokens,
-                  "tgs": tokens / elapsed, "step_seconds": elapsed, "peak_mem_gb": peak_mem / 2**30,
-                  "padding_fraction": padding_fraction(micro)}
+                  "skipped": out["skipped"], "loss_scale": out["loss_scale"], "micro_batches": len(window),
+                  "tokens": tokens, "tgs": tokens / elapsed, "step_seconds": elapsed, "peak_mem_gb": peak_mem / 2**30,
+                  "padding_fraction": sum(padding) / len(padding)}
         self.metrics.log(record)
         return record
 

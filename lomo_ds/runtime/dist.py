@@ -67,6 +67,16 @@ def has_labelled_tokens(batch: dict[str, Any]) -> bool:
     return labels is None or bool((labels[..., 1:] != -100).any())
 
 
+def label_tokens(batch: dict[str, Any]) -> int:
+    """The target tokens of a batch (labels shifted as in has_labelled_tokens); with no labels,
+    every position the model's own loss predicts (all but the first of each row)."""
+    labels = batch.get("labels")
+    if labels is None:
+        ids = batch["input_ids"]
+        return ids[..., 1:].numel()
+    return int((labels[..., 1:] != -100).sum())
+
+
 def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
     """Collective: full parameters by name on rank 0 (None elsewhere), gathered one at a time.
     A tied tensor appears under each of its names."""

@@ -24,6 +24,7 @@ import lomo_ds
 from experiments.common import FloorEngine
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.runtime import ds_compat
+from tests import dist_accumulation_checks as A
 from tests.dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence
 from tests.gpu.compare import memory_run_config, predicted_peak_bytes, step_time_table
 from tests.ranks import run_checks
@@ -160,6 +161,13 @@ def main() -> None:
         "offload": lambda: check_offload(pin=on_gpu),
         "memory": lambda: check_memory(device, workdir),
         "step_time": lambda: check_step_time(device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
+        # Gradient accumulation on the GPU: the accumulator beside the shards, and in pinned host
+        # memory (lomo.accumulate_on cpu: slices copied over without blocking, the sum copied back),
+        # fused into the K-th backward and as one pass after it (norm clipping).
+        "accumulation": lambda: A.equivalence(lambda: tiny_llama(0), A.acc_cfg()),
+        "accumulation_host": lambda: A.equivalence(lambda: tiny_llama(0), A.acc_cfg(accumulate_on="cpu")),
+        "accumulation_host_clip_norm": lambda: A.equivalence(
+            lambda: tiny_llama(1), A.acc_cfg(accumulate_on="cpu", clip_grad_norm=0.5), clip_norm=0.5),
     }
     if not on_gpu:  # DeepSpeed refuses fp16 on a CPU, and only CUDA reports allocator peaks
         checks.pop("overflow"), checks.pop("memory")

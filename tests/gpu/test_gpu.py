@@ -52,6 +52,18 @@ def gpu_results(results_dir):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("check", ["accumulation", "accumulation_host", "accumulation_host_clip_norm"])
+def test_accumulation_on_cuda_matches_sgd_on_the_window(gpu_results, world, check):
+    """K = 3 on CUDA against SGD on the concatenated window; the host accumulator (pinned, copies
+    overlapped with the backward) gives the same result as the device one."""
+    r = ok(gpu_results(world), check)
+    assert r["max_abs_diff"] <= GPU_TOL
+    assert r["accumulator_device"] == ("cpu" if "host" in check else "cuda:0")
+    if "clip_norm" in check:
+        assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5) and not r["fused"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("check", ["sgd", "clip_norm"])
 def test_fp32_matches_sgd_on_cuda(gpu_results, world, check):
     r = ok(gpu_results(world), check)
