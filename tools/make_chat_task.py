@@ -34,6 +34,8 @@ import json
 import os
 import random
 
+from tools.splits import write_split
+
 SEED = 20240801
 N_TRAIN, N_VALIDATION = 600, 100
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,12 +131,8 @@ def generate(seed: int = SEED) -> tuple[list, list]:
     return splits[0], splits[1]
 
 
-def write_split(name: str, records: list) -> None:
-    os.makedirs(OUT_DIR, exist_ok=True)
-    path = os.path.join(OUT_DIR, f"{name}.jsonl")
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+def write_chat_split(name: str, records: list) -> None:
+    path = write_split(OUT_DIR, name, records)
     n_sys = sum(r["messages"][0]["role"] == "system" for r in records)
     n_multi = sum(sum(m["role"] == "assistant" for m in r["messages"]) > 1 for r in records)
     print(f"{os.path.relpath(path)}: {len(records)} records ({n_sys} with a system message, {n_multi} two-exchange)")
@@ -142,8 +140,8 @@ def write_split(name: str, records: list) -> None:
 
 def main() -> None:
     train, validation = generate()
-    write_split("train", train)
-    write_split("validation", validation)
+    write_chat_split("train", train)
+    write_chat_split("validation", validation)
 
 
 if __name__ == "__main__":

@@ -36,13 +36,16 @@ between releases, and another version would change the bytes.
 """
 from __future__ import annotations
 
-import json
+import functools
 import os
 import random
 import re
 from collections import defaultdict
+from operator import itemgetter
 
 import pycountry
+
+from tools.splits import balanced_unique_split, write_yes_no_splits
 
 SEED = 20240804
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
@@ -112,33 +115,11 @@ def generate(seed: int = SEED) -> dict[str, list]:
     splits = {}
     for name, n, pool in (("train", N_TRAIN, seen_countries), ("validation", N_VALIDATION, seen_countries),
                           ("heldout", N_HELDOUT, held_countries)):
-        records = []
-        for label in [1] * (n // 2) + [0] * (n - n // 2):  # balanced labels
-            while True:  # a passage is used once across all splits
-                r = make_record(rng, label, pool, table)
-                if r["passage"] not in seen:
-                    seen.add(r["passage"])
-                    break
-            records.append(r)
-        rng.shuffle(records)
-        splits[name] = records
+        # balanced labels; a passage is used once across all splits
+        draw = functools.partial(make_record, rng, countries=pool, table=table)
+        splits[name] = balanced_unique_split(rng, n, draw, itemgetter("passage"), seen)
     return splits
 
 
-def write_split(name: str, records: list) -> None:
-    os.makedirs(OUT_DIR, exist_ok=True)
-    path = os.path.join(OUT_DIR, f"{name}.jsonl")
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    print(f"{os.path.relpath(path)}: {len(records)} records, {sum(r['label'] for r in records)} yes, "
-          f"{os.path.getsize(path)} bytes")
-
-
-def main() -> None:
-    for name, records in generate().items():
-        write_split(name, records)
-
-
 if __name__ == "__main__":
-    main()
+    write_yes_no_splits(OUT_DIR, generate())

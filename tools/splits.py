@@ -1,0 +1,42 @@
+"""What the data generators in tools/ share: drawing a balanced split of unique records, and writing a
+split as JSONL the way the package reads it."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Callable, Hashable
+
+
+def balanced_unique_split(rng: random.Random, n: int, draw: Callable[[int], dict],
+                          key: Callable[[dict], Hashable], seen: set) -> list[dict]:
+    """`n` records, half labelled 1 (the extra one 0), each drawn by `draw(label)` until its `key` is
+    not in `seen` (shared across the splits, so no record is in two of them), then shuffled."""
+    records = []
+    for label in [1] * (n // 2) + [0] * (n - n // 2):
+        while True:
+            record = draw(label)
+            if key(record) not in seen:
+                seen.add(key(record))
+                break
+        records.append(record)
+    rng.shuffle(records)
+    return records
+
+
+def write_split(out_dir: str, name: str, records: list[dict]) -> str:
+    """Write `records` to out_dir/name.jsonl (UTF-8, one JSON object a line) and return the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_yes_no_splits(out_dir: str, splits: dict[str, list[dict]]) -> None:
+    """A Yes/No task's splits by name, each with its size and balance printed."""
+    for name, records in splits.items():
+        path = write_split(out_dir, name, records)
+        print(f"{os.path.relpath(path)}: {len(records)} records, {sum(r['label'] for r in records)} yes, "
+              f"{os.path.getsize(path)} bytes")
