@@ -51,6 +51,7 @@ from lomo_ds.engine.comm_stats import StepTimers, count_comm
 from lomo_ds.planning import planner
 from lomo_ds.planning.memory import ActivationCounter
 from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import accelerator_device
 
 FETCH_KEYS = ("leaf_module", "stage3_module_granularity_threshold", "module_granularity_threshold")
 LR = 1e-3
@@ -101,7 +102,7 @@ class Fsdp2Engine:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        device = common.rank_device()
+        device = accelerator_device()
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -262,7 +263,7 @@ def run(args) -> dict:
     deepspeed_engines = [e for e in engines.values() if hasattr(e, "ds_engine")]
     leaves = sorted({type(m).__name__ for m in ds_compat.leaf_modules(deepspeed_engines[0].module)}
                     ) if deepspeed_engines else []
-    device = common.rank_device()
+    device = accelerator_device()
     batches = common.random_batches(args.vocab, args.micro, args.seq, args.warmup + args.steps + args.measure_steps,
                                     seed=rank, device=device)
     names = list(engines)
