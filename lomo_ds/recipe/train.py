@@ -122,6 +122,17 @@ def main(argv=None) -> int:
     return run(parse_args(argv))
 
 
+def stop_every_rank(rank: int, message: str) -> int:
+    """Every rank stops; rank 0 alone says why. The others wait before exiting: a launcher kills the
+    whole group as soon as one rank exits, and if a silent rank went first, rank 0 would be killed
+    before its message was printed. The launcher ends the wait as soon as rank 0 has exited."""
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(30)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     """The program: the config checked before anything heavy, then the recipe from setup to cleanup."""
     rank = int(os.environ.get("RANK", "0"))  # the launcher's
@@ -134,9 +145,7 @@ def run(args: argparse.Namespace) -> int:
         show_what_matters(rank)  # before any library speaks
         check_runtime(cfg)
     except ConfigError as e:
-        if rank == 0:  # every rank stops; one says why
-            print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return stop_every_rank(rank, f"config error: {e}")
 
     from lomo_ds.data.loading import DataError
 
@@ -144,9 +153,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         recipe.setup()
     except DataError as e:
-        if rank == 0:
-            print(f"data error: {e}", file=sys.stderr)
-        return 2
+        return stop_every_rank(rank, f"data error: {e}")
     try:
         recipe.train()
         recipe.finish()
