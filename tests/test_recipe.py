@@ -12,7 +12,7 @@ import pytest
 
 from tests.ranks import ROOT, launch
 
-RECIPE_STEPS = 4  # the first steps carry the big drop (7.9 -> 0.8 in the demo), and each costs ~8 s here
+RECIPE_STEPS = 3  # the first steps carry the big drop (7.9 -> 1.6 -> 0.55 in the demo); each costs seconds here
 
 
 def _read(path):

@@ -68,13 +68,13 @@ def logged_steps(out_dir) -> list[int]:
     return [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if '"loss"' in line]
 
 
-def run_and_kill_rank1(config, out_dir, after_step: int):
+def run_and_kill_rank1(config, out_dir, after_step: int, extra=()):
     """Start a 2-rank run and SIGKILL rank 1's process as soon as metrics.jsonl shows `after_step`
     done (rank 0 logs a step once both ranks have finished it: the loss is a rank mean)."""
     import psutil
 
     with one_launch(), open(out_dir.with_suffix(".log"), "w") as log, \
-            local_ranks(train_args(TRAIN_SCRIPT, config, out_dir), 2, cwd=ROOT, stdout=log, stderr=log) as proc:
+            local_ranks(train_args(TRAIN_SCRIPT, config, out_dir, *extra), 2, cwd=ROOT, stdout=log, stderr=log) as proc:
         deadline = time.monotonic() + 600
         while after_step not in logged_steps(out_dir):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
@@ -84,74 +84,71 @@ def run_and_kill_rank1(config, out_dir, after_step: int):
         return proc.wait(timeout=300)
 
 
+# gradient_accumulation_steps 3 over 40 examples on 2 ranks with micro-batch 2: 10 micro-batches an
+# epoch, so 4 optimizer steps (windows of 3, 3, 3 and the epoch's last window of 1, applied with its
+# own 1/k) per epoch, 8 in two. One uninterrupted run serves both tests below (each launch of the
+# training program costs its start-up).
+K3 = ["--accumulation-steps", "3", "--epochs", "2", "--set", "train.max_steps=null",
+      "--set", "output.checkpoint_every=3"]
+
+
+@pytest.fixture(scope="module")
+def straight_k3(tiny_run):
+    root, config = tiny_run
+    straight = root / "straight"
+    return straight, run_train(TRAIN_SCRIPT, config, straight, *K3)
+
+
+def metric_steps(out_dir) -> list[dict]:
+    return [json.loads(line) for line in open(out_dir / "metrics.jsonl") if '"loss"' in line]
+
+
 @pytest.mark.ranks
-def test_killed_run_resumes_to_identical_parameters(tiny_run):
-    root, config = tiny_run
-    straight, interrupted = root / "straight", root / "interrupted"
-    out = run_train(TRAIN_SCRIPT, config, straight)
-    # Rank 0 alone reports; a DeepSpeed start-up warning shows once, not once per rank.
-    assert out.stdout.count("data: ") == 1 and out.stdout.count("[final] step 6") == 1
-    assert (out.stdout + out.stderr).count("Setting accelerator to CPU") <= 1
-    assert re.search(r"eval: +\d+%\|", out.stderr)  # the evaluation's progress bar
-    # Rank 1 dies right after step 5 (checkpoints every 2 steps, 6 in all): the step-4 checkpoint
-    # was sealed before step 5 began, and the next one is only written after step 6 and the final
-    # evaluation, long after the kill.
-    assert run_and_kill_rank1(config, interrupted, after_step=5) != 0
-    ckpts = sorted(os.listdir(interrupted / "checkpoints"))
-    assert "step_00000004" in ckpts and "step_00000006" not in ckpts
-    assert (interrupted / "checkpoints" / "latest").read_text() == "step_00000004"
-    assert not (interrupted / "hf_model").exists()
-    resumed = run_train(TRAIN_CLI, config, interrupted, "--resume")  # the console command's entry point
-    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
-    a = load_file(straight / "hf_model" / "model.safetensors")
-    b = load_file(interrupted / "hf_model" / "model.safetensors")
-    assert a.keys() == b.keys()
-    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
-    assert max(diffs.values()) == 0.0, diffs
-    # The steps after the resume logged the same losses as the uninterrupted run.
-    def losses(d):
-        rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
-        return {r["step"]: r["loss"] for r in rows if "loss" in r}
-    la, lb = losses(straight), losses(interrupted)
-    assert all(la[s] == lb[s] for s in (5, 6))
-    # keep_last=2: only the two newest complete checkpoints remain
-    assert sorted(os.listdir(straight / "checkpoints")) == ["latest", "step_00000004", "step_00000006"]
-
-
-def test_accumulation_counts_optimizer_steps_and_resumes_exactly(tiny_run):
-    """gradient_accumulation_steps 3 over 40 examples on 2 ranks with micro-batch 2: 10 micro-batches
-    an epoch, so 4 steps (3, 3, 3 and the epoch's last window of 1, applied with its own 1/k) per
-    epoch, 8 in two; the metrics, the schedule and the checkpoints count optimizer steps; a run
-    resumed from the step-6 checkpoint crosses the short window to the same parameters."""
-    import shutil
-
-    root, config = tiny_run
-    k3 = ["--accumulation-steps", "3", "--epochs", "2", "--set", "train.max_steps=null",
-          "--set", "output.checkpoint_every=3", "--set", "output.keep_last=5"]
-    straight, resumed = root / "k3_straight", root / "k3_resumed"
-    out = run_train(TRAIN_SCRIPT, config, straight, *k3)
+def test_accumulation_counts_optimizer_steps(straight_k3):
+    """The metrics, the schedule and the checkpoints count optimizer steps, not micro-batches."""
+    straight, out = straight_k3
     assert "4 steps/epoch of 3 micro-batches each, 8 steps in all" in out.stdout
-    rows = [json.loads(line) for line in open(straight / "metrics.jsonl")]
-    steps = [r for r in rows if "loss" in r]
+    steps = metric_steps(straight)
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert [r["micro_batches"] for r in steps] == [3, 3, 3, 1] * 2
     from lomo_ds.engine.schedule import Schedule
 
     schedule = Schedule("linear", 0.01, 8, 1)  # tiny_cpu.json: lr 0.01, warm-up 0.1 x 8 steps, over 8 steps
     assert [r["lr"] for r in steps] == pytest.approx([schedule.lr_at(i) for i in range(8)])
-    assert sorted(os.listdir(straight / "checkpoints")) == ["latest", "step_00000003", "step_00000006",
-                                                            "step_00000008"]
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "step_00000006", resumed / "checkpoints" / "step_00000006")
-    (resumed / "checkpoints" / "latest").write_text("step_00000006")
-    again = run_train(TRAIN_CLI, config, resumed, *k3, "--resume")
-    assert "at step 6" in again.stdout
+    # keep_last=2: only the two newest complete checkpoints remain (step 3's was removed)
+    assert sorted(os.listdir(straight / "checkpoints")) == ["latest", "step_00000006", "step_00000008"]
+
+
+@pytest.mark.ranks
+def test_killed_run_resumes_to_identical_parameters(tiny_run, straight_k3):
+    """Rank 1 is killed mid-run; `--resume` continues from the last sealed checkpoint, across the
+    epoch's short accumulation window, to the uninterrupted run's parameters and losses."""
+    root, config = tiny_run
+    straight, out = straight_k3
+    interrupted = root / "interrupted"
+    # Rank 0 alone reports; a DeepSpeed start-up warning shows once, not once per rank.
+    assert out.stdout.count("data: ") == 1 and out.stdout.count("[final] step 8") == 1
+    assert (out.stdout + out.stderr).count("Setting accelerator to CPU") <= 1
+    assert re.search(r"eval: +\d+%\|", out.stderr)  # the evaluation's progress bar
+    # Rank 1 dies right after step 7 (checkpoints every 3 steps, 8 in all): the step-6 checkpoint
+    # was sealed before step 7 began, and the next one is only written after step 8 and the final
+    # evaluation, long after the kill.
+    assert run_and_kill_rank1(config, interrupted, after_step=7, extra=K3) != 0
+    ckpts = sorted(os.listdir(interrupted / "checkpoints"))
+    assert "step_00000006" in ckpts and "step_00000008" not in ckpts
+    assert (interrupted / "checkpoints" / "latest").read_text() == "step_00000006"
+    assert not (interrupted / "hf_model").exists()
+    resumed = run_train(TRAIN_CLI, config, interrupted, *K3, "--resume")  # the console command's entry point
+    assert "resumed from" in resumed.stdout and "at step 6" in resumed.stdout
     a = load_file(straight / "hf_model" / "model.safetensors")
-    b = load_file(resumed / "hf_model" / "model.safetensors")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
-    resumed_rows = [json.loads(line) for line in open(resumed / "metrics.jsonl") if '"loss"' in line]
-    assert [(r["step"], r["micro_batches"], r["loss"]) for r in resumed_rows] == \
-        [(r["step"], r["micro_batches"], r["loss"]) for r in steps[6:]]
+    b = load_file(interrupted / "hf_model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
+    assert max(diffs.values()) == 0.0, diffs
+    # The steps after the resume (a window of 3, then the short one) logged the uninterrupted run's losses.
+    la = {r["step"]: (r["micro_batches"], r["loss"]) for r in metric_steps(straight)}
+    lb = {r["step"]: (r["micro_batches"], r["loss"]) for r in metric_steps(interrupted)}
+    assert [lb[s] for s in (7, 8)] == [la[s] for s in (7, 8)] and la[8][0] == 1
 
 
 # ----------------------------------------------------------------------------- the Hugging Face export
