@@ -244,16 +244,19 @@ def test_install_never_builds_llama_cpp():
 
 
 def test_accumulation_quality_runs_validate_and_report():
-    """Each run of the accumulation comparison is a valid run config (K through DeepSpeed's key, the
-    whole validation split), and the table gives mean and minimum per K over the seeds done."""
+    """Each run of the accumulation comparison is a valid run config (K through DeepSpeed's key, every
+    validation example), and the table gives mean and minimum per K over the seeds done."""
     from lomo_ds.config.run import load_run_config
 
     aq = _load("accumulation_quality")
-    args = aq.parse_args(["--seeds", "42", "43"])
-    cfg = load_run_config(aq.CONFIG, aq.overrides(args, 4, 43, "/tmp/unused"))
-    assert cfg.lomo.accumulation_steps == 4 and cfg.train.seed == 43 and cfg.train.max_steps == args.steps
-    assert cfg.data.eval_samples == 500 and cfg.train.zero_shot_eval is False
-    k1 = {42: {"final_accuracy": 0.8, "minutes": 3.0}, 43: {"final_accuracy": 0.7, "minutes": 3.2}}
-    table = aq.report(args, {1: k1, 4: {42: {"final_accuracy": None}}})
+    args = aq.parse_args(["--seeds", "42", "43"])  # make demo-chat's recipe
+    cfg = load_run_config(args.config, aq.overrides(args, 4, 43, "/tmp/unused"))
+    assert cfg.lomo.accumulation_steps == 4 and cfg.train.seed == 43 and cfg.train.max_steps == 20
+    assert cfg.data.eval_samples == 100 and cfg.eval.generate_samples == 100 and cfg.train.zero_shot_eval is False
+    k1 = {42: {"final_exact_match": 0.8, "minutes": 3.0}, 43: {"final_exact_match": 0.7, "minutes": 3.2}}
+    table = aq.report(args, {1: k1, 4: {42: {"final_exact_match": None}}})
     assert "| 1 | 8 | 2 | 75.0 | 70.0 | 42: 80.0 43: 70.0 | 3 3 |" in table, table
     assert "| 4 | 32 | 0 | - | - |" in table, table
+    args = aq.parse_args(["--recipe", "default", "--task", "numcompare"])
+    cfg = load_run_config(args.config, aq.overrides(args, 1, 42, "/tmp/unused"))
+    assert cfg.data.task == "numcompare" and cfg.data.eval_samples == 500 and cfg.train.max_steps == 35
