@@ -14,7 +14,15 @@ import torch
 import lomo_ds
 from lomo_ds.runtime import ds_compat
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import LR, ds_cfg, max_diff, on_every_rank, poison_grad_hook, raw_shards
+from tests.dist_engine_checks import (
+    LR,
+    ds_cfg,
+    host_updates_applied,
+    max_diff,
+    on_every_rank,
+    poison_grad_hook,
+    raw_shards,
+)
 from tests.tiny import global_batch, tiny_llama
 
 K = 3  # micro-batches per step
@@ -91,6 +99,7 @@ def equivalence(make_model, cfg, adalomo=False, tokens=False, clip_norm=None, cl
         record["loss"].append(calls[-1]["loss"]), record["grad_norm"].append(calls[-1]["grad_norm"])
         record["ref_loss"].append(rl), record["ref_grad_norm"].append(rn)
     record.update(max_abs_diff=max_diff(engine, ref), global_step=engine.global_step,
+                  host_updates=host_updates_applied(engine),
                   n_persistent=len(engine.offload.persistent_parameters), n_params=len(engine.params),
                   accumulator_bytes=engine.accumulator.nbytes(),
                   accumulator_device=str(next(iter(engine.accumulator.buffers.values())).device),

@@ -17,6 +17,7 @@ Reverts checked (each made temporarily in lomo_engine.py, then these checks run 
 import pytest
 
 from tests import dist_accumulation_checks as A
+from tests.dist_engine_checks import offloaded
 from tests.ranks import multi_rank_checks, ok
 from tests.tiny import tiny_llama
 
@@ -48,7 +49,7 @@ NONFINITE = multi_rank_checks(
 )
 # Bookkeeping that does not depend on the shard layout: on 2 ranks.
 (nonfinite_loss, overflow_scale, loss_scale, tokens_clip_norm, accumulate_on_cpu, low_precision, resume,
- start_window_misuse) = multi_rank_checks(
+ start_window_misuse, offload_host_thread) = multi_rank_checks(
     [2],
     nonfinite_loss=lambda: A.check_nonfinite(CFG(), poison_micro=1, when_loss=True),
     overflow_scale=lambda: A.check_nonfinite(CFG(loss_scale={"enabled": True, "initial_scale_power": 8}),
@@ -60,6 +61,8 @@ NONFINITE = multi_rank_checks(
     low_precision=A.check_low_precision_accumulator,
     resume=A.check_resume,
     start_window_misuse=A.check_start_window_misuse,
+    # offload_param with the host-update thread: the K-1 adds and the fused K-th update on the worker.
+    offload_host_thread=lambda: EQ(lambda: tiny_llama(7), offloaded(CFG(persist=2_000, host_update="thread"))),
 )
 
 
@@ -143,6 +146,11 @@ def test_accumulator_placement_and_precision(rank_results):
     assert low["bf16"]["accumulator_bytes"] == 2 * low["bf16"]["local_elements"]
     # fp16 sums may overflow where no micro-batch did: the one-pass mode's norm sees it.
     assert not low["fp16"]["fused"] and low["fp16"]["max_abs_diff"] < 1e-4
+    # Offloaded shards with the host-update thread (mixed persistence): the worker adds the K-1
+    # micro-batches and applies the fused K-th update; the result is SGD's on the window.
+    offload = ok(r, offload_host_thread)
+    assert offload["max_abs_diff"] <= TOL and offload["fused"] and offload["host_updates"] > 0
+    assert 0 < offload["n_persistent"] < offload["n_params"]
 
 
 def test_checkpoints_only_at_step_boundaries_and_resume_exactly(rank_results):

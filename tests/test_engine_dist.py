@@ -35,9 +35,10 @@ EQUIVALENCE = multi_rank_checks(
     grad_checkpointing_reentrant=lambda: EQ(
         lambda: tiny_llama(9), CFG(clip_grad_norm=0.5), {"clip_norm": 0.5},
         prepare=lambda m: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})),
-    # Built under zero.Init as from_pretrained loads it: shards go straight to host memory.
-    offload_param=lambda: EQ(lambda: tiny_llama(0), E.offload_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5},
-                             zero_init=True),
+    # Built under zero.Init as from_pretrained loads it: shards go straight to host memory. Their
+    # updates on the host-update thread, as on GPUs (a CPU rank updates inline by default).
+    offload_param=lambda: EQ(lambda: tiny_llama(0), E.offload_cfg(clip_grad_norm=0.5, host_update="thread"),
+                             {"clip_norm": 0.5}, zero_init=True),
     dropout_recompute=lambda: EQ(lambda: E.with_dropout(tiny_llama(1)),
                                  CFG(clip_grad_norm=0.5, two_pass_mode="recompute"), {"clip_norm": 0.5}, seeded=True),
     # Sharded over a group object other than the default one: the engine reduces over each
@@ -53,8 +54,9 @@ overflow, nonfinite_loss, nonfinite_grad, max_consecutive_skips, resume_masters,
 # One rank without labels is the whole step on one rank.
 unlabelled_rank, = multi_rank_checks([2, 3], unlabelled_rank=E.check_unlabelled_rank)
 # The precision and traffic figures need one world size.
-bf16, comm_one_pass, comm_two_pass = multi_rank_checks(
-    [2], bf16=E.check_bf16, comm_one_pass=lambda: E.check_comm(False), comm_two_pass=lambda: E.check_comm(True))
+bf16, comm_one_pass, comm_two_pass, host_update_thread = multi_rank_checks(
+    [2], bf16=E.check_bf16, comm_one_pass=lambda: E.check_comm(False), comm_two_pass=lambda: E.check_comm(True),
+    host_update_thread=E.check_host_update_thread)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -145,7 +147,20 @@ def test_bytes_sent_are_the_zero3_minimum(rank_results, passes):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_offload_param_updates_the_shard_in_host_memory(rank_results, world):
-    assert ok(rank_results(world), by_name["offload_param"])["shard_device"] == "cpu"
+    r = ok(rank_results(world), by_name["offload_param"])
+    assert r["shard_device"] == "cpu"
+    assert r["host_updates"] > 0, "lomo.host_update thread: the updates must run on the host-update thread"
+
+
+def test_host_update_thread_keeps_rounding_and_the_nonfinite_skip(rank_results):
+    """The worker applies the same slices in the same order as the hook would: bf16 shards with
+    stochastic rounding come out bit-identical; a non-finite gradient in the updating pass (after a
+    clean measuring pass) is skipped on every rank with the poisoned shard untouched."""
+    r = ok(rank_results(2), host_update_thread)
+    assert r["bitwise_equal"] is True and r["thread_applied"] > 0
+    s0, s1, s2 = r["nonfinite"]["steps"]
+    assert all(s1["skipped"]) and all(s1["target_unchanged"]) and all(s1["finite"])
+    assert not any(s0["skipped"]) and not any(s2["skipped"]) and all(s2["finite"])
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -1,6 +1,7 @@
 """The GPU path on a CPU: what only a GPU run would show, made visible with a fake accelerator,
 a recorded order of calls or a monkeypatched collective. Each test fails when its fix is undone
 (tests/gpu runs the same paths on a real GPU)."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -11,9 +12,10 @@ import deepspeed.accelerator
 import pytest
 import torch
 
-from lomo_ds.engine import shm_reduce_scatter
+from lomo_ds.engine import host_updates, shm_reduce_scatter
 from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
+from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.runtime import device as device_module
 from lomo_ds.runtime import dist
 from tests.ranks import multi_rank, multi_rank_checks, ok
@@ -36,10 +38,16 @@ class FakeEvent:
         return 250.0 * (end.recorded_at - self.recorded_at)  # ms per tick
 
 
+class FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
 class FakeAccelerator:
-    """A CUDA-like accelerator: a current device index the code must set, and events."""
+    """A CUDA-like accelerator: a current device index the code must set, events and streams."""
 
     clock = 0
+    Stream = FakeStream
 
     def __init__(self):
         self.index = 0
@@ -54,6 +62,12 @@ class FakeAccelerator:
 
     def current_device_name(self):
         return f"cuda:{self.index}"
+
+    def current_stream(self):
+        return FakeStream()
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
 
     Event = FakeEvent
 
@@ -303,3 +317,186 @@ def test_next_forward_gathers_wait_for_the_last_update(rank_results, world):
         wait_at = text.rfind("gathers wait")
         assert text.rfind("update") < wait_at < text.rfind("release"), \
             f"the gathers must wait after the step's last update ({last_update}) and before the release: {text}"
+
+
+# ----------------------------------------------------------------------------- item 8
+def _zero_params(n: int, numel: int = 8) -> list[torch.nn.Parameter]:
+    """Parameters as ZeRO-3 leaves them, their (whole, one-rank) shards in host memory."""
+    params = []
+    for i in range(n):
+        p = torch.nn.Parameter(torch.empty(0))
+        p.ds_tensor, p.ds_numel, p.ds_id = torch.zeros(numel, device="cpu"), numel, i
+        params.append(p)
+    return params
+
+
+def test_offloaded_slices_are_staged_without_blocking_and_updated_on_the_worker(fake_accelerator, monkeypatch):
+    """On an accelerator, a bucket of slices for shards in host memory: non_blocking copies into
+    pinned buffers, an event after them, and the hook's call returns before anything is applied;
+    the worker waits for the event, then updates, on its own thread; join waits for it."""
+    order, buffers = [], []
+
+    def buffer(numel, dtype, pin):
+        t = torch.empty(numel, dtype=dtype, device="cpu")  # no page-locked memory without a real accelerator
+        buffers.append((t, pin))
+        return t
+
+    def staged(t):
+        return any(t.data_ptr() >= b.data_ptr() and t.data_ptr() < b.data_ptr() + max(b.nbytes, 1)
+                   for b, _ in buffers)
+
+    copy = torch.Tensor.copy_
+
+    def recording_copy(self, src, non_blocking=False):
+        if staged(self):
+            order.append(f"copy non_blocking={non_blocking}")
+        return copy(self, src, non_blocking=non_blocking)
+
+    class Event(FakeEvent):
+        def record(self, stream=None):
+            order.append("event recorded")
+
+        def synchronize(self):
+            order.append(f"event waited on {threading.current_thread().name}")
+
+    monkeypatch.setattr(host_updates, "host_buffer", buffer)
+    monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
+    fake_accelerator.Event = Event
+    params = _zero_params(2)
+    updater = ShardUpdater(stochastic_rounding=False, seed=0, stats_device=torch.device("cpu"))
+    stats = updater.begin_pass(UpdateRule(lr=1.0))
+    host = HostUpdates(torch.device("cuda:0"), name_of=lambda p: f"p{p.ds_id}")
+    assert all(host.holds(p) for p in params)  # shards in host memory, the ranks on "cuda:0"
+    handed = threading.Event()
+
+    def apply(param, g, finite):
+        if not handed.wait(timeout=2):
+            order.append("update before the hook returned")
+        order.append(f"update on {threading.current_thread().name}")
+        updater.apply(param, g, finite)
+
+    host.submit([(p, torch.ones(8, device="cpu")) for p in params], stats.finite, apply)
+    order.append("hook returned")
+    handed.set()
+    host.join()
+    order.append("joined")
+    # The probe of whether the accelerator pins, then the slices' buffer and the flag's.
+    assert [pin for _, pin in buffers] == [True] * 3, "staging buffers must be pinned on an accelerator"
+    # Staged before the worker starts: the slices' and the flag's copies, then the event.
+    assert order[:4] == ["copy non_blocking=True"] * 3 + ["event recorded"], order
+    updates = [i for i, e in enumerate(order) if e.startswith("update")]
+    assert [order[i] for i in updates] == ["update on lomo-host-update"] * 2, order
+    assert order.index("hook returned") < updates[0] and order.index("event waited on lomo-host-update") < updates[0]
+    assert order[-1] == "joined"
+    assert host.applied == 2
+    assert all(torch.equal(p.ds_tensor, torch.full((8,), -1.0, device="cpu")) for p in params)
+
+
+def test_a_cpu_rank_stages_nothing_and_pins_nothing(monkeypatch):
+    """On a CPU rank the slices are in host memory already: no copy, no pinned memory (which needs
+    an accelerator); the worker still applies them when lomo.host_update is "thread"."""
+    monkeypatch.setattr(host_updates, "host_buffer", lambda *a, **k: pytest.fail("staged on a CPU rank"))
+    assert use_thread("auto", torch.device("cuda:1")) and not use_thread("auto", torch.device("cpu"))
+    assert use_thread("thread", torch.device("cpu")) and not use_thread("inline", torch.device("cuda:0"))
+    params = _zero_params(1)
+    updater = ShardUpdater(stochastic_rounding=False, seed=0, stats_device=torch.device("cpu"))
+    stats = updater.begin_pass(UpdateRule(lr=0.5))
+    host = HostUpdates(torch.device("cpu"), name_of=str)
+    host.submit([(params[0], torch.ones(8, device="cpu"))], stats.finite, updater.apply)
+    host.join()
+    assert torch.equal(params[0].ds_tensor, torch.full((8,), -0.5, device="cpu"))
+
+
+def _offloaded_engine():
+    import lomo_ds
+    from tests.dist_engine_checks import offload_cfg
+    from tests.tiny import tiny_llama
+
+    return lomo_ds.initialize(tiny_llama(0), offload_cfg(bucket_size=3000, host_update="thread"))
+
+
+@multi_rank(worlds=(1, 2))
+def host_update_order():
+    """Item 8 on real ranks: each bucket of offloaded shards is handed to the worker and the hook
+    returns before it is applied; every update runs on the worker; the pass's statistics are read
+    only once every handed slice is applied."""
+    from lomo_ds.engine import lomo_engine
+    from tests.tiny import global_batch
+
+    engine = _offloaded_engine()
+    world, rank = engine.world, engine.rank
+    hand, apply, read = engine.buckets.on_bucket, engine.updater.apply, lomo_engine.sum_over_ranks
+    returned, rec = {}, {"handed": 0, "applied": 0, "early": 0, "threads": set(), "pending_at_read": []}
+
+    def handing(items, stats):
+        done = threading.Event()
+        for p, _ in items:
+            returned[id(p)] = done
+        rec["handed"] += sum(1 for p, _ in items if engine.updater.geometry(p).local)
+        try:
+            return hand(items, stats)
+        finally:
+            done.set()
+
+    def applying(param, g, finite):
+        # Applied inside the hook that handed it over, it would wait here in vain (once: the
+        # first such wait shows it, and the rest of a reverted run need not take 2 s each).
+        if not returned[id(param)].wait(timeout=0 if rec["early"] else 2):
+            rec["early"] += 1
+        rec["threads"].add(threading.current_thread().name)
+        time.sleep(0.002)  # a slow host: a pass that did not wait for the worker reads its statistics early
+        apply(param, g, finite)
+        rec["applied"] += 1
+
+    def reading(values, *args, name="", **kwargs):
+        if name == "non-finite flag":  # the updating pass's one read
+            rec["pending_at_read"].append(rec["handed"] - rec["applied"])
+        return read(values, *args, name=name, **kwargs)
+
+    engine.buckets.on_bucket, engine.updater.apply, lomo_engine.sum_over_ranks = handing, applying, reading
+    try:
+        for step in range(2):
+            engine.train_step(global_batch(step, world)[rank])
+    finally:
+        lomo_engine.sum_over_ranks = read
+    return {**rec, "threads": sorted(rec["threads"])}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offloaded_updates_run_on_the_worker_after_the_hook_and_before_the_statistics(rank_results, world):
+    r = ok(rank_results(world), host_update_order)
+    assert r["applied"] == r["handed"] > 0
+    assert r["threads"] == ["lomo-host-update"], f"offloaded updates ran on {r['threads']}"
+    assert r["early"] == 0, f"{r['early']} updates ran before the hook that handed them over returned"
+    assert r["pending_at_read"] == [0, 0], f"slices still unapplied when the pass was read: {r['pending_at_read']}"
+
+
+@multi_rank(worlds=(1, 2))
+def host_update_error():
+    """Item 8: an error inside the worker (here, every rank's update of lm_head.weight) is raised
+    from train_step, naming the parameter; no worker thread is left running."""
+    from tests.tiny import global_batch
+
+    engine = _offloaded_engine()
+    target, apply = engine.module.lm_head.weight, engine.updater.apply
+
+    def failing(param, g, finite):
+        if param is target:
+            raise ValueError("injected failure")
+        apply(param, g, finite)
+
+    engine.updater.apply = failing
+    message = cause = ""
+    try:
+        engine.train_step(global_batch(0, engine.world)[engine.rank])
+    except RuntimeError as e:
+        message, cause = str(e), repr(e.__cause__)
+    return {"message": message, "cause": cause,
+            "threads_left": [t.name for t in threading.enumerate() if t.name == "lomo-host-update"]}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_error_in_the_worker_surfaces_from_the_step_naming_the_parameter(rank_results, world):
+    r = ok(rank_results(world), host_update_error)
+    assert "'lm_head.weight'" in r["message"] and "ValueError: injected failure" in r["message"], r
+    assert "injected failure" in r["cause"] and r["threads_left"] == []

@@ -126,6 +126,11 @@ class LomoConfig(Section):
                                                                "run fails (NCCL's watchdog, gloo's timeout, the "
                                                                "shared-memory transport's); a dead peer is detected "
                                                                "sooner where it can be")
+    host_update: Literal["auto", "thread", "inline"] = Field("auto", description=(
+        "where the update of a shard in host memory (offload_param: cpu) runs: on a worker thread while the "
+        "backward goes on, its slices copied without blocking into pinned buffers (thread), or in the gradient "
+        "hook (inline); auto = thread on accelerators, inline on CPU ranks. AdaLomo's update (per-bucket "
+        "collectives) always runs inline"))
     sparse_params: tuple[str, ...] = Field((), strict=False, description=(
         "fnmatch patterns of parameters that may get no gradient on some rank (mixture-of-experts experts): "
         "reduced at the end of the backward on every rank from the first step on (one found without a gradient "

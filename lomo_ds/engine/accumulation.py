@@ -26,6 +26,8 @@ shards (and so the accumulator, which lives with them) are in host memory alread
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from lomo_ds.runtime import ds_compat
@@ -60,6 +62,9 @@ class ShardAccumulator:
                                                               pin_memory=pin)
         # Host copies of slices still in flight: (buffer, staged copy, event), added at the next bucket.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+        # With offloaded shards the host-update worker adds and totals their buffers while the
+        # backward's thread may stage slices of shards on the device (host_updates.py).
+        self._lock = threading.Lock()
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
@@ -78,15 +83,20 @@ class ShardAccumulator:
             return
         # Device slice, host buffer: copy without blocking; the add waits for the copy at the next
         # bucket (or at settle()), so the copy overlaps the backward's next kernels.
-        self.settle()
-        staged = real.to(buf.device, non_blocking=True)
-        event = torch.cuda.Event() if real.device.type == "cuda" else None
-        if event is not None:
-            event.record()
-        self._pending.append((buf, staged, event))
+        with self._lock:
+            self._settle()
+            staged = real.to(buf.device, non_blocking=True)
+            event = torch.cuda.Event() if real.device.type == "cuda" else None
+            if event is not None:
+                event.record()
+            self._pending.append((buf, staged, event))
 
     def settle(self) -> None:
         """Finish the host adds whose copies were still in flight."""
+        with self._lock:
+            self._settle()
+
+    def _settle(self) -> None:
         for buf, staged, event in self._pending:
             if event is not None:
                 event.synchronize()

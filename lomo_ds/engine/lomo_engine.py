@@ -26,6 +26,10 @@ window skips the whole step.
 
 lomo.optimizer "adalomo" swaps the SGD update for AdaLomo's (lomo_ds/engine/adalomo.py) on the same
 reduced shards and passes; its state goes into the shard checkpoint and the memory tracker.
+
+With offload_param: cpu the shards live in host memory: on an accelerator their updates run on a
+worker thread, overlapped with the backward, from slices copied without blocking into pinned
+buffers, and every pass joins it before its statistics are read (host_updates.py).
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.buckets import GradientBuckets
 from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.engine.fused_update import PassStats, ShardGeometries, ShardUpdater, UpdateRule
+from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.engine.precision import DynamicLossScaler
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.planning.memory import MemoryTracker
@@ -112,6 +117,14 @@ class LomoEngine:
         masters = self.params if lomo.fp32_master_weights and self.dtype != torch.float32 else ()
         self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.seed, self.device, geometries, adalomo, masters)
         self.memory: MemoryTracker | None = None
+        # Shards in host memory (offload_param: cpu) are updated on a worker thread while the
+        # backward goes on (lomo.host_update; by default on accelerators only: on a CPU rank the
+        # update would compete with the backward for the same cores). AdaLomo's update makes
+        # collectives, which must come from the backward's thread in the order every rank shares:
+        # it stays in the hook.
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self.host_updates = (HostUpdates(self.device, lambda p: names.get(id(p), f"ds_id={ds_compat.param_id(p)}"))
+                             if use_thread(lomo.host_update, self.device) and adalomo is None else None)
         # Each parameter is reduced over its own ds_process_group: one bucket set per group.
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
         # Off by default (costs nothing); experiments/bench_step.py turns it on for the breakdown.
@@ -193,6 +206,17 @@ class LomoEngine:
     # ----------------------------------------------------------------- the step
     def _on_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]], stats: PassStats) -> None:
         """A reduced bucket: this rank's summed slice of each of its parameters."""
+        host = self.host_updates
+        if host is not None and not self.updater.measuring and any(host.holds(p) for p, _ in items):
+            # Shards in host memory: their slices are staged and the worker applies them; the
+            # measuring pass touches no shard and sums its squares on the device, here.
+            staged = [(p, g[:self.updater.geometry(p).local]) for p, g in items if host.holds(p)]
+            staged = [(p, g) for p, g in staged if g.numel()]  # a rank may hold no real element of one
+            if staged:
+                host.submit(staged, stats.finite, self._host_apply(self.bucket_mode))
+            items = [(p, g) for p, g in items if not host.holds(p)]
+            if not items:
+                return
         if self.bucket_mode == "add":
             for param, grad_shard in items:
                 self.accumulator.add(param, grad_shard)
@@ -200,6 +224,15 @@ class LomoEngine:
         if self.bucket_mode == "fold":
             items = [(p, self.accumulator.total(p, ds_compat.shard(p).device, g)) for p, g in items]
         self.updater.apply_bucket(items, stats)
+
+    def _host_apply(self, mode: str):
+        """What the host-update worker does with one staged slice (a parameter's real elements in
+        host memory) and the pass's finite flag as of its bucket, in the bucket mode of its pass."""
+        if mode == "add":
+            return lambda p, g, finite: self.accumulator.add(p, g)
+        if mode == "fold":
+            return lambda p, g, finite: self.updater.apply(p, self.accumulator.total(p, g.device, g), finite)
+        return lambda p, g, finite: self.updater.apply(p, g, finite)
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         with self.timers.span("hook"):
@@ -222,7 +255,14 @@ class LomoEngine:
                 self.buckets.flush()
         except BaseException:
             self.buckets.abandon()
+            if self.host_updates is not None:
+                self.host_updates.join(raise_failure=False)  # no update left running; this error wins
             raise
+        if self.host_updates is not None:
+            # The end of the pass: every shard in host memory is updated before the pass's
+            # statistics are read and before the next forward gathers it. Every collective of the
+            # pass is done, so a worker's error raised here leaves no peer waiting mid-pass.
+            self.host_updates.join()
         return stats
 
     def forward(self, batch: dict[str, Any]):
