@@ -136,6 +136,47 @@ def check_step_time(device: torch.device, sizes: dict):
             "world": torch.distributed.get_world_size()}
 
 
+def check_offload_overlap(device: torch.device, sizes: dict):
+    """offload_param: cpu with the shards' updates on the host-update thread (slices staged in pinned
+    memory, the CPU update overlapped with the backward) against the same updates inside the hook
+    (lomo.host_update inline: the serialised path) and against no offload, taking turns step by
+    step. Per-step times, medians, and the updates the worker applied; on the serialised path the
+    worker applies none ("applied" 0, which tests/dist_engine_checks.host_updates_applied refuses)
+    and "thread" saves nothing over "inline" ("saved_s")."""
+    import statistics
+
+    on_gpu = device.type == "cuda"
+    ds = {"train_micro_batch_size_per_gpu": sizes["micro"], "zero_optimization": {"stage": 3}}
+    if on_gpu:
+        ds["bf16"] = {"enabled": True}
+
+    def engine(host_update):
+        zero = dict(ds["zero_optimization"])
+        if host_update:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+        return lomo_ds.initialize(llama(sizes), {**ds, "zero_optimization": zero,
+                                                 "lomo": {"lr": 1e-3, "host_update": host_update or "auto"}})
+
+    engines = {"no_offload": engine(None), "offload_thread": engine("thread"), "offload_inline": engine("inline")}
+    rank = torch.distributed.get_rank()
+    batches = [random_batch(sizes, device, seed=1000 * step + rank) for step in range(sizes["warmup"] + sizes["steps"])]
+    times = {name: [] for name in engines}
+    for step, batch in enumerate(batches):
+        for name, e in engines.items():
+            sync(device)
+            t0 = time.perf_counter()
+            e.train_step(batch)
+            sync(device)
+            if step >= sizes["warmup"]:
+                times[name].append(time.perf_counter() - t0)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    threaded = engines["offload_thread"].host_updates
+    return {"times": times, "median_s": medians, "model": sizes, "world": torch.distributed.get_world_size(),
+            "applied": threaded.applied if threaded is not None else 0,
+            "saved_s": medians["offload_inline"] - medians["offload_thread"],
+            "x_no_offload": {name: m / medians["no_offload"] for name, m in medians.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
