@@ -24,11 +24,16 @@ STEPS = 3
 PER_LAYER = {"leaf_module": {"classes": ["LlamaDecoderLayer"]}}
 
 
+# lomo options every ds_cfg() of this process takes unless the check names them: the GPU suite
+# (tests/gpu/gpu_checks.py) sets grad_reduction "reduce_scatter", so one GPU runs the buckets too.
+LOMO_DEFAULTS: dict = {}
+
+
 def ds_cfg(persist=0, micro=2, fetch=None, **lomo):
     return {"train_micro_batch_size_per_gpu": micro,
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persist,
                                   "stage3_prefetch_bucket_size": 0, **(fetch or {})},
-            "lomo": {"lr": LR, "bucket_size": 700, **lomo}}
+            "lomo": {"lr": LR, "bucket_size": 700, **LOMO_DEFAULTS, **lomo}}
 
 
 def max_diff(engine, ref):
@@ -209,6 +214,39 @@ def check_overflow(fp16: bool = False):
                        "unchanged_all_ranks": verdict["unchanged"],
                        "loss_scale_used": out["loss_scale"], "scale_after": engine.loss_scaler.scale})
     return {"steps": record}
+
+
+def check_reduction_overflow(reduce_dtype: str | None = None):
+    """Every rank's gradient finite, their sum not: element 0 of a weight is set on every rank to a
+    value whose double overflows the reduction's dtype (fp32: 3e38; fp16: 40000, as an fp16 sum
+    overflows on GPUs). Element 0 is rank 0's: only rank 0's received slice is non-finite, and no
+    outgoing payload was. Several ranks only (one rank's sum is its own gradient)."""
+    huge = {None: 3e38, "fp32": 3e38, "fp16": 40000.0}[reduce_dtype]
+    engine = lomo_ds.initialize(tiny_llama(3), ds_cfg(grad_reduction="reduce_scatter", reduce_dtype=reduce_dtype))
+    target = engine.module.model.layers[0].mlp.down_proj.weight
+    inject = {"on": False}
+
+    def set_huge(g):
+        if not inject["on"]:
+            return g
+        g = g.clone()
+        g.view(-1)[0] = huge
+        return g
+
+    target.register_hook(set_huge)
+    steps = []
+    for step in range(3):
+        inject["on"] = step == 1
+        steps.append(watched_step(engine, step)[1])
+    return {"steps": steps}
+
+
+def assert_reduction_overflow_skips(r: dict) -> None:
+    """check_reduction_overflow's figures (CPU and GPU suites)."""
+    before, overflowed, after = r["steps"]
+    assert all(overflowed["finite"]), f"an inf from the reduction reached a shard: {overflowed}"
+    assert all(overflowed["skipped"]), f"the overflowed step must be skipped on every rank: {overflowed}"
+    assert not any(before["skipped"]) and not any(after["skipped"]) and all(after["finite"]), r
 
 
 def check_nonfinite_loss():

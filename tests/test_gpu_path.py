@@ -3,6 +3,8 @@ a recorded order of calls or a monkeypatched collective. Each test fails when it
 (tests/gpu runs the same paths on a real GPU)."""
 import contextlib
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -11,14 +13,21 @@ import time
 import deepspeed.accelerator
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from lomo_ds.config.lomo import AdaLomoConfig
 from lomo_ds.engine import host_updates, shm_reduce_scatter
+from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.comm_stats import StepTimers
-from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
+from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule
 from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.runtime import device as device_module
-from lomo_ds.runtime import dist
+from lomo_ds.runtime import dist, ds_compat
+from tests.dist_engine_checks import assert_reduction_overflow_skips, check_reduction_overflow
 from tests.ranks import multi_rank, multi_rank_checks, ok
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 class FakeEvent:
@@ -147,6 +156,116 @@ def test_stochastic_rounding_draws_on_each_shards_own_device(monkeypatch):
     for p in params:
         updater.apply(p, torch.ones(8, dtype=torch.bfloat16), stats.finite)
     assert used == [(torch.device("cpu"), torch.device("cpu")), (torch.device("meta"), torch.device("meta"))]
+
+
+class TwoDevices(TorchDispatchMode):
+    """CPU and "meta" tensors stand for two devices' memories (a GPU's, and host memory under
+    offload): an op that mixes them raises, as across two real devices, except a copy from one to
+    the other; a copy out of "meta" (which holds no data) gives zeros. A 0-dim CPU tensor mixes with
+    any device, as CUDA kernels take CPU scalars. ("meta" alone mixes with the CPU silently.)"""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default:
+            src, to = args[0], kwargs.get("device", args[0].device)
+            if src.device.type == "meta" and to.type == "cpu":
+                return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device=to)
+            return func(*args, **kwargs)
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0], args[1]
+            if src.device.type == "meta" and dst.device.type == "cpu":
+                return dst.zero_()
+            return func(*args, **kwargs)
+        devices = {t.device for t in tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and not (t.device.type == "cpu" and t.dim() == 0)}
+        if len(devices) > 1:
+            raise RuntimeError(f"{func} mixes devices {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
+def _zero_param(shape, device, ds_id: int, seed: int) -> torch.nn.Parameter:
+    """A ZeRO-3 parameter of one rank holding all of it: its flat fp32 shard on `device`."""
+    p = torch.nn.Parameter(torch.empty(0, dtype=torch.float32, device="cpu"))
+    values = torch.randn(torch.Size(shape).numel(), generator=torch.Generator(device="cpu").manual_seed(seed),
+                         dtype=torch.float32, device="cpu")
+    p.ds_tensor, p.ds_numel, p.ds_shape, p.ds_id = values.to(device), values.numel(), torch.Size(shape), ds_id
+    return p
+
+
+def _adalomo_bucket(specs: dict) -> tuple[list[torch.nn.Parameter], ShardUpdater]:
+    """Parameters ({ds_id: (shape, device)}) and a one-rank AdaLomo updater for them (no process group)."""
+    params = [_zero_param(shape, dev, i, seed=i) for i, (shape, dev) in specs.items()]
+    module = torch.nn.Module()
+    for p in params:
+        module.register_parameter(f"p{p.ds_id}", p)
+    geometries = ShardGeometries()
+    adalomo = AdaLomo(AdaLomoConfig(), module, params, None, geometries)
+    return params, ShardUpdater(False, 0, torch.device("cpu"), geometries, adalomo)
+
+
+def _update(params, updater) -> None:
+    # The received bucket lives on the engine's device (the "CPU" one here), whatever the shards'.
+    grads = [torch.randn(p.ds_numel, generator=torch.Generator(device="cpu").manual_seed(100 + p.ds_id),
+                         dtype=torch.float32, device="cpu") for p in params]
+    stats = updater.begin_pass(UpdateRule(lr=0.1, weight_decay=0.01), step=0)
+    updater.apply_bucket(list(zip(params, grads, strict=True)), stats)
+
+
+def test_adalomo_keeps_each_slices_state_and_arithmetic_on_its_shards_device(monkeypatch):
+    """Item 5: a bucket whose shards sit on two devices (persistent ones on the GPU, the rest
+    offloaded). AdaLomo's state lives beside each shard, the bucket's statistics are gathered on one
+    device by explicit copies, and no op mixes devices; the CPU shards' update is the one they get
+    alone in a bucket."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # one rank, no process group
+    specs = {0: ((6, 5), "cpu"), 1: ((4, 7), "meta"), 2: ((9,), "meta"), 3: ((8,), "cpu")}
+    params, updater = _adalomo_bucket(specs)
+    with TwoDevices():
+        _update(params, updater)
+    for i, (_, dev) in specs.items():
+        assert {t.device.type for t in updater.adalomo.state[i].values()} == {dev}, (i, updater.adalomo.state[i])
+
+    on_cpu = {i: spec for i, spec in specs.items() if spec[1] == "cpu"}
+    alone, alone_updater = _adalomo_bucket(on_cpu)
+    _update(alone, alone_updater)
+    for i, p in zip(on_cpu, alone, strict=True):
+        assert torch.equal(params[i].ds_tensor, p.ds_tensor)
+        assert not torch.equal(p.ds_tensor, _zero_param(p.ds_shape, "cpu", i, seed=i).ds_tensor)
+
+
+# ----------------------------------------------------------------------------- item 6
+def test_check_figures_are_gathered_on_the_groups_device(monkeypatch):
+    """The checks' figures are gathered over the ranks (tests/dist_engine_checks.py on_every_rank:
+    the GPU suite's overflow and accumulation checks): on NCCL the tensor must be on the GPU, the
+    group's device ("meta" stands for it here). ds_compat.all_gather's own refusal stays in."""
+    from tests import dist_engine_checks
+
+    meta = torch.device("meta")
+    monkeypatch.setattr(dist_engine_checks, "group_device", lambda group=None: meta)
+    monkeypatch.setattr(ds_compat, "group_device", lambda group=None: meta)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    given = []
+    monkeypatch.setattr(torch.distributed, "all_gather",
+                        lambda outputs, tensor, group=None: given.append((tensor.device, {o.device for o in outputs})))
+    with TwoDevices():
+        figures = dist_engine_checks.on_every_rank(1.0, 0.0, 1.0)
+    assert given == [(meta, {meta})]
+    assert figures == [[0.0, 0.0, 0.0]] * 2  # read back to the host (zeros: "meta" holds no data)
+
+
+GPU_SUITE_SOURCES = ("tests/gpu/*.py", "tests/dist_*.py", "tests/tiny.py", "tests/ranks.py")
+TENSOR_COLLECTIVE = re.compile(r"\b(?:torch\.distributed|dist|tdist)\.(all_reduce|all_gather|all_gather_into_tensor|"
+                               r"reduce_scatter|reduce_scatter_tensor|broadcast|reduce|gather|scatter|all_to_all\w*|"
+                               r"send|recv|isend|irecv)\(")
+
+
+def test_the_gpu_suite_hands_tensors_to_collectives_only_through_ds_compat():
+    """Every tensor collective of the GPU suite's code goes through lomo_ds.runtime.ds_compat, which
+    refuses a tensor off the group's device (the CPU tensor NCCL cannot gather fails there, named,
+    on a CPU run too); object collectives and barriers place their own tensors."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for pattern in GPU_SUITE_SOURCES
+             for path in sorted(ROOT.glob(pattern))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if TENSOR_COLLECTIVE.search(line)]
+    assert not found, found
 
 
 # ----------------------------------------------------------------------------- items 11 and 12
@@ -500,3 +619,13 @@ def test_an_error_in_the_worker_surfaces_from_the_step_naming_the_parameter(rank
     r = ok(rank_results(world), host_update_error)
     assert "'lm_head.weight'" in r["message"] and "ValueError: injected failure" in r["message"], r
     assert "injected failure" in r["cause"] and r["threads_left"] == []
+
+
+# ----------------------------------------------------------------------------- item 4, on real ranks
+reduction_overflow, = multi_rank_checks((2,), reduction_overflow=lambda: check_reduction_overflow())
+
+
+def test_a_sum_that_overflows_only_inside_the_reduction_skips_the_step_everywhere(rank_results):
+    """Item 4: the flag each rank sends covers its own payload; the received slice's finiteness is
+    folded in before the pass's one read, so the overflow is seen and agreed on by every rank."""
+    assert_reduction_overflow_skips(ok(rank_results(2), reduction_overflow))
