@@ -81,14 +81,14 @@ def resume(method: str, root: str, total: int = 4, k: int = 2) -> dict:
             "lrs_resumed": lrs_resumed}
 
 
-def lora_lomo_two_passes() -> dict:
+def lora_lomo_two_passes(**lomo) -> dict:
     """One step of LoRA+LOMO with one backward vs two (norm clipping that never binds, and a
-    loss scale of 32): the adapters' gradient must be the same."""
+    loss scale of 32): the adapters' gradient must be the same. `lomo`: more lomo options."""
     out = {}
     for name, extra in (("one_pass", {}),
                         ("two_passes", {"clip_grad_norm": 1e9, "loss_scale": {"enabled": True,
                                                                                "initial_scale_power": 5}})):
-        eng = fresh_engine(run_config("lora_lomo", **extra), total_steps=0)
+        eng = fresh_engine(run_config("lora_lomo", **lomo, **extra), total_steps=0)
         res = eng.train_step(batch_for(0, eng))
         out[name] = {"lora_grad_norm": res["lora_grad_norm"], "loss_scale": res["loss_scale"],
                      "two_passes": eng.engine.two_passes}

@@ -57,8 +57,42 @@ def format_summary(results: dict[int, dict]) -> str:
             if "error" in r:
                 lines.append(f"{head} ERROR {r['error'].strip().splitlines()[-1]}")
             elif "max_abs_diff" in r:
-                lines.append(f"{head} max |LOMO - torch.optim.SGD| = {r['max_abs_diff']:.2e}"
+                against = "AdaLomo - reference" if name.startswith("adalomo") else "LOMO - torch.optim.SGD"
+                lines.append(f"{head} max |{against}| = {r['max_abs_diff']:.2e}"
                              + (f", shards on {r['shard_device']}" if "shard_device" in r else ""))
+            elif name == "bucket_path":
+                lines.append(f"{head} {r['backend']}, {r['transport']}, side stream {r['side_stream']}, "
+                             f"{r['buckets']} buckets and {r['reduce_scatters']} reduce-scatters a step, timers on "
+                             f"{'events' if r['timers_on_accelerator'] else 'the host clock'}, gather stream "
+                             f"{r['gather_stream']}")
+            elif name == "evaluation":
+                got, want = r["engine"], r["reference"]
+                lines.append(f"{head} accuracy {got['accuracy']['accuracy']:.3f} (unpartitioned "
+                             f"{want['accuracy']['accuracy']:.3f}), LM loss {got['loss']['loss']:.6f} "
+                             f"({want['loss']['loss']:.6f})")
+            elif name == "generation":
+                same = sum(a == b for a, b in zip(r["replies"], r["reference"], strict=True))
+                lines.append(f"{head} {same} of {len(r['reference'])} replies as each prompt alone "
+                             f"(lengths {r['lengths']})")
+            elif name == "offload_two_devices":
+                lines.append(f"{head} shards on {r['shard_devices']}; max |LOMO - SGD| {r['sgd']['max_abs_diff']:.2e}, "
+                             f"|AdaLomo - reference| {r['adalomo']['max_abs_diff']:.2e}; bf16 losses "
+                             + " ".join(f"{x:.4f}" for x in r["bf16_losses"]))
+            elif name == "offload_overlap":
+                lines.append(f"{head} median step " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
+                                                               r["median_s"].items())
+                             + f"; host thread saves {r['saved_s'] * 1e3:.1f} ms over inline, {r['applied']} "
+                             "updates on it")
+            elif name == "host_syncs":
+                lines.append(f"{head} " + ("; ".join(f"{k}: from lomo_ds {v['lomo_ds'] or 'none'}, "
+                                                      f"{len(v['others'])} elsewhere" for k, v in r.items())
+                                           if "skipped" not in r else r["skipped"]))
+            elif name == "reduction_overflow":
+                lines.append(f"{head} skipped per step " + " ".join(str(all(s["skipped"])) for s in r["steps"])
+                             + ", shards finite " + " ".join(str(all(s["finite"])) for s in r["steps"]))
+            elif name == "lora_lomo":
+                lines.append(f"{head} adapter gradient norm {r['one_pass']['lora_grad_norm']:.6g} in one pass, "
+                             f"{r['two_passes']['lora_grad_norm']:.6g} in two")
             elif name == "bf16":
                 lines.append(f"{head} realized update share " + ", ".join(
                     f"{mode} {v['realized']:.3f}" for mode, v in r.items()))

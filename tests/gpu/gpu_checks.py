@@ -3,32 +3,53 @@
     python -m torch.distributed.run --nproc_per_node N -m tests.gpu.gpu_checks OUT.json
     ... -m tests.gpu.gpu_checks OUT.json --smoke --only step_time,offload   # the same code, tiny, on a CPU
 
-Each check builds its own engines and rank 0 records figures; the pytest side asserts on them. The
-equivalence, bf16 and overflow checks are the CPU suite's (tests/dist_engine_checks.py) run on CUDA;
-new here: parameter offload, peak memory against the planner, and step time against the floor and
-DeepSpeed's own ZeRO-3 SGD. --smoke runs the new ones with tiny sizes on whatever device there is,
-so a CPU proves they run.
+Each check builds its own engines and rank 0 records figures; the pytest side asserts on them.
+
+One GPU runs the bucket path too: every check's engine names grad_reduction "reduce_scatter"
+(dist_engine_checks.LOMO_DEFAULTS), which one rank runs as a one-rank collective, so a world-1 NCCL
+group, the buckets' side stream and the timers' events run on a single GPU as on many
+(bucket_path records that they did); "sgd_direct" keeps one rank's default path (each gradient
+applied as it arrives).
+
+Most checks are the CPU suite's, run on CUDA: equivalence with SGD (tests/dist_engine_checks.py;
+clipping, recompute mode, reduce_dtype, mixture-of-experts), AdaLomo against its reference
+(tests/dist_adalomo_checks.py), LoRA+LOMO (tests/dist_methods_checks.py), gradient accumulation,
+bf16 and fp16 overflow. New here: the bucket path's facts, evaluation and generation on the engine
+after a step against the unpartitioned model with its weights, parameter offload, peak memory
+against the planner, and step time against the floor and DeepSpeed's own ZeRO-3 SGD. --smoke runs
+the new ones with tiny sizes on whatever device there is, so a CPU proves they run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import gc
 import os
 import tempfile
 import time
+import traceback
+import warnings
+from functools import partial
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lomo_ds
 from experiments.common import FloorEngine
+from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import accelerator_device
 from tests import dist_accumulation_checks as A
+from tests import dist_adalomo_checks as AD
+from tests import dist_engine_checks as E
+from tests.dist_bucket_checks import check_experts
 from tests.dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence
+from tests.dist_methods_checks import lora_lomo_two_passes
 from tests.gpu.compare import memory_run_config, predicted_peak_bytes, step_time_table
 from tests.ranks import run_checks
-from tests.tiny import tiny_llama
+from tests.tiny import global_batch, tiny_llama
 
 # Model sizes: (GPU, --smoke). The memory model's states (0.9 GB bf16 + the update's 0.35 GB) dwarf
 # the allocator's fixed costs; its activations (checkpointed, 2 x 256 tokens) stay small, so the
@@ -38,7 +59,7 @@ MEMORY_MODEL = {"gpu": dict(vocab_size=8192, hidden_size=2048, intermediate_size
 STEP_MODEL = {"gpu": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                           num_attention_heads=16, micro=4, seq=512, warmup=3, steps=10),
               "smoke": dict(vocab_size=97, hidden_size=40, intermediate_size=83, num_hidden_layers=2,
-                            num_attention_heads=4, micro=2, seq=16, warmup=1, steps=2)}
+                            num_attention_heads=4, micro=2, seq=16, warmup=0, steps=2)}
 
 
 def llama_config(sizes: dict) -> LlamaConfig:
@@ -64,13 +85,186 @@ def sync(device: torch.device) -> None:
 
 
 def check_offload(pin: bool):
-    """offload_param: cpu. The update must follow the shard to the host and still equal SGD."""
+    """offload_param: cpu. The update must follow the shard to the host and still equal SGD
+    (equivalence reports where the engine's first shard lives)."""
     cfg = ds_cfg()
     cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
-    result = equivalence(lambda: tiny_llama(0), cfg)
-    engine = lomo_ds.initialize(tiny_llama(0), cfg)
-    result["shard_device"] = ds_compat.shard(engine.params[0]).device.type
+    result = equivalence(partial(tiny_llama, 0), cfg)
+    result["shard_device"] = torch.device(result["shard_device"]).type
     return result
+
+
+def check_bucket_path():
+    """The bucket path as this launch runs it: the backend, the transport, the side stream, one
+    reduce-scatter per bucket in a step, the step timers (accelerator events on a GPU), and the
+    ZeRO-3 gather stream that the step's last update is ordered before (None: nothing to order)."""
+    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=700))
+    world, rank = engine.world, engine.rank
+    engine.timers.enable()
+    engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
+    engine.timers.take()
+    with count_comm() as counts:
+        out = engine.train_step(global_batch(1, world)[rank])
+    spans = engine.timers.take()
+    gather_stream = getattr(engine.offload.get_param_coordinator(),
+                            "_PartitionedParameterCoordinator__allgather_stream", None)
+    # Each rank's device index, as lomo_ds set it (main() leaves it to lomo_ds: issue 17 item 1).
+    devices = [int(d[0]) for d in E.on_every_rank(engine.device.index or 0)]
+    return {"backend": torch.distributed.get_backend(), "world": world, "device": str(engine.device),
+            "device_per_rank": devices,
+            "transport": engine.buckets.transport, "side_stream": engine.buckets.stream is not None,
+            "timers_on_accelerator": engine.timers.on_accelerator, "spans": spans,
+            "buckets": len(engine.buckets.layout), "reduce_scatters": counts.calls_by_op["reduce_scatter"],
+            "gather_stream": None if gather_stream is None else type(gather_stream).__name__,
+            "skipped": out["skipped"]}
+
+
+def check_offload_two_devices():
+    """offload_param cpu with persistent parameters: their shards stay on the GPU and the rest go
+    to host memory, so one bucket updates shards on two devices (issue 17 item 5). SGD and AdaLomo
+    against their references, and bf16 with stochastic rounding (a generator per device) trains."""
+    cfg = E.offload_cfg()
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 2000
+    acfg = AD.adalomo_cfg(persist=2000)
+    acfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    out = {"sgd": equivalence(partial(tiny_llama, 7), cfg), "adalomo": AD.equivalence(partial(tiny_llama, 7), acfg)}
+    bf16 = copy.deepcopy(cfg)
+    bf16["bf16"] = {"enabled": True}
+    bf16["lomo"].update(stochastic_rounding=True, lr=1e-3)
+    engine = lomo_ds.initialize(tiny_llama(7), bf16)
+    out["shard_devices"] = sorted({ds_compat.shard(p).device.type for p in engine.params})
+    before = [ds_compat.shard(p).clone() for p in engine.params]
+    out["bf16_losses"] = [engine.train_step(global_batch(step, engine.world)[engine.rank])["loss"] for step in range(3)]
+    out["bf16_moved_on"] = sorted({ds_compat.shard(p).device.type for p, b in zip(engine.params, before, strict=True)
+                                   if not torch.equal(ds_compat.shard(p), b)})
+    return out
+
+
+def check_host_syncs():
+    """CUDA's sync debug mode over the backward passes of a step (after the first, which settles
+    the layout): the synchronising calls whose innermost caller outside torch is lomo_ds code (on a
+    GPU each one drains the queue: issue 17 item 7), and, for information, the others (DeepSpeed's
+    hooks; the backward kernels', which autograd replays at the `.backward(` call). One pass, norm
+    clipping, AdaLomo on the bucket path, and one rank's direct path."""
+    if not torch.cuda.is_available():
+        return {"skipped": "CUDA's sync debug mode needs CUDA"}
+    torch_dir = os.path.dirname(torch.__file__)
+
+    def owner(stack) -> str:
+        for frame in reversed(stack):
+            if frame.filename.startswith(torch_dir) or frame.filename.endswith("warnings.py"):
+                continue
+            where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+            if ".backward(" in (frame.line or ""):
+                return f"backward kernels (replayed at {where})"
+            return where if f"{os.sep}lomo_ds{os.sep}" in frame.filename else f"other: {where}"
+        return "other: torch"
+
+    out = {}
+    for name, lomo in {"sgd": {}, "clip_norm": {"clip_grad_norm": 0.5}, "adalomo": {"optimizer": "adalomo"},
+                       "direct": {"grad_reduction": "auto"}}.items():
+        engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, **lomo))
+        engine.train_step(global_batch(0, engine.world)[engine.rank])
+        found = []
+
+        def record(message, category, filename, lineno, file=None, line=None, _found=found):
+            _found.append(owner(traceback.extract_stack()[:-1]))
+
+        def watched(*args, _backward=engine._backward, _record=record, **kwargs):
+            with warnings.catch_warnings():  # restores warnings.showwarning at its end
+                warnings.simplefilter("always")
+                warnings.showwarning = _record
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return _backward(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+        engine._backward = watched
+        engine.train_step(global_batch(1, engine.world)[engine.rank])
+        out[name] = {"lomo_ds": sorted({f for f in found if not f.startswith(("other", "backward"))}),
+                     "others": sorted({f for f in found if f.startswith(("other", "backward"))})}
+        del engine
+    return out
+
+
+def trained_engine_and_reference(seed: int = 21):
+    """An engine after one LOMO step, and (rank 0) the unpartitioned model with its weights on the
+    engine's device: what evaluation and generation on the engine must agree with."""
+    engine = lomo_ds.initialize(tiny_llama(seed), ds_cfg())
+    engine.train_step(global_batch(0, engine.world)[engine.rank])
+    full = engine.full_state_dict()  # collective
+    reference = None
+    if engine.rank == 0:
+        reference = tiny_llama(seed)
+        reference.load_state_dict(full)
+        reference.to(engine.device).eval()
+    return engine, reference
+
+
+def check_evaluation():
+    """lomo_ds.evaluation.scoring on the engine after a step (candidate accuracy and the LM loss,
+    the examples split over the ranks) against the same on the unpartitioned model, on one rank."""
+    from lomo_ds.data.loading import EvalExample
+    from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
+
+    engine, reference = trained_engine_and_reference()
+    g = torch.Generator(device="cpu").manual_seed(3)
+
+    def ids(n):
+        return torch.randint(3, 90, (n,), generator=g, device="cpu").tolist()
+
+    examples = [EvalExample("t", ids(3 + i % 4), [ids(1 + i % 2), ids(2)], i % 2) for i in range(11)]
+    texts = [ids(5 + i % 3) for i in range(7)]
+    lm = [{"input_ids": t, "labels": [-100, -100] + t[2:]} for t in texts]
+
+    def on(model, rank, world):
+        fwd = (lambda b: engine.eval_forward(b).logits) if model is None else (lambda b: model(**b).logits)
+        return {"accuracy": evaluate(fwd, examples, 0, 2, rank, world, device=engine.device),
+                "loss": evaluate_loss(fwd, lm, 0, 2, rank, world, device=engine.device)}
+
+    got = on(None, engine.rank, engine.world)
+    want = on(reference, 0, 1) if reference is not None else None
+    return {"engine": got, "reference": want}
+
+
+PROMPT_LENGTHS = (4, 9, 6, 12, 5, 7, 3)
+
+
+def gen_prompts(lengths=PROMPT_LENGTHS) -> list[dict]:
+    g = torch.Generator(device="cpu").manual_seed(5)
+    return [{"prompt_ids": torch.randint(3, 90, (n,), generator=g, device="cpu").tolist(), "messages": [],
+             "reference": ""} for n in lengths]
+
+
+class TokenIds:
+    """A tokenizer's decode that writes the token ids: replies compared exactly."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def check_generation(lengths=PROMPT_LENGTHS):
+    """lomo_ds.evaluation.generation on the engine after a step (greedy, KV cache, prompts of
+    `lengths` split over the ranks, replies of different lengths) against the unpartitioned model
+    answering each prompt alone."""
+    from lomo_ds.evaluation.generation import evaluate_generation, generate_ids
+
+    engine, reference = trained_engine_and_reference()
+    synced = engine.world > 1
+    ps = gen_prompts(lengths)
+    # A stop token the first reply meets after 2 tokens (every rank asks the same, as one collective).
+    stop = generate_ids(engine.module, [ps[0]["prompt_ids"]], stop_ids=[], pad_id=0, max_new_tokens=3,
+                        device=engine.device, synced=synced)[0][2]
+    _, rows = evaluate_generation(engine.module, ps, TokenIds, stop_ids=[stop], pad_id=0, max_new_tokens=8,
+                                  batch_size=2, rank=engine.rank, world=engine.world, device=engine.device)
+    if reference is None:
+        return {}
+    alone = [generate_ids(reference, [p["prompt_ids"]], stop_ids=[stop], pad_id=0, max_new_tokens=8,
+                          device=engine.device)[0] for p in ps]
+    return {"replies": [r["reply"] for r in rows], "reference": [TokenIds.decode(r) for r in alone],
+            "lengths": [len(r) for r in alone]}
 
 
 def check_memory(device: torch.device, workdir: str):
@@ -177,6 +371,68 @@ def check_offload_overlap(device: torch.device, sizes: dict):
             "x_no_offload": {name: m / medians["no_offload"] for name, m in medians.items()}}
 
 
+def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smoke: bool = False) -> dict:
+    """The checks of this launch by name, as partials (tests/gpu/test_helpers.py binds each one's
+    arguments to its function's signature and validates its config without running it)."""
+    tiny = partial(partial, tiny_llama)  # tiny(seed): the model factory a check builds its copies with
+    checks = {
+        "bucket_path": partial(check_bucket_path),
+        "sgd": partial(equivalence, tiny(0), ds_cfg()),
+        # One rank's default (grad_reduction auto): each gradient applied as it arrives, no bucket.
+        "sgd_direct": partial(equivalence, tiny(0), ds_cfg(grad_reduction="auto")),
+        "clip_norm": partial(equivalence, tiny(1), ds_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5}),
+        "clip_norm_recompute": partial(equivalence, tiny(1), ds_cfg(clip_grad_norm=0.5, two_pass_mode="recompute"),
+                                       {"clip_norm": 0.5}),
+        # Buckets reduced in bf16 (an fp32 model): SGD's result up to bf16's rounding of the gradients.
+        "reduce_dtype_bf16": partial(equivalence, tiny(0), ds_cfg(reduce_dtype="bf16")),
+        "adalomo": partial(AD.equivalence, tiny(0), AD.adalomo_cfg()),
+        "adalomo_clip_norm": partial(AD.equivalence, tiny(1), AD.adalomo_cfg(clip_grad_norm=0.5), clip_norm=0.5),
+        "lora_lomo": partial(lora_lomo_two_passes, **E.LOMO_DEFAULTS),
+        # Experts reached by some micro-batches only, switching every step (flush-only buckets).
+        "experts": partial(check_experts, E.LOMO_DEFAULTS.get("grad_reduction", "auto")),
+        "evaluation": partial(check_evaluation),
+        "generation": partial(check_generation),
+        "bf16": partial(check_bf16),
+        "overflow": partial(check_overflow, fp16=True),
+        "offload": partial(check_offload, pin=on_gpu),
+        "offload_two_devices": partial(check_offload_two_devices),
+        # The host-update thread against the updates inside the hook and against no offload (item 8).
+        "offload_overlap": partial(check_offload_overlap, device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
+        "host_syncs": partial(check_host_syncs),
+        # A sum that overflows only inside the fp16 reduction (several ranks: issue 17 item 4).
+        "reduction_overflow": partial(E.check_reduction_overflow, "fp16" if on_gpu else None),
+        "memory": partial(check_memory, device, workdir),
+        "step_time": partial(check_step_time, device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
+        # Gradient accumulation on the GPU: the accumulator beside the shards, and in pinned host
+        # memory (lomo.accumulate_on cpu: slices copied over without blocking, the sum copied back),
+        # fused into the K-th backward and as one pass after it (norm clipping).
+        "accumulation": partial(A.equivalence, tiny(0), A.acc_cfg()),
+        "accumulation_host": partial(A.equivalence, tiny(0), A.acc_cfg(accumulate_on="cpu")),
+        "accumulation_host_clip_norm": partial(A.equivalence, tiny(1), A.acc_cfg(accumulate_on="cpu",
+                                                                               clip_grad_norm=0.5), clip_norm=0.5),
+    }
+    if not on_gpu:  # DeepSpeed refuses fp16 on a CPU, and only CUDA reports allocator peaks and syncs
+        checks.pop("overflow"), checks.pop("memory"), checks.pop("host_syncs")
+    if world < 2:
+        checks.pop("reduction_overflow")  # one rank's sum is its own gradient
+        if not smoke:
+            checks.pop("step_time")  # side by side on 2+ GPUs: one GPU has no reduction to overlap
+    return checks
+
+
+@contextlib.contextmanager
+def bucket_path_forced():
+    """Within the block every ds_cfg() names the reduce-scatter transport: one rank runs it as a
+    one-rank collective (lomo_ds/engine/buckets.py), so one GPU exercises what many do."""
+    saved = dict(E.LOMO_DEFAULTS)
+    E.LOMO_DEFAULTS["grad_reduction"] = "reduce_scatter"
+    try:
+        yield
+    finally:
+        E.LOMO_DEFAULTS.clear()
+        E.LOMO_DEFAULTS.update(saved)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -185,36 +441,15 @@ def main() -> None:
     args = ap.parse_args()
 
     on_gpu = torch.cuda.is_available() and not args.smoke
-    if on_gpu:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    # lomo_ds puts each rank on its own GPU (LOCAL_RANK), before anything reads the device: not
+    # set here, so that a regression shows (bucket_path's device_per_rank; NCCL refuses two ranks
+    # on one GPU).
     lomo_ds.init_distributed()
+    device = accelerator_device() if on_gpu else torch.device("cpu")
     world = torch.distributed.get_world_size()
     workdir = os.path.dirname(os.path.abspath(args.out)) or tempfile.gettempdir()
-    checks = {
-        "sgd": lambda: equivalence(lambda: tiny_llama(0), ds_cfg()),
-        "clip_norm": lambda: equivalence(lambda: tiny_llama(1), ds_cfg(clip_grad_norm=0.5), {"clip_norm": 0.5}),
-        "bf16": check_bf16,
-        "overflow": lambda: check_overflow(fp16=True),
-        "offload": lambda: check_offload(pin=on_gpu),
-        "memory": lambda: check_memory(device, workdir),
-        "step_time": lambda: check_step_time(device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
-        # Gradient accumulation on the GPU: the accumulator beside the shards, and in pinned host
-        # memory (lomo.accumulate_on cpu: slices copied over without blocking, the sum copied back),
-        # fused into the K-th backward and as one pass after it (norm clipping).
-        "accumulation": lambda: A.equivalence(lambda: tiny_llama(0), A.acc_cfg()),
-        "accumulation_host": lambda: A.equivalence(lambda: tiny_llama(0), A.acc_cfg(accumulate_on="cpu")),
-        "accumulation_host_clip_norm": lambda: A.equivalence(
-            lambda: tiny_llama(1), A.acc_cfg(accumulate_on="cpu", clip_grad_norm=0.5), clip_norm=0.5),
-    }
-    if not on_gpu:  # DeepSpeed refuses fp16 on a CPU, and only CUDA reports allocator peaks
-        checks.pop("overflow"), checks.pop("memory")
-    if world < 2 and not args.smoke:
-        checks.pop("step_time")  # side by side on 2+ GPUs: one GPU has no reduction to overlap
-    run_checks(checks, args.out, only=args.only)
+    with bucket_path_forced():  # the configs built now and those the checks build as they run
+        run_checks(gpu_checks(device, on_gpu, world, workdir, smoke=args.smoke), args.out, only=args.only)
 
 
 if __name__ == "__main__":

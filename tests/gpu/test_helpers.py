@@ -1,14 +1,19 @@
 """The GPU suite's device-independent parts, on this CPU: the planner comparison arithmetic, the
-summary, the imports test_gpu.py makes, and the new checks run tiny (gloo) so their code is known
-to run before a GPU ever sees it."""
+summary, the imports test_gpu.py makes, every check's arguments bound and its config validated
+without running it, and the checks only the GPU suite has run tiny (gloo) so their code is known
+to run before a GPU ever sees it (the others are the CPU suite's own checks)."""
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 
 import pytest
 import torch
 
+from lomo_ds.config.lomo import load_config
 from lomo_ds.planning.planner import RunSpec, estimate, run_spec, spec_from_hf_config
+from tests import dist_engine_checks
 from tests.gpu import gpu_checks
 from tests.gpu.compare import (
     MEMORY_TOLERANCE,
@@ -22,16 +27,76 @@ from tests.gpu.compare import (
 )
 from tests.ranks import multi_rank_checks, ok
 
-# The GPU suite's newer checks (LOMO against the floor and DeepSpeed SGD; offload_param), tiny, on the
-# CPU ranks of the 2-rank launch: they prove the code runs end to end, not how fast it is.
-gpu_step_time, gpu_offload = multi_rank_checks(
+
+def forced(check):
+    """`check` run as the GPU launch runs it: the bucket path forced on every engine it builds."""
+    def run():
+        with gpu_checks.bucket_path_forced():
+            return check()
+    return run
+
+
+# The checks only the GPU suite has, tiny, on the CPU ranks of the 2-rank launch (one torch thread
+# each: a 1-rank launch's two threads fight over a loaded machine's cores on ops this small), forced
+# onto the bucket path as the GPU launch is: they prove the code runs end to end, not how fast it is.
+# One rank's one-rank reduce-scatter is the CPU suite's own (tests/test_buckets.py).
+(gpu_step_time, gpu_offload, gpu_bucket_path, gpu_evaluation, gpu_generation, gpu_offload_two_devices,
+ gpu_offload_overlap) = multi_rank_checks(
     [2], gpu_step_time=lambda: gpu_checks.check_step_time(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
-    gpu_offload=lambda: gpu_checks.check_offload(pin=False))
+    gpu_offload=lambda: gpu_checks.check_offload(pin=False),
+    gpu_bucket_path=forced(gpu_checks.check_bucket_path), gpu_evaluation=forced(gpu_checks.check_evaluation),
+    # 3 prompts (one generate call per rank) instead of the GPU's 7: the same code, a CPU's share.
+    gpu_generation=forced(functools.partial(gpu_checks.check_generation, lengths=(4, 9, 6))),
+    gpu_offload_two_devices=forced(gpu_checks.check_offload_two_devices),
+    gpu_offload_overlap=lambda: gpu_checks.check_offload_overlap(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]))
+
+
+def bind_everything(fn) -> list[dict]:
+    """Bind a check (a partial, its arguments partials too) to its function's signature, raising on
+    a wrong argument; returns the configs (dicts with a "lomo" section) it was given."""
+    configs = []
+    if isinstance(fn, functools.partial):
+        inspect.signature(fn.func).bind(*fn.args, **fn.keywords)
+        for arg in (*fn.args, *fn.keywords.values()):
+            configs += bind_everything(arg)
+    elif isinstance(fn, dict) and "lomo" in fn:
+        configs.append(fn)
+    return configs
+
+
+@pytest.mark.parametrize("on_gpu, world", [(True, 1), (True, 2), (False, 1)])
+def test_every_gpu_check_binds_and_its_configs_load(on_gpu, world, tmp_path):
+    """The GPU launch's checks, as built for it, without running them: each one's arguments fit its
+    function and every config lomo_ds would refuse is found here, not on a GPU. Every engine the
+    launch builds from ds_cfg names the reduce-scatter transport (the bucket path on one GPU)."""
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    with gpu_checks.bucket_path_forced():
+        checks = gpu_checks.gpu_checks(device, on_gpu, world, str(tmp_path))
+        assert dist_engine_checks.ds_cfg()["lomo"]["grad_reduction"] == "reduce_scatter"
+    assert dist_engine_checks.LOMO_DEFAULTS == {}, "the forcing must end with its block"
+    new = {"bucket_path", "sgd_direct", "clip_norm_recompute", "reduce_dtype_bf16", "adalomo", "adalomo_clip_norm",
+           "lora_lomo", "experts", "evaluation", "generation", "offload_two_devices", "offload_overlap"}
+    assert new <= set(checks)
+    assert ("overflow" in checks) == ("memory" in checks) == ("host_syncs" in checks) == on_gpu
+    assert ("step_time" in checks) == ("reduction_overflow" in checks) == (world > 1)
+    configs = []
+    for name, check in checks.items():
+        assert isinstance(check, functools.partial), name
+        configs += bind_everything(check)
+    for cfg in configs:
+        load_config(cfg)
+    direct = checks["sgd_direct"].args[1]
+    assert direct["lomo"]["grad_reduction"] == "auto"
+    assert all(cfg["lomo"]["grad_reduction"] == "reduce_scatter" for cfg in configs if cfg is not direct)
 
 
 def test_test_gpu_imports_exist():
     # test_gpu.py is skipped at module level here, before its imports: they are checked here instead.
-    from tests.dist_engine_checks import assert_bf16_rounding, assert_overflow_recovers  # noqa: F401
+    from tests.dist_engine_checks import (  # noqa: F401
+        assert_bf16_rounding,
+        assert_overflow_recovers,
+        assert_reduction_overflow_skips,
+    )
     from tests.ranks import ROOT, launch, ok  # noqa: F401
 
 
@@ -98,3 +163,30 @@ def test_new_checks_run_tiny_on_cpu(rank_results):
     assert offload["max_abs_diff"] <= 1e-6 and offload["shard_device"] == "cpu"
     assert list(step_time["table"]) == ["floor", "lomo", "deepspeed_sgd"]
     assert all(len(t) == 2 and min(t) > 0 for t in step_time["times"].values())
+
+
+def test_gpu_launchs_own_checks_run_tiny_on_cpu_ranks(rank_results):
+    """The GPU launch's own checks on 2 gloo ranks, forced onto the bucket path as there: a
+    reduce-scatter per bucket, evaluation and generation on the engine after a step equal to the
+    unpartitioned model's, offload with persistent parameters, the host-update thread timed (what
+    test_gpu.py asserts; on a CPU no side stream, no events, one device)."""
+    r = ok(rank_results(2), gpu_bucket_path)
+    assert (r["backend"], r["world"], r["transport"], r["device_per_rank"]) == ("gloo", 2, "reduce_scatter", [0, 0])
+    assert r["buckets"] > 1 and r["reduce_scatters"] == r["buckets"] and not r["skipped"]
+    assert not r["side_stream"] and not r["timers_on_accelerator"] and r["spans"]["pack"] > 0
+    ev = ok(rank_results(2), gpu_evaluation)
+    got, want = ev["engine"], ev["reference"]  # forward_calls differ: the engine's are per rank
+    assert got["accuracy"]["n"] == want["accuracy"]["n"] == 11
+    assert got["accuracy"]["accuracy"] == want["accuracy"]["accuracy"]
+    assert ev["engine"]["loss"]["loss"] == pytest.approx(ev["reference"]["loss"]["loss"], rel=1e-6)
+    gen = ok(rank_results(2), gpu_generation)
+    assert gen["replies"] == gen["reference"] and gen["lengths"][0] == 2 and len(set(gen["lengths"])) > 1
+    two = ok(rank_results(2), gpu_offload_two_devices)  # one device here: the code runs, SGD's and AdaLomo's
+    assert two["shard_devices"] == two["bf16_moved_on"] == ["cpu"]
+    assert two["sgd"]["max_abs_diff"] <= 1e-6 and two["adalomo"]["max_abs_diff"] <= 1e-6
+    overlap = ok(rank_results(2), gpu_offload_overlap)  # the host-update thread ("thread" on a CPU too)
+    assert overlap["applied"] > 0 and all(len(t) == 2 for t in overlap["times"].values())
+    text = format_summary({2: {"bucket_path": r, "evaluation": ev, "generation": gen, "offload_two_devices": two,
+                               "offload_overlap": overlap}})
+    assert "gloo, reduce_scatter, side stream False" in text and "3 of 3 replies" in text
+    assert "shards on ['cpu']" in text and "updates on it" in text
