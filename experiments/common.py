@@ -194,32 +194,39 @@ class FloorEngine:
         import deepspeed
 
         from lomo_ds.runtime import ds_compat
+        from lomo_ds.runtime.device import accelerator_device
 
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=None,
                                                   optimizer=None)
         self.module = self.ds_engine.module
         self.offload = ds_compat.offload_of(self.ds_engine)
+        self.device = accelerator_device()
         self._hooks = [p.register_post_accumulate_grad_hook(self._discard) for p in self.module.parameters()]
-        # The last step's forward and backward alone: a two-pass step pays one more backward.
-        self.forward_seconds = self.backward_seconds = 0.0
+        self._spans = None  # the last step's forward and backward (a two-pass step pays one more backward)
 
     @staticmethod
     def _discard(param) -> None:
         param.grad = None
 
     def train_step(self, batch: dict) -> dict:
+        from lomo_ds.engine.comm_stats import StepTimers
         from lomo_ds.runtime import ds_compat
         from lomo_ds.runtime.dist import loss_of
 
         self.module.train()
-        t0 = time.perf_counter()
-        loss = loss_of(self.module(**batch))
-        self.forward_seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        loss.backward()
-        self.backward_seconds = time.perf_counter() - t0
+        # On an accelerator the spans are events on the stream, read after the step (no host sync
+        # inside it); a fresh set per step keeps the last step's alone.
+        self._spans = StepTimers(enabled=True, device=self.device)
+        with self._spans.span("forward"):
+            loss = loss_of(self.module(**batch))
+        with self._spans.span("backward"):
+            loss.backward()
         ds_compat.release_all(self.offload)
         return {}
+
+    def last_step_seconds(self) -> dict[str, float]:
+        """The last step's forward and backward, in seconds (on an accelerator: waits for them)."""
+        return self._spans.take() if self._spans is not None else {}
 
 
 def pyplot():

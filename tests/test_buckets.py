@@ -38,8 +38,7 @@ nonfinite_bf16, two_groups, transport = multi_rank_checks(
 overlap, other_partitioning = multi_rank_checks(
     [2, 3], overlap=B.check_overlap, other_partitioning=B.check_other_partitioning_refused)
 
-BENCH_ARGS = ["--layers", "1", "--hidden", "64", "--vocab", "128", "--seq", "16", "--micro", "1",
-              "--bucket-size", "2000", "--steps", "2", "--warmup", "1"]
+BENCH_ARGS = ["--preset", "tiny"]
 
 
 def bench_step_report(extra: tuple = ()) -> dict:
@@ -56,7 +55,7 @@ def bench_step_report(extra: tuple = ()) -> dict:
 
 
 bench_step, bench_step_accumulation = multi_rank_checks(
-    [2], bench_step=bench_step_report,
+    [2], bench_step=lambda: bench_step_report(("--offload",)),
     bench_step_accumulation=lambda: bench_step_report(("--accumulation", "2", "--engines", "floor,lomo,lomo clipped")))
 
 
@@ -168,8 +167,28 @@ def test_bench_step_prints_ratios_and_breakdown(rank_results):
     end: a tiny model on the 2-rank launch; it proves the code runs, not how fast it is."""
     out = ok(rank_results(2), bench_step)["stdout"]
     for row in ("floor", "lomo clipped", "lomo rs", "deepspeed sgd", "-> shared_memory", "-> reduce_scatter",
-                "pack", "wait at end", "update", "bookkeeping"):
+                "pack", "wait at end", "update", "bookkeeping", "floor offload", "lomo offload",
+                "LOMO against its floor (limit 1.10x): lomo ", "lomo offload", "offload against none: "):
         assert row in out, out
+    assert ("LOMO within 1.10x its floor: OK" in out) != ("!!! LOMO ABOVE 1.10x ITS FLOOR" in out), out
+
+
+def test_bench_step_flags_lomo_above_its_floor_loudly():
+    """The summary's verdict: each LOMO engine of one backward against its own floor (lomo offload
+    against floor offload), per-round ratios; above 1.10x, a banner naming it."""
+    from experiments import bench_step
+
+    times = {"floor": [1.0, 2.0, 1.0], "lomo": [1.05, 2.1, 1.0], "lomo clipped": [1.8, 3.6, 1.8],
+             "floor offload": [3.0, 3.0, 3.0], "lomo offload": [3.6, 3.3, 3.9]}
+    text = "\n".join(bench_step.summary(times))
+    assert "LOMO against its floor (limit 1.10x): lomo 1.050x floor, lomo offload 1.200x floor offload" in text
+    assert "offload against none: lomo offload 3.429x lomo, floor offload 3.000x floor" in text
+    assert "!!! LOMO ABOVE 1.10x ITS FLOOR: lomo offload 1.200x floor offload\n" in text + "\n"
+    assert text.startswith("LOMO against") and text.count("!" * 100) == 2 and "OK" not in text
+    times["lomo offload"] = [3.1, 3.2, 3.0]
+    text = "\n".join(bench_step.summary(times))
+    assert "LOMO within 1.10x its floor: OK" in text and "!!!" not in text
+    assert bench_step.summary({"floor": [1.0], "lomo clipped": [2.0]}) == []
 
 
 def test_bench_step_with_accumulation(rank_results):

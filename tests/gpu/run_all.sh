@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check suite on every GPU of this machine (world 1, and world N when there are N > 1),
-# then a summary of what it measured. Usage: tests/gpu/run_all.sh   (or: make test-gpu)
+# a summary of what it measured, then the GPU benchmark (experiments/bench_step.py --preset gpu
+# --offload: LOMO against its floor, offload against none, flagged above 1.10x the floor) on 1 GPU
+# and on all of them. Usage: tests/gpu/run_all.sh   (or: make test-gpu)
 # Figures stay in $LOMO_GPU_RESULTS (default runs/gpu_checks): results_<world>.json, train_builtin.json,
-# pytest.log. Budget: under 8 minutes on one GPU.
+# pytest.log, bench_<world>.txt. Budget: under 10 minutes on one GPU. The exit status is the checks'
+# (a benchmark that fails to run fails it too; a flag above 1.10x is printed, not failed).
 set -u
 cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
@@ -12,13 +15,43 @@ mkdir -p "$LOMO_GPU_RESULTS"
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi: not found"
 $PYTHON -c "import torch, deepspeed; print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}, {torch.cuda.device_count()} GPU(s) visible')"
+n_gpus=$($PYTHON -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
 start=$(date +%s)
-timeout 900 $PYTHON -m pytest -q -rA -s -p no:cacheprovider tests/gpu 2>&1 | tee "$LOMO_GPU_RESULTS/pytest.log"
+timeout 1500 $PYTHON -m pytest -q -rA -s -p no:cacheprovider tests/gpu 2>&1 | tee "$LOMO_GPU_RESULTS/pytest.log"
 status=${PIPESTATUS[0]}
 
 echo
 echo "== GPU check suite: $(( $(date +%s) - start )) s, pytest exit status $status"
 $PYTHON tests/gpu/compare.py "$LOMO_GPU_RESULTS"
 tail -n 1 "$LOMO_GPU_RESULTS/pytest.log"
+
+if [ "$n_gpus" -lt 1 ]; then
+    echo "== GPU benchmark: skipped (no GPU)"
+    exit "$status"
+fi
+worlds="1"
+[ "$n_gpus" -gt 1 ] && worlds="1 $n_gpus"
+for world in $worlds; do
+    echo
+    echo "== GPU benchmark on $world GPU(s): experiments/bench_step.py --preset gpu --offload"
+    bench_start=$(date +%s)
+    timeout 600 $PYTHON -m torch.distributed.run --nproc_per_node "$world" -m experiments.bench_step \
+        --preset gpu --offload > "$LOMO_GPU_RESULTS/bench_$world.txt" 2>&1
+    bench_status=$?
+    # The report (rank 0's), without the launch's log lines.
+    sed -n '/-parameter LLaMA/,$p' "$LOMO_GPU_RESULTS/bench_$world.txt" | grep -v '^\[' || true
+    echo "(benchmark: $(( $(date +%s) - bench_start )) s, exit status $bench_status; log: $LOMO_GPU_RESULTS/bench_$world.txt)"
+    if [ "$bench_status" -ne 0 ]; then
+        tail -n 30 "$LOMO_GPU_RESULTS/bench_$world.txt"
+        [ "$status" -eq 0 ] && status=$bench_status
+    fi
+done
+echo
+echo "== the benchmark's verdicts"
+for world in $worlds; do
+    echo "[$world GPU(s)]"
+    grep -e "LOMO against its floor" -e "offload against none" -e "LOMO within" -e "!!! LOMO ABOVE" \
+        "$LOMO_GPU_RESULTS/bench_$world.txt" || echo "no figures (see $LOMO_GPU_RESULTS/bench_$world.txt)"
+done
 exit "$status"
