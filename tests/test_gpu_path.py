@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lomo_ds.config.lomo import AdaLomoConfig
-from lomo_ds.engine import host_updates, shm_reduce_scatter
+from lomo_ds.engine import host_updates, shm_all_gather, shm_reduce_scatter
 from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule
@@ -288,18 +288,30 @@ def test_shared_memory_slots_are_aligned_for_every_dtype(monkeypatch):
         assert out.tolist() == [1.0] * width
 
 
-def _waiting_rank(peer_header: dict, timeout_s: float = 60.0):
-    """Rank 0 of 2 waiting for rank 1's first bucket; rank 1's header as `peer_header` says.
+def _post_one(shm):
+    """Rank 0's first send of `shm`'s collective (rank 1 never posts its own): the handle to wait on."""
+    if isinstance(shm, shm_all_gather.SharedMemoryAllGather):
+        return shm.all_gather(torch.empty(2), torch.zeros(1))
+    shm.payload(1, torch.float32).zero_()
+    return shm.post(torch.empty(1))
+
+
+# Both shared-memory collectives wait on their peers through shm_transport.py's one mechanism.
+SHM_TRANSPORTS = {"reduce_scatter": (shm_reduce_scatter.SharedMemoryReduceScatter, "its backward"),
+                  "all_gather": (shm_all_gather.SharedMemoryAllGather, "its step")}
+
+
+def _waiting_rank(peer_header: dict, timeout_s: float = 60.0, transport: str = "reduce_scatter"):
+    """Rank 0 of 2 waiting for rank 1's first send; rank 1's header as `peer_header` says.
     Returns the error rank 0 raised (None if it is still waiting after 10 s)."""
-    shm = shm_reduce_scatter.SharedMemoryReduceScatter(None, world=2, rank=0, timeout_s=timeout_s)
+    shm = SHM_TRANSPORTS[transport][0](None, world=2, rank=0, timeout_s=timeout_s)
     shm.slot_bytes = 64
     shm.buffers = [torch.zeros(shm.header_bytes + shm.slots * 64, dtype=torch.uint8) for _ in range(2)]
     shm.flags = [b[:shm.header_bytes].view(torch.int64) for b in shm.buffers]
     shm.flags[0][2 * shm.slots] = os.getpid()
     shm.flags[1][2 * shm.slots] = peer_header.get("pid", os.getpid())
     shm.flags[1][2 * shm.slots + 1] = peer_header.get("abandoned", 0)
-    shm.payload(1, torch.float32).zero_()
-    pending = shm.post(torch.empty(1))
+    pending = _post_one(shm)
     raised = []
 
     def wait():
@@ -314,22 +326,25 @@ def _waiting_rank(peer_header: dict, timeout_s: float = 60.0):
     return raised[0] if raised else None
 
 
-def test_a_dead_peer_is_named_within_a_second():
+@pytest.mark.parametrize("transport", SHM_TRANSPORTS)
+def test_a_dead_peer_is_named_within_a_second(transport):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # its pid now names no process
     t0 = time.monotonic()
-    error = _waiting_rank({"pid": child.pid})
+    error = _waiting_rank({"pid": child.pid}, transport=transport)
     assert error is not None, "rank 0 still spins on a peer that has exited"
     assert "rank 1 has exited" in str(error) and time.monotonic() - t0 < 5
 
 
-def test_a_peer_whose_backward_raised_is_named():
-    error = _waiting_rank({"abandoned": 1})
-    assert error is not None and "rank 1 raised an error in its backward" in str(error)
+@pytest.mark.parametrize("transport", SHM_TRANSPORTS)
+def test_a_peer_whose_step_raised_is_named(transport):
+    error = _waiting_rank({"abandoned": 1}, transport=transport)
+    assert error is not None and f"rank 1 raised an error in {SHM_TRANSPORTS[transport][1]}" in str(error)
 
 
-def test_a_live_peer_that_never_posts_times_out_by_the_config():
-    error = _waiting_rank({}, timeout_s=1.0)
+@pytest.mark.parametrize("transport", SHM_TRANSPORTS)
+def test_a_live_peer_that_never_posts_times_out_by_the_config(transport):
+    error = _waiting_rank({}, timeout_s=1.0, transport=transport)
     assert error is not None and "lomo.collective_timeout" in str(error)
 
 

@@ -82,6 +82,8 @@ class AdaLomoConfig(Section):
 
 # How gradient buckets are summed over ranks: the transports of lomo_ds/engine/buckets.py.
 GradReduction = Literal["auto", "reduce_scatter", "shared_memory", "all_reduce"]
+# How ZeRO-3's parameter all-gathers are carried: lomo_ds/engine/shm_all_gather.py.
+ParamGather = Literal["auto", "shared_memory", "torch"]
 
 
 class LomoConfig(Section):
@@ -114,6 +116,10 @@ class LomoConfig(Section):
         "(shared_memory), else the backend's overlapped reduce-scatter (reduce_scatter), and on one rank each "
         "gradient applied as it arrives; all_reduce: the reference code's way, twice the bytes (benchmarks only); "
         "a transport named on one rank runs as a one-rank collective"))
+    param_gather: ParamGather = Field("auto", description=(
+        "how ZeRO-3's parameter all-gathers travel, for LOMO and for the DeepSpeed baselines alike: auto = through "
+        "shared memory for CPU ranks on one node (shared_memory), else torch.distributed's (torch); process-wide "
+        "(the last engine built decides)"))
     two_pass_mode: Literal["retain_graph", "recompute"] = Field(
         "retain_graph", description="how norm clipping's second backward gets its graph: kept from the first, or "
                                     "recomputed by a second forward (less memory)")

@@ -2,8 +2,10 @@
 step (StepTimers, for experiments/bench_step.py).
 
 Three paths carry collectives, and `count_comm` sees all of them, each call once:
-  deepspeed.comm's backend object: ZeRO-3's parameter all-gathers, lomo_ds's reduce-scatters and
-      all-reduces, and DeepSpeed's CPU all-reduce, which goes through shared memory and never
+  deepspeed.comm's backend object: ZeRO-3's parameter all-gathers (through lomo_ds's shared-memory
+      all-gather, shm_all_gather.py, when lomo.param_gather routes them there: the route sits on
+      that object, so each is counted here as the all-gather it replaces), lomo_ds's reduce-scatters
+      and all-reduces, and DeepSpeed's CPU all-reduce, which goes through shared memory and never
       reaches torch.distributed;
   torch.distributed itself: what calls it directly (PyTorch FSDP2 in experiments/bench_fsdp.py);
       a call made from inside a DeepSpeed one is that one, not a second;

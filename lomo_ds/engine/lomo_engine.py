@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lomo_ds.config.lomo import LomoConfig, Precision, load_config
+from lomo_ds.engine import shm_all_gather
 from lomo_ds.engine.accumulation import ACCUMULATE_DTYPES, ShardAccumulator, check_window
 from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.buckets import GradientBuckets
@@ -81,6 +82,8 @@ class LomoEngine:
         import deepspeed
 
         init_distributed(timeout_s=lomo.collective_timeout)
+        # Before DeepSpeed partitions the model: every ZeRO-3 gather from here on takes this route.
+        self.param_gather = shm_all_gather.configure(lomo.param_gather, lomo.collective_timeout)
         self.config = lomo
         self.ds_config = ds_config
         self.dtype = (precision or Precision.of(ds_config)).torch_dtype
@@ -255,6 +258,7 @@ class LomoEngine:
                 self.buckets.flush()
         except BaseException:
             self.buckets.abandon()
+            shm_all_gather.abandon()  # peers waiting on this rank's next parameter gather fail too
             if self.host_updates is not None:
                 self.host_updates.join(raise_failure=False)  # no update left running; this error wins
             raise

@@ -31,7 +31,7 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
     if method == "zero_shot":
         from lomo_ds.methods.zero_shot import ZeroShotEngine
 
-        return ZeroShotEngine(model, cfg.ds)
+        return ZeroShotEngine(model, cfg.ds, param_gather=cfg.lomo.param_gather)
     from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 
     lora = cfg.train.lora
@@ -39,14 +39,16 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
         warmup = int(round(cfg.lomo.scheduler.warmup_ratio * total_steps))
         return DeepSpeedOptimizerEngine(model, cfg.ds, method, method, lr=cfg.train.baseline_lr,
                                         clip=cfg.lomo.clip_grad_norm, total_steps=total_steps, warmup_steps=warmup,
-                                        weight_decay=cfg.train.baseline_weight_decay)
+                                        weight_decay=cfg.train.baseline_weight_decay,
+                                        param_gather=cfg.lomo.param_gather)
     from lomo_ds.methods.lora import LoraLomoEngine, apply_lora
 
     model = apply_lora(model, lora)
     warmup = int(round(lora.warmup_ratio * total_steps))
     if method == "lora":
         return DeepSpeedOptimizerEngine(model, cfg.ds, method, "adamw", lr=lora.lr, clip=cfg.lomo.clip_grad_norm,
-                                        total_steps=total_steps, warmup_steps=warmup)
+                                        total_steps=total_steps, warmup_steps=warmup,
+                                        param_gather=cfg.lomo.param_gather)
     return LoraLomoEngine(model, cfg.ds, cfg.lomo, total_steps, lora_lr=lora.lr, warmup_steps=warmup,
                           precision=cfg.precision)
 

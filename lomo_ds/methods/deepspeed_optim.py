@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lomo_ds.engine import shm_all_gather
 from lomo_ds.engine.accumulation import check_window
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.methods.base import MethodEngine
@@ -44,11 +45,14 @@ def linear_lr_factor(total_steps: int, warmup_steps: int):
 
 class DeepSpeedOptimizerEngine(MethodEngine):
     def __init__(self, model: torch.nn.Module, ds_config: dict, method: str, optimizer: str, *, lr: float,
-                 clip: float | None, total_steps: int, warmup_steps: int, weight_decay: float = 0.0):
+                 clip: float | None, total_steps: int, warmup_steps: int, weight_decay: float = 0.0,
+                 param_gather: str = "auto"):
         import deepspeed
 
         super().__init__()
         init_distributed()
+        # The same parameter fetch as LOMO's (lomo.param_gather): the comparison stays fair.
+        self.param_gather = shm_all_gather.configure(param_gather)
         self.method = method
         self.ds_config = baseline_ds_config(ds_config, clip)
         trainable = [p for p in model.parameters() if p.requires_grad]

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lomo_ds.engine import shm_all_gather
 from lomo_ds.methods.base import MethodEngine
 from lomo_ds.methods.deepspeed_optim import baseline_ds_config
 from lomo_ds.runtime import ds_compat
@@ -17,11 +18,12 @@ class ZeroShotEngine(MethodEngine):
     method = "zero_shot"
     supports_resume = False  # nothing is trained, so there is nothing to resume
 
-    def __init__(self, model: torch.nn.Module, ds_config: dict):
+    def __init__(self, model: torch.nn.Module, ds_config: dict, param_gather: str = "auto"):
         import deepspeed
 
         super().__init__()
         init_distributed()
+        self.param_gather = shm_all_gather.configure(param_gather)  # lomo.param_gather, as every engine
         for p in model.parameters():
             p.requires_grad_(False)
         # No step to accumulate for: gradient_accumulation_steps is ignored.

@@ -89,6 +89,28 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group, name:
     return dist.reduce_scatter_tensor(output, input, group=group, async_op=True)
 
 
+def route_all_gather_into_tensor(route) -> None:
+    """From now on, every all_gather_into_tensor of deepspeed.comm (ZeRO-3's parameter fetch:
+    partition_parameters' _dist_allgather_fn -> deepspeed.comm.allgather_fn, and its direct calls)
+    calls `route(original, output, input, group, async_op)`. Installed on deepspeed.comm's backend
+    object (`cdb`), the one point both paths reach, as an attribute of that object: count_comm's
+    counter wraps whatever is there, so the route's calls are counted too. A second call replaces
+    the route and keeps the original."""
+    import deepspeed.comm.comm as dscomm
+
+    cdb = dscomm.cdb
+    if cdb is None:
+        raise RuntimeError("deepspeed.comm is not initialized: start the process group first (init_distributed)")
+    current = cdb.__dict__.get("all_gather_into_tensor")
+    original = getattr(current, "lomo_original", None) or cdb.all_gather_into_tensor
+
+    def routed(output_tensor, input_tensor, group=None, async_op=False):
+        return route(original, output_tensor, input_tensor, group, async_op)
+
+    routed.lomo_original = original
+    cdb.all_gather_into_tensor = routed
+
+
 def broadcast_from_first(tensor: torch.Tensor, group, name: str = "broadcast tensor") -> None:
     """Overwrite `tensor` on every rank of `group` with the group's first rank's copy."""
     dist = _comm()
@@ -234,8 +256,38 @@ def check_internals() -> list[str]:
                "is_initialized", "ReduceOp"):
         if not hasattr(dist, fn):
             problems.append(f"deepspeed.comm.{fn}")
+    problems += _all_gather_route_problems()
     if not hasattr(deepspeed.zero, "Init") or not hasattr(deepspeed.zero, "GatheredParameters"):
         problems.append("deepspeed.zero.Init/GatheredParameters")
+    return problems
+
+
+def _all_gather_route_problems() -> list[str]:
+    """route_all_gather_into_tensor relies on this chain: ZeRO-3's gather calls
+    deepspeed.comm.allgather_fn, which calls the module's all_gather_into_tensor, which calls the
+    backend object `cdb`'s method of that name."""
+    import deepspeed.comm.comm as dscomm
+    from deepspeed.comm.torch import TorchBackend
+    from deepspeed.runtime.zero import partition_parameters
+
+    problems = []
+    gather_fn = getattr(partition_parameters, "_dist_allgather_fn", None)
+    if gather_fn is None or "allgather_fn" not in gather_fn.__code__.co_names:
+        problems.append("deepspeed.runtime.zero.partition_parameters._dist_allgather_fn -> allgather_fn")
+    allgather_fn = getattr(dscomm, "allgather_fn", None)
+    if allgather_fn is None or "all_gather_into_tensor" not in allgather_fn.__code__.co_names:
+        problems.append("deepspeed.comm.comm.allgather_fn -> all_gather_into_tensor")
+    into_tensor = getattr(dscomm, "all_gather_into_tensor", None)
+    # Under DeepSpeed's timed_op decorator: the function it wraps is in its closure.
+    inner = [c.cell_contents for c in (getattr(into_tensor, "__closure__", None) or ())
+             if callable(c.cell_contents) and getattr(c.cell_contents, "__name__", "") == "all_gather_into_tensor"]
+    codes = [f.__code__ for f in inner] or ([into_tensor.__code__] if into_tensor is not None else [])
+    if not codes or not any("cdb" in c.co_names and "all_gather_into_tensor" in c.co_names for c in codes):
+        problems.append("deepspeed.comm.comm.all_gather_into_tensor -> cdb")
+    if not hasattr(dscomm, "cdb"):
+        problems.append("deepspeed.comm.comm.cdb")
+    if not hasattr(TorchBackend, "all_gather_into_tensor"):
+        problems.append("deepspeed.comm.torch.TorchBackend.all_gather_into_tensor")
     return problems
 
 
