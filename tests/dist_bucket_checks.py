@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from unittest import mock
 
 import torch
 from transformers import LlamaForCausalLM
@@ -252,24 +253,19 @@ def check_transport():
     # Setting the transport up draws nothing from torch's generator (the training's dropout and
     # data draw from it, and must draw alike whichever transport runs).
     rng_untouched = torch.equal(rng, torch.get_rng_state())
-    saved = os.environ.get("LOCAL_SIZE")
-    os.environ["LOCAL_SIZE"] = str(10 * engine.world)
-    try:
-        resolve_transport("shared_memory", engine.params, engine.world)
-        error = None
-    except ValueError as e:
-        error = str(e)
-    finally:
-        if saved is None:
-            os.environ.pop("LOCAL_SIZE")
-        else:
-            os.environ["LOCAL_SIZE"] = saved
+    error = None
+    with mock.patch.dict(os.environ, {"LOCAL_SIZE": str(10 * engine.world)}):  # ranks that share no memory
+        try:
+            resolve_transport("shared_memory", engine.params, engine.world)
+        except ValueError as e:
+            error = str(e)
     torch.distributed.barrier()  # every rank past its engine's set-up
     # lomo_ds's buffers, and DeepSpeed's all-reduce buffers of this job (named by its port).
     port = os.environ.get("MASTER_PORT")
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("lomo_ds_")
                  or (f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f)]
-    return {"auto": engine.buckets.transport, "local_size": saved, "refused": error, "rng_untouched": rng_untouched,
+    return {"auto": engine.buckets.transport, "local_size": os.environ.get("LOCAL_SIZE"), "refused": error,
+            "rng_untouched": rng_untouched,
             "shm_bytes": engine.buckets.shm.nbytes if engine.buckets.shm else 0, "shm_files_left": leftovers}
 
 

@@ -4,6 +4,7 @@ as through gloo, with fp32 and with bf16 + fp32 parameters fetched together; eve
 step goes through it, and is counted (the count fails when the route is not installed)."""
 import copy
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -100,18 +101,12 @@ def check_lomo(mixed: bool) -> dict:
 def check_refused() -> dict:
     """shared_memory where the ranks share no memory (LOCAL_SIZE not the world size) is refused,
     naming the option; on one rank every choice comes to torch (ZeRO-3 gathers nothing)."""
-    saved = os.environ.get("LOCAL_SIZE")
-    os.environ["LOCAL_SIZE"] = str(10 * torch.distributed.get_world_size())
-    try:
-        shm_all_gather.resolve("shared_memory")
-        error = None
-    except ValueError as e:
-        error = str(e)
-    finally:
-        if saved is None:
-            os.environ.pop("LOCAL_SIZE")
-        else:
-            os.environ["LOCAL_SIZE"] = saved
+    error = None
+    with mock.patch.dict(os.environ, {"LOCAL_SIZE": str(10 * torch.distributed.get_world_size())}):
+        try:
+            shm_all_gather.resolve("shared_memory")
+        except ValueError as e:
+            error = str(e)
     return {"refused": error, "auto": shm_all_gather.resolve("auto")}
 
 

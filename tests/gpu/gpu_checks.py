@@ -305,16 +305,9 @@ def check_memory(device: torch.device, workdir: str):
             "base": base}
 
 
-def check_step_time(device: torch.device, sizes: dict):
-    """LOMO, the floor and DeepSpeed ZeRO-3 SGD on the same model and batches, taking turns step by
-    step (so drifts in clocks and neighbours hit all three alike); per-step times, and medians."""
-    ds = {"train_micro_batch_size_per_gpu": sizes["micro"], "zero_optimization": {"stage": 3}}
-    if device.type == "cuda":
-        ds["bf16"] = {"enabled": True}
-    engines = {"floor": FloorEngine(llama(sizes), ds),
-               "lomo": lomo_ds.initialize(llama(sizes), {**ds, "lomo": {"lr": 1e-3}}),
-               "deepspeed_sgd": DeepSpeedOptimizerEngine(llama(sizes), ds, "sgd", "sgd", lr=1e-3, clip=None,
-                                                          total_steps=0, warmup_steps=0)}
+def steps_in_turns(engines: dict, device: torch.device, sizes: dict) -> dict:
+    """Every engine steps on the same batches, taking turns step by step (so drifts in clocks and
+    neighbours hit them alike), each step timed between device syncs; the warm-up steps untimed."""
     rank = torch.distributed.get_rank()
     batches = [random_batch(sizes, device, seed=1000 * step + rank) for step in range(sizes["warmup"] + sizes["steps"])]
     times = {name: [] for name in engines}
@@ -326,6 +319,20 @@ def check_step_time(device: torch.device, sizes: dict):
             sync(device)
             if step >= sizes["warmup"]:
                 times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def check_step_time(device: torch.device, sizes: dict):
+    """LOMO, the floor and DeepSpeed ZeRO-3 SGD on the same model and batches, taking turns step by
+    step (so drifts in clocks and neighbours hit all three alike); per-step times, and medians."""
+    ds = {"train_micro_batch_size_per_gpu": sizes["micro"], "zero_optimization": {"stage": 3}}
+    if device.type == "cuda":
+        ds["bf16"] = {"enabled": True}
+    engines = {"floor": FloorEngine(llama(sizes), ds),
+               "lomo": lomo_ds.initialize(llama(sizes), {**ds, "lomo": {"lr": 1e-3}}),
+               "deepspeed_sgd": DeepSpeedOptimizerEngine(llama(sizes), ds, "sgd", "sgd", lr=1e-3, clip=None,
+                                                          total_steps=0, warmup_steps=0)}
+    times = steps_in_turns(engines, device, sizes)
     return {"times": times, "table": step_time_table(times), "model": sizes,
             "world": torch.distributed.get_world_size()}
 
@@ -352,17 +359,7 @@ def check_offload_overlap(device: torch.device, sizes: dict):
                                                  "lomo": {"lr": 1e-3, "host_update": host_update or "auto"}})
 
     engines = {"no_offload": engine(None), "offload_thread": engine("thread"), "offload_inline": engine("inline")}
-    rank = torch.distributed.get_rank()
-    batches = [random_batch(sizes, device, seed=1000 * step + rank) for step in range(sizes["warmup"] + sizes["steps"])]
-    times = {name: [] for name in engines}
-    for step, batch in enumerate(batches):
-        for name, e in engines.items():
-            sync(device)
-            t0 = time.perf_counter()
-            e.train_step(batch)
-            sync(device)
-            if step >= sizes["warmup"]:
-                times[name].append(time.perf_counter() - t0)
+    times = steps_in_turns(engines, device, sizes)
     medians = {name: statistics.median(t) for name, t in times.items()}
     threaded = engines["offload_thread"].host_updates
     return {"times": times, "median_s": medians, "model": sizes, "world": torch.distributed.get_world_size(),
