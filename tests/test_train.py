@@ -299,6 +299,26 @@ def test_shipped_config_without_model_is_one_config_error(name, capsys, monkeypa
     assert err[0].startswith(f"config error: {path}: model.path: {placeholder!r}") and "--model" in err[0], err
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_silent_rank_outlives_the_rank_that_reports(rank, capsys, monkeypatch):
+    """Under a launcher every rank stops on a config error, rank 0 alone prints it, and the others
+    wait (for the launcher to end them) instead of exiting first: a launcher tears the group down
+    at the first exit, and CI saw rank 0 killed before its line was out."""
+    from lomo_ds.recipe import train
+
+    slept = []
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(ROOT)
+    assert train.main(["--config", "ds_configs/llama65b.json"]) == 2
+    err = capsys.readouterr().err
+    if rank == 0:
+        assert "model.path: '/path/to/llama-65b'" in err and slept == []
+    else:
+        assert err == "" and slept and slept[0] >= 10, slept
+
+
 @pytest.mark.ranks
 def test_placeholder_error_is_printed_once_on_two_ranks():
     """The same under a launcher: every rank stops before loading a model, rank 0 alone says why."""
