@@ -348,6 +348,29 @@ def test_a_live_peer_that_never_posts_times_out_by_the_config(transport):
     assert error is not None and "lomo.collective_timeout" in str(error)
 
 
+@pytest.mark.parametrize("cores, sleeps", [(1, True), (2, False)])
+def test_with_more_ranks_than_cores_a_waiting_rank_sleeps_instead_of_yielding(cores, sleeps, monkeypatch):
+    """A yielding rank gets its core straight back from Linux's scheduler, so with 2 ranks on 1 core
+    the rank it waits for would barely run: there, the waiting rank sleeps between looks."""
+    from lomo_ds.engine import shm_transport
+
+    monkeypatch.setattr(shm_transport.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    calls = {"sleep": 0, "yield": 0}
+    sleep, yield_ = shm_transport.time.sleep, shm_transport.os.sched_yield
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(shm_transport.time, "sleep", counted("sleep", sleep))
+    monkeypatch.setattr(shm_transport.os, "sched_yield", counted("yield", yield_))
+    error = _waiting_rank({}, timeout_s=0.2)
+    assert error is not None and "lomo.collective_timeout" in str(error)  # it waited, then gave up
+    assert (calls["sleep"] > 0, calls["yield"] > 0) == (sleeps, not sleeps), calls
+
+
 def test_more_buckets_in_flight_than_two_get_as_many_slots():
     """With in_flight above two slots a rank would wait for peers that wait for it (a deadlock
     until the timeout): each in-flight bucket gets its own slot."""

@@ -6,8 +6,6 @@ import os
 import pathlib
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -253,23 +251,31 @@ def test_recipe_parts_run_alone(rank_results):
     assert r["logged_steps"] == [1, 2]  # the resumed run appends to the first one's metrics
 
 
-def test_dry_run_prints_config_and_memory_plan():
-    out = subprocess.run([sys.executable, TRAIN, "--config", "ds_configs/llama65b.json", "--dry-run"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert '"lomo"' in out.stdout and "65" in out.stdout
-    assert "GB" in out.stdout or "GiB" in out.stdout
+def test_dry_run_prints_config_and_memory_plan(capsys, monkeypatch):
+    from lomo_ds.recipe.train import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(ROOT)
+    assert main(["--config", "ds_configs/llama65b.json", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert '"lomo"' in out and "65" in out
+    assert "GB" in out or "GiB" in out
 
 
-def test_bad_config_fails_before_any_model(tmp_path):
+def test_bad_config_fails_before_any_model(tmp_path, capsys, monkeypatch):
+    from lomo_ds.recipe import train
+
     bad = tmp_path / "bad.json"
     cfg = json.load(open(os.path.join(ROOT, "ds_configs", "tiny_cpu.json")))
     cfg["lomo"]["lr"] = "fast"
     bad.write_text(json.dumps(cfg))
-    out = subprocess.run([sys.executable, TRAIN, "--config", str(bad)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 2
-    assert "lomo.lr" in out.stderr and "expected a number" in out.stderr
+    monkeypatch.delenv("RANK", raising=False)
+    loaded = []
+    monkeypatch.setattr(train, "TrainRecipe", lambda *a, **k: loaded.append(a))  # what would load the model
+    assert train.main(["--config", str(bad)]) == 2
+    assert loaded == []
+    err = capsys.readouterr().err
+    assert "lomo.lr" in err and "expected a number" in err
 
 
 # ----------------------------------------------------------------------------- the first command a user types
