@@ -33,10 +33,14 @@ from lomo_ds.runtime import ds_compat
 MIN_SLOTS = 2  # a rank may post its next payload while its peers still read its last one
 ALIGN = 64  # bytes: a cache line, and a multiple of every dtype's size
 _PEER_CHECK_S = 0.5
-# With more ranks on this host than cores for them, a rank that waits sleeps between looks rather
-# than yield: Linux's scheduler hands a yielding task the core straight back, so spinning ranks keep
-# the one they wait for off the cores (3 ranks on 2 cores ran 2.7x slower than 2 ranks).
-_OVERSUBSCRIBED_SLEEP_S = 50e-6  # how often a waiting rank looks whether the rank it waits for is still alive
+# A waiting rank first spins, yielding the core between looks, for up to _SPIN_S: a peer that is
+# about to post is seen at once. After that, or from the start when this host has more ranks than
+# cores for them, it sleeps _SLEEP_S between looks: Linux's scheduler hands a yielding task its
+# core straight back, so spinning ranks would keep the rank they wait for (or any other job, such as
+# a second launch beside this one) off the cores. 3 ranks on 2 cores ran 2.7x slower than 2 ranks
+# with yielding alone; the sleep costs a waiting rank at most one _SLEEP_S of latency.
+_SPIN_S = 1e-3
+_SLEEP_S = 50e-6  # how often a waiting rank looks whether the rank it waits for is still alive
 
 
 def aligned(nbytes: int) -> int:
@@ -141,22 +145,22 @@ class SharedMemorySlots:
             self.flags[self.rank][2 * self.slots + 1] = 1
 
     def _wait_for(self, ready, seq: int, what: str) -> None:
-        """Spin until ready(r) for every rank r, yielding the core between looks (with more
-        ranks than cores, a spinning rank must not keep the one it waits for off its core); fail,
+        """Wait until ready(r) for every rank r: spin, then sleep between looks (see _SPIN_S); fail,
         naming the rank, once it has died, abandoned its step, or kept us waiting too long."""
-        start = next_check = None
+        start = next_check = spin_until = None
         for r in range(self.world):
             while not ready(r):
                 now = time.monotonic()
                 if start is None:
                     start, next_check = now, now + _PEER_CHECK_S
+                    spin_until = now if self.oversubscribed else now + _SPIN_S
                 elif now >= next_check:
                     next_check = now + _PEER_CHECK_S
                     self._check_peer(r, seq, what, now - start)
-                if self.oversubscribed:
-                    time.sleep(_OVERSUBSCRIBED_SLEEP_S)
-                else:
+                if now < spin_until:
                     os.sched_yield()
+                else:
+                    time.sleep(_SLEEP_S)
 
     def _check_peer(self, r: int, seq: int, what: str, waited: float) -> None:
         header = self.flags[r]
