@@ -228,7 +228,8 @@ class TrainRecipe:
         from lomo_ds.methods import build_engine
         from lomo_ds.storage.models import load_model
 
-        self.engine = build_engine(self.cfg, load_model(self.cfg, self.cfg.ds), self.total_steps)
+        model = load_model(self.cfg, self.cfg.ds, self.rank, self.barrier)
+        self.engine = build_engine(self.cfg, model, self.total_steps)
         if not self.engine.supports_resume and (self.resume_requested or self.cfg.output.checkpoint_every):
             self.say(f"train.method={self.cfg.train.method}: nothing to checkpoint or resume")
 

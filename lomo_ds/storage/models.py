@@ -8,6 +8,7 @@ a 65B model loads on 8 x 24 GB.
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
@@ -16,30 +17,65 @@ from lomo_ds.config.run import RunConfig, resolve_model_source
 _hf_ds_config = None  # transformers consults the live HfDeepSpeedConfig through a weak reference
 
 
-def _converted_tokenizer_dir(source: str, gguf_file: str) -> str:
+def _cache_dir(kind: str, source: str, gguf_file: str) -> str:
+    """Where a GGUF file's converted tokenizer or model is kept (LOMO_DS_CACHE, else ~/.cache/lomo_ds).
+    A model's folder is named by the file's size and time too: a new release of the file is converted
+    again."""
     base = os.environ.get("LOMO_DS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lomo_ds"))
     stem = os.path.splitext(os.path.basename(gguf_file))[0]
-    return os.path.join(base, "tokenizers", stem)
+    if kind == "models":
+        st = os.stat(os.path.join(source, gguf_file))
+        stem = f"{stem}-{st.st_size}-{int(st.st_mtime)}"
+    return os.path.join(base, kind, stem)
+
+
+def _convert_once(cached: str, marker: str, convert, rank: int, barrier) -> None:
+    """Rank 0 writes `cached` with convert(folder) unless it holds `marker` already (into a private
+    folder first, renamed into place whole: a run killed mid-conversion leaves nothing half-written);
+    the other ranks wait for it at `barrier`."""
+    if rank == 0 and not os.path.exists(os.path.join(cached, marker)):
+        tmp = f"{cached}.tmp{os.getpid()}"
+        convert(tmp)
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        try:
+            os.replace(tmp, cached)
+        except OSError:  # another job converted it meanwhile (a folder is not replaced once it has files)
+            shutil.rmtree(tmp, ignore_errors=True)
+    if barrier:
+        barrier()
+
+
+def _save_gguf_model(source: str, gguf_file: str, folder: str) -> None:
+    """The GGUF file's model as a plain Hugging Face folder (fp32 safetensors and its config).
+    Reading a GGUF file costs about 30 s even for a 135M model (the reader's tensor-name mapping and
+    memory maps, in Python), and it has no sharded loading: converted once, every later load is a
+    safetensors load, partitioned under ZeRO-3 as any other checkpoint."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # rank 0 alone reads it: whole, not partitioned (no collective)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32)
+    os.makedirs(folder, exist_ok=True)
+    # save_pretrained refuses a model loaded from GGUF; the dequantized weights are plain tensors.
+    save_model(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
 
 
 def load_tokenizer(cfg: RunConfig, rank: int = 0, barrier=None):
     """The run's tokenizer. A GGUF tokenizer takes ~30 s to convert: rank 0 converts it once
-    into a cache directory, the other ranks (and later runs) load the converted copy."""
+    into a cache folder, the other ranks (and later runs) load the converted copy."""
     from transformers import AutoTokenizer
 
     path = cfg.tokenizer_path
     source, gguf = resolve_model_source(path, cfg.model.gguf_file if cfg.tokenizer.path is None else None)
     if gguf:
-        cached = _converted_tokenizer_dir(source, gguf)
-        if rank == 0 and not os.path.exists(os.path.join(cached, "tokenizer_config.json")):
-            tok = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
-            tmp = f"{cached}.tmp{os.getpid()}"
-            tok.save_pretrained(tmp)
-            os.makedirs(os.path.dirname(cached), exist_ok=True)
-            if not os.path.exists(cached):
-                os.replace(tmp, cached)
-        if barrier:
-            barrier()
+        cached = _cache_dir("tokenizers", source, gguf)
+        _convert_once(cached, "tokenizer_config.json",
+                      lambda folder: AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(folder),
+                      rank, barrier)
         tok = AutoTokenizer.from_pretrained(cached)
     else:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
@@ -48,18 +84,21 @@ def load_tokenizer(cfg: RunConfig, rank: int = 0, barrier=None):
     return tok
 
 
-def load_model(cfg: RunConfig, ds_config: dict) -> torch.nn.Module:
-    """A causal LM built partitioned under ZeRO-3 (any architecture transformers knows)."""
+def load_model(cfg: RunConfig, ds_config: dict, rank: int = 0, barrier=None) -> torch.nn.Module:
+    """A causal LM built partitioned under ZeRO-3 (any architecture transformers knows). A GGUF
+    model is converted once by rank 0 into a cache folder (`barrier`: every rank waits for it)."""
     global _hf_ds_config
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    _hf_ds_config = HfDeepSpeedConfig(ds_config)  # must stay alive while the model is built
     source, gguf = resolve_model_source(cfg.model.path, cfg.model.gguf_file)
-    kwargs = {"dtype": cfg.precision.torch_dtype, "trust_remote_code": cfg.model.trust_remote_code}
     if gguf:
-        kwargs["gguf_file"] = gguf
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        cached = _cache_dir("models", source, gguf)
+        _convert_once(cached, "config.json", lambda folder: _save_gguf_model(source, gguf, folder), rank, barrier)
+        source = cached
+    _hf_ds_config = HfDeepSpeedConfig(ds_config)  # must stay alive while the model is built
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=cfg.precision.torch_dtype,
+                                                 trust_remote_code=cfg.model.trust_remote_code)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
