@@ -6,6 +6,7 @@ what they build and measure is tests/dist_bucket_checks.py."""
 import contextlib
 import functools
 import io
+import math
 
 import pytest
 import torch
@@ -197,3 +198,20 @@ def test_bench_step_with_accumulation(rank_results):
     out = ok(rank_results(2), bench_step_accumulation)["stdout"]
     for row in ("2 micro-batch(es) per step", "lomo clipped / lomo:", "lomo clipped"):
         assert row in out, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("at", [0, 7, 12])
+def test_finite_checks_agree_with_isfinite(dtype, bad, at):
+    """all_finite and nonfinite_marker decide from a min and a max what torch.isfinite(t).all() decides."""
+    from lomo_ds.engine.buckets import all_finite, nonfinite_marker
+
+    t = torch.randn(13, device="cpu").mul_(100).to(dtype)
+    if bad is not None:
+        t[at] = bad
+    want = bool(torch.isfinite(t).all())
+    assert bool(all_finite(t)) == want
+    marker = nonfinite_marker(t.view(1, 13)[:, :12 if at == 12 else 13])  # a strided payload view, as packed
+    assert bool(torch.isnan(marker)) == (not want and at != 12)
+    assert bool(torch.isnan(nonfinite_marker(t, torch.tensor(False)))) and bool(all_finite(t[:0]))

@@ -75,10 +75,29 @@ def part_of(param: torch.nn.Parameter, world: int) -> int:
     return geometry(param, world, 0).part
 
 
+def _min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t's smallest and largest elements, as fp32 device scalars: both are finite exactly when
+    every element is (NaN propagates through both; an infinity is one of them). The checks below
+    take them rather than torch.isfinite(t).all(), which on a CPU tests element by element: 52 ms
+    against 2 ms for the 14.5M-element slice a rank of a 29M model receives each step."""
+    if t.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=t.device)
+        return zero, zero
+    lo, hi = torch.aminmax(t)
+    return lo.float(), hi.float()
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """torch.isfinite(t).all(), a device bool (no host sync), at a min/max's cost (see _min_max)."""
+    lo, hi = _min_max(t)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
 def nonfinite_marker(t: torch.Tensor, finite_so_far: torch.Tensor | None = None) -> torch.Tensor:
-    """0 when every element of `t` is finite (and `finite_so_far` holds), NaN otherwise: 0 * sum
-    (inf * 0 and NaN * 0 are NaN). A device tensor, so building the flag costs no host sync."""
-    marker = t.sum(dtype=torch.float32).mul_(0.0)
+    """0 when every element of `t` is finite (and `finite_so_far` holds), NaN otherwise: 0 * min
+    + 0 * max (inf * 0 and NaN * 0 are NaN). A device tensor, so building the flag costs no host sync."""
+    lo, hi = _min_max(t)
+    marker = lo.mul_(0.0).add_(hi.mul_(0.0))
     if finite_so_far is not None:
         marker = torch.where(finite_so_far, marker, math.nan)
     return marker
@@ -262,7 +281,7 @@ class GradientBuckets:
         if self.transport == "direct":
             self.arrived.append(param)
             flat = grad.reshape(-1)
-            self.stats.finite.logical_and_(torch.isfinite(flat).all())  # on the device: no host sync
+            self.stats.finite.logical_and_(all_finite(flat))  # on the device: no host sync
             with self.timers.span("update"):
                 self.on_bucket([(param, flat)], self.stats)
             return
@@ -366,7 +385,7 @@ class GradientBuckets:
         # The summed flag (0, or NaN when some rank's part of the bucket or an earlier received
         # slice was not finite: the same on every rank) and this rank's reduced slices (an fp16
         # sum may overflow inside the reduction). On the device: from here on nothing is applied.
-        self.stats.finite.logical_and_(torch.isfinite(done.received).all())
+        self.stats.finite.logical_and_(all_finite(done.received))
         items, col = [], 0
         for p in done.params:
             part = part_of(p, self.world)
@@ -379,7 +398,7 @@ class GradientBuckets:
         full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)
         ds_compat.all_reduce(full, group=ds_compat.process_group(param))
         # Every rank holds the same summed gradient: a local check is already agreed.
-        self.stats.finite.logical_and_(torch.isfinite(full).all())
+        self.stats.finite.logical_and_(all_finite(full))
         part = part_of(param, self.world)
         self.on_bucket([(param, full[self.rank * part:(self.rank + 1) * part])], self.stats)
 
