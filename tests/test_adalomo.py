@@ -18,7 +18,7 @@ from lomo_ds.engine.adalomo import row_pieces
 from lomo_ds.planning.planner import LLAMA
 from tests import dist_adalomo_checks as A
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import PER_LAYER, offloaded, scaled_forward
+from tests.dist_engine_checks import PER_LAYER, nonfinite_grad_steps, offloaded, scaled_forward
 from tests.ranks import multi_rank_checks, ok
 from tests.tiny import ScaledLlama, global_batch, tiny_llama
 
@@ -53,8 +53,10 @@ RESUME = multi_rank_checks(WORLDS, resume=lambda: A.check_resume(bf16=False),
                            # into an engine that has trained and recorded sums of squares of its own.
                            resume_bf16_thread=lambda: A.check_resume(bf16=True, warm=True, host_update="thread"))
 memory, = multi_rank_checks(WORLDS, memory=A.check_memory)
-# The precision and traffic figures need one world size.
-bf16, traffic = multi_rank_checks([2], bf16=A.check_bf16, traffic=A.check_traffic)
+# The precision and traffic figures need one world size; so does the skip through the worker.
+bf16, traffic, thread_nonfinite = multi_rank_checks(
+    [2], bf16=A.check_bf16, traffic=A.check_traffic,
+    thread_nonfinite=lambda: nonfinite_grad_steps(CFG(host_update="thread"), poison_pass=1))
 
 
 def stat_floats(shapes) -> int:
@@ -175,6 +177,16 @@ def test_host_update_thread_applies_every_slice_on_the_worker(rank_results, worl
     elements on the rank) is applied by the host-update worker; inline, none."""
     r = ok(rank_results(world), check)
     assert r["host_updates"] == (r["slice_updates"] if check in THREAD else 0)
+
+
+def test_host_update_thread_skips_a_nonfinite_gradient_everywhere(rank_results):
+    """A gradient infinite on the last rank only, in a step whose updates the worker finishes: the
+    bucket's statistics make every rank drop it (u zeroed, coefficient 0 on the device before the
+    hand-over), the poisoned shard stays bit-identical, no non-finite value reaches a shard, and
+    the next step trains again."""
+    s0, s1, s2 = ok(rank_results(2), thread_nonfinite)["steps"]
+    assert all(s1["skipped"]) and all(s1["target_unchanged"]) and all(s1["finite"])
+    assert not any(s0["skipped"]) and not any(s2["skipped"]) and all(s2["finite"]) and not any(s2["target_unchanged"])
 
 
 @pytest.mark.parametrize("world", WORLDS)
