@@ -196,7 +196,7 @@ class AdaLomo:
                 slices.append(_Slice(param, geo, shape, pieces, g, updater.weights(param), g, None))
         staged = None
         if staged_numel:
-            # One buffer on the rank's device for the whole bucket: one staging, one host buffer.
+            # One buffer on the rank's device for the whole bucket; the worker's slices are views of it.
             staged = torch.empty(staged_numel, dtype=torch.float32,
                                  device=next(s.g.device for s in slices if s.at is not None))
             slices = [s if s.at is None else s._replace(u=staged[s.at:s.at + s.geo.local]) for s in slices]

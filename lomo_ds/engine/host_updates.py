@@ -108,9 +108,9 @@ class HostUpdates:
 
     def submit(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]], finite: torch.Tensor,
                apply: Apply) -> None:
-        """Queue `apply(param, slice, finite)` for each (param, real elements of its reduced slice)
-        of one bucket, `finite` being the pass's flag as of this bucket; returns once the copies
-        are issued, before anything is applied."""
+        """Queue `apply(param, slice, finite)` for each (param, real elements of its reduced slice,
+        or AdaLomo's u and coefficients for it) of one bucket, `finite` being the pass's flag as of
+        this bucket; returns once the copies are issued, before anything is applied."""
         job = self._stage(items, finite, apply)
         if self._thread is None:
             self._jobs = queue.Queue(maxsize=self.max_staged)
