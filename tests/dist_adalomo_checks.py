@@ -105,6 +105,28 @@ def check_resume(bf16: bool, warm: bool = False, **lomo):
             "state_keys": sorted(resumed.shard_state_dict()["adalomo"])[:3], "host_updates": applied}
 
 
+def check_thread_bitwise():
+    """The same run with the update inline and through the host-update worker: bf16 shards with
+    stochastic rounding (the worker's draws in the hook's order) and norm clipping; the shards
+    must come out bit-identical (the same u, coefficients and sums of squares, wherever taken)."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    full, applied = {}, 0
+    for mode in ("inline", "thread"):
+        cfg = adalomo_cfg(clip_grad_norm=0.5, host_update=mode)
+        cfg["bf16"] = {"enabled": True}
+        engine = lomo_ds.initialize(tiny_llama(11), cfg)
+        for step in range(2):
+            engine.train_step(global_batch(step, world)[rank])
+        full[mode] = engine.full_state_dict()
+        applied = host_updates_applied(engine)
+    if rank != 0:
+        return None
+    return {"bitwise_equal": all(torch.equal(full["inline"][k], full["thread"][k]) for k in full["inline"]),
+            "moved": sum(not torch.equal(full["thread"][k].float(), v.to(torch.bfloat16).float())
+                         for k, v in tiny_llama(11).state_dict().items() if k in full["thread"]),
+            "thread_applied": applied}
+
+
 def check_bf16(steps=15, lr=1e-3):
     """bf16 shards without masters: AdaLomo's write-back goes through stochastic rounding, so
     updates below half a bf16 ulp still land, as a share of an fp32 reference's movement. The
