@@ -353,13 +353,14 @@ def check_step_time(device: torch.device, sizes: dict):
             "world": torch.distributed.get_world_size()}
 
 
-def check_offload_overlap(device: torch.device, sizes: dict):
+def check_offload_overlap(device: torch.device, sizes: dict, optimizer: str = "sgd"):
     """offload_param: cpu with the shards' updates on the host-update thread (slices staged in pinned
     memory, the CPU update overlapped with the backward) against the same updates inside the hook
     (lomo.host_update inline: the serialised path) and against no offload, taking turns step by
     step. Per-step times, medians, and the updates the worker applied; on the serialised path the
     worker applies none ("applied" 0, which tests/dist_engine_checks.host_updates_applied refuses)
-    and "thread" saves nothing over "inline" ("saved_s")."""
+    and "thread" saves nothing over "inline" ("saved_s"). `optimizer` "adalomo": the worker gets
+    AdaLomo's host part (its statistics and collectives stay in the hook, on the GPU)."""
     import statistics
 
     on_gpu = device.type == "cuda"
@@ -372,7 +373,8 @@ def check_offload_overlap(device: torch.device, sizes: dict):
         if host_update:
             zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
         return lomo_ds.initialize(llama(sizes), {**ds, "zero_optimization": zero,
-                                                 "lomo": {"lr": 1e-3, "host_update": host_update or "auto"}})
+                                                 "lomo": {"lr": 1e-3, "host_update": host_update or "auto",
+                                                          "optimizer": optimizer}})
 
     engines = {"no_offload": engine(None), "offload_thread": engine("thread"), "offload_inline": engine("inline")}
     times = steps_in_turns(engines, device, sizes)
@@ -414,6 +416,8 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         "offload_two_devices": partial(check_offload_two_devices),
         # The host-update thread against the updates inside the hook and against no offload (item 8).
         "offload_overlap": partial(check_offload_overlap, device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
+        "adalomo_offload_overlap": partial(check_offload_overlap, device, STEP_MODEL["gpu" if on_gpu else "smoke"],
+                                           optimizer="adalomo"),
         "host_syncs": partial(check_host_syncs),
         # A sum that overflows only inside the fp16 reduction (several ranks: issue 17 item 4).
         "reduction_overflow": partial(E.check_reduction_overflow, "fp16" if on_gpu else None),
