@@ -104,6 +104,7 @@ def equivalence(make_model, cfg, adalomo=False, tokens=False, clip_norm=None, cl
                   accumulator_bytes=engine.accumulator.nbytes(),
                   accumulator_device=str(next(iter(engine.accumulator.buffers.values())).device),
                   local_elements=sum(engine.updater.geometry(p).local for p in engine.params),
+                  slices=sum(1 for p in engine.params if engine.updater.geometry(p).local),
                   fused=engine.fused_accumulation)
     return record
 

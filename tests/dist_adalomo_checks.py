@@ -13,7 +13,7 @@ from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.engine.fused_update import geometry
 from lomo_ds.runtime import ds_compat
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import bf16_movement, ds_cfg, max_diff
+from tests.dist_engine_checks import bf16_movement, ds_cfg, host_updates_applied, max_diff
 from tests.tiny import global_batch, tiny_llama
 
 # AdaLomo steps every parameter by lr * RMS(param) whatever its gradient's size, and its update
@@ -68,13 +68,20 @@ def equivalence(make_model, cfg, clip_norm=None, clip_value=None, wd=0.0, forwar
     moved = max((p.detach() - p0).abs().max().item() for p, p0 in zip(ref.parameters(), start, strict=True))
     return {"max_abs_diff": max_diff(engine, ref), "moved": moved, "loss": losses, "ref_loss": ref_losses,
             "crosses_rows": crosses_rows(engine), "n_persistent": len(engine.offload.persistent_parameters),
+            # Slices the host-update worker applied, and the updates of slices with real elements
+            # this rank made in all (every one of them goes to the worker with host_update "thread").
+            "host_updates": host_updates_applied(engine),
+            "slice_updates": STEPS * sum(1 for p in engine.params if engine.updater.geometry(p).local),
+            "shard_devices": sorted({ds_compat.shard(p).device.type for p in engine.params}),
             "leaf_modules": sorted({type(m).__name__ for m in ds_compat.leaf_modules(engine.module)}),
             "n_params": len(engine.params)}
 
 
-def check_resume(bf16: bool):
-    """2 steps, shard state saved and loaded into a fresh engine, 1 more step == 3 in a row."""
-    cfg = adalomo_cfg(clip_grad_norm=0.5)
+def check_resume(bf16: bool, warm: bool = False, **lomo):
+    """2 steps, shard state saved and loaded into a fresh engine, 1 more step == 3 in a row.
+    `warm`: the engine loaded into has trained a step of its own first, so that everything it
+    learnt about its weights then (the host-update worker's sums of squares) is stale."""
+    cfg = adalomo_cfg(clip_grad_norm=0.5, **lomo)
     if bf16:
         cfg["bf16"] = {"enabled": True}
     straight = lomo_ds.initialize(tiny_llama(11), cfg)
@@ -85,14 +92,39 @@ def check_resume(bf16: bool):
             torch.save(straight.shard_state_dict(), buf)
         straight.train_step(global_batch(step, world)[rank])
     buf.seek(0)
-    resumed = lomo_ds.initialize(tiny_llama(11), cfg)
+    resumed = lomo_ds.initialize(tiny_llama(12 if warm else 11), cfg)
+    if warm:
+        resumed.train_step(global_batch(5, world)[rank])
     resumed.load_shard_state_dict(torch.load(buf, weights_only=False))
     resumed.train_step(global_batch(2, world)[rank])
     a, b = straight.full_state_dict(), resumed.full_state_dict()
+    applied = host_updates_applied(resumed)
     if rank != 0:
         return None
     return {"max_abs_diff": max((a[k].float() - b[k].float()).abs().max().item() for k in a),
-            "state_keys": sorted(resumed.shard_state_dict()["adalomo"])[:3]}
+            "state_keys": sorted(resumed.shard_state_dict()["adalomo"])[:3], "host_updates": applied}
+
+
+def check_thread_bitwise():
+    """The same run with the update inline and through the host-update worker: bf16 shards with
+    stochastic rounding (the worker's draws in the hook's order) and norm clipping; the shards
+    must come out bit-identical (the same u, coefficients and sums of squares, wherever taken)."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    full, applied = {}, 0
+    for mode in ("inline", "thread"):
+        cfg = adalomo_cfg(clip_grad_norm=0.5, host_update=mode)
+        cfg["bf16"] = {"enabled": True}
+        engine = lomo_ds.initialize(tiny_llama(11), cfg)
+        for step in range(2):
+            engine.train_step(global_batch(step, world)[rank])
+        full[mode] = engine.full_state_dict()
+        applied = host_updates_applied(engine)
+    if rank != 0:
+        return None
+    return {"bitwise_equal": all(torch.equal(full["inline"][k], full["thread"][k]) for k in full["inline"]),
+            "moved": sum(not torch.equal(full["thread"][k].float(), v.to(torch.bfloat16).float())
+                         for k, v in tiny_llama(11).state_dict().items() if k in full["thread"]),
+            "thread_applied": applied}
 
 
 def check_bf16(steps=15, lr=1e-3):

@@ -129,12 +129,13 @@ def offloaded(cfg):
 
 
 def host_updates_applied(engine) -> int:
-    """Slices the host-update worker applied (host_updates.py). On an accelerator every SGD update
-    of a shard in host memory must go there: the GPU suite's offload check (this equivalence)
-    fails on the serialised path, where the hook itself copies and updates."""
+    """Slices the host-update worker applied (host_updates.py). On an accelerator every update
+    (SGD's, or AdaLomo's host part) of a shard in host memory must go there: the GPU suite's
+    offload checks (the equivalences) fail on the serialised path, where the hook itself copies
+    and updates."""
     applied = engine.host_updates.applied if engine.host_updates is not None else 0
     in_host_memory = [p for p in engine.params if ds_compat.shard(p).device.type == "cpu"]
-    if engine.device.type != "cpu" and in_host_memory and engine.updater.adalomo is None and not applied:
+    if engine.device.type != "cpu" and in_host_memory and not applied:
         raise AssertionError(f"{len(in_host_memory)} shards in host memory on {engine.device}, none updated by the "
                              "host-update thread: their updates ran inside the backward")
     return applied

@@ -49,7 +49,7 @@ NONFINITE = multi_rank_checks(
 )
 # Bookkeeping that does not depend on the shard layout: on 2 ranks.
 (nonfinite_loss, overflow_scale, loss_scale, tokens_clip_norm, accumulate_on_cpu, low_precision, resume,
- start_window_misuse, offload_host_thread) = multi_rank_checks(
+ start_window_misuse, offload_host_thread, adalomo_host_thread, adalomo_clip_norm_host_thread) = multi_rank_checks(
     [2],
     nonfinite_loss=lambda: A.check_nonfinite(CFG(), poison_micro=1, when_loss=True),
     overflow_scale=lambda: A.check_nonfinite(CFG(loss_scale={"enabled": True, "initial_scale_power": 8}),
@@ -63,6 +63,12 @@ NONFINITE = multi_rank_checks(
     start_window_misuse=A.check_start_window_misuse,
     # offload_param with the host-update thread: the K-1 adds and the fused K-th update on the worker.
     offload_host_thread=lambda: EQ(lambda: tiny_llama(7), offloaded(CFG(persist=2_000, host_update="thread"))),
+    # AdaLomo with the host-update thread: the adds on the worker, then the update's host part,
+    # fused into the K-th backward or (norm clipping) in the one pass after it.
+    adalomo_host_thread=lambda: EQ(lambda: tiny_llama(0), A.adalomo_acc_cfg(host_update="thread"), adalomo=True),
+    adalomo_clip_norm_host_thread=lambda: EQ(lambda: tiny_llama(1), A.adalomo_acc_cfg(clip_grad_norm=0.5,
+                                                                                     host_update="thread"),
+                                             adalomo=True, clip_norm=0.5),
 )
 
 
@@ -151,6 +157,12 @@ def test_accumulator_placement_and_precision(rank_results):
     offload = ok(r, offload_host_thread)
     assert offload["max_abs_diff"] <= TOL and offload["fused"] and offload["host_updates"] > 0
     assert 0 < offload["n_persistent"] < offload["n_params"]
+    # AdaLomo: every slice of every micro-batch through the worker, the update's host part too (the
+    # fused K-th backward's fold, or one pass after K adding backwards).
+    for check, fused in ((adalomo_host_thread, True), (adalomo_clip_norm_host_thread, False)):
+        ada = ok(r, check)
+        assert ada["max_abs_diff"] <= TOL and ada["fused"] is fused
+        assert ada["host_updates"] == A.STEPS * (K if fused else K + 1) * ada["slices"], (check, ada["host_updates"])
 
 
 def test_checkpoints_only_at_step_boundaries_and_resume_exactly(rank_results):

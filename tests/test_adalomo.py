@@ -2,8 +2,15 @@
 
 The reference (tests/adalomo_reference.py) is written from the paper and checked against the
 public lomo-optim AdaLomo here; the sharded rule is checked against the reference on 1, 2 and 3
-ranks (3 = uneven shards, slices starting and ending mid-row). Multi-rank figures come from
+ranks (3 = uneven shards, slices starting and ending mid-row), also with lomo.host_update "thread"
+(offload_param cpu's path on an accelerator, run on CPU ranks: the statistics and collectives in the
+hook, each shard's update on the host-update worker). Multi-rank figures come from
 tests/dist_adalomo_checks.py, declared as multi-rank checks here (tests/ranks.py).
+
+Reverts checked (the engine's AdaLomo back in the hook, its state beside the shard): every "thread"
+check reports 0 slices applied by the worker; the load not forgetting the worker's sums of squares:
+resume_bf16_thread differs by 4e-3..8e-3; the staged u of a dropped bucket left unmasked:
+thread_nonfinite writes non-finite weights.
 """
 import copy
 import math
@@ -18,7 +25,7 @@ from lomo_ds.engine.adalomo import row_pieces
 from lomo_ds.planning.planner import LLAMA
 from tests import dist_adalomo_checks as A
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import PER_LAYER, scaled_forward
+from tests.dist_engine_checks import PER_LAYER, nonfinite_grad_steps, offloaded, scaled_forward
 from tests.ranks import multi_rank_checks, ok
 from tests.tiny import ScaledLlama, global_batch, tiny_llama
 
@@ -38,13 +45,27 @@ EQUIVALENCE = multi_rank_checks(
     persistent=lambda: EQ(lambda: tiny_llama(7), CFG(persist=100_000)),
     persistent_mixed=lambda: EQ(lambda: tiny_llama(7), CFG(persist=2_000, clip_grad_norm=0.5), clip_norm=0.5),
     small_param=lambda: EQ(lambda: ScaledLlama(8), CFG(), forward=scaled_forward),
+    # lomo.host_update "thread": what offload_param cpu runs on an accelerator, on CPU ranks. The
+    # statistics, collectives and coefficients in the hook, each shard's update on the worker.
+    thread=lambda: EQ(lambda: tiny_llama(0), CFG(host_update="thread")),
+    thread_clip_norm_decay=lambda: EQ(lambda: tiny_llama(1), CFG(clip_grad_norm=0.5, weight_decay=0.3,
+                                                                  host_update="thread"), clip_norm=0.5, wd=0.3),
+    thread_offload=lambda: EQ(lambda: tiny_llama(7), offloaded(CFG(persist=2_000, host_update="thread"))),
 )
 by_name = {str(c): c for c in EQUIVALENCE}
+THREAD = [c for c in EQUIVALENCE if str(c).startswith("thread")]
 RESUME = multi_rank_checks(WORLDS, resume=lambda: A.check_resume(bf16=False),
-                           resume_bf16=lambda: A.check_resume(bf16=True))
+                           resume_bf16=lambda: A.check_resume(bf16=True),
+                           # Through the host-update worker (its write-back rounds into bf16), loaded
+                           # into an engine that has trained and recorded sums of squares of its own.
+                           resume_bf16_thread=lambda: A.check_resume(bf16=True, warm=True, host_update="thread"))
 memory, = multi_rank_checks(WORLDS, memory=A.check_memory)
-# The precision and traffic figures need one world size.
-bf16, traffic = multi_rank_checks([2], bf16=A.check_bf16, traffic=A.check_traffic)
+# Inline against the worker, bit for bit, on uneven slices that start and end mid-row.
+thread_bitwise, = multi_rank_checks([3], thread_bitwise=A.check_thread_bitwise)
+# The precision and traffic figures need one world size; so does the skip through the worker.
+bf16, traffic, thread_nonfinite = multi_rank_checks(
+    [2], bf16=A.check_bf16, traffic=A.check_traffic,
+    thread_nonfinite=lambda: nonfinite_grad_steps(CFG(host_update="thread"), poison_pass=1))
 
 
 def stat_floats(shapes) -> int:
@@ -159,6 +180,31 @@ def test_sharded_adalomo_matches_reference(rank_results, world, check):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
+def test_host_update_thread_applies_every_slice_on_the_worker(rank_results, world, check):
+    """With lomo.host_update "thread" every update of a slice (each step, each parameter with real
+    elements on the rank) is applied by the host-update worker; inline, none."""
+    r = ok(rank_results(world), check)
+    assert r["host_updates"] == (r["slice_updates"] if check in THREAD else 0)
+
+
+def test_host_update_thread_is_the_inline_update_bit_for_bit(rank_results):
+    r = ok(rank_results(3), thread_bitwise)
+    assert r["bitwise_equal"] is True and r["moved"] == len(list(tiny_llama(11).parameters()))
+    assert r["thread_applied"] > 0
+
+
+def test_host_update_thread_skips_a_nonfinite_gradient_everywhere(rank_results):
+    """A gradient infinite on the last rank only, in a step whose updates the worker finishes: the
+    bucket's statistics make every rank drop it (u zeroed, coefficient 0 on the device before the
+    hand-over), the poisoned shard stays bit-identical, no non-finite value reaches a shard, and
+    the next step trains again."""
+    s0, s1, s2 = ok(rank_results(2), thread_nonfinite)["steps"]
+    assert all(s1["skipped"]) and all(s1["target_unchanged"]) and all(s1["finite"])
+    assert not any(s0["skipped"]) and not any(s2["skipped"]) and all(s2["finite"]) and not any(s2["target_unchanged"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_checks_cover_persistent_parameters(rank_results, world):
     persistent, mixed = (ok(rank_results(world), by_name[n]) for n in ("persistent", "persistent_mixed"))
     assert persistent["n_persistent"] == persistent["n_params"]
@@ -174,6 +220,7 @@ def test_resume_from_shard_state_is_exact(rank_results, world, check):
     r = ok(rank_results(world), check)
     assert r["max_abs_diff"] == 0.0, "2 steps + save/load + 1 step must equal 3 uninterrupted steps bit for bit"
     assert "lm_head.weight" in r["state_keys"]
+    assert (r["host_updates"] > 0) == str(check).endswith("_thread"), r["host_updates"]
 
 
 @pytest.mark.parametrize("world", WORLDS)

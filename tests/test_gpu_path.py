@@ -232,6 +232,91 @@ def test_adalomo_keeps_each_slices_state_and_arithmetic_on_its_shards_device(mon
         assert not torch.equal(p.ds_tensor, _zero_param(p.ds_shape, "cpu", i, seed=i).ds_tensor)
 
 
+class Transfers(TwoDevices):
+    """TwoDevices on the backward's thread, "meta" standing for the accelerator and the CPU for host
+    memory: records every copy between the two (source, destination, non_blocking, the destination's
+    address) and every op that touches one of `shards` (host memory the hook must leave alone)."""
+
+    def __init__(self, shards: list[torch.Tensor]):
+        super().__init__()
+        self.shards = {s.untyped_storage().data_ptr() for s in shards}
+        self.copies, self.shard_ops = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if threading.current_thread() is threading.main_thread():
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if any(t.device.type == "cpu" and t.untyped_storage().data_ptr() in self.shards for t in tensors):
+                self.shard_ops.append(str(func))
+            if func is torch.ops.aten._to_copy.default:
+                src, to = args[0], kwargs.get("device") or args[0].device
+                if src.device != to:
+                    self.copies.append((src.device.type, to.type, kwargs.get("non_blocking", False), None))
+            elif func is torch.ops.aten.copy_.default:
+                dst, src = args[0], args[1]
+                if dst.device != src.device:
+                    blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+                    self.copies.append((src.device.type, dst.device.type, blocking, dst.data_ptr()))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_adalomo_on_offloaded_shards_stays_on_the_device_in_the_hook(fake_accelerator, monkeypatch):
+    """Item 8 for AdaLomo, on an accelerator ("meta") with the shards in host memory (the CPU) and
+    the host-update worker: AdaLomo's state lives on the accelerator; in the hook, once the worker
+    has updated each slice, no op touches a shard (the sums of θ^2 come from the worker's table),
+    every copy between host and device is non_blocking, those to the host into staging buffers
+    only; the worker applies every slice, on its own thread, after the hook returned."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # one rank, no process group
+    buffers = []
+
+    def buffer(numel, dtype, pin):
+        t = torch.empty(numel, dtype=dtype, device="cpu")  # no page-locked memory without a real accelerator
+        buffers.append((t, pin))
+        return t
+
+    monkeypatch.setattr(host_updates, "host_buffer", buffer)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)  # a fake stream
+    specs = {0: (6, 5), 1: (4, 7), 2: (9,)}
+    params = [_zero_param(shape, "cpu", i, seed=i) for i, shape in specs.items()]
+    module = torch.nn.Module()
+    for p in params:
+        module.register_parameter(f"p{p.ds_id}", p)
+    meta = torch.device("meta")
+    host = HostUpdates(torch.device("cuda:0"), name_of=lambda p: f"p{p.ds_id}")
+    geometries = ShardGeometries()
+    adalomo = AdaLomo(AdaLomoConfig(), module, params, None, geometries, host=host, device=meta)
+    updater = ShardUpdater(False, 0, meta, geometries, adalomo)
+    assert sorted(adalomo.deferred) == [0, 1, 2]
+    assert all({t.device for t in adalomo.state[i].values()} == {meta} for i in specs), adalomo.state
+    threads = []
+    apply_host = adalomo.apply_host
+    adalomo.apply_host = lambda *args: (threads.append(threading.current_thread().name), apply_host(*args))
+
+    def one_pass(mode):
+        stats = updater.begin_pass(UpdateRule(lr=0.1), step=0)
+        with mode:
+            updater.apply_bucket([(p, torch.empty(p.ds_numel, dtype=torch.float32, device=meta)) for p in params],
+                                 stats)
+        host.join()
+        return mode
+
+    one_pass(TwoDevices())  # the first update takes each slice's sum of θ^2 in the hook, once
+    staging = len(buffers)
+    watched = one_pass(Transfers([p.ds_tensor for p in params]))
+    assert watched.shard_ops == [], f"the hook touched a shard in host memory: {watched.shard_ops}"
+    assert watched.copies, "nothing crossed between host and device"
+    assert all(non_blocking for *_, non_blocking, _ in watched.copies), watched.copies
+    staged = [b for b, _ in buffers[staging:]]
+
+    def in_staging(ptr):
+        return any(b.data_ptr() <= ptr < b.data_ptr() + max(b.nbytes, 1) for b in staged)
+
+    to_host = [c for c in watched.copies if c[1] == "cpu"]
+    assert to_host and all(in_staging(ptr) for *_, ptr in to_host), to_host
+    assert all(pin for _, pin in buffers), "host buffers a device copies with must be pinned"
+    assert threads == ["lomo-host-update"] * 6 and host.applied == 6
+
+
 # ----------------------------------------------------------------------------- item 6
 def test_check_figures_are_gathered_on_the_groups_device(monkeypatch):
     """The checks' figures are gathered over the ranks (tests/dist_engine_checks.py on_every_rank:
@@ -427,6 +512,9 @@ HOST_READ_CASES = multi_rank_checks(
     sgd=lambda: _host_reads_in_backward(grad_reduction="reduce_scatter"),
     clip_norm=lambda: _host_reads_in_backward(grad_reduction="reduce_scatter", clip_grad_norm=0.5),
     adalomo=lambda: _host_reads_in_backward(grad_reduction="reduce_scatter", optimizer="adalomo"),
+    # The host-update worker finishing AdaLomo's updates (offload_param cpu on an accelerator).
+    adalomo_host_thread=lambda: _host_reads_in_backward(grad_reduction="reduce_scatter", optimizer="adalomo",
+                                                        host_update="thread"),
 )
 # One rank, "auto": each gradient applied as it arrives (on a CPU "auto" between ranks is shared
 # memory, whose flags are host memory by design).
@@ -631,6 +719,102 @@ def test_offloaded_updates_run_on_the_worker_after_the_hook_and_before_the_stati
     assert r["threads"] == ["lomo-host-update"], f"offloaded updates ran on {r['threads']}"
     assert r["early"] == 0, f"{r['early']} updates ran before the hook that handed them over returned"
     assert r["pending_at_read"] == [0, 0], f"slices still unapplied when the pass was read: {r['pending_at_read']}"
+
+
+@multi_rank(worlds=(1, 2))
+def adalomo_host_update_order():
+    """AdaLomo with offloaded shards and the host-update worker: every rank issues the bucket
+    statistics' all-reduces from the backward's thread, two per bucket, while the hook holds that
+    bucket, buckets in layout order; the worker applies each slice's host part after the hook that
+    handed it over returned; the pass is read once every handed slice is applied."""
+    import lomo_ds
+    from lomo_ds.engine import lomo_engine
+    from tests.dist_engine_checks import offload_cfg
+    from tests.tiny import global_batch, tiny_llama
+
+    cfg = offload_cfg(bucket_size=3000, host_update="thread", optimizer="adalomo", grad_reduction="reduce_scatter")
+    cfg["lomo"]["lr"] = 0.01
+    engine = lomo_ds.initialize(tiny_llama(0), cfg)
+    world, rank = engine.world, engine.rank
+    adalomo = engine.updater.adalomo
+    hand, apply_host, read, all_reduce = (engine.buckets.on_bucket, adalomo.apply_host, lomo_engine.sum_over_ranks,
+                                          ds_compat.all_reduce)
+    returned, events = {}, []
+    rec = {"handed": 0, "applied": 0, "early": 0, "threads": set(), "pending_at_read": []}
+
+    def handing(items, stats):
+        done = threading.Event()
+        for p, _ in items:
+            returned[id(p)] = done
+        # (this bucket, the pass's bucket count): the layout is re-planned after the first backward
+        events.append(("bucket", [engine.buckets.slot_of[id(items[0][0])][0], len(engine.buckets.layout)]))
+        rec["handed"] += sum(1 for p, _ in items if engine.updater.geometry(p).local)
+        try:
+            return hand(items, stats)
+        finally:
+            events.append(("returned", None))
+            done.set()
+
+    def applying(updater, param, staged, finite):
+        if not returned[id(param)].wait(timeout=0 if rec["early"] else 2):
+            rec["early"] += 1
+        rec["threads"].add(threading.current_thread().name)
+        time.sleep(0.002)  # a slow host: a pass that did not wait for the worker reads its statistics early
+        apply_host(updater, param, staged, finite)
+        rec["applied"] += 1
+
+    def reducing(tensor, group=None, name="all-reduce tensor", op="sum"):
+        if name == "AdaLomo bucket statistics":
+            events.append(("all_reduce", threading.current_thread().name))
+        return all_reduce(tensor, group=group, name=name, op=op)
+
+    def reading(values, *args, name="", **kwargs):
+        if name == "non-finite flag":  # the updating pass's one read
+            rec["pending_at_read"].append(rec["handed"] - rec["applied"])
+            events.append(("pass read", None))
+        return read(values, *args, name=name, **kwargs)
+
+    engine.buckets.on_bucket, adalomo.apply_host = handing, applying
+    lomo_engine.sum_over_ranks, ds_compat.all_reduce = reading, reducing
+    try:
+        for step in range(2):
+            engine.train_step(global_batch(step, world)[rank])
+    finally:
+        lomo_engine.sum_over_ranks, ds_compat.all_reduce = read, all_reduce
+    return {**rec, "threads": sorted(rec["threads"]), "events": events, "worker_applied": engine.host_updates.applied,
+            "shard_devices": sorted({ds_compat.shard(p).device.type for p in engine.params})}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_adalomo_offloaded_updates_finish_on_the_worker_after_collectives_on_the_main_thread(rank_results, world):
+    r = ok(rank_results(world), adalomo_host_update_order)
+    assert r["shard_devices"] == ["cpu"]
+    assert r["applied"] == r["handed"] == r["worker_applied"] > 0
+    assert r["threads"] == ["lomo-host-update"], f"AdaLomo's host part ran on {r['threads']}"
+    assert r["early"] == 0, f"{r['early']} slices were applied before the hook that handed them over returned"
+    assert r["pending_at_read"] == [0, 0], f"slices still unapplied when the pass was read: {r['pending_at_read']}"
+    passes = []
+    for kind, what in r["events"]:
+        if kind == "bucket":
+            if not passes or passes[-1][-1] == "read":
+                passes.append([])
+            passes[-1].append([what])
+        elif kind == "all_reduce":
+            passes[-1][-1].append(what)
+        elif kind == "pass read":
+            passes[-1].append("read")
+        else:  # the hook returned: nothing of this bucket after it
+            passes[-1][-1].append("returned")
+    assert len(passes) == 2
+    for buckets in passes:
+        assert buckets[-1] == "read"
+        buckets = buckets[:-1]
+        assert [b[0] for b in buckets] == [[i, len(buckets)] for i in range(len(buckets))], \
+            f"buckets out of layout order: {[b[0] for b in buckets]}"
+        # Two all-reduces per bucket between its hand-over and the hook's return, from the main
+        # thread; one rank has no peer to reduce with.
+        expected = ["MainThread"] * 2 if world > 1 else []
+        assert all(b[1:] == expected + ["returned"] for b in buckets), buckets
 
 
 @multi_rank(worlds=(1, 2))

@@ -135,8 +135,9 @@ class LomoConfig(Section):
     host_update: Literal["auto", "thread", "inline"] = Field("auto", description=(
         "where the update of a shard in host memory (offload_param: cpu) runs: on a worker thread while the "
         "backward goes on, its slices copied without blocking into pinned buffers (thread), or in the gradient "
-        "hook (inline); auto = thread on accelerators, inline on CPU ranks. AdaLomo's update (per-bucket "
-        "collectives) always runs inline"))
+        "hook (inline); auto = thread on accelerators, inline on CPU ranks. With AdaLomo the thread applies "
+        "the shard's update only: its statistics, per-bucket collectives and coefficients stay in the hook, "
+        "on the device"))
     sparse_params: tuple[str, ...] = Field((), strict=False, description=(
         "fnmatch patterns of parameters that may get no gradient on some rank (mixture-of-experts experts): "
         "reduced at the end of the backward on every rank from the first step on (one found without a gradient "

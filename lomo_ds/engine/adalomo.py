@@ -42,14 +42,37 @@ Where the paper, the public `lomo-optim` code and this module differ, and which 
   needs the whole gradient on every rank; here the statistics are reduced from the slices.
 - t: the code counts backward calls; here each parameter counts the updates applied to it, so a
   skipped step (fp16 overflow) does not advance beta.
+
+Shards in host memory (`offload_param: cpu`) with the host-update worker (host_updates.py): the
+worker must issue no collective, and the hook must not wait for the host. So the update of such a
+shard is split in two:
+  device  in the hook, on the rank's device, where the reduced slice already is: the row/column
+          sums of g^2, both all-reduces, the second moments (their state lives on that device,
+          not beside the shard), u, and each parameter's coefficients (the relative step over the
+          clipping factor, and the decay). u and the two coefficients go into one buffer per
+          bucket, staged for the worker without blocking (HostUpdates.submit).
+  host    on the worker, in bucket order: θ = θ * decay - coef * u, written back into the shard
+          (stochastic rounding or the master, as ShardUpdater.write_back does inline).
+θ itself is in host memory, and RMS(θ) is needed in the hook: reading it there would make the
+hook do a pass over the host shard. Instead the worker, right after it updates a slice, takes its
+sum of squares (the slice is still in cache) into a per-parameter table in host memory (pinned on
+an accelerator); the hook copies this bucket's entries to the device without blocking. The entry
+of a parameter is the value its next update needs: the engine joins the worker at the end of
+every pass, so every entry the next pass reads is finished, and the worker only writes the entry
+of a parameter whose bucket the hook has already handed over (its next read is a pass later).
+An entry is unknown until that parameter's first update, and again after its shard is written by
+anything else (engine.load_shard_state_dict calls forget_weight_norms): the hook then takes it
+from the host weights itself, once.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 
 from lomo_ds.config.lomo import AdaLomoConfig
+from lomo_ds.engine import host_updates
 from lomo_ds.engine.fused_update import ShardGeometry
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
@@ -82,8 +105,10 @@ class _Slice(NamedTuple):
     geo: ShardGeometry
     shape: torch.Size
     pieces: list | None  # row_pieces of a matrix slice; None for a parameter with a full second moment
-    g: torch.Tensor  # the real gradient elements (fp32, ours to overwrite: becomes u)
-    weights: torch.Tensor  # fp32 weights to update (the master, or the shard or a copy of it)
+    g: torch.Tensor  # the real gradient elements (fp32, ours to overwrite)
+    weights: torch.Tensor | None  # fp32 weights to update here; None: updated on the host-update worker
+    u: torch.Tensor  # where u goes: `g` itself, or (worker) its place in the bucket's staged buffer
+    at: int | None  # (worker) where its u starts in the staged buffer; None: updated here
 
 
 def _ema_where(state: torch.Tensor, new: torch.Tensor, beta: torch.Tensor, keep: torch.Tensor) -> None:
@@ -91,51 +116,94 @@ def _ema_where(state: torch.Tensor, new: torch.Tensor, beta: torch.Tensor, keep:
     state.copy_(torch.where(keep, state * beta + new * (1.0 - beta), state))
 
 
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An index tensor on `device`, built on the host and copied over without blocking."""
+    return torch.tensor(values, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+
+
 class AdaLomo:
     """AdaLomo's second-moment state and update for this rank's shards; ShardUpdater calls
     `apply_bucket` with each reduced bucket of the update pass."""
 
-    def __init__(self, cfg: AdaLomoConfig, module: torch.nn.Module, params: list, group, geometry):
+    def __init__(self, cfg: AdaLomoConfig, module: torch.nn.Module, params: list, group, geometry,
+                 host=None, device: torch.device | None = None):
         """`geometry(param)`: this rank's ShardGeometry of a parameter (the updater's, per group);
-        `group`: where the bucket statistics are reduced (every parameter's shard group spans it)."""
+        `group`: where the bucket statistics are reduced (every parameter's shard group spans it).
+        `host`: a HostUpdates whose worker updates the shards it holds (in host memory); their
+        state then lives on `device` (default: the host's), where their reduced slices arrive."""
         self.cfg = cfg
         self.group, self.geometry = group, geometry
         self.world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+        self.host = host
         names = {id(p): n for n, p in module.named_parameters()}
         self.names = {ds_compat.param_id(p): names[id(p)] for p in params}
+        # ds_id -> its row in weight_sq, for the parameters whose update the worker applies.
+        self.deferred: dict[int, int] = {}
         # ds_id -> {"step": updates applied, "row", "col"} (matrices, replicated) or {"step", "sq"}
-        # (this rank's slice), on the shard's device: fp32 moments, an fp64 step count (a device
-        # tensor, so that a skipped bucket leaves it where it was without a host sync).
+        # (this rank's slice): fp32 moments, an fp64 step count (a device tensor, so that a skipped
+        # bucket leaves it where it was without a host sync). Beside the shard, or, for a shard
+        # the worker updates, on the rank's device: the hook computes with them there.
         self.state: dict[int, dict[str, Any]] = {}
         for p in params:
-            shape, device = ds_compat.full_shape(p), ds_compat.shard(p).device
+            shape, device_of_p = ds_compat.full_shape(p), ds_compat.shard(p).device
+            if host is not None and host.holds(p):
+                self.deferred[ds_compat.param_id(p)] = len(self.deferred)
+                device_of_p = device if device is not None else host.device
             if is_factored(shape):
-                moments = {"row": torch.zeros(shape[0], dtype=torch.float32, device=device),
-                           "col": torch.zeros(shape[1], dtype=torch.float32, device=device)}
+                moments = {"row": torch.zeros(shape[0], dtype=torch.float32, device=device_of_p),
+                           "col": torch.zeros(shape[1], dtype=torch.float32, device=device_of_p)}
             else:
-                moments = {"sq": torch.zeros(geometry(p).local, dtype=torch.float32, device=device)}
-            self.state[ds_compat.param_id(p)] = {"step": torch.zeros((), dtype=torch.float64, device=device),
+                moments = {"sq": torch.zeros(geometry(p).local, dtype=torch.float32, device=device_of_p)}
+            self.state[ds_compat.param_id(p)] = {"step": torch.zeros((), dtype=torch.float64, device=device_of_p),
                                                  **moments}
+        # The worker's table of sum(θ^2) over each deferred parameter's slice (see the module
+        # docstring), in host memory: pinned where an accelerator copies from it without blocking.
+        self.pin = bool(host is not None and host.pin)
+        self.weight_sq = host_updates.host_buffer(len(self.deferred), torch.float32, pin=self.pin).zero_()
+        self.weight_sq_known = [False] * len(self.deferred)
+
+    def device_of(self, param: torch.nn.Parameter) -> torch.device:
+        """Where the hook computes with this parameter's reduced slice (and where its state is)."""
+        return self.state[ds_compat.param_id(param)]["step"].device
+
+    def forget_weight_norms(self) -> None:
+        """The shards were written outside the update (a checkpoint load): every sum(θ^2) the
+        worker recorded is stale, and the hook takes each one afresh at its next update."""
+        self.weight_sq_known = [False] * len(self.deferred)
 
     # ----------------------------------------------------------------- the update
     def apply_bucket(self, updater, items: list[tuple[torch.nn.Parameter, torch.Tensor]],
                      finite: torch.Tensor) -> None:
         """Update every parameter of a reduced bucket, unless `finite` (a device flag: every bucket
         of the pass so far was finite) or the bucket's reduced statistics say otherwise. Decided
-        on the device: nothing here reads a number back to the host."""
+        on the device: nothing here reads a number back to the host. The shards the worker
+        updates (`deferred`) are handed to it at the end, their host part not yet applied: the
+        caller joins the worker before it reads the pass or the shards."""
         cfg = self.cfg
-        slices = []
+        slices, staged_numel = [], 0
         for param, grad_shard in items:
             geo = self.geometry(param)
             shape = ds_compat.full_shape(param)
-            slices.append(_Slice(param, geo, shape,
-                                 row_pieces(geo.start, geo.local, shape[1]) if is_factored(shape) else None,
-                                 updater.unscale_and_clip(updater.real_grad(param, grad_shard)),
-                                 updater.weights(param)))
+            pieces = row_pieces(geo.start, geo.local, shape[1]) if is_factored(shape) else None
+            if ds_compat.param_id(param) in self.deferred:
+                # The slice stays where it arrived (the rank's device); the weights are the
+                # worker's. Its u goes into the bucket's staged buffer, then its coef and decay.
+                g = updater.unscale_and_clip(grad_shard[:geo.local].to(self.device_of(param), torch.float32))
+                slices.append(_Slice(param, geo, shape, pieces, g, None, g, staged_numel))
+                staged_numel += geo.local + 2
+            else:
+                g = updater.unscale_and_clip(updater.real_grad(param, grad_shard))
+                slices.append(_Slice(param, geo, shape, pieces, g, updater.weights(param), g, None))
+        staged = None
+        if staged_numel:
+            # One buffer on the rank's device for the whole bucket; the worker's slices are views of it.
+            staged = torch.empty(staged_numel, dtype=torch.float32,
+                                 device=next(s.g.device for s in slices if s.at is not None))
+            slices = [s if s.at is None else s._replace(u=staged[s.at:s.at + s.geo.local]) for s in slices]
 
         # 1. Partial row/column sums of g^2 and partial sums of θ^2 for the whole bucket in one
         #    buffer on the group's device: [rows, cols] of each matrix, then one θ^2 per parameter.
-        #    Each slice's sums are taken where its shard lives (they need not all be on one device).
+        #    Each slice's sums are taken where its gradient is (they need not all be on one device).
         device = group_device(self.group) if torch.distributed.is_initialized() else slices[0].g.device
         width = sum(s.shape[0] + s.shape[1] for s in slices if s.pieces is not None)
         sums = torch.zeros(width + len(slices), dtype=torch.float32, device=device)
@@ -148,13 +216,20 @@ class AdaLomo:
                     sums[at + row:at + row + rows] += torch.linalg.vector_norm(block, dim=1).square_().to(device)
                     sums[cols_at + col:cols_at + col + w] += torch.linalg.vector_norm(block, dim=0).square_().to(device)
                 at += s.shape[0] + s.shape[1]
-            sums[width + i] = torch.linalg.vector_norm(s.weights).square().to(device)
+            if s.at is None:
+                sums[width + i] = torch.linalg.vector_norm(s.weights).square().to(device)
+        deferred_at = [i for i, s in enumerate(slices) if s.at is not None]
+        if deferred_at:
+            # The worker's recorded sum(θ^2) of each slice, copied over without blocking.
+            sums.index_copy_(0, _index([width + i for i in deferred_at], device),
+                             self._weight_norms(updater, [slices[i].param for i in deferred_at], device))
         self._all_reduce(sums)
         # Every rank's g^2 is in the reduced sums: a non-finite slice anywhere makes them
         # non-finite on every rank, so every rank keeps or drops this bucket alike.
         keep = finite.to(device) & torch.isfinite(sums).all()
 
-        # 2. Second moments, then u = g / sqrt(v) in place of g, and partial sums of u^2.
+        # 2. Second moments, then u = g / sqrt(v) (in place of g, or into the staged buffer), and
+        #    partial sums of u^2.
         u_sq = torch.zeros(len(slices), dtype=torch.float32, device=device)
         at = 0
         for i, s in enumerate(slices):
@@ -173,11 +248,12 @@ class AdaLomo:
                 col_factor = state["col"].rsqrt()
                 for pos, row, col, n_rows, w in s.pieces:
                     block = s.g[pos:pos + n_rows * w].view(n_rows, w)
-                    block.mul_(row_factor[row:row + n_rows, None]).mul_(col_factor[col:col + w])
+                    out = s.u[pos:pos + n_rows * w].view(n_rows, w)
+                    torch.mul(block, row_factor[row:row + n_rows, None], out=out).mul_(col_factor[col:col + w])
             else:
                 _ema_where(state["sq"], s.g.square().add_(cfg.eps1), beta, here)
-                s.g.mul_(state["sq"].rsqrt())
-            u_sq[i] = torch.linalg.vector_norm(s.g).square().to(device)
+                torch.mul(s.g, state["sq"].rsqrt(), out=s.u)
+            u_sq[i] = torch.linalg.vector_norm(s.u).square().to(device)
         self._all_reduce(u_sq)
         keep &= torch.isfinite(u_sq).all()
 
@@ -190,7 +266,7 @@ class AdaLomo:
         coef = torch.where(keep, step / clip, 0.0)
         decay = torch.where(keep, 1.0 - step * updater.rule.weight_decay, 1.0)
         for i, s in enumerate(slices):
-            if s.geo.local == 0:
+            if s.geo.local == 0 or s.at is not None:
                 continue
             here = keep.to(s.g.device)
             s.g.masked_fill_(~here, 0.0)
@@ -198,6 +274,55 @@ class AdaLomo:
                 s.weights.mul_(decay[i].to(s.weights.device))
             s.weights.sub_(s.g.mul_(coef[i].to(s.g.device)))
             updater.write_back(s.param, s.weights)
+        if staged is not None:
+            self._hand_over(updater, slices, staged, keep, coef, decay, finite)
+
+    def _weight_norms(self, updater, params: list, device: torch.device) -> torch.Tensor:
+        """sum(θ^2) of each parameter's slice (all deferred), on `device` without a blocking copy."""
+        rows = [self.deferred[ds_compat.param_id(p)] for p in params]
+        for row, p in zip(rows, params, strict=True):
+            if not self.weight_sq_known[row]:
+                # Not recorded since the shard was last written (the first update, or a checkpoint
+                # load): taken here from the host weights, which no one else touches now (their
+                # bucket is not handed over yet, and last pass's updates are joined).
+                self.weight_sq[row] = torch.linalg.vector_norm(updater.weights(p)).square()
+                self.weight_sq_known[row] = True
+        # Gathered into a buffer of its own (pinned on an accelerator), which the worker never
+        # writes: the copy reads it whenever the stream gets there.
+        picked = host_updates.host_buffer(len(rows), torch.float32, pin=self.pin)
+        torch.index_select(self.weight_sq, 0, torch.tensor(rows, dtype=torch.int64, device="cpu"), out=picked)
+        return picked.to(device, non_blocking=True)
+
+    def _hand_over(self, updater, slices: list[_Slice], staged: torch.Tensor, keep: torch.Tensor,
+                   coef: torch.Tensor, decay: torch.Tensor, finite: torch.Tensor) -> None:
+        """Finish the staged buffer (a dropped bucket's u zeroed, each slice's coef and decay behind
+        its u) and hand its slices to the worker."""
+        staged.masked_fill_(~keep.to(staged.device), 0.0)
+        deferred = [(i, s) for i, s in enumerate(slices) if s.at is not None]
+        ends = [s.at + s.geo.local for _, s in deferred]  # where each slice's coef goes, decay behind it
+        picked = _index([i for i, _ in deferred], coef.device)
+        values = torch.cat([coef.index_select(0, picked), decay.index_select(0, picked)]).to(staged.device)
+        staged.index_copy_(0, _index(ends + [e + 1 for e in ends], staged.device), values)
+        jobs = [(s.param, staged[s.at:s.at + s.geo.local + 2]) for _, s in deferred if s.geo.local]
+        if jobs:
+            self.host.submit(jobs, finite, partial(self.apply_host, updater))
+
+    def apply_host(self, updater, param: torch.nn.Parameter, staged: torch.Tensor, finite: torch.Tensor) -> None:
+        """The host part of a deferred update, on the worker: `staged` is the slice's u, then its
+        coef and decay (a dropped bucket's: u zero, coef 0, decay 1; `finite` is already in them).
+        Records the slice's new sum(θ^2) for its next update."""
+        n = staged.numel() - 2
+        u, coef, decay = staged[:n], staged[n], staged[n + 1]
+        weights = updater.weights(param)
+        if updater.rule.weight_decay:
+            weights.mul_(decay)
+        weights.sub_(u.mul_(coef))
+        updater.write_back(param, weights)
+        # What the next update's RMS(θ) reads: the weights as stored (after rounding into a bf16
+        # shard), as updater.weights gives them then.
+        row = self.deferred[ds_compat.param_id(param)]
+        self.weight_sq[row] = torch.linalg.vector_norm(updater.weights(param)).square()
+        self.weight_sq_known[row] = True
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         if self.world > 1:

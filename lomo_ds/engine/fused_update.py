@@ -95,7 +95,8 @@ class ShardUpdater:
     The update runs where the shard lives: on the accelerator, or in host memory under
     `offload_param: {device: cpu}` (each shard's own device: they need not all be on one).
     `adalomo` (lomo_ds/engine/adalomo.py), when given, replaces the SGD update of the updating
-    pass; it takes each bucket whole for its per-bucket statistics collectives.
+    pass; it takes each bucket whole for its per-bucket statistics collectives, and hands the
+    host part of the shards in host memory to the host-update worker when the engine has one.
 
     One backward pass: `begin_pass(rule, measure=...)` returns the pass's PassStats, then the
     buckets call `apply_bucket(items, stats)`. A bucket is applied only while `stats.finite`
@@ -171,6 +172,14 @@ class ShardUpdater:
             weights.mul_(torch.where(keep, 1.0 - self.rule.lr * self.rule.weight_decay, 1.0))
         weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
         self.write_back(param, weights)
+
+    def slice_device(self, param: torch.nn.Parameter) -> torch.device:
+        """Where the update wants this parameter's reduced slice: beside the shard, or, for a
+        shard in host memory whose AdaLomo update the host-update worker finishes, on the rank's
+        device (the hook computes its statistics there)."""
+        if self.adalomo is not None:
+            return self.adalomo.device_of(param)
+        return ds_compat.shard(param).device
 
     def real_grad(self, param: torch.nn.Parameter, grad_shard: torch.Tensor) -> torch.Tensor:
         """The fp32 real elements of a reduced gradient slice, where the shard lives (an offloaded

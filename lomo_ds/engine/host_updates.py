@@ -18,10 +18,12 @@ Instead, for the shards in host memory:
           updated shards. An error raised in the worker is raised there, naming the parameter.
 
 The worker issues no collective: ranks must issue theirs in one order, from the thread that runs
-ZeRO-3's gathers. So only updates without one go to it (SGD's update, the accumulator's adds and
-the fused update from the accumulated sum); AdaLomo's update makes two small all-reduces per
-bucket and stays in the hook, as does the measuring pass of norm clipping (it never touches a
-shard: it sums squares on the device).
+ZeRO-3's gathers. So only work without one goes to it: SGD's update, the accumulator's adds and
+the fused update from the accumulated sum, and the host part of AdaLomo's update. AdaLomo makes
+two small all-reduces per bucket: they, its statistics and its coefficients stay in the hook, on
+the device where the reduced slices are, and the worker gets each slice's normalised update u
+with its two coefficients and applies θ = θ * decay - coef * u (adalomo.py). The measuring pass
+of norm clipping stays in the hook too (it never touches a shard: it sums squares on the device).
 
 On a CPU rank the slices are in host memory already: nothing is staged, and no pinned memory is
 asked for (page-locked memory is for an accelerator to copy into). The worker still runs when
@@ -106,9 +108,9 @@ class HostUpdates:
 
     def submit(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]], finite: torch.Tensor,
                apply: Apply) -> None:
-        """Queue `apply(param, slice, finite)` for each (param, real elements of its reduced slice)
-        of one bucket, `finite` being the pass's flag as of this bucket; returns once the copies
-        are issued, before anything is applied."""
+        """Queue `apply(param, slice, finite)` for each (param, real elements of its reduced slice,
+        or AdaLomo's u and coefficients for it) of one bucket, `finite` being the pass's flag as of
+        this bucket; returns once the copies are issued, before anything is applied."""
         job = self._stage(items, finite, apply)
         if self._thread is None:
             self._jobs = queue.Queue(maxsize=self.max_staged)

@@ -29,7 +29,8 @@ reduced shards and passes; its state goes into the shard checkpoint and the memo
 
 With offload_param: cpu the shards live in host memory: on an accelerator their updates run on a
 worker thread, overlapped with the backward, from slices copied without blocking into pinned
-buffers, and every pass joins it before its statistics are read (host_updates.py).
+buffers, and every pass joins it before its statistics are read (host_updates.py). AdaLomo's
+statistics and collectives stay in the hook, on the device; the worker applies the rest.
 """
 from __future__ import annotations
 
@@ -112,22 +113,24 @@ class LomoEngine:
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
 
-        # Shards live on the accelerator, or in host memory with offload_param: the update runs
-        # where each one lives; the pass statistics stay on this rank's device.
-        geometries = ShardGeometries()
-        adalomo = (AdaLomo(lomo.adalomo, self.module, self.params, self.group, geometries)
-                   if lomo.optimizer == "adalomo" else None)
-        masters = self.params if lomo.fp32_master_weights and self.dtype != torch.float32 else ()
-        self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.seed, self.device, geometries, adalomo, masters)
-        self.memory: MemoryTracker | None = None
         # Shards in host memory (offload_param: cpu) are updated on a worker thread while the
         # backward goes on (lomo.host_update; by default on accelerators only: on a CPU rank the
         # update would compete with the backward for the same cores). AdaLomo's update makes
         # collectives, which must come from the backward's thread in the order every rank shares:
-        # it stays in the hook.
+        # its statistics, collectives and coefficients stay in the hook, on this rank's device,
+        # and only the elementwise update of the shard goes to the worker (adalomo.py).
         names = {id(p): n for n, p in self.module.named_parameters()}
         self.host_updates = (HostUpdates(self.device, lambda p: names.get(id(p), f"ds_id={ds_compat.param_id(p)}"))
-                             if use_thread(lomo.host_update, self.device) and adalomo is None else None)
+                             if use_thread(lomo.host_update, self.device) else None)
+        # Shards live on the accelerator, or in host memory with offload_param: the update runs
+        # where each one lives; the pass statistics stay on this rank's device.
+        geometries = ShardGeometries()
+        adalomo = (AdaLomo(lomo.adalomo, self.module, self.params, self.group, geometries,
+                           host=self.host_updates, device=self.device)
+                   if lomo.optimizer == "adalomo" else None)
+        masters = self.params if lomo.fp32_master_weights and self.dtype != torch.float32 else ()
+        self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.seed, self.device, geometries, adalomo, masters)
+        self.memory: MemoryTracker | None = None
         # Each parameter is reduced over its own ds_process_group: one bucket set per group.
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
         # Off by default (costs nothing); experiments/bench_step.py turns it on for the breakdown.
@@ -210,7 +213,11 @@ class LomoEngine:
     def _on_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]], stats: PassStats) -> None:
         """A reduced bucket: this rank's summed slice of each of its parameters."""
         host = self.host_updates
-        if host is not None and not self.updater.measuring and any(host.holds(p) for p, _ in items):
+        # AdaLomo's updating passes take the bucket whole, host-memory shards too: it hands their
+        # host part to the worker itself, after its collectives (adalomo.py).
+        whole = self.updater.adalomo is not None and self.bucket_mode != "add"
+        if (host is not None and not self.updater.measuring and not whole
+                and any(host.holds(p) for p, _ in items)):
             # Shards in host memory: their slices are staged and the worker applies them; the
             # measuring pass touches no shard and sums its squares on the device, here.
             staged = [(p, g[:self.updater.geometry(p).local]) for p, g in items if host.holds(p)]
@@ -225,7 +232,7 @@ class LomoEngine:
                 self.accumulator.add(param, grad_shard)
             return
         if self.bucket_mode == "fold":
-            items = [(p, self.accumulator.total(p, ds_compat.shard(p).device, g)) for p, g in items]
+            items = [(p, self.accumulator.total(p, self.updater.slice_device(p), g)) for p, g in items]
         self.updater.apply_bucket(items, stats)
 
     def _host_apply(self, mode: str):
@@ -458,10 +465,19 @@ class LomoEngine:
         layout every rank shares (so per-bucket collectives, AdaLomo's, come in one order)."""
         stats = self.updater.begin_pass(rule, measure=False, step=self.global_step)
         groups = getattr(self.buckets, "layout", None) or [[p] for p in self.params]
-        for group in groups:
-            with self.timers.span("update"):
-                self.updater.apply_bucket([(p, self.accumulator.total(p, ds_compat.shard(p).device))
-                                           for p in group], stats)
+        try:
+            for group in groups:
+                with self.timers.span("update"):
+                    self.updater.apply_bucket([(p, self.accumulator.total(p, self.updater.slice_device(p)))
+                                               for p in group], stats)
+        except BaseException:
+            if self.host_updates is not None:
+                self.host_updates.join(raise_failure=False)  # no update left running; this error wins
+            raise
+        if self.host_updates is not None:
+            # AdaLomo handed the host part of its host-memory shards to the worker: done before
+            # the step ends and the next forward gathers them.
+            self.host_updates.join()
 
     def _stepped(self, result: dict[str, Any]) -> dict[str, Any]:
         """End a step that was applied."""
@@ -558,6 +574,9 @@ class LomoEngine:
                 raise ValueError("checkpoint shard has no AdaLomo state (written with lomo.optimizer 'sgd'); "
                                  "resume with the optimizer it was written with")
             self.updater.adalomo.load_state_dict(state["adalomo"])
+            # The shards were just written: the sums of squares recorded by the host-update worker
+            # describe the weights before the load.
+            self.updater.adalomo.forget_weight_norms()
         self.global_step = state["global_step"]
         self.skipped_steps = state["skipped_steps"]
         self.consecutive_skips = state.get("consecutive_skips", 0)

@@ -59,7 +59,9 @@ def format_summary(results: dict[int, dict]) -> str:
             elif "max_abs_diff" in r:
                 against = "AdaLomo - reference" if name.startswith("adalomo") else "LOMO - torch.optim.SGD"
                 lines.append(f"{head} max |{against}| = {r['max_abs_diff']:.2e}"
-                             + (f", shards on {r['shard_device']}" if "shard_device" in r else ""))
+                             + (f", shards on {r['shard_device']}" if "shard_device" in r else "")
+                             + (f", {r['host_updates']} slices updated on the host thread"
+                                if r.get("host_updates") else ""))
             elif name == "bucket_path":
                 lines.append(f"{head} {r['backend']}, {r['transport']}, side stream {r['side_stream']}, "
                              f"{r['buckets']} buckets and {r['reduce_scatters']} reduce-scatters a step, timers on "
@@ -78,7 +80,7 @@ def format_summary(results: dict[int, dict]) -> str:
                 lines.append(f"{head} shards on {r['shard_devices']}; max |LOMO - SGD| {r['sgd']['max_abs_diff']:.2e}, "
                              f"|AdaLomo - reference| {r['adalomo']['max_abs_diff']:.2e}; bf16 losses "
                              + " ".join(f"{x:.4f}" for x in r["bf16_losses"]))
-            elif name == "offload_overlap":
+            elif name.endswith("offload_overlap"):
                 lines.append(f"{head} median step " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
                                                                r["median_s"].items())
                              + f"; host thread saves {r['saved_s'] * 1e3:.1f} ms over inline, {r['applied']} "

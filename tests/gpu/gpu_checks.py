@@ -27,6 +27,7 @@ import copy
 import gc
 import os
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -119,6 +120,13 @@ def check_bucket_path():
             "skipped": out["skipped"]}
 
 
+def adalomo_offload_cfg(pin: bool) -> dict:
+    """AdaLomo with norm clipping on shards in host memory (uneven slices on 3 or more ranks)."""
+    cfg = AD.adalomo_cfg(clip_grad_norm=0.5)
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    return cfg
+
+
 def check_offload_two_devices():
     """offload_param cpu with persistent parameters: their shards stay on the GPU and the rest go
     to host memory, so one bucket updates shards on two devices (issue 17 item 5). SGD and AdaLomo
@@ -145,7 +153,9 @@ def check_host_syncs():
     the layout): the synchronising calls whose innermost caller outside torch is lomo_ds code (on a
     GPU each one drains the queue: issue 17 item 7), and, for information, the others (DeepSpeed's
     hooks; the backward kernels', which autograd replays at the `.backward(` call). One pass, norm
-    clipping, AdaLomo on the bucket path, and one rank's direct path."""
+    clipping, AdaLomo on the bucket path (and with offload_param cpu: the hook's part on the GPU,
+    the shards' update on the host-update thread, whose own waits for its copies are reported
+    apart: they keep that thread, not the backward, waiting), and one rank's direct path."""
     if not torch.cuda.is_available():
         return {"skipped": "CUDA's sync debug mode needs CUDA"}
     torch_dir = os.path.dirname(torch.__file__)
@@ -162,13 +172,19 @@ def check_host_syncs():
 
     out = {}
     for name, lomo in {"sgd": {}, "clip_norm": {"clip_grad_norm": 0.5}, "adalomo": {"optimizer": "adalomo"},
-                       "direct": {"grad_reduction": "auto"}}.items():
-        engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, **lomo))
+                       "adalomo_offload": {"optimizer": "adalomo"}, "direct": {"grad_reduction": "auto"}}.items():
+        cfg = ds_cfg(bucket_size=3000, **lomo)
+        if name.endswith("_offload"):
+            cfg = E.offloaded(cfg)
+        engine = lomo_ds.initialize(tiny_llama(0), cfg)
         engine.train_step(global_batch(0, engine.world)[engine.rank])
         found = []
 
         def record(message, category, filename, lineno, file=None, line=None, _found=found):
-            _found.append(owner(traceback.extract_stack()[:-1]))
+            where = owner(traceback.extract_stack()[:-1])
+            if threading.current_thread() is not threading.main_thread():
+                where = f"other: {threading.current_thread().name} thread, {where}"
+            _found.append(where)
 
         def watched(*args, _backward=engine._backward, _record=record, **kwargs):
             with warnings.catch_warnings():  # restores warnings.showwarning at its end
@@ -337,13 +353,14 @@ def check_step_time(device: torch.device, sizes: dict):
             "world": torch.distributed.get_world_size()}
 
 
-def check_offload_overlap(device: torch.device, sizes: dict):
+def check_offload_overlap(device: torch.device, sizes: dict, optimizer: str = "sgd"):
     """offload_param: cpu with the shards' updates on the host-update thread (slices staged in pinned
     memory, the CPU update overlapped with the backward) against the same updates inside the hook
     (lomo.host_update inline: the serialised path) and against no offload, taking turns step by
     step. Per-step times, medians, and the updates the worker applied; on the serialised path the
     worker applies none ("applied" 0, which tests/dist_engine_checks.host_updates_applied refuses)
-    and "thread" saves nothing over "inline" ("saved_s")."""
+    and "thread" saves nothing over "inline" ("saved_s"). `optimizer` "adalomo": the worker gets
+    AdaLomo's host part (its statistics and collectives stay in the hook, on the GPU)."""
     import statistics
 
     on_gpu = device.type == "cuda"
@@ -356,7 +373,8 @@ def check_offload_overlap(device: torch.device, sizes: dict):
         if host_update:
             zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
         return lomo_ds.initialize(llama(sizes), {**ds, "zero_optimization": zero,
-                                                 "lomo": {"lr": 1e-3, "host_update": host_update or "auto"}})
+                                                 "lomo": {"lr": 1e-3, "host_update": host_update or "auto",
+                                                          "optimizer": optimizer}})
 
     engines = {"no_offload": engine(None), "offload_thread": engine("thread"), "offload_inline": engine("inline")}
     times = steps_in_turns(engines, device, sizes)
@@ -384,6 +402,9 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         "reduce_dtype_bf16": partial(equivalence, tiny(0), ds_cfg(reduce_dtype="bf16")),
         "adalomo": partial(AD.equivalence, tiny(0), AD.adalomo_cfg()),
         "adalomo_clip_norm": partial(AD.equivalence, tiny(1), AD.adalomo_cfg(clip_grad_norm=0.5), clip_norm=0.5),
+        # offload_param cpu: statistics and collectives in the hook on the GPU, the shards' update
+        # on the host-update thread from pinned staging (lomo.host_update auto).
+        "adalomo_offload": partial(AD.equivalence, tiny(1), adalomo_offload_cfg(pin=on_gpu), clip_norm=0.5),
         "lora_lomo": partial(lora_lomo_two_passes, **E.LOMO_DEFAULTS),
         # Experts reached by some micro-batches only, switching every step (flush-only buckets).
         "experts": partial(check_experts, E.LOMO_DEFAULTS.get("grad_reduction", "auto")),
@@ -395,6 +416,8 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         "offload_two_devices": partial(check_offload_two_devices),
         # The host-update thread against the updates inside the hook and against no offload (item 8).
         "offload_overlap": partial(check_offload_overlap, device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
+        "adalomo_offload_overlap": partial(check_offload_overlap, device, STEP_MODEL["gpu" if on_gpu else "smoke"],
+                                           optimizer="adalomo"),
         "host_syncs": partial(check_host_syncs),
         # A sum that overflows only inside the fp16 reduction (several ranks: issue 17 item 4).
         "reduction_overflow": partial(E.check_reduction_overflow, "fp16" if on_gpu else None),

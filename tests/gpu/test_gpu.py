@@ -113,6 +113,20 @@ def test_adalomo_matches_its_reference_on_cuda(gpu_results, world, check):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_adalomo_with_offload_param_cpu_matches_its_reference_through_the_host_thread(gpu_results, world):
+    """offload_param cpu: AdaLomo's statistics, collectives and coefficients in the hook on the GPU,
+    every shard's update applied by the host-update thread from pinned staging; the reference's
+    result, norm clipping on."""
+    r = ok(gpu_results(world), "adalomo_offload")
+    print(f"AdaLomo, offload_param cpu, on {world} GPU(s): max |AdaLomo - reference| = {r['max_abs_diff']:.2e}, "
+          f"{r['host_updates']} slices updated by the host thread")
+    assert r["shard_devices"] == ["cpu"], "offload_param: cpu must leave the shards in host memory"
+    assert r["max_abs_diff"] <= GPU_TOL
+    assert r["moved"] > 100 * GPU_TOL
+    assert r["host_updates"] == r["slice_updates"] > 0, "every slice's update must run on the host-update thread"
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_lora_lomo_adapter_gradient_is_one_unscaled_pass(gpu_results, world):
     r = ok(gpu_results(world), "lora_lomo")
     assert not r["one_pass"]["two_passes"] and r["two_passes"]["two_passes"]
@@ -171,11 +185,13 @@ def test_offload_with_persistent_shards_on_two_devices(gpu_results, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_offload_updates_run_on_the_host_thread_beside_the_backward(gpu_results, world):
+@pytest.mark.parametrize("check", ["offload_overlap", "adalomo_offload_overlap"])
+def test_offload_updates_run_on_the_host_thread_beside_the_backward(gpu_results, world, check):
     """Item 8: the host-memory shards' updates on the worker thread (staged in pinned memory),
-    timed against the same updates inside the hook and against no offload (figures, not bounds)."""
-    r = ok(gpu_results(world), "offload_overlap")
-    print(f"offload on {world} GPU(s): median step " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
+    timed against the same updates inside the hook and against no offload (figures, not bounds);
+    SGD's, and AdaLomo's host part."""
+    r = ok(gpu_results(world), check)
+    print(f"{check} on {world} GPU(s): median step " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
                                                               r["median_s"].items())
           + f"; the thread saves {r['saved_s'] * 1e3:.1f} ms a step over inline")
     assert r["applied"] > 0, "no update ran on the host-update thread"

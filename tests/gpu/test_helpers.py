@@ -75,7 +75,8 @@ def test_every_gpu_check_binds_and_its_configs_load(on_gpu, world, tmp_path):
         assert dist_engine_checks.ds_cfg()["lomo"]["grad_reduction"] == "reduce_scatter"
     assert dist_engine_checks.LOMO_DEFAULTS == {}, "the forcing must end with its block"
     new = {"bucket_path", "sgd_direct", "clip_norm_recompute", "reduce_dtype_bf16", "adalomo", "adalomo_clip_norm",
-           "lora_lomo", "experts", "evaluation", "generation", "offload_two_devices", "offload_overlap"}
+           "adalomo_offload", "lora_lomo", "experts", "evaluation", "generation", "offload_two_devices",
+           "offload_overlap", "adalomo_offload_overlap"}
     assert new <= set(checks)
     assert ("overflow" in checks) == ("memory" in checks) == ("host_syncs" in checks) == on_gpu
     assert ("step_time" in checks) == ("reduction_overflow" in checks) == (world > 1)
