@@ -75,29 +75,23 @@ def part_of(param: torch.nn.Parameter, world: int) -> int:
     return geometry(param, world, 0).part
 
 
-def _min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t's smallest and largest elements, as fp32 device scalars: both are finite exactly when
-    every element is (NaN propagates through both; an infinity is one of them). The checks below
-    take them rather than torch.isfinite(t).all(), which on a CPU tests element by element: 52 ms
-    against 2 ms for the 14.5M-element slice a rank of a 29M model receives each step."""
-    if t.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float32, device=t.device)
-        return zero, zero
-    lo, hi = torch.aminmax(t)
-    return lo.float(), hi.float()
-
-
 def all_finite(t: torch.Tensor) -> torch.Tensor:
-    """torch.isfinite(t).all(), a device bool (no host sync), at a min/max's cost (see _min_max)."""
-    lo, hi = _min_max(t)
+    """torch.isfinite(t).all() as a device bool (no host sync), from t's smallest and largest
+    elements: both are finite exactly when every element is (NaN propagates through both; an
+    infinity is one of them). On a CPU torch.isfinite tests element by element: 47 ms against
+    aminmax's 2.3 ms for the 14.5M-element slice a rank of a 29M model receives each step."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def nonfinite_marker(t: torch.Tensor, finite_so_far: torch.Tensor | None = None) -> torch.Tensor:
-    """0 when every element of `t` is finite (and `finite_so_far` holds), NaN otherwise: 0 * min
-    + 0 * max (inf * 0 and NaN * 0 are NaN). A device tensor, so building the flag costs no host sync."""
-    lo, hi = _min_max(t)
-    marker = lo.mul_(0.0).add_(hi.mul_(0.0))
+    """0 when every element of `t` is finite (and `finite_so_far` holds), NaN otherwise: 0 * sum
+    (inf * 0 and NaN * 0 are NaN). A device tensor, so building the flag costs no host sync. A sum
+    rather than a min and a max: `t` is the packed payload, a strided view (the flag column sits
+    between its rows), which aminmax reads about 3x slower than the sum does in the engine's step."""
+    marker = t.sum(dtype=torch.float32).mul_(0.0)
     if finite_so_far is not None:
         marker = torch.where(finite_so_far, marker, math.nan)
     return marker
