@@ -222,6 +222,10 @@ def test_update_temporaries_in_the_total():
 
 # ----------------------------------------------------------------------------- offloaded parameters
 def test_offload_rows(capsys):
+    from lomo_ds.engine import host_updates
+    from lomo_ds.planning import planner
+
+    assert planner.HOST_STAGED_BUCKETS == host_updates.MAX_STAGED
     for size, model in LLAMA.items():
         run = replace(shipped_run(size), offload=True)
         p = plan(model, 24, run)
@@ -231,9 +235,12 @@ def test_offload_rows(capsys):
         resident = estimate(model, "lomo", 1, shipped_run(size))
         # no shard and no update temporaries on the GPU; both in host RAM, with the whole model
         assert on_gpu.update == 0 and on_gpu.params < resident.params / 4
-        assert host == 2 * model.n_params + 2 * max(model.param_numels()) + resident.update
-        # 8 ranks on the node: 8 slices and updates at once, each 1/8 as large
-        assert p.estimates[("lomo", 8)].host == pytest.approx(host, rel=1e-6)
+        # the shards, the pinned staging of the host-update worker (MAX_STAGED buckets queued and
+        # one applied, each at least the largest slice) and the update temporaries
+        staged = (host_updates.MAX_STAGED + 1) * 2 * max(run.lomo_bucket, max(model.param_numels()))
+        assert host == 2 * model.n_params + staged + resident.update
+        # 8 ranks on the node: 8 stagings and updates at once, each holding smaller slices
+        assert host <= p.estimates[("lomo", 8)].host <= host + 8 * staged
     # the table in the planner's docstring is these figures
     from lomo_ds.planning import planner
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:]]

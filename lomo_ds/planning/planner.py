@@ -80,16 +80,18 @@ The shards live in host RAM, and the update runs there on a copy of the reduced 
                                          any N: a gathered parameter is never the host shard)
         + LOMO grads (as above) + activations; no shard, no update temporaries
   host    b P (+ 4 P fp32 masters)       every rank's shards, for the whole node (one node)
-        + N (b n + update temporaries)   each rank's gradient slice copied over, and its update
+        + N (5 b B' + update temporaries) each rank's reduced slices staged in pinned buffers for the
+                                         host-update worker (B' = max(bucket, n): MAX_STAGED = 4
+                                         queued, one applied), and its update
 Host RAM is for the N ranks on one machine; it leaves out the processes' own footprint (CUDA
 context, Python, the DeepSpeed runtime) and the dataset. `lomo-ds plan --offload` prints, for the
 shipped configs' settings on 24 GiB GPUs:
 
   | model | micro-batch | LOMO GPUs | GiB/GPU | host RAM GiB (node) |    without offload:
-  | 7b    | 16          | 1         | 8.05    | 15.4                |    1 GPU, 20.83 GiB
-  | 13b   | 8           | 1         | 6.46    | 27.8                |    2 GPUs, 20.64 GiB
-  | 30b   | 4           | 1         | 6.13    | 65.2                |    4 GPUs, 22.81 GiB
-  | 65b   | 2           | 1         | 5.95    | 127.2               |    8 GPUs, 22.34 GiB
+  | 7b    | 16          | 1         | 8.05    | 16.3                |    1 GPU, 20.83 GiB
+  | 13b   | 8           | 1         | 6.46    | 29.0                |    2 GPUs, 20.64 GiB
+  | 30b   | 4           | 1         | 6.13    | 66.7                |    4 GPUs, 22.81 GiB
+  | 65b   | 2           | 1         | 5.95    | 129.2               |    8 GPUs, 22.34 GiB
 
 Activations (bytes autograd saves in the forward; what lomo_ds.planning.memory.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------
@@ -123,6 +125,10 @@ GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 METHODS = ("lomo", "sgd", "adamw")
 GPU_COUNTS = (1, 2, 4, 8)
+
+# Buckets staged ahead of the host-update worker (engine/host_updates.py MAX_STAGED; not imported:
+# the planner runs without torch's engine modules loaded). tests/test_planner.py checks they agree.
+HOST_STAGED_BUCKETS = 4
 
 
 @dataclass(frozen=True)
@@ -449,8 +455,11 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         on_host = run.offload or run.accumulate_on_host  # with offloaded shards it lives beside them
         host = 0.0
         if run.offload:
-            # the masters live with the shards: in host RAM, like the update
-            host = float(n * (b * shard_numel + masters + b * slice_n + update))
+            # the masters live with the shards: in host RAM, like the update; the reduced slices
+            # wait for the host-update worker in pinned staging buffers, a bucket each (at least
+            # the largest slice), MAX_STAGED queued and one being applied
+            staging = (HOST_STAGED_BUCKETS + 1) * b * max(min(run.lomo_bucket, shard_numel), slice_n)
+            host = float(n * (b * shard_numel + masters + staging + update))
             masters = update = 0
         if on_host:
             host += n * accumulator  # every rank's accumulator on the node
