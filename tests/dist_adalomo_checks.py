@@ -13,7 +13,7 @@ from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.engine.fused_update import geometry
 from lomo_ds.runtime import ds_compat
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import bf16_movement, ds_cfg, host_updates_applied, max_diff
+from tests.dist_engine_checks import bf16_movement, ds_cfg, host_updates_applied, inline_and_thread, max_diff
 from tests.tiny import global_batch, tiny_llama
 
 # AdaLomo steps every parameter by lr * RMS(param) whatever its gradient's size, and its update
@@ -109,17 +109,8 @@ def check_thread_bitwise():
     """The same run with the update inline and through the host-update worker: bf16 shards with
     stochastic rounding (the worker's draws in the hook's order) and norm clipping; the shards
     must come out bit-identical (the same u, coefficients and sums of squares, wherever taken)."""
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    full, applied = {}, 0
-    for mode in ("inline", "thread"):
-        cfg = adalomo_cfg(clip_grad_norm=0.5, host_update=mode)
-        cfg["bf16"] = {"enabled": True}
-        engine = lomo_ds.initialize(tiny_llama(11), cfg)
-        for step in range(2):
-            engine.train_step(global_batch(step, world)[rank])
-        full[mode] = engine.full_state_dict()
-        applied = host_updates_applied(engine)
-    if rank != 0:
+    full, applied = inline_and_thread(lambda mode: adalomo_cfg(clip_grad_norm=0.5, host_update=mode))
+    if torch.distributed.get_rank() != 0:
         return None
     return {"bitwise_equal": all(torch.equal(full["inline"][k], full["thread"][k]) for k in full["inline"]),
             "moved": sum(not torch.equal(full["thread"][k].float(), v.to(torch.bfloat16).float())

@@ -141,20 +141,29 @@ def host_updates_applied(engine) -> int:
     return applied
 
 
+def inline_and_thread(make_cfg, steps: int = 2) -> tuple[dict, int]:
+    """The full state after `steps` bf16 steps (stochastic rounding) of tiny_llama(11), with
+    lomo.host_update "inline" and "thread" (make_cfg(mode): the engine's config), and how many
+    slices the worker applied in the thread run."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    full, applied = {}, 0
+    for mode in ("inline", "thread"):
+        cfg = make_cfg(mode)
+        cfg["bf16"] = {"enabled": True}
+        engine = lomo_ds.initialize(tiny_llama(11), cfg)
+        for step in range(steps):
+            engine.train_step(global_batch(step, world)[rank])
+        full[mode] = engine.full_state_dict()
+        applied = host_updates_applied(engine)
+    return full, applied
+
+
 def check_host_update_thread():
     """lomo.host_update "thread" with offloaded shards: bf16 with stochastic rounding and norm
     clipping gives bit-identical shards to the inline update (the same slices, the same rounding
     draws in the same order); a non-finite gradient in the updating pass is skipped everywhere."""
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    full = {}
-    for mode in ("inline", "thread"):
-        cfg = offload_cfg(clip_grad_norm=0.5, host_update=mode)
-        cfg["bf16"] = {"enabled": True}
-        engine = lomo_ds.initialize(tiny_llama(11), cfg)
-        for step in range(2):
-            engine.train_step(global_batch(step, world)[rank])
-        full[mode] = engine.full_state_dict()
-        applied = host_updates_applied(engine)
+    rank = torch.distributed.get_rank()
+    full, applied = inline_and_thread(lambda mode: offload_cfg(clip_grad_norm=0.5, host_update=mode))
     same = None if rank else all(torch.equal(full["inline"][k], full["thread"][k]) for k in full["inline"])
     return {"bitwise_equal": same, "thread_applied": applied,
             "nonfinite": nonfinite_grad_steps(offload_cfg(clip_grad_norm=0.5, two_pass_mode="recompute",
