@@ -1,6 +1,6 @@
 """Generate lomo_ds/data/builtin/chat/{train,validation}.jsonl: a small synthetic conversation task.
 
-    python3 tools/make_chat_task.py        # rewrites both files, same bytes every time
+    python3 -m tools.make_chat_task        # rewrites both files, same bytes every time
 
 Records are {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}, ending with
 an assistant turn. The skill: the user gives one short sentence in which someone has a number of

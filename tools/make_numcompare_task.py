@@ -1,6 +1,6 @@
 """Generate lomo_ds/data/builtin/numcompare/{train,validation,heldout}.jsonl: comparing spelled-out numbers.
 
-    python3 tools/make_numcompare_task.py        # rewrites all three files, same bytes every time
+    python3 -m tools.make_numcompare_task        # rewrites all three files, same bytes every time
 
 Each passage states two quantities in words, as num2words spells them ("A farm keeps four hundred
 and twelve sheep and three hundred and ninety-eight goats."); the question asks, in one of a few

@@ -1,6 +1,6 @@
 """Generate lomo_ds/data/builtin/rhyme/{train,validation,heldout}.jsonl: do two English words rhyme?
 
-    python3 tools/make_rhyme_task.py        # rewrites all three files, same bytes every time
+    python3 -m tools.make_rhyme_task        # rewrites all three files, same bytes every time
 
 Each passage names two common English words, usually as the last words of two lines of a poem
 ('The first line of the poem ends with "gate" and the second line ends with "straight".'); the
