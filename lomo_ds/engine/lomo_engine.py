@@ -34,6 +34,7 @@ statistics and collectives stay in the hook, on the device; the worker applies t
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import os
@@ -259,22 +260,30 @@ class LomoEngine:
         on apply nothing more)."""
         stats = self.updater.begin_pass(rule, measure=measure, step=self.global_step)
         self.buckets.reset(stats)
-        try:
+        # on an error, peers waiting on this rank's next bucket or parameter gather fail too
+        with self._host_updates_joined(on_error=(self.buckets.abandon, shm_all_gather.abandon)):
             loss.backward(retain_graph=retain_graph)
             with self.timers.span("flush"):
                 self.buckets.flush()
+        return stats
+
+    @contextlib.contextmanager
+    def _host_updates_joined(self, on_error=()):
+        """Around work that hands updates of host-memory shards to the worker: on leaving, every
+        one is applied, before the pass's statistics are read and the next forward gathers the
+        shards. Every collective of the work is done by then, so a worker's error raised here
+        leaves no peer waiting mid-pass. On an error, `on_error` runs first, then the worker is
+        joined without raising its own error: no update is left running, and the first error wins."""
+        try:
+            yield
         except BaseException:
-            self.buckets.abandon()
-            shm_all_gather.abandon()  # peers waiting on this rank's next parameter gather fail too
+            for abandon in on_error:
+                abandon()
             if self.host_updates is not None:
-                self.host_updates.join(raise_failure=False)  # no update left running; this error wins
+                self.host_updates.join(raise_failure=False)
             raise
         if self.host_updates is not None:
-            # The end of the pass: every shard in host memory is updated before the pass's
-            # statistics are read and before the next forward gathers it. Every collective of the
-            # pass is done, so a worker's error raised here leaves no peer waiting mid-pass.
             self.host_updates.join()
-        return stats
 
     def forward(self, batch: dict[str, Any]):
         return self.module(**batch)
@@ -465,19 +474,13 @@ class LomoEngine:
         layout every rank shares (so per-bucket collectives, AdaLomo's, come in one order)."""
         stats = self.updater.begin_pass(rule, measure=False, step=self.global_step)
         groups = getattr(self.buckets, "layout", None) or [[p] for p in self.params]
-        try:
+        # AdaLomo hands the host part of its host-memory shards to the worker: done before the
+        # step ends and the next forward gathers them.
+        with self._host_updates_joined():
             for group in groups:
                 with self.timers.span("update"):
                     self.updater.apply_bucket([(p, self.accumulator.total(p, self.updater.slice_device(p)))
                                                for p in group], stats)
-        except BaseException:
-            if self.host_updates is not None:
-                self.host_updates.join(raise_failure=False)  # no update left running; this error wins
-            raise
-        if self.host_updates is not None:
-            # AdaLomo handed the host part of its host-memory shards to the worker: done before
-            # the step ends and the next forward gathers them.
-            self.host_updates.join()
 
     def _stepped(self, result: dict[str, Any]) -> dict[str, Any]:
         """End a step that was applied."""
