@@ -274,3 +274,30 @@ def check_sgd(transport: str = "auto", clip_norm: float | None = None):
     lomo = {"clip_grad_norm": clip_norm} if clip_norm else {}
     return equivalence(lambda: tiny_llama(0), ds_cfg(bucket_size=3000, grad_reduction=transport, **lomo),
                        {"clip_norm": clip_norm})
+
+
+def check_step_sums(transport: str):
+    """The step's agreements (loss, norm, verdict): their sums against gloo's all-reduce, the same
+    bits on every rank, and how many of them went through the process group in two steps (none
+    where the buckets use shared memory: they go through it too)."""
+    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, grad_reduction=transport))
+    world, rank = engine.world, engine.rank
+    values = [0.5 * (rank + 1), 3.0 - rank, -0.25 * rank]  # exact in fp32: sums are exact in any order
+    wide = torch.tensor([1.0 / 3.0 * (rank + 1)], dtype=torch.float64, device="cpu")
+    sums, wide_sum = engine._sum_over_ranks(values, "test"), engine._sum_over_ranks(wide, "test")
+    expected = torch.tensor(values, dtype=torch.float32, device="cpu")
+    ds_compat.all_reduce(expected, name="expected sums")
+    same_bits = on_every_rank(*sums, *wide_sum)
+    calls = []
+    real = ds_compat.all_reduce
+    with mock.patch.object(ds_compat, "all_reduce",
+                           side_effect=lambda t, *a, name="", **k: (calls.append(name), real(t, *a, name=name, **k))[1]):
+        for step in range(2):
+            engine.train_step(global_batch(step, world)[rank])
+    agreements = [n for n in calls if n in ("loss", "squared norm", "non-finite flag")]
+    return {"equal": float(sums == expected.tolist()), "wide": wide_sum[0],
+            "wide_expected": sum(1.0 / 3.0 * (r + 1) for r in range(world)),
+            "same_on_every_rank": float(all(row == same_bits[0] for row in same_bits)),
+            "process_group_agreements": len(agreements), "step_sums": float(engine.step_sums is not None),
+            # the last bucket's verdict, read on the host where it lives there (the update then skips masking)
+            "finite_on_host": float(engine.buckets.stats.finite_on_host)}

@@ -34,6 +34,7 @@ NONFINITE_FP32 = by_transport("nonfinite_fp32", functools.partial(B.check_nonfin
 EXPERTS = by_transport("experts", B.check_experts)
 EXPERT_SEND_ORDER = by_transport("expert_send_order", B.check_expert_send_order, worlds=[2, 3])
 APPLY_POINTS = by_transport("apply_points", B.check_apply_points, worlds=[2, 3])
+STEP_SUMS = by_transport("step_sums", B.check_step_sums, worlds=[2, 3])
 nonfinite_bf16, two_groups, transport = multi_rank_checks(
     WORLDS, nonfinite_bf16=lambda: B.check_nonfinite(True), two_groups=B.check_two_groups, transport=B.check_transport)
 overlap, other_partitioning = multi_rank_checks(
@@ -204,7 +205,7 @@ def test_bench_step_with_accumulation(rank_results):
 @pytest.mark.parametrize("bad", [None, math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("at", [0, 7, 12])
 def test_finite_checks_agree_with_isfinite(dtype, bad, at):
-    """all_finite and nonfinite_marker decide from a min and a max what torch.isfinite(t).all() decides."""
+    """all_finite and nonfinite_marker decide from a sum what torch.isfinite(t).all() decides."""
     from lomo_ds.engine.buckets import all_finite, nonfinite_marker
 
     t = torch.randn(13, device="cpu").mul_(100).to(dtype)
@@ -215,3 +216,70 @@ def test_finite_checks_agree_with_isfinite(dtype, bad, at):
     marker = nonfinite_marker(t.view(1, 13)[:, :12 if at == 12 else 13])  # a strided payload view, as packed
     assert bool(torch.isnan(marker)) == (not want and at != 12)
     assert bool(torch.isnan(nonfinite_marker(t, torch.tensor(False)))) and bool(all_finite(t[:0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finite_checks_see_opposite_infinities_and_pass_the_largest_finite_values(dtype):
+    """+inf and -inf together sum to NaN (still non-finite); fp16's largest values, and 1e30 in the
+    wider dtypes, summed in fp32, stay finite."""
+    from lomo_ds.engine.buckets import all_finite, nonfinite_marker
+
+    t = torch.zeros(13, dtype=dtype, device="cpu")
+    t[2], t[9] = math.inf, -math.inf
+    assert not bool(all_finite(t)) and bool(torch.isnan(nonfinite_marker(t)))
+    big = torch.full((13,), torch.finfo(dtype).max if dtype == torch.float16 else 1e30, dtype=dtype, device="cpu")
+    assert bool(all_finite(big)) and float(nonfinite_marker(big)) == 0.0
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_update_known_finite_on_the_host_skips_the_masking_and_equals_the_masked_one(weight_decay, monkeypatch):
+    """A bucket known finite on the host (the shared-memory transport's verdict) is applied without
+    the masking pass, to the same weights as with the device flag; a bucket whose device flag is
+    false moves nothing, NaN gradients included."""
+    from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
+
+    def params():
+        out = []
+        for i in range(2):
+            p = torch.nn.Parameter(torch.empty(0))
+            p.ds_tensor, p.ds_numel, p.ds_id = torch.linspace(-1, 1, 6, device="cpu") * (i + 1), 6, i
+            out.append(p)
+        return out
+
+    grads = [torch.arange(6, dtype=torch.float32, device="cpu") - 2.5, torch.ones(6, device="cpu")]
+    masks = []
+    fill = torch.Tensor.masked_fill_
+    monkeypatch.setattr(torch.Tensor, "masked_fill_", lambda self, *a: (masks.append(1), fill(self, *a))[1])
+    results = {}
+    for on_host in (False, True):
+        ps, updater = params(), ShardUpdater(False, 0, torch.device("cpu"))
+        stats = updater.begin_pass(UpdateRule(lr=0.1, grad_scale=0.5, weight_decay=weight_decay), step=0)
+        stats.finite_on_host = on_host
+        masks.clear()
+        updater.apply_bucket([(p, g.clone()) for p, g in zip(ps, grads, strict=True)], stats)
+        results[on_host] = ([p.ds_tensor.clone() for p in ps], len(masks))
+    assert results[False][1] == 2 and results[True][1] == 0
+    for a, b, p0 in zip(results[False][0], results[True][0], params(), strict=True):
+        assert torch.equal(a, b) and not torch.equal(a, p0.ds_tensor)
+    ps, updater = params(), ShardUpdater(False, 0, torch.device("cpu"))
+    stats = updater.begin_pass(UpdateRule(lr=0.1, weight_decay=weight_decay), step=0)
+    stats.finite.fill_(False)
+    updater.apply_bucket([(p, torch.full((6,), math.nan, device="cpu")) for p in ps], stats)
+    for p, p0 in zip(ps, params(), strict=True):
+        assert torch.equal(p.ds_tensor, p0.ds_tensor)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_step_agreements_go_where_the_buckets_go(rank_results, world):
+    """The loss, norm and verdict sums: through shared memory where the buckets reduce there (no
+    all-reduce of the process group in a step: about 1 ms each through gloo), else through it;
+    equal to gloo's sums, and the same bits on every rank. The buckets' verdict is read on the host
+    there too (its flag is host memory), never through the process group."""
+    for name in STEP_SUMS(world):
+        r = ok(rank_results(world), name)
+        shm = str(name).endswith("@shared_memory")
+        assert r["step_sums"] == float(shm) and r["finite_on_host"] == float(shm)
+        assert r["equal"] == 1.0 and r["same_on_every_rank"] == 1.0
+        assert r["wide"] == pytest.approx(r["wide_expected"], rel=1e-15)
+        # Two one-pass steps: the loss before each backward, the verdict after it.
+        assert r["process_group_agreements"] == (0 if shm else 4), name

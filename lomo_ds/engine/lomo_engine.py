@@ -53,6 +53,7 @@ from lomo_ds.engine.fused_update import PassStats, ShardGeometries, ShardUpdater
 from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.engine.precision import DynamicLossScaler
 from lomo_ds.engine.schedule import Schedule
+from lomo_ds.engine.shm_all_reduce import SharedMemoryAllReduce
 from lomo_ds.planning.memory import MemoryTracker
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, capture_rng, move_batch, restore_rng
@@ -145,6 +146,10 @@ class LomoEngine:
                                        sparse=[p for n, p in self.module.named_parameters() if p.requires_grad
                                                and any(fnmatch.fnmatch(n, pat) for pat in lomo.sparse_params)])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # The step's agreements (loss, norm, verdict) go where the buckets go: through shared
+        # memory between CPU ranks of one node (about 1 ms each through gloo), else one all-reduce.
+        self.step_sums = (SharedMemoryAllReduce(self.group, self.world, self.rank, lomo.collective_timeout)
+                          if self.buckets.transport == "shared_memory" else None)
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
         self.loss_scaler = DynamicLossScaler(scale=2.0**lomo.loss_scale.initial_scale_power,
@@ -261,7 +266,8 @@ class LomoEngine:
         stats = self.updater.begin_pass(rule, measure=measure, step=self.global_step)
         self.buckets.reset(stats)
         # on an error, peers waiting on this rank's next bucket or parameter gather fail too
-        with self._host_updates_joined(on_error=(self.buckets.abandon, shm_all_gather.abandon)):
+        abandon = (self.buckets.abandon, shm_all_gather.abandon) + ((self.step_sums.abandon,) if self.step_sums else ())
+        with self._host_updates_joined(on_error=abandon):
             loss.backward(retain_graph=retain_graph)
             with self.timers.span("flush"):
                 self.buckets.flush()
@@ -299,7 +305,7 @@ class LomoEngine:
         if by_tokens:
             tokens = tokens if labelled and finite else 0
             values += [value * tokens, float(tokens)]
-        total, n_labelled, n_nonfinite, *weighted = sum_over_ranks(values, self.world, self.group, name="loss")
+        total, n_labelled, n_nonfinite, *weighted = self._sum_over_ranks(values, "loss")
         if n_nonfinite or not n_labelled:
             return _Agreed(math.nan, 0.0, 0.0, n_nonfinite > 0, n_labelled == 0)
         token_loss, all_tokens = weighted if by_tokens else (0.0, 0.0)
@@ -357,8 +363,7 @@ class LomoEngine:
                                    retain_graph=retain)
             # fp64, and a non-finite sum stays non-finite through the sum: 8 bytes carry both, and
             # reading the reduced sum is the pass's one host sync.
-            (total,) = sum_over_ranks(stats.norm_sq_or_inf().reshape(1), self.world, self.group,
-                                      name="squared norm")
+            (total,) = self._sum_over_ranks(stats.norm_sq_or_inf().reshape(1), "squared norm")
             norm = math.sqrt(total) if math.isfinite(total) else math.inf
             result["grad_norm"] = norm
             if not math.isfinite(norm):
@@ -380,12 +385,19 @@ class LomoEngine:
         stats = self._backward(loss * loss_scale, rule, measure=False, retain_graph=False)
         # The pass's one read, agreed over the ranks (a slice that overflowed only in the last
         # bucket's reduction is known to its own rank alone until now).
-        (nonfinite_ranks,) = sum_over_ranks((~stats.finite).to(torch.float32).reshape(1), self.world, self.group,
-                                            name="non-finite flag")
+        (nonfinite_ranks,) = self._sum_over_ranks((~stats.finite).to(torch.float32).reshape(1), "non-finite flag")
         if nonfinite_ranks:
             # Non-finite in the updating pass: the buckets before it were applied, none after.
             return self._skip(result, overflow=True)
         return self._stepped(result)
+
+    def _sum_over_ranks(self, values, name: str) -> list[float]:
+        """Element-wise sums over the ranks of a few numbers (fp32) or a short 1-D tensor (its
+        dtype), read on the host: one of the step's agreements."""
+        if self.step_sums is None:
+            return sum_over_ranks(values, self.world, self.group, name=name)
+        t = values if torch.is_tensor(values) else torch.tensor(values, dtype=torch.float32, device="cpu")
+        return self.step_sums.sum(t).tolist()
 
     def _normalizer(self, micro_batches: int, tokens: float) -> float:
         """What the summed gradient of a step is divided by: its micro-batches x ranks ("mean"),
@@ -430,8 +442,8 @@ class LomoEngine:
                 self.bucket_mode = "update"
             # The pass's one read, agreed over the ranks (a slice that overflowed only in the last
             # bucket's reduction is known to its own rank alone until now).
-            (nonfinite_ranks,) = sum_over_ranks((~stats.finite).to(torch.float32).reshape(1), self.world,
-                                                self.group, name="non-finite flag")
+            (nonfinite_ranks,) = self._sum_over_ranks((~stats.finite).to(torch.float32).reshape(1),
+                                                       "non-finite flag")
             window.nonfinite |= nonfinite_ranks > 0
             window.backwards += 1
         result["loss"] = window.report(self.config.loss_normalization)
@@ -454,8 +466,9 @@ class LomoEngine:
         if not fused:
             grad_scale = 1.0 / (result["normalizer"] * result["loss_scale"])
             # Exact global norm of the accumulated gradient: per-rank sums of squares, one all-reduce.
-            (total,) = sum_over_ranks([self.accumulator.sum_of_squares(self.params) * grad_scale**2], self.world,
-                                      self.group, dtype=torch.float64, name="squared norm")
+            norm_sq = torch.tensor([self.accumulator.sum_of_squares(self.params) * grad_scale**2],
+                                   dtype=torch.float64, device="cpu")
+            (total,) = self._sum_over_ranks(norm_sq, "squared norm")
             norm = math.sqrt(total) if math.isfinite(total) else math.inf
             result["grad_norm"] = norm
             if not math.isfinite(norm):
