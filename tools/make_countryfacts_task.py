@@ -43,11 +43,10 @@ import os
 import random
 import re
 from collections import defaultdict
-from operator import itemgetter
 
 import pycountry
 
-from tools.splits import balanced_unique_split, write_yes_no_splits
+from tools.splits import held_out_pool, train_validation_heldout, write_yes_no_splits
 
 SEED = 20240804
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
@@ -111,19 +110,9 @@ def make_record(rng: random.Random, label: int, countries: list[str], table: dic
 def generate(seed: int = SEED) -> dict[str, list]:
     rng = random.Random(seed)
     table = facts()
-    countries = list(table)
-    rng.shuffle(countries)
-    cut = int(len(countries) * HELDOUT_SHARE)
-    seen_countries, held_countries = sorted(countries[cut:]), sorted(countries[:cut])
-    seen: set[str] = set()
-    splits = {}
-    for name, n, pool in (("train", N_TRAIN, seen_countries), ("validation", N_VALIDATION, seen_countries),
-                          ("heldout", N_HELDOUT, held_countries)):
-        # balanced labels; a passage is used once across all splits
-        draw = functools.partial(make_record, rng, countries=pool, table=table)
-        splits[name] = balanced_unique_split(rng, n, draw, itemgetter("passage"), seen)
-    return splits
-
+    seen_countries, held_countries = held_out_pool(rng, table, HELDOUT_SHARE)
+    return train_validation_heldout(rng, (N_TRAIN, N_VALIDATION, N_HELDOUT), seen_countries, held_countries,
+                                    lambda pool: functools.partial(make_record, rng, countries=pool, table=table))
 
 if __name__ == "__main__":
     write_yes_no_splits(OUT_DIR, generate())

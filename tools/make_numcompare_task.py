@@ -37,11 +37,10 @@ from __future__ import annotations
 import functools
 import os
 import random
-from operator import itemgetter
 
 from num2words import num2words
 
-from tools.splits import balanced_unique_split, write_yes_no_splits
+from tools.splits import held_out_pool, train_validation_heldout, write_yes_no_splits
 
 SEED = 20240802
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
@@ -126,22 +125,11 @@ def make_record(rng: random.Random, label: int, numbers: list[int], settings: li
 
 def generate(seed: int = SEED) -> dict[str, list]:
     rng = random.Random(seed)
-    numbers = list(range(LOW, HIGH + 1))
-    rng.shuffle(numbers)
-    settings = list(SETTINGS)
-    rng.shuffle(settings)
-    cut_n, cut_s = int(len(numbers) * HELDOUT_SHARE), int(len(settings) * HELDOUT_SHARE)
-    seen_pool = (sorted(numbers[cut_n:]), settings[cut_s:])
-    held_pool = (sorted(numbers[:cut_n]), settings[:cut_s])
-    seen: set[str] = set()
-    splits = {}
-    for name, n, (nums, sets) in (("train", N_TRAIN, seen_pool), ("validation", N_VALIDATION, seen_pool),
-                                  ("heldout", N_HELDOUT, held_pool)):
-        # balanced labels; a passage is used once across all splits
-        draw = functools.partial(make_record, rng, numbers=nums, settings=sets)
-        splits[name] = balanced_unique_split(rng, n, draw, itemgetter("passage"), seen)
-    return splits
-
+    seen_numbers, held_numbers = held_out_pool(rng, range(LOW, HIGH + 1), HELDOUT_SHARE)
+    seen_settings, held_settings = held_out_pool(rng, SETTINGS, HELDOUT_SHARE, sort=False)
+    seen_pool, held_pool = (seen_numbers, seen_settings), (held_numbers, held_settings)
+    return train_validation_heldout(rng, (N_TRAIN, N_VALIDATION, N_HELDOUT), seen_pool, held_pool,
+                                    lambda pool: functools.partial(make_record, rng, numbers=pool[0], settings=pool[1]))
 
 if __name__ == "__main__":
     write_yes_no_splits(OUT_DIR, generate())

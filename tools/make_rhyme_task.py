@@ -48,7 +48,7 @@ import pronouncing
 import wordfreq
 from english_words import get_english_words_set
 
-from tools.splits import write_yes_no_splits
+from tools.splits import held_out_pool, write_yes_no_splits
 
 SEED = 20240803
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
@@ -153,10 +153,7 @@ def make_split(rng: random.Random, n: int, words: list[str], vocab, used: set) -
 def generate(seed: int = SEED) -> dict[str, list]:
     rng = random.Random(seed)
     vocab = vocabulary()
-    words = list(vocab)
-    rng.shuffle(words)
-    cut = int(len(words) * HELDOUT_SHARE)
-    seen_words, held_words = sorted(words[cut:]), sorted(words[:cut])
+    seen_words, held_words = held_out_pool(rng, vocab, HELDOUT_SHARE)
     used: set = set()
     return {"train": make_split(rng, N_TRAIN, seen_words, vocab, used),
             "validation": make_split(rng, N_VALIDATION, seen_words, vocab, used),

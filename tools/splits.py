@@ -5,7 +5,18 @@ from __future__ import annotations
 import json
 import os
 import random
+from operator import itemgetter
 from typing import Callable, Hashable
+
+
+def held_out_pool(rng: random.Random, items: list, share: float, sort: bool = True) -> tuple[list, list]:
+    """`items` shuffled by `rng` and cut once: (the rest, for train and validation; the first
+    `share`, for the held-out split), each sorted unless `sort` is false."""
+    items = list(items)
+    rng.shuffle(items)
+    cut = int(len(items) * share)
+    rest, held = items[cut:], items[:cut]
+    return (sorted(rest), sorted(held)) if sort else (rest, held)
 
 
 def balanced_unique_split(rng: random.Random, n: int, draw: Callable[[int], dict],
@@ -22,6 +33,17 @@ def balanced_unique_split(rng: random.Random, n: int, draw: Callable[[int], dict
         records.append(record)
     rng.shuffle(records)
     return records
+
+
+def train_validation_heldout(rng: random.Random, sizes: tuple[int, int, int], seen_pool, held_pool,
+                             draw_from: Callable[[object], Callable[[int], dict]]) -> dict[str, list[dict]]:
+    """The three splits of a Yes/No task whose records are keyed by their passage: train and
+    validation drawn by `draw_from(seen_pool)`, heldout by `draw_from(held_pool)`, each balanced,
+    no passage in two of them."""
+    seen: set = set()
+    pools = (("train", seen_pool), ("validation", seen_pool), ("heldout", held_pool))
+    return {name: balanced_unique_split(rng, n, draw_from(pool), itemgetter("passage"), seen)
+            for (name, pool), n in zip(pools, sizes, strict=True)}
 
 
 def write_split(out_dir: str, name: str, records: list[dict]) -> str:

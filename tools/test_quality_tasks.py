@@ -52,8 +52,8 @@ def test_labels_balanced_in_every_split(task):
         assert len(records) == n and sum(r["label"] for r in records) * 2 == n, split
 
 
-def _quoted_words(r: dict) -> frozenset:
-    return frozenset(re.findall(r'"([a-z]+)"', r["passage"]))
+def _quoted_words(r: dict, field: str = "passage") -> frozenset:
+    return frozenset(re.findall(r'"([a-z]+)"', r[field]))
 
 
 _COUNTRY_QUESTION = re.compile(r"^(?:Is (?P<r1>.+) (?:in|part of|a region of) (?P<c1>.+)"
@@ -75,7 +75,7 @@ def _numcompare_place(r: dict) -> str:
 # task -> (the item no two splits share, what heldout shares with no other split)
 SEPARATIONS = {
     "numcompare": (lambda r: r["passage"], _numcompare_place),
-    "rhyme": (_quoted_words, lambda r: _quoted_words(r)),
+    "rhyme": (_quoted_words, lambda r: _quoted_words(r) | _quoted_words(r, "question")),
     "countryfacts": (lambda r: r["passage"], _asked_country),
 }
 
@@ -112,3 +112,18 @@ def test_committed_files_are_the_generators_output(task):
     for split, records in generated.items():
         with open(os.path.join(BUILTIN_DIR, task, f"{split}.jsonl"), encoding="utf-8") as f:
             assert f.read() == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), f"{task}/{split}"
+
+
+def test_rhyme_asks_about_absent_words_in_half_its_no_questions():
+    """The lookup half: a "No" question names a word its passage does not in about half the cases
+    (a "Yes" question never does), and every question names two words."""
+    for split in SIZES:
+        recs = _read("rhyme", split)
+        absent = {0: [], 1: []}
+        for r in recs:
+            asked = _quoted_words(r, "question")
+            assert len(asked) == 2, r
+            absent[r["label"]].append(bool(asked - _quoted_words(r)))
+        assert not any(absent[1]), f"rhyme/{split}: a Yes question names a word its passage does not"
+        share = sum(absent[0]) / len(absent[0])
+        assert 0.4 < share < 0.6, f"rhyme/{split}: {share:.2f} of the No questions are lookups"
