@@ -5,6 +5,7 @@ ranks) within 10%."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import weakref
 from dataclasses import replace
@@ -24,6 +25,7 @@ from lomo_ds.planning.planner import (
     PER_LAYER,
     ModelSpec,
     RunSpec,
+    adalomo_state_bytes,
     coarsest_fitting,
     estimate,
     fetch_units,
@@ -213,6 +215,46 @@ def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, maste
     assert expected <= counter.peak <= expected + 64
 
 
+@pytest.mark.parametrize("dtype,rounding,master", [("bf16", True, False), ("bf16", False, False),
+                                                   ("bf16", True, True), ("fp32", True, False)])
+def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, master):
+    """The planner's count of AdaLomo's transient bytes for a bucket is what its update allocates:
+    the whole bucket's fp32 gradient and weights together (its statistics come first), then one
+    slice's rounding; beside them, its statistics (rows + columns + a few numbers per parameter)."""
+    from lomo_ds.config.lomo import AdaLomoConfig
+    from lomo_ds.engine.adalomo import AdaLomo
+    from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule
+    from lomo_ds.planning.planner import adalomo_update_temp_bytes
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    shapes = [(61, 37), (37,), (29, 61)]
+    module, params, grads = torch.nn.Module(), [], []
+    for i, shape in enumerate(shapes):
+        n = math.prod(shape)
+        p = torch.nn.Parameter(torch.empty(0, dtype=torch_dtype))
+        p.ds_tensor, p.ds_numel, p.ds_shape, p.ds_id = torch.randn(n).to(torch_dtype), n, torch.Size(shape), i
+        module.register_parameter(f"p{i}", p)
+        params.append(p)
+        grads.append(torch.randn(n).to(torch_dtype))
+    geometries = ShardGeometries()
+    adalomo = AdaLomo(AdaLomoConfig(), module, params, None, geometries)
+    updater = ShardUpdater(rounding, 0, torch.device("cpu"), geometries, adalomo, params if master else ())
+    stats = updater.begin_pass(UpdateRule(lr=0.01, weight_decay=0.01), step=0)
+    updater.generator(torch.device("cpu"))
+    counter = _NewStorageBytes([*(p.ds_tensor for p in params), *grads, *updater.masters.values(),
+                                *(t for st in adalomo.state.values() for t in st.values() if torch.is_tensor(t))])
+    with counter:
+        updater.apply_bucket(list(zip(params, grads, strict=True)), stats)
+    numels = [math.prod(shape) for shape in shapes]
+    expected = adalomo_update_temp_bytes(sum(numels), max(numels), RunSpec(dtype=dtype, stochastic_rounding=rounding,
+                                                                           lomo_fp32_master=master))
+    # its statistics: the bucket's row and column sums, the pieces' row and column norms, the factors
+    # (rows + columns each, three times over), the vector's g^2 and a few numbers per parameter
+    statistics = 3 * 4 * sum(shape[0] + shape[1] for shape in shapes if len(shape) == 2) + 2 * 4 * 37 + 1024
+    print(f"{dtype}, rounding {rounding}, masters {master}: peak {counter.peak}, planner {expected}")
+    assert expected <= counter.peak <= expected + statistics, (counter.peak, expected)
+
+
 def test_update_temporaries_in_the_total():
     run = shipped_run("65b")
     est = estimate(LLAMA["65b"], "lomo", 8, run)
@@ -229,7 +271,8 @@ def test_offload_rows(capsys):
     for size, model in LLAMA.items():
         run = replace(shipped_run(size), offload=True)
         p = plan(model, 24, run)
-        assert list(p.min_gpus) == ["lomo"]  # DeepSpeed's optimizers are not modelled with offload
+        # DeepSpeed's optimizers are not modelled with offload
+        assert list(p.min_gpus) == ["lomo", "adalomo"] and p.min_gpus["adalomo"] == 1, size
         assert p.min_gpus["lomo"] == 1, size
         on_gpu, host = p.estimates[("lomo", 1)], p.estimates[("lomo", 1)].host
         resident = estimate(model, "lomo", 1, shipped_run(size))
@@ -241,7 +284,11 @@ def test_offload_rows(capsys):
         assert host == 2 * model.n_params + staged + resident.update
         # 8 ranks on the node: 8 stagings and updates at once, each holding smaller slices
         assert host <= p.estimates[("lomo", 8)].host <= host + 8 * staged
-    # the table in the planner's docstring is these figures
+        # AdaLomo: the same host RAM; on the GPU its state, and its hook's fp32 gradient and u of a
+        # bucket, on one GPU one parameter at a time (the largest)
+        ada = p.estimates[("adalomo", 1)]
+        assert ada.host == host and ada.optimizer_states == adalomo_state_bytes(model, 1)
+        assert ada.update == 8 * max(model.param_numels())    # the table in the planner's docstring is these figures
     from lomo_ds.planning import planner
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:]]
             for line in planner.__doc__.splitlines() if line.strip().startswith("| ") and "b " in line[:12]}
@@ -252,7 +299,7 @@ def test_offload_rows(capsys):
         assert rows[size][:4] == [str(p.run.batch), "1", f"{e.total / GIB:.2f}", f"{e.host / GIB:.1f}"], size
         assert rows[size][4].endswith(f"{n} GPU{'s' if n > 1 else ''}, "
                                       f"{resident[size].estimates[('lomo', n)].total / GIB:.2f} GiB"), size
-    with pytest.raises(ValueError, match="LOMO only"):
+    with pytest.raises(ValueError, match="LOMO and AdaLomo only"):
         estimate(LLAMA["7b"], "sgd", 1, replace(RunSpec(), offload=True))
     assert main(["plan", "--offload"]) == 0
     out = capsys.readouterr().out
@@ -384,7 +431,10 @@ CASES = {  # name -> (DeepSpeed zero_optimization extras, activation checkpointi
     "small_live_threshold": ({"stage3_max_live_parameters": 30_000, "stage3_max_reuse_distance": 30_000,
                               "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 1000,
                               "stage3_module_granularity_threshold": 12_000}, True),
+    # AdaLomo (lomo.optimizer) on the default fetch: its state is the planner's "optimizer states".
+    "adalomo": ({}, False),
 }
+METHOD_OF = {"adalomo": "adalomo"}  # the cases that are not plain LOMO
 
 
 # First in its launch: the memory is measured in a process no other check has used yet.
@@ -402,8 +452,8 @@ def measured_memory() -> dict:
         ds = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **zero_extra}}
         if ac:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-        run = load_run_config({**ds, "lomo": {"lr": 1e-3, "bucket_size": BUCKET}, "model": {"path": "tiny"}},
-                              check_files=False)
+        lomo = {"lr": 1e-3, "bucket_size": BUCKET, "optimizer": METHOD_OF.get(name, "sgd")}
+        run = load_run_config({**ds, "lomo": lomo, "model": {"path": "tiny"}}, check_files=False)
         eng = build_engine(run, model, total_steps=0)
         eng.enable_memory_tracking()
         g = torch.Generator().manual_seed(1)
@@ -442,7 +492,7 @@ def test_planner_matches_measured_lomo(measured, case):
     run = run_spec(**run_overrides_from_ds(ds), seq=SEQ, checkpointing=ac, lomo_bucket=BUCKET)
     spec = ModelSpec("tiny", TINY["hidden"], TINY["layers"], TINY["intermediate"], TINY["vocab"], TINY["heads"],
                      TINY["kv_heads"], TINY["head_dim"])
-    est = estimate(spec, "lomo", world, run)
+    est = estimate(spec, METHOD_OF.get(case, "lomo"), world, run)
     detail = f"{case} on {world}: measured {r}, predicted {est.gib()}"
     # The units the planner sizes are the ones DeepSpeed fetched.
     assert sorted(leaf_module_names(spec, run)) == r["leaf_modules"], detail
@@ -451,3 +501,4 @@ def test_planner_matches_measured_lomo(measured, case):
     assert r["params"] == pytest.approx(est.params, rel=0.10), detail
     assert r["activations"] == pytest.approx(est.activations, rel=0.10), detail
     assert r["total"] == pytest.approx(est.accounted, rel=0.10), detail
+    assert r["optimizer_states"] == est.optimizer_states, detail  # 0 for LOMO; AdaLomo's state, exactly

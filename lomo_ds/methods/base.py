@@ -24,7 +24,8 @@ tensors each method holds:
                     step-time fp32 copy; LOMO's `.grad` alive + the reduce-scatter bucket in flight;
                     LoRA+LOMO also the adapters' gradients.
   optimizer_states  fp32 master copies that are not the parameter shard itself + every tensor in a
-                    torch optimizer's `state`. As in the paper's Table 1 the fp32 masters count here.
+                    torch optimizer's `state` (AdaLomo's: its second moments and step counts). As in
+                    the paper's Table 1 the fp32 masters count here.
   activations       bytes of the unique storages autograd saves during the forward pass
                     (lomo_ds.planning.memory.ActivationCounter), parameters excluded.
   total             the sum of the four; peak_rss (the process's resident peak) is an upper bound beside it.

@@ -73,4 +73,6 @@ class LomoMethodEngine(MethodEngine):
         return held + self.tracker.peak.grad_bytes + self.tracker.peak.bucket_bytes
 
     def _optimizer_bytes(self) -> int:
-        return sum(tensor_bytes(m) for m in self.engine.updater.masters.values())
+        adalomo = self.engine.updater.adalomo
+        return (sum(tensor_bytes(m) for m in self.engine.updater.masters.values())
+                + (adalomo.state_bytes() if adalomo is not None else 0))

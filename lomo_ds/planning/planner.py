@@ -51,6 +51,11 @@ Model states
                                               on the GPU, or in host RAM (N a P / N per node) with
                                               lomo.accumulate_on "cpu" or offload_param "cpu"
   LOMO optim   0                              (4 P / N with fp32 master shards)
+  AdaLomo optim  4 sum(r + c) + 4 V / N + 8 p   AdaLomo's state: fp32 row and column second moments
+                                              of every r x c matrix (whole on every rank), this
+                                              rank's slice of every vector's (V elements in all),
+                                              an fp64 step count per parameter (p of them): 10 MiB
+                                              for LLaMA-7B, 49 MiB for 65B (on 8 GPUs)
   DeepSpeed ZeRO-3 optimizer (SGD / AdamW, mixed precision):
   grads        b P / N                        the gradient shard buffer for the whole model
              + b reduce_bucket_size           the contiguous reduce bucket
@@ -72,8 +77,13 @@ The update of one slice of n elements allocates, while the backward's other memo
                                          torch.where's result (4 n) live together
 so 21 n bytes for bf16 with stochastic rounding, 8 n for fp16 (or bf16 without it), 0 for fp32.
 The largest slice is the largest parameter's (the embedding / LM head): n = ceil(max_p / N).
+AdaLomo (lomo_ds/engine/adalomo.py) needs a bucket's statistics before it updates any slice of it,
+so the fp32 gradient and fp32 weights of the whole bucket (B elements of shard, or the largest
+parameter on one GPU) live together: 8 B bytes, plus one slice's 13 n of rounding (bf16 without
+masters); 4 B with fp32 masters, 0 for fp32. Under offload its hook keeps the bucket's fp32
+gradient and u on the GPU (8 B, 4 B for fp32), and the worker's update is LOMO's, in host RAM.
 
-Offloaded parameters (zero_optimization.offload_param.device = "cpu", LOMO only)
+Offloaded parameters (zero_optimization.offload_param.device = "cpu", LOMO and AdaLomo only)
 ------------------------------------------------------------------------------
 The shards live in host RAM, and the update runs there on a copy of the reduced gradient slice.
   GPU     b P_persist + b W              persistent parameters and the gathered working set (on
@@ -123,7 +133,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-METHODS = ("lomo", "sgd", "adamw")
+METHODS = ("lomo", "adalomo", "sgd", "adamw")
+FUSED = ("lomo", "adalomo")  # the methods whose update is fused into the backward (lomo_ds's engine)
 GPU_COUNTS = (1, 2, 4, 8)
 
 # Buckets staged ahead of the host-update worker (engine/host_updates.py MAX_STAGED; not imported:
@@ -151,15 +162,20 @@ class ModelSpec:
     def k(self) -> int:
         return self.kv_heads or self.heads
 
-    def param_numels(self) -> list[int]:
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        """Every parameter's shape, as transformers' LLaMA holds it (nn.Linear: [out, in])."""
         h, f, d = self.hidden, self.intermediate, self.d
-        out = [self.vocab * h]
+        out = [(self.vocab, h)]
         if not self.tie:
-            out.append(self.vocab * h)
+            out.append((self.vocab, h))
         for _ in range(self.layers):
-            out += [h * self.heads * d, h * self.k * d, h * self.k * d, self.heads * d * h, h * f, h * f, f * h, h, h]
-        out.append(h)
+            out += [(self.heads * d, h), (self.k * d, h), (self.k * d, h), (h, self.heads * d),
+                    (f, h), (f, h), (h, f), (h,), (h,)]
+        out.append((h,))
         return out
+
+    def param_numels(self) -> list[int]:
+        return [math.prod(shape) for shape in self.param_shapes()]
 
     @property
     def n_params(self) -> int:
@@ -432,11 +448,32 @@ def update_temp_bytes(n: int, run: RunSpec) -> int:
     return grad32 + weights32 + rounding
 
 
+def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec) -> int:
+    """Transient bytes of AdaLomo's update of a bucket of `bucket_n` shard elements (its largest
+    slice `slice_n`): its statistics need the whole bucket at once, so the fp32 gradient and the fp32
+    weights of every slice in it live together (engine/adalomo.py), then one slice's rounding."""
+    if run.b == 4:
+        return 0
+    if run.lomo_fp32_master:
+        return 4 * bucket_n  # the masters are the fp32 weights
+    rounding = 13 * slice_n if run.dtype == "bf16" and run.stochastic_rounding else 0
+    return 8 * bucket_n + rounding
+
+
+def adalomo_state_bytes(m: ModelSpec, gpus: int) -> int:
+    """AdaLomo's optimizer state on each rank: fp32 row and column second moments of every matrix,
+    whole on every rank (their sums are all-reduced), this rank's slice of the second moment of
+    every vector, and an fp64 step count per parameter."""
+    return sum(4 * (shape[0] + shape[1]) if len(shape) == 2 else 4 * math.ceil(math.prod(shape) / gpus)
+               for shape in m.param_shapes()) + 8 * len(m.param_shapes())
+
+
 def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> Estimate:
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    if run.offload and method != "lomo":
-        raise ValueError(f"offload_param: the planner models parameter offload for LOMO only, not {method!r}")
+    if run.offload and method not in FUSED:
+        raise ValueError(f"offload_param: the planner models parameter offload for LOMO and AdaLomo only, "
+                         f"not {method!r}")
     numels = m.param_numels()
     P, n, b = sum(numels), gpus, run.b
     max_p = max(numels)
@@ -446,11 +483,15 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     shard = 0 if run.offload else b * shard_numel
     params = shard + gathered
     acts, recompute = activation_bytes(m, run)
-    if method == "lomo":
+    if method in FUSED:
         grads = b * max_p if n == 1 else (2 + 1 / n) * b * min(P, max(run.lomo_bucket * n, max_p))
         masters = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
+        # AdaLomo's state stays on the rank's device, offloaded shards or not (engine/adalomo.py)
+        state = adalomo_state_bytes(m, n) if method == "adalomo" else 0
         slice_n = math.ceil(max_p / n)
-        update = update_temp_bytes(slice_n, run)
+        bucket_n = max_p if n == 1 else max(min(run.lomo_bucket, shard_numel), slice_n)
+        update = (update_temp_bytes(slice_n, run) if method == "lomo" else
+                  adalomo_update_temp_bytes(bucket_n, slice_n, run))
         accumulator = DTYPE_BYTES[run.accumulate_dtype] * shard_numel if run.accumulation > 1 else 0
         on_host = run.offload or run.accumulate_on_host  # with offloaded shards it lives beside them
         host = 0.0
@@ -459,14 +500,17 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
             # wait for the host-update worker in pinned staging buffers, a bucket each (at least
             # the largest slice), MAX_STAGED queued and one being applied
             staging = (HOST_STAGED_BUCKETS + 1) * b * max(min(run.lomo_bucket, shard_numel), slice_n)
-            host = float(n * (b * shard_numel + masters + staging + update))
-            masters = update = 0
+            host = float(n * (b * shard_numel + masters + staging + update_temp_bytes(slice_n, run)))
+            masters = 0
+            # AdaLomo's hook keeps its statistics on the device: the bucket's fp32 gradient (a copy
+            # unless it is fp32) and u, staged for the worker; the worker's update is LOMO's.
+            update = (4 * bucket_n * (1 if b == 4 else 2)) if method == "adalomo" else 0
         if on_host:
             host += n * accumulator  # every rank's accumulator on the node
         else:
             grads += accumulator
-        total = params + grads + masters + acts + recompute + update
-        return Estimate(method, n, float(params), float(grads), float(masters), float(acts), float(recompute),
+        total = params + grads + masters + state + acts + recompute + update
+        return Estimate(method, n, float(params), float(grads), float(masters + state), float(acts), float(recompute),
                         float(update), float(total), host, float(accumulator), on_host and accumulator > 0)
     grad_buf = b * shard_numel + b * run.reduce_bucket
     fp32_grad = 4 * min(shard_numel, run.sub_group)
@@ -498,8 +542,8 @@ class Plan:
 
 def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_counts=GPU_COUNTS,
          methods=None, source: str = "planner defaults") -> Plan:
-    """Every method x GPU count, and the smallest count that fits. Offloaded runs plan LOMO only."""
-    methods = methods or (("lomo",) if run.offload else METHODS)
+    """Every method x GPU count, and the smallest count that fits. Offloaded runs plan LOMO and AdaLomo only."""
+    methods = methods or (FUSED if run.offload else METHODS)
     p = Plan(m, run, gpu_mem_gib, source)
     for method in methods:
         p.min_gpus[method] = None
@@ -619,7 +663,8 @@ def format_summary(plans: dict[str, Plan]) -> str:
     first = next(iter(plans.values()))
     offload = first.run.offload
     columns = ["model", "params", "micro-batch", "LOMO GPUs", "GiB/GPU",
-               *(["host RAM GiB (node)"] if offload else ["SGD GPUs", "AdamW GPUs"])]
+               *(["host RAM GiB (node)"] if offload else []), "AdaLomo GPUs",
+               *([] if offload else ["SGD GPUs", "AdamW GPUs"])]
     lines = [f"# the smallest number of {first.gpu_mem_gib:g} GiB GPUs for each LLaMA size with its shipped config "
              f"(ds_configs/llama<size>.json): {first.run.assumptions(batch=False)}", "",
              "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
@@ -630,8 +675,7 @@ def format_summary(plans: dict[str, Plan]) -> str:
                  f"{e.total / GIB:.2f}" if e else "-"]
         if offload:
             cells.append(f"{e.host / GIB:.1f}" if e else "-")
-        else:
-            cells += [str(p.min_gpus[m] or "none") for m in ("sgd", "adamw")]
+        cells += [str(p.min_gpus[m] or "none") for m in (("adalomo",) if offload else ("adalomo", "sgd", "adamw"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
