@@ -26,8 +26,10 @@ questions alone (the first version of this task) DeepSpeed AdamW stayed at chanc
 The lookup plus "Yes" for the rest scores 73.4% on validation (75.2% on heldout), the lookup plus
 "same two ending letters" 75.8% (76.0%): the rest of the way needs what the model knows of
 pronunciation, a learnable rule (deterministic, the dictionary's), not a random one.
-Zero-shot the 135M model is near chance (experiments/RESULTS.md). Labels are balanced in every
-split; no pair of words is in two passages.
+Measured (experiments/RESULTS.md; the training program's evaluation, all 500 held-out records):
+zero-shot 50.0% (chance is 50%); DeepSpeed AdamW after 100 steps at lr 3e-5 78.2 / 78.2 / 78.0%
+(seeds 42, 7, 1234): above the lookup heuristics, far from the ceiling. Labels are balanced in
+every split; no pair of words is in two passages.
 
 heldout.jsonl is built from words that occur in neither train nor validation: the vocabulary is
 split once, by the seed, 75% to train/validation and 25% to heldout, and each split's pairs (and
