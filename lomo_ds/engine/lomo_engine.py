@@ -14,7 +14,8 @@ in place (see fused_update.py). One step = one forward and one or two backward p
              second forward, unless two_pass_mode is "recompute".
 
 Before any backward, one all-reduce of three numbers agrees on the loss: a non-finite loss on
-any rank skips the step on every rank with no weight touched. A gradient that turns non-finite
+any rank skips the step on every rank with no weight touched. (The step's agreements go through
+shared memory where the buckets do, between CPU ranks of one node: shm_all_reduce.py.) A gradient that turns non-finite
 only in a backward is flagged by the buckets on every rank at once; the step is then skipped
 from that bucket on. After lomo.max_consecutive_skips skipped steps in a row the run stops.
 
