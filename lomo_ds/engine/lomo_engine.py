@@ -15,9 +15,10 @@ in place (see fused_update.py). One step = one forward and one or two backward p
 
 Before any backward, one all-reduce of three numbers agrees on the loss: a non-finite loss on
 any rank skips the step on every rank with no weight touched. (The step's agreements go through
-shared memory where the buckets do, between CPU ranks of one node: shm_all_reduce.py.) A gradient that turns non-finite
-only in a backward is flagged by the buckets on every rank at once; the step is then skipped
-from that bucket on. After lomo.max_consecutive_skips skipped steps in a row the run stops.
+shared memory where the buckets do, between CPU ranks of one node: shm_all_reduce.py.) A
+gradient that turns non-finite only in a backward is flagged by the buckets on every rank at
+once; the step is then skipped from that bucket on. After lomo.max_consecutive_skips skipped
+steps in a row the run stops.
 
 With lomo.accumulation_steps K > 1, train_step takes one micro-batch (DeepSpeed's convention):
 micro-batches 1..K-1 add their reduced slices into a per-rank shard accumulator, and the K-th

@@ -135,6 +135,7 @@ GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 METHODS = ("lomo", "adalomo", "sgd", "adamw")
 FUSED = ("lomo", "adalomo")  # the methods whose update is fused into the backward (lomo_ds's engine)
+METHOD_LABELS = {"lomo": "LOMO", "adalomo": "AdaLomo", "sgd": "SGD", "adamw": "AdamW"}
 GPU_COUNTS = (1, 2, 4, 8)
 
 # Buckets staged ahead of the host-update worker (engine/host_updates.py MAX_STAGED; not imported:
@@ -489,7 +490,8 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         # AdaLomo's state stays on the rank's device, offloaded shards or not (engine/adalomo.py)
         state = adalomo_state_bytes(m, n) if method == "adalomo" else 0
         slice_n = math.ceil(max_p / n)
-        bucket_n = max_p if n == 1 else max(min(run.lomo_bucket, shard_numel), slice_n)
+        staged_n = max(min(run.lomo_bucket, shard_numel), slice_n)  # a bucket, at least the largest slice
+        bucket_n = max_p if n == 1 else staged_n  # one GPU applies each gradient as it arrives
         update = (update_temp_bytes(slice_n, run) if method == "lomo" else
                   adalomo_update_temp_bytes(bucket_n, slice_n, run))
         accumulator = DTYPE_BYTES[run.accumulate_dtype] * shard_numel if run.accumulation > 1 else 0
@@ -499,7 +501,7 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
             # the masters live with the shards: in host RAM, like the update; the reduced slices
             # wait for the host-update worker in pinned staging buffers, a bucket each (at least
             # the largest slice), MAX_STAGED queued and one being applied
-            staging = (HOST_STAGED_BUCKETS + 1) * b * max(min(run.lomo_bucket, shard_numel), slice_n)
+            staging = (HOST_STAGED_BUCKETS + 1) * b * staged_n
             host = float(n * (b * shard_numel + masters + staging + update_temp_bytes(slice_n, run)))
             masters = 0
             # AdaLomo's hook keeps its statistics on the device: the bucket's fp32 gradient (a copy
@@ -662,9 +664,10 @@ def format_summary(plans: dict[str, Plan]) -> str:
     """Smallest GPU count per size and method (with offload: LOMO's, and the host RAM it needs)."""
     first = next(iter(plans.values()))
     offload = first.run.offload
+    # AdaLomo, and SGD and AdamW where they are planned (not with offload)
+    others = [m for m in METHODS if m != "lomo" and m in first.min_gpus]
     columns = ["model", "params", "micro-batch", "LOMO GPUs", "GiB/GPU",
-               *(["host RAM GiB (node)"] if offload else []), "AdaLomo GPUs",
-               *([] if offload else ["SGD GPUs", "AdamW GPUs"])]
+               *(["host RAM GiB (node)"] if offload else []), *(f"{METHOD_LABELS[m]} GPUs" for m in others)]
     lines = [f"# the smallest number of {first.gpu_mem_gib:g} GiB GPUs for each LLaMA size with its shipped config "
              f"(ds_configs/llama<size>.json): {first.run.assumptions(batch=False)}", "",
              "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
@@ -675,7 +678,7 @@ def format_summary(plans: dict[str, Plan]) -> str:
                  f"{e.total / GIB:.2f}" if e else "-"]
         if offload:
             cells.append(f"{e.host / GIB:.1f}" if e else "-")
-        cells += [str(p.min_gpus[m] or "none") for m in (("adalomo",) if offload else ("adalomo", "sgd", "adamw"))]
+        cells += [str(p.min_gpus[m] or "none") for m in others]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
