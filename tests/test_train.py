@@ -225,7 +225,15 @@ def recipe_parts() -> dict:
     first.setup()
     out = {"steps": first.total_steps, "start": first.start_step}
     out["zero_shot"] = first.evaluate("zero_shot", 0)
+    engine_step, seen = first.engine.train_step, []
+
+    def recorded_step(batch):
+        seen.append((batch.get("logits_to_keep"), tuple(batch["input_ids"].shape), tuple(batch["labels"].shape)))
+        return engine_step(batch)
+
+    first.engine.train_step = recorded_step
     out["record"] = first.train_step(0)
+    out["engine_batches"] = seen
     first.save()
     first.cleanup()
     out["checkpoints"] = sorted(os.listdir(root / "recipe_run" / "checkpoints"))
@@ -245,6 +253,9 @@ def test_recipe_parts_run_alone(rank_results):
     assert r["steps"] == 2 and r["start"] == 0
     assert 0.0 <= r["zero_shot"]["eval/accuracy"] <= 1.0 and r["zero_shot"]["eval/n"] == 8
     assert r["record"]["step"] == 1 and r["record"]["loss"] > 0 and not r["record"]["skipped"]
+    # The engine is asked for the logits of the labelled positions only (the yes/no answers).
+    for keep, ids_shape, labels_shape in r["engine_batches"]:
+        assert keep is not None and keep < ids_shape[1] and list(labels_shape) == [ids_shape[0], keep]
     assert r["checkpoints"] == ["latest", "step_00000001"]
     assert r["resumed_start"] == 1  # the second recipe starts where the first one's checkpoint is
     assert r["summary"]["steps"] == 2 and 0.0 <= r["summary"]["final_accuracy"] <= 1.0

@@ -226,10 +226,12 @@ class TrainRecipe:
 
     def setup_engine(self) -> None:
         from lomo_ds.methods import build_engine
+        from lomo_ds.runtime.dist import accepts_logits_to_keep
         from lomo_ds.storage.models import load_model
 
         model = load_model(self.cfg, self.cfg.ds, self.rank, self.barrier)
         self.engine = build_engine(self.cfg, model, self.total_steps)
+        self.labelled_logits_only = accepts_logits_to_keep(model)  # see keep_labelled_logits
         if not self.engine.supports_resume and (self.resume_requested or self.cfg.output.checkpoint_every):
             self.say(f"train.method={self.cfg.train.method}: nothing to checkpoint or resume")
 
@@ -278,6 +280,7 @@ class TrainRecipe:
         from lomo_ds.data.loading import batches_for_step, position_of_step, window_of_step
         from lomo_ds.data.packing import make_batch, padding_fraction, train_order
         from lomo_ds.planning.memory import cuda_peak_bytes, process_peak_rss_bytes
+        from lomo_ds.runtime.dist import keep_labelled_logits
 
         cfg = self.cfg
         epoch, step_in_epoch = position_of_step(step, self.steps_per_epoch)
@@ -292,7 +295,10 @@ class TrainRecipe:
         for micro_index in window:
             micro = [[self.data.train[i] for i in batches_for_step(order, micro_index, self.world, cfg.micro_batch, r)]
                      for r in range(self.world)]  # every rank's, for the padding figure; this rank trains on its own
-            out = self.engine.train_step(make_batch(micro[self.rank], self.pad_id, self.data.packed))
+            batch = make_batch(micro[self.rank], self.pad_id, self.data.packed)
+            if self.labelled_logits_only:
+                batch = keep_labelled_logits(batch)
+            out = self.engine.train_step(batch)
             tokens += sum(len(e["input_ids"]) for e in micro[self.rank])
             padding.append(padding_fraction(micro))
         if not out["stepped"]:

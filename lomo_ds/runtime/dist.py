@@ -2,6 +2,7 @@
 statistics over the ranks, the loss of a model's outputs, and gathering full parameters."""
 from __future__ import annotations
 
+import inspect
 import os
 from datetime import timedelta
 from typing import Any
@@ -75,6 +76,35 @@ def label_tokens(batch: dict[str, Any]) -> int:
         ids = batch["input_ids"]
         return ids[..., 1:].numel()
     return int((labels[..., 1:] != -100).sum())
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes transformers' `logits_to_keep` (causal LMs do; a peft
+    model passes it on to its base model)."""
+    base = getattr(model, "get_base_model", lambda: model)()
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def keep_labelled_logits(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with the model asked for logits only from the first position that predicts a
+    label on (`logits_to_keep`), and its labels cut to match. The loss reads no logit before that
+    position, so it is the same loss (the same target tokens, the same mean); but the output
+    projection and its gradient skip the prompt: for a yes/no task nearly the whole sequence, and
+    the [batch, length, vocabulary] logits are a small model's largest activation (a fifth of
+    SmolLM2-135M's step). Call it on the host batch; it reads the labels only."""
+    labels = batch.get("labels")
+    if labels is None or labels.dim() != 2 or "logits_to_keep" in batch:
+        return batch
+    # Column c >= 1 holds a target of position c - 1 (causal LMs shift labels by one).
+    targets = (labels[:, 1:] != -100).any(dim=0).nonzero()
+    if targets.numel() == 0:
+        return batch  # nothing to learn: the engines skip such a batch on their own
+    first = int(targets[0]) + 1
+    if first < 2:
+        return batch
+    # Kept: positions first-1 .. end; labels from the same column, so the model's shift pairs
+    # kept position j with label column first + j as before (the new first column is no target).
+    return {**batch, "labels": labels[:, first - 1:], "logits_to_keep": labels.size(1) - first + 1}
 
 
 def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
