@@ -5,13 +5,15 @@
 The quality benchmark (experiments/quality.py) reports how far LOMO stays from AdamW; this says why.
 Both rules start from the built-in model and see the same global batches of 8 (the sweep's: the task's
 train split in the order of data.seed 42, epoch 0), each with its own sweep setting: LOMO is SGD on
-the gradient clipped to global norm `--lomo-clip` at `--lomo-lr`; AdamW is torch's (betas 0.9/0.999,
+the gradient clipped to global norm `--lomo-clip` (then to `--lomo-clip-value` per element, as the
+engine does) at `--lomo-lr`; AdamW is torch's (betas 0.9/0.999,
 no weight decay) with the same norm clipping at `--adamw-lr`; both with the sweep's linear schedule
 over 100 steps and 10% warm-up. The engine's LOMO step equals this SGD step (tests/dist_engine_checks)
 and DeepSpeed's AdamW is this AdamW, so one process is enough to see the geometry.
 
-Printed per group of tensors (embedding, attention, MLP, norms): the mean L2 norm of one step's
-update, and the displacement after all the steps relative to the weights, |theta_N - theta_0| / |theta_0|.
+Printed per group of tensors (embedding, attention, MLP, norms): its share of the squared gradient
+norm (summed over LOMO's steps, before clipping), the mean L2 norm of one step's update, and the
+displacement after all the steps relative to the weights, |theta_N - theta_0| / |theta_0|.
 Measured figures and what they say: experiments/RESULTS.md (the quality benchmark's section).
 """
 from __future__ import annotations
@@ -44,9 +46,13 @@ def load(cfg):
     return model
 
 
-def clipped_grads(model, batch, clip: float) -> float:
+def clipped_grads(model, batch, clip: float, grad_sq: collections.Counter) -> float:
+    """Backward, then the norm clip; each group's squared gradient norm (before the clip) is added
+    to `grad_sq`."""
     model.zero_grad(set_to_none=True)
     model(**batch).loss.backward()
+    for n, p in model.named_parameters():
+        grad_sq[group_of(n)] += float(p.grad.pow(2).sum())
     return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
 
 
@@ -56,6 +62,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lomo-lr", type=float, default=0.1)
     ap.add_argument("--lomo-clip", type=float, default=1.0)
+    ap.add_argument("--lomo-clip-value", type=float, default=None)
     ap.add_argument("--adamw-lr", type=float, default=3e-5)
     a = ap.parse_args()
     torch.manual_seed(42)
@@ -71,18 +78,21 @@ def main() -> None:
     schedules = {m: Schedule("linear", lr, TOTAL_STEPS, WARMUP) for m, lr in (("LOMO", a.lomo_lr),
                                                                              ("AdamW", a.adamw_lr))}
     step_norms = {m: collections.defaultdict(list) for m in models}  # method -> group -> per-step norms
+    grad_sq = {m: collections.Counter() for m in models}  # method -> group -> summed squared gradient norms
     for step in range(a.steps):
         batch = keep_labelled_logits(collate([data.train[i] for i in order[8 * step:8 * step + 8]],
                                              pad_id_of(tok)))
         for method, model in models.items():
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             clip = a.lomo_clip if method == "LOMO" else 1.0
-            norm = clipped_grads(model, batch, clip)
+            norm = clipped_grads(model, batch, clip, grad_sq[method])
             lr = schedules[method].lr_at(step)
             with torch.no_grad():
                 if method == "LOMO":
                     for p in model.parameters():
-                        p.add_(p.grad, alpha=-lr)
+                        g = p.grad if a.lomo_clip_value is None else p.grad.clamp(-a.lomo_clip_value,
+                                                                                  a.lomo_clip_value)
+                        p.add_(g, alpha=-lr)
                 else:
                     for g in adamw.param_groups:
                         g["lr"] = lr
@@ -96,9 +106,12 @@ def main() -> None:
                 print(f"step {step + 1}: {method} gradient norm {norm:.2f}, update norm "
                       f"{sum(sq.values()) ** 0.5:.3e}", flush=True)
 
-    print(f"\n{a.steps} steps of {a.task}, LOMO lr {a.lomo_lr} (norm clip {a.lomo_clip}), AdamW lr {a.adamw_lr}")
-    print("| group | parameters | LOMO step update | AdamW step update | LOMO displacement | AdamW displacement |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n{a.steps} steps of {a.task}, LOMO lr {a.lomo_lr} (norm clip {a.lomo_clip}, value clip "
+          f"{a.lomo_clip_value}), AdamW lr {a.adamw_lr}")
+    print("| group | parameters | share of the squared gradient norm (LOMO's run) | LOMO step update | "
+          "AdamW step update | LOMO displacement | AdamW displacement |")
+    print("|---|---|---|---|---|---|---|")
+    total_sq = sum(grad_sq["LOMO"].values())
     for g, _ in GROUPS:
         names = [n for n in start if group_of(n) == g]
         if not names:
@@ -109,7 +122,8 @@ def main() -> None:
             params = dict(models[method].named_parameters())
             cells.append(sum(float((params[n].detach() - start[n]).pow(2).sum()) for n in names) ** 0.5 / w0)
         mean = {m: sum(step_norms[m][g]) / len(step_norms[m][g]) for m in models}
-        print(f"| {g} | {sum(start[n].numel() for n in names) / 1e6:.1f}M | {mean['LOMO']:.2e} | "
+        print(f"| {g} | {sum(start[n].numel() for n in names) / 1e6:.2f}M | {grad_sq['LOMO'][g] / total_sq:.2f} | "
+              f"{mean['LOMO']:.2e} | "
               f"{mean['AdamW']:.2e} | {cells[0]:.2e} | {cells[1]:.2e} |")
 
 
