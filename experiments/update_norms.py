@@ -13,7 +13,8 @@ and DeepSpeed's AdamW is this AdamW, so one process is enough to see the geometr
 
 Printed per group of tensors (embedding, attention, MLP, norms): its share of the squared gradient
 norm (summed over LOMO's steps, before clipping), the mean L2 norm of one step's update, and the
-displacement after all the steps relative to the weights, |theta_N - theta_0| / |theta_0|.
+displacement after all the steps relative to the weights, |theta_N - theta_0| / |theta_0|; and,
+for the first step, what value clips of 1e-2 to 1e-5 leave of the norm-clipped gradient.
 Measured figures and what they say: experiments/RESULTS.md (the quality benchmark's section).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lomo_ds.storage.models import load_tokenizer
 GROUPS = (("embedding", ("embed_tokens", "lm_head")), ("attention", ("self_attn",)), ("MLP", ("mlp",)),
           ("norms", ("norm",)))
 TOTAL_STEPS, WARMUP = 100, 10  # the sweep's schedule (experiments/quality.yaml)
+VALUE_CLIPS = (1e-2, 1e-3, 1e-4, 1e-5)
 
 
 def group_of(name: str) -> str:
@@ -54,6 +56,17 @@ def clipped_grads(model, batch, clip: float, grad_sq: collections.Counter) -> fl
     for n, p in model.named_parameters():
         grad_sq[group_of(n)] += float(p.grad.pow(2).sum())
     return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+
+
+def print_value_clips(model) -> None:
+    """What a value clip c does to the first step's norm-clipped gradient: the share of elements it
+    touches and the L2 norm left (the step is lr x that norm)."""
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
+    print(f"step 1, the gradient after the norm clip: norm {float(flat.norm()):.3f}, "
+          f"mean |element| {float(flat.mean()):.2e}")
+    print("| value clip | elements above it | L2 norm left |\n|---|---|---|")
+    for c in VALUE_CLIPS:
+        print(f"| {c:g} | {float((flat > c).float().mean()):.2e} | {float(flat.clamp(max=c).norm()):.3f} |")
 
 
 def main() -> None:
@@ -86,6 +99,8 @@ def main() -> None:
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             clip = a.lomo_clip if method == "LOMO" else 1.0
             norm = clipped_grads(model, batch, clip, grad_sq[method])
+            if step == 0 and method == "LOMO":
+                print_value_clips(model)
             lr = schedules[method].lr_at(step)
             with torch.no_grad():
                 if method == "LOMO":

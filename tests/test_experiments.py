@@ -39,7 +39,8 @@ def common():
 @pytest.mark.parametrize("script, flags", [("table1", ("--cpu", "--model-path")),
                                            ("table2", ("--cpu", "--model-path")),
                                            ("table3", ("--cpu", "--model-path")),
-                                           ("bench_comm", ("--layers", "--steps"))])
+                                           ("bench_comm", ("--layers", "--steps")),
+                                           ("update_norms", ("--steps", "--lomo-clip-value", "--adamw-lr"))])
 def test_help(script, flags):
     # as the README runs them: modules of the repository's experiments package
     out = help_text(f"experiments.{script}")
@@ -257,3 +258,14 @@ def test_accumulation_quality_runs_validate_and_report():
     args = aq.parse_args(["--recipe", "default", "--task", "numcompare"])
     cfg = load_run_config(args.config, aq.overrides(args, 1, 42, "/tmp/unused"))
     assert cfg.data.task == "numcompare" and cfg.data.eval_samples == 500 and cfg.train.max_steps == 35
+
+
+def test_update_norms_groups_every_llama_tensor():
+    from experiments.update_norms import GROUPS, group_of
+    from tests.tiny import tiny_llama
+
+    names = [n for n, _ in tiny_llama(tie=False).named_parameters()]
+    groups = {n: group_of(n) for n in names}
+    assert set(groups.values()) == {g for g, _ in GROUPS}
+    assert groups["model.layers.0.input_layernorm.weight"] == "norms" and groups["model.norm.weight"] == "norms"
+    assert groups["lm_head.weight"] == "embedding" and groups["model.layers.1.mlp.up_proj.weight"] == "MLP"
