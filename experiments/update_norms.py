@@ -8,8 +8,9 @@ train split in the order of data.seed 42, epoch 0), each with its own sweep sett
 the gradient clipped to global norm `--lomo-clip` (then to `--lomo-clip-value` per element, as the
 engine does) at `--lomo-lr`; AdamW is torch's (betas 0.9/0.999,
 no weight decay) with the same norm clipping at `--adamw-lr`; both with the sweep's linear schedule
-over 100 steps and 10% warm-up. The engine's LOMO step equals this SGD step (tests/dist_engine_checks)
-and DeepSpeed's AdamW is this AdamW, so one process is enough to see the geometry.
+over 100 steps, AdamW's with 10% warm-up, LOMO's with `--lomo-warmup`. The engine's LOMO step
+equals this SGD step (tests/dist_engine_checks) and DeepSpeed's AdamW is this AdamW, so one process
+is enough to see the geometry.
 
 Printed per group of tensors (embedding, attention, MLP, norms): its share of the squared gradient
 norm (summed over LOMO's steps, before clipping), the mean L2 norm of one step's update, and the
@@ -33,7 +34,7 @@ from lomo_ds.storage.models import load_tokenizer
 
 GROUPS = (("embedding", ("embed_tokens", "lm_head")), ("attention", ("self_attn",)), ("MLP", ("mlp",)),
           ("norms", ("norm",)))
-TOTAL_STEPS, WARMUP = 100, 10  # the sweep's schedule (experiments/quality.yaml)
+TOTAL_STEPS, ADAMW_WARMUP = 100, 0.1  # the sweep's schedule and AdamW's warm-up (experiments/quality.yaml)
 VALUE_CLIPS = (1e-2, 1e-3, 1e-4, 1e-5)
 
 
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--lomo-lr", type=float, default=0.1)
     ap.add_argument("--lomo-clip", type=float, default=1.0)
     ap.add_argument("--lomo-clip-value", type=float, default=None)
+    ap.add_argument("--lomo-warmup", type=float, default=0.1, help="LOMO's warm-up ratio (AdamW's: 0.1)")
     ap.add_argument("--adamw-lr", type=float, default=3e-5)
     a = ap.parse_args()
     torch.manual_seed(42)
@@ -88,8 +90,8 @@ def main() -> None:
     start = {n: p.detach().clone() for n, p in models["LOMO"].named_parameters()}
     adamw = torch.optim.AdamW(models["AdamW"].parameters(), lr=a.adamw_lr, betas=(0.9, 0.999), eps=1e-8,
                               weight_decay=0.0)
-    schedules = {m: Schedule("linear", lr, TOTAL_STEPS, WARMUP) for m, lr in (("LOMO", a.lomo_lr),
-                                                                             ("AdamW", a.adamw_lr))}
+    schedules = {"LOMO": Schedule("linear", a.lomo_lr, TOTAL_STEPS, round(a.lomo_warmup * TOTAL_STEPS)),
+                 "AdamW": Schedule("linear", a.adamw_lr, TOTAL_STEPS, round(ADAMW_WARMUP * TOTAL_STEPS))}
     step_norms = {m: collections.defaultdict(list) for m in models}  # method -> group -> per-step norms
     grad_sq = {m: collections.Counter() for m in models}  # method -> group -> summed squared gradient norms
     for step in range(a.steps):
@@ -122,7 +124,7 @@ def main() -> None:
                       f"{sum(sq.values()) ** 0.5:.3e}", flush=True)
 
     print(f"\n{a.steps} steps of {a.task}, LOMO lr {a.lomo_lr} (norm clip {a.lomo_clip}, value clip "
-          f"{a.lomo_clip_value}), AdamW lr {a.adamw_lr}")
+          f"{a.lomo_clip_value}, warm-up {a.lomo_warmup}), AdamW lr {a.adamw_lr}")
     print("| group | parameters | share of the squared gradient norm (LOMO's run) | LOMO step update | "
           "AdamW step update | LOMO displacement | AdamW displacement |")
     print("|---|---|---|---|---|---|---|")
