@@ -81,7 +81,11 @@ class Run:
 
 
 def freeze(setting: dict) -> tuple:
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in setting.items()))
+    """The setting as a run's identity. accumulation_steps 1 is every run's default: a setting that
+    names it is the same run as the one that does not (the accumulation axis's K = 1 is the best
+    setting so far, already run)."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in setting.items()
+                        if not (k == "accumulation_steps" and v == 1)))
 
 
 def overrides_of(run: Run, hp: dict, nproc: int, out_dir: str) -> dict:

@@ -94,6 +94,15 @@ def test_coordinate_search_moves_from_the_best_and_stops_at_an_unfinished_run(qu
     assert not partial.complete and len(partial.tried) == 3  # the clip axis needs the lr axis's best
 
 
+def test_the_accumulation_axis_runs_k_1_once(quality):
+    """K = 1 is the best setting so far: named or not, one run (it once ran again under a new name)."""
+    hp = {"tune_task": "rhyme", "shared": {"seeds": [1], "max_steps": 100, "global_batch": 8},
+          "methods": {"lomo": {"base": {"lr": 0.1}, "axes": {"accumulation_steps": [1, 4]}}}}
+    search = quality.stage1(hp, "lomo", lambda run: {"accuracy": 50.0, "minutes": 1.0})
+    assert [(r.settings, r.max_steps) for r, _ in search.tried] == [
+        ({"lr": 0.1}, 100), ({"lr": 0.1, "accumulation_steps": 4}, 100), ({"lr": 0.1, "accumulation_steps": 4}, 25)]
+
+
 def _args(tmp_path, **kw):
     return SimpleNamespace(**{"runs_dir": str(tmp_path / "runs"), "reuse": True, "max_runs": 0, "dry_run": False,
                               "extra_overrides": {}, "timeout": 1, **kw})
