@@ -38,6 +38,12 @@ TOTAL_STEPS, ADAMW_WARMUP = 100, 0.1  # the sweep's schedule and AdamW's warm-up
 VALUE_CLIPS = (1e-2, 1e-3, 1e-4, 1e-5)
 
 
+def sq_norm(t: torch.Tensor) -> float:
+    """Squared L2 norm, summed in fp64: an fp32 norm of the model's 134M gradient elements on a CPU
+    comes out 0.8% low (109.15 against 109.99)."""
+    return float(t.double().pow(2).sum())
+
+
 def group_of(name: str) -> str:
     return next(g for g, keys in GROUPS if any(k in name for k in keys))
 
@@ -55,14 +61,14 @@ def clipped_grads(model, batch, clip: float, grad_sq: collections.Counter) -> fl
     model.zero_grad(set_to_none=True)
     model(**batch).loss.backward()
     for n, p in model.named_parameters():
-        grad_sq[group_of(n)] += float(p.grad.pow(2).sum())
+        grad_sq[group_of(n)] += sq_norm(p.grad)
     return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
 
 
 def print_value_clips(model) -> None:
     """What a value clip c does to the first step's norm-clipped gradient: the share of elements it
     touches and the L2 norm left (the step is lr x that norm)."""
-    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs().double()
     print(f"step 1, the gradient after the norm clip: norm {float(flat.norm()):.3f}, "
           f"mean |element| {float(flat.mean()):.2e}")
     print("| value clip | elements above it | L2 norm left |\n|---|---|---|")
@@ -116,7 +122,7 @@ def main() -> None:
                     adamw.step()
             sq = collections.Counter()
             for n, p in model.named_parameters():
-                sq[group_of(n)] += float((p.detach() - before[n]).pow(2).sum())
+                sq[group_of(n)] += sq_norm(p.detach() - before[n])
             for g, v in sq.items():
                 step_norms[method][g].append(v ** 0.5)
             if step % 10 == 0 or step == a.steps - 1:
@@ -133,11 +139,11 @@ def main() -> None:
         names = [n for n in start if group_of(n) == g]
         if not names:
             continue
-        w0 = sum(float(start[n].pow(2).sum()) for n in names) ** 0.5
+        w0 = sum(sq_norm(start[n]) for n in names) ** 0.5
         cells = []
         for method in models:
             params = dict(models[method].named_parameters())
-            cells.append(sum(float((params[n].detach() - start[n]).pow(2).sum()) for n in names) ** 0.5 / w0)
+            cells.append(sum(sq_norm(params[n].detach() - start[n]) for n in names) ** 0.5 / w0)
         mean = {m: sum(step_norms[m][g]) / len(step_norms[m][g]) for m in models}
         print(f"| {g} | {sum(start[n].numel() for n in names) / 1e6:.2f}M | {grad_sq['LOMO'][g] / total_sq:.2f} | "
               f"{mean['LOMO']:.2e} | "
