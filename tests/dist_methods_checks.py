@@ -124,6 +124,30 @@ def fetch_per_layer() -> dict:
     return out
 
 
+def labelled_logits_every_method() -> dict:
+    """Every method steps the same from a prompt-masked batch with and without keep_labelled_logits
+    (the recipe's trimming): two fresh engines, one step each, the losses and the parameters after."""
+    from lomo_ds.runtime.dist import keep_labelled_logits
+
+    out = {}
+    for method in METHODS:
+        results = []
+        for trim in (False, True):
+            eng = fresh_engine(run_config(method), total_steps=0)
+            batch = batch_for(0, eng)
+            batch["labels"][:, :6] = -100  # a prompt: the loss reads only the last 5 positions' targets
+            if trim:
+                batch = keep_labelled_logits(batch)
+            step = eng.train_step(batch)
+            results.append((step["loss"], batch.get("logits_to_keep"), eng.full_state_dict()))
+            del eng
+        (loss_full, _, params_full), (loss_kept, keep, params_kept) = results
+        diff = (max(float((params_kept[n].float() - t.float()).abs().max()) for n, t in params_full.items())
+                if params_full is not None else None)  # rank 0 holds the gathered parameters
+        out[method] = {"loss_full": loss_full, "loss_kept": loss_kept, "logits_to_keep": keep, "max_diff": diff}
+    return out
+
+
 def concatenated(mbs: list[dict]) -> dict:
     return {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0]}
 

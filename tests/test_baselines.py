@@ -10,10 +10,10 @@ from lomo_ds.methods import METHODS
 from tests import dist_methods_checks as M
 from tests.ranks import multi_rank_checks, ok
 
-interface, resume, lora_lomo_two_passes, fetch_per_layer, accumulation = multi_rank_checks(
+interface, resume, lora_lomo_two_passes, fetch_per_layer, accumulation, labelled_logits = multi_rank_checks(
     [2], interface=lambda: {m: M.interface_and_memory(m) for m in METHODS}, resume=M.resume_every_method,
     lora_lomo_two_passes=M.lora_lomo_two_passes, fetch_per_layer=M.fetch_per_layer,
-    accumulation=M.accumulation_every_method)
+    accumulation=M.accumulation_every_method, labelled_logits=M.labelled_logits_every_method)
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +145,14 @@ def test_accumulation_equals_the_concatenated_micro_batches(rank_results, method
 
 def test_zero_shot_ignores_accumulation(rank_results):
     assert ok(rank_results(2), accumulation)["zero_shot"] == {"accumulation_steps": 1, "boundary": True}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_steps_alike_on_the_labelled_logits_alone(rank_results, method):
+    """The recipe asks every engine for the logits of labelled positions only (keep_labelled_logits):
+    DeepSpeed's engine, peft's model and LOMO's hooks all take the trimmed batch to the same step."""
+    r = ok(rank_results(2), labelled_logits)[method]
+    assert r["logits_to_keep"] == 6  # 11 positions, targets from column 6 on: positions 5..10
+    assert r["loss_kept"] == pytest.approx(r["loss_full"], rel=1e-6)
+    tol = 1e-5 if method == "adamw" else 1e-6  # AdamW's normalised step magnifies summation-order rounding
+    assert r["max_diff"] <= tol, r
