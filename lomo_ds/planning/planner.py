@@ -297,6 +297,8 @@ def layer_activation_bytes(m: ModelSpec, run: RunSpec) -> float:
 def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
     """(forward-saved bytes, recompute bytes added during backward)."""
     T, b, h = run.batch * run.seq, run.b, m.hidden
+    # fp32 logits of every position: the bound for data labelled throughout (packed chat); the
+    # recipe's forward computes them only from the first labelled position on (keep_labelled_logits).
     head = T * h * (4 + b) + 4 * T * m.vocab + 8 * T + 2 * run.seq * m.d * b
     layer = layer_activation_bytes(m, run)
     if run.checkpointing:
