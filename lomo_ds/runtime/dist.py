@@ -90,8 +90,9 @@ def keep_labelled_logits(batch: dict[str, Any]) -> dict[str, Any]:
     label on (`logits_to_keep`), and its labels cut to match. The loss reads no logit before that
     position, so it is the same loss (the same target tokens, the same mean); but the output
     projection and its gradient skip the prompt: for a yes/no task nearly the whole sequence, and
-    the [batch, length, vocabulary] logits are a small model's largest activation (a fifth of
-    SmolLM2-135M's step). Call it on the host batch; it reads the labels only."""
+    the [batch, length, vocabulary] logits are a small model's largest activation (SmolLM2-135M's
+    output projection is a fifth of its weights; a yes/no step measured 12% faster without it).
+    Call it on the host batch; it reads the labels only."""
     labels = batch.get("labels")
     if labels is None or labels.dim() != 2 or "logits_to_keep" in batch:
         return batch
