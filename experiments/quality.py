@@ -223,18 +223,33 @@ def stage1(hp: dict, method: str, runner: Runner) -> Search:
     return search
 
 
+def step_multiples(hp: dict) -> dict[str, int]:
+    """quality.yaml's `step_multiple`: per task, how many times stage 1's steps its stage-2 runs take
+    (a task on which AdamW has not settled by then); 1 for the others."""
+    given = hp.get("step_multiple") or {}
+    for task, k in given.items():
+        if task not in hp["tasks"]:
+            raise ValueError(f"quality.yaml step_multiple: unknown task {task!r}; expected one of {hp['tasks']}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"quality.yaml step_multiple.{task}: expected a whole number >= 1, got {k!r}")
+    return {t: int(given.get(t, 1)) for t in hp["tasks"]}
+
+
 def stage2(hp: dict, method: str, best: Run | None, runner: Runner) -> list[tuple]:
-    """[(Run, result or None)] of `best`'s setting (zero-shot: none) on every task and seed, heldout.
-    Zero-shot does not depend on the seed (every heldout example is evaluated): one seed per task."""
+    """[(Run, result or None)] of `best`'s setting (zero-shot: none) on every task and seed, heldout,
+    for the best run's steps times the task's step multiple (so a K > 1 setting chosen at equal tokens
+    keeps equal tokens). Zero-shot does not train nor depend on the seed: one run per task."""
     seeds = table3.seeds_of(hp)
+    multiple = step_multiples(hp)
     if method == "zero_shot":
         setting, steps, seeds = (), int(hp["shared"]["max_steps"]), seeds[:1]
+        multiple = dict.fromkeys(multiple, 1)
     else:
         setting, steps = best.setting, best.max_steps
     out = []
     for task in hp["tasks"]:
         for seed in seeds:
-            run = Run(2, method, setting, task, seed, "heldout", steps)
+            run = Run(2, method, setting, task, seed, "heldout", steps * multiple[task])
             out.append((run, runner(run)))
     return out
 
@@ -273,7 +288,7 @@ def stage2_rows(results: dict[str, list[tuple]]) -> list[dict]:
             if res is not None:
                 per_task.setdefault(run.task, {})[run.seed] = res["accuracy"]
         accs = [a for seeds in per_task.values() for a in seeds.values()]
-        first = runs[0][0] if runs else None
+        first = min((run for run, _ in runs), key=lambda run: run.max_steps, default=None)
         rows.append({"method": method, "setting": first.settings if first else {}, "per_task": per_task,
                      "steps": 0 if method == "zero_shot" or not first else first.max_steps,
                      "accumulation": first.accumulation if first else 1,
@@ -301,7 +316,10 @@ def stage2_table(rows: list[dict], hp: dict) -> list[str]:
     lines = ["### Stage 2: each method's best setting, every task and seed, held-out split", "",
              "Mean and minimum over the finished runs (tasks x seeds); per task: mean, minimum and the "
              "per-seed figures (seeds " + ", ".join(map(str, table3.seeds_of(hp))) + "; zero-shot does not "
-             "depend on the seed and runs once per task).", "",
+             "depend on the seed and runs once per task)."
+             + "".join(f" {TASKS[t].title}'s runs take {k} times the steps and tokens shown (the same for every "
+                       "method: AdamW had not settled there by then)." for t, k in step_multiples(hp).items() if k > 1),
+             "",
              "| method | setting | steps | tokens | runs | mean | min | "
              + " | ".join(TASKS[t].title for t in tasks) + " |",
              "|---|---|---|---|---|---|---|" + "---|" * len(tasks)]

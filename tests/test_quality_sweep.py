@@ -3,8 +3,10 @@ the coordinate search and the stages pick what they say, --reuse/--max-runs run 
 table written from result files (hand-made here, for the writer only) says what the runs gave."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -64,10 +66,26 @@ def test_heldout_runs_and_zero_shot(quality, hp):
     assert all(r.split == "heldout" and r.setting == best.setting and r.stage == 2 for r in runs)
     cfg = load_run_config(os.path.join(ROOT, hp["config"]), quality.overrides_of(runs[-1], hp, 2, "/tmp/x"))
     assert cfg.eval.split == "heldout" and cfg.data.task == "countryfacts" and cfg.lomo.lr == 0.3
+    multiple = quality.step_multiples(hp)
+    assert [r.max_steps for r in runs] == [100 * multiple[r.task] for r in runs]
+    assert cfg.train.max_steps == 100 * multiple["countryfacts"]
+    # a K = 4 run chosen at equal tokens (25 steps) keeps equal tokens on every task
+    k4 = dataclasses.replace(best, setting=quality.freeze({"lr": 0.3, "accumulation_steps": 4}), max_steps=25)
+    assert all(quality.tokens_of(r, hp) == quality.tokens_of(dataclasses.replace(r, setting=best.setting,
+                                                                                  max_steps=100 * multiple[r.task]), hp)
+               for r, _ in quality.stage2(hp, "lomo", k4, lambda r: None))
     zs = [r for r, _ in quality.stage2(hp, "zero_shot", None, lambda r: None)]
     assert [r.task for r in zs] == hp["tasks"] and len({r.seed for r in zs}) == 1  # the seed changes nothing
     zs_cfg = load_run_config(os.path.join(ROOT, hp["config"]), quality.overrides_of(zs[0], hp, 2, "/x"))
     assert zs_cfg.train.zero_shot_eval and zs_cfg.train.method == "zero_shot"
+
+
+@pytest.mark.parametrize("bad, message", [({"wordle": 2}, "unknown task 'wordle'"),
+                                          ({"rhyme": 0}, "step_multiple.rhyme: expected a whole number >= 1"),
+                                          ({"rhyme": 1.5}, "step_multiple.rhyme: expected a whole number >= 1")])
+def test_step_multiple_is_checked(quality, hp, bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        quality.step_multiples({**hp, "step_multiple": bad})
 
 
 def test_coordinate_search_moves_from_the_best_and_stops_at_an_unfinished_run(quality):
@@ -165,6 +183,7 @@ def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
     lines = text.splitlines()
     row = next(line for line in lines if line.startswith("| LOMO |") and "| 9/9 |" in line)
     assert "lr=0.1" in row and "clip_grad_norm=1" in row and "| 100 | 800 | 9/9 |" in row
+    assert "CountryFacts's runs take 2 times the steps and tokens shown" in text
     # 9 runs: mean of (80, 82, 84) + (0, 1, 2) = 83.0, minimum 80.0; NumCompare's seeds 80 82 84
     assert "| 9/9 | 83.0 | 80.0 | 82.0 (min 80.0; 80.0 82.0 84.0) |" in row
     assert any(line.startswith("| Zero-shot | - | 0 | 0 | 3/3 | 50.0 | 50.0 |") for line in lines)
