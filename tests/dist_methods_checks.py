@@ -107,13 +107,14 @@ def resume_every_method() -> dict:
 
 def fetch_per_layer() -> dict:
     """Every method under the shipped configs' fetch granularity (each decoder layer gathered
-    whole): which modules DeepSpeed made leaves, and one step that trains."""
+    whole) and persistence (none: every weight partitioned, LoRA's small adapters too): which
+    modules DeepSpeed made leaves, and one step that trains."""
     from lomo_ds.runtime import ds_compat
     from tests.dist_engine_checks import PER_LAYER
 
     out = {}
     for method in METHODS:
-        eng = fresh_engine(run_config(method, PER_LAYER), total_steps=0)
+        eng = fresh_engine(run_config(method, {**PER_LAYER, "stage3_param_persistence_threshold": 0}), total_steps=0)
         batch = batch_for(0, eng)
         before = eng.eval_forward(batch).loss.item()
         step = eng.train_step(batch)

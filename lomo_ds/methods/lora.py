@@ -28,8 +28,16 @@ ADAPTER_PATTERNS = ("*lora_*",)
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     import peft
 
-    return peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
-                                                      target_modules=list(lora.targets), lora_dropout=0.0))
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
+                                                            target_modules=list(lora.targets), lora_dropout=0.0))
+    # The embedding's output must require grad, though a frozen embedding needs none: DeepSpeed's
+    # ZeRO-3 hooks on a leaf module (zero_optimization.leaf_module, which the shipped configs set to
+    # the decoder layer) release the first layer's weights before its backward when the layer's input
+    # does not require grad, and the backward then reads a partitioned (empty) adapter weight. This
+    # is transformers' own remedy for frozen embeddings (as with gradient checkpointing); it costs the
+    # first layer's input gradient.
+    wrapped.enable_input_require_grads()
+    return wrapped
 
 
 def one_pass_adapter_grads(adapters: list, device: torch.device, passes: int, loss_scale: float) -> torch.Tensor:
