@@ -375,3 +375,55 @@ def _all_fields(cls):
         yield field
         if submodel(field.annotation) is not None:
             yield from _all_fields(submodel(field.annotation))
+
+
+# ----------------------------------------------------------------------------- per-rule recipes
+RECIPES = {"sgd": {"lr": 0.3, "clip_grad_norm": 1.0, "clip_grad_value": 1e-4, "scheduler": {"warmup_ratio": 0.0}},
+           "adalomo": {"lr": 1e-3, "clip_grad_norm": 1.0, "clip_grad_value": None, "scheduler": {"warmup_ratio": 0.1}}}
+
+
+def test_the_chosen_rules_recipe_fills_the_keys_left_out():
+    """One key (lomo.optimizer) switches the update rule and, with it, the learning rate, clipping
+    and warm-up the config's recipe gives that rule; keys the section sets itself win."""
+    section = {"recipes": RECIPES, "scheduler": {"type": "linear"}}
+    ada = load_config({"lomo": {**section, "optimizer": "adalomo"}})[1]
+    assert (ada.lr, ada.clip_grad_norm, ada.clip_grad_value) == (1e-3, 1.0, None)
+    assert (ada.scheduler.type, ada.scheduler.warmup_ratio) == ("linear", 0.1)
+    sgd = load_config({"lomo": {**section, "optimizer": "sgd"}})[1]
+    assert (sgd.lr, sgd.clip_grad_norm, sgd.clip_grad_value) == (0.3, 1.0, 1e-4)
+    assert (sgd.scheduler.type, sgd.scheduler.warmup_ratio) == ("linear", 0.0)
+    mine = load_config({"lomo": {**section, "optimizer": "sgd", "lr": 0.1, "scheduler": {"warmup_ratio": 0.2}}})[1]
+    assert (mine.lr, mine.clip_grad_value, mine.scheduler.warmup_ratio, mine.scheduler.type) == (0.1, 1e-4, 0.2,
+                                                                                                "constant")
+    # A DeepSpeed key mapped onto the section is the author's too: it wins over the recipe.
+    assert load_config({"gradient_clipping": 0.5, "lomo": {**section, "optimizer": "sgd"}})[1].clip_grad_norm == 0.5
+    # Without a recipe for the chosen rule, nothing changes.
+    assert load_config({"lomo": {"recipes": {"sgd": RECIPES["sgd"]}, "optimizer": "adalomo"}})[1].lr == 1e-3
+    plain = load_config({"lomo": {"recipes": {"adalomo": {"lr": 5e-4}}, "lr": 0.05}})[1]
+    assert plain.lr == 0.05 and plain.optimizer == "sgd"
+
+
+def test_a_run_config_switches_rule_by_one_override(tmp_path):
+    from lomo_ds.config.run import load_run_config
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"model": {"path": "tiny-llama-in-memory"}, "train": {"method": "lomo"},
+                                "lomo": {"optimizer": "adalomo", "recipes": RECIPES}}))
+    ada = load_run_config(str(path), check_files=False)
+    sgd = load_run_config(str(path), {"lomo.optimizer": "sgd"}, check_files=False)
+    assert (ada.lomo.optimizer, ada.lomo.lr, ada.lomo.clip_grad_value) == ("adalomo", 1e-3, None)
+    assert (sgd.lomo.optimizer, sgd.lomo.lr, sgd.lomo.clip_grad_value) == ("sgd", 0.3, 1e-4)
+
+
+@pytest.mark.parametrize("recipes, needle", [
+    ({"sgd": {"lr": -1}}, "lomo.recipes.sgd.lr: expected a positive learning rate, got -1"),
+    ({"sgd": {"learning_rate": 1}}, "lomo.recipes.sgd.learning_rate: unknown key"),
+    ({"adam": {"lr": 1}}, "lomo.recipes.adam: unknown key; expected some of ['adalomo', 'sgd']"),
+    ({"adalomo": {"scheduler": {"warmup_ratio": 2}}}, "lomo.recipes.adalomo.scheduler.warmup_ratio"),
+    ({"sgd": {"clip_grad_value": 0}}, "lomo.recipes.sgd.clip_grad_value: expected a positive number or null"),
+])
+def test_bad_recipes_name_the_key(recipes, needle):
+    """Both rules' recipes are checked on load, the one not chosen too (a switch later must not fail)."""
+    with pytest.raises(ConfigError) as e:
+        load_config({"lomo": {"recipes": recipes, "optimizer": "adalomo"}})
+    assert needle in str(e.value)

@@ -17,7 +17,7 @@ import typing
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from lomo_ds.config import ds_options
 
@@ -80,6 +80,29 @@ class AdaLomoConfig(Section):
     decay_rate: float = Field(-0.8, lt=0, description="second-moment decay: beta2 at step t is 1 - t**decay_rate")
 
 
+class RecipeConfig(Section):
+    """One update rule's tuned values (lomo.recipes.sgd, lomo.recipes.adalomo). When lomo.optimizer
+    names the rule, each key given here fills the same key of the lomo section, unless the section
+    sets that key itself (in the file or by --set): so a config that carries both recipes switches
+    between LOMO and AdaLomo by lomo.optimizer alone, each with its own learning rate and clipping."""
+
+    lr: float | None = Field(None, gt=0, json_schema_extra=expects("a positive learning rate"),
+                             description="lomo.lr for this rule")
+    clip_grad_norm: float | None = Field(None, gt=0, json_schema_extra=expects("a positive number or null"),
+                                         description="lomo.clip_grad_norm for this rule (null: none)")
+    clip_grad_value: float | None = Field(None, gt=0, json_schema_extra=expects("a positive number or null"),
+                                          description="lomo.clip_grad_value for this rule (null: none)")
+    weight_decay: float | None = Field(None, ge=0, description="lomo.weight_decay for this rule")
+    scheduler: ScheduleConfig | None = Field(None, description="lomo.scheduler's keys for this rule (the keys given)")
+
+
+class RecipesConfig(Section):
+    """Per update rule, the values it runs with when lomo.optimizer names it (see RecipeConfig)."""
+
+    sgd: RecipeConfig | None = Field(None, description="LOMO's (SGD's) values")
+    adalomo: RecipeConfig | None = Field(None, description="AdaLomo's values")
+
+
 # How gradient buckets are summed over ranks: the transports of lomo_ds/engine/buckets.py.
 GradReduction = Literal["auto", "reduce_scatter", "shared_memory", "all_reduce"]
 # How ZeRO-3's parameter all-gathers are carried: lomo_ds/engine/shm_all_gather.py.
@@ -92,6 +115,7 @@ class LomoConfig(Section):
     optimizer: Literal["sgd", "adalomo"] = Field("sgd", description="the update rule: SGD (the paper's LOMO) or "
                                                                     "AdaLomo (options under lomo.adalomo)")
     adalomo: AdaLomoConfig = AdaLomoConfig()
+    recipes: RecipesConfig = RecipesConfig()
     lr: float = Field(1e-3, gt=0, json_schema_extra=expects("a positive learning rate"),
                       description="the learning rate (the schedule's peak)")
     clip_grad_norm: float | None = Field(None, gt=0, json_schema_extra=expects("a positive number or null"),
@@ -153,6 +177,26 @@ class LomoConfig(Section):
     loss_normalization: Literal["mean", "tokens"] = Field("mean", description=(
         "how a step weighs its micro-batches: mean = each micro-batch's token mean, averaged over the window's "
         "micro-batches x ranks (DeepSpeed's); tokens = every label token of the window weighs the same"))
+
+    @model_validator(mode="after")
+    def _apply_recipe(self) -> LomoConfig:
+        """The chosen rule's recipe fills the keys this section leaves out (RecipeConfig)."""
+        recipe = getattr(self.recipes, self.optimizer)
+        if recipe is None:
+            return self
+        given = self.model_fields_set
+        update = {k: getattr(recipe, k) for k in recipe.model_fields_set - {"scheduler"} if k not in given}
+        if recipe.scheduler is not None:
+            mine = self.scheduler.model_dump(include=self.scheduler.model_fields_set) if "scheduler" in given else {}
+            update["scheduler"] = ScheduleConfig.model_validate(
+                {**recipe.scheduler.model_dump(include=recipe.scheduler.model_fields_set), **mine})
+        if not update:
+            return self
+        # The filled keys stay "not given": a DeepSpeed key mapped onto them (gradient_clipping) is
+        # the author's and wins, and the section dumped without defaults names only what was written.
+        out = self.model_copy(update=update)
+        object.__setattr__(out, "__pydantic_fields_set__", set(given))
+        return out
 
 
 def options_markdown(cls: type[BaseModel] = None, prefix: str = "lomo") -> str:
