@@ -95,6 +95,9 @@ def format_summary(results: dict[int, dict]) -> str:
             elif name == "lora_lomo":
                 lines.append(f"{head} adapter gradient norm {r['one_pass']['lora_grad_norm']:.6g} in one pass, "
                              f"{r['two_passes']['lora_grad_norm']:.6g} in two")
+            elif name == "fetch_per_layer":
+                lines.append(f"{head} loss before -> after one step: " + ", ".join(
+                    f"{m} {v['loss_before']:.4f} -> {v['loss_after']:.4f}" for m, v in r.items()))
             elif name == "bf16":
                 lines.append(f"{head} realized update share " + ", ".join(
                     f"{mode} {v['realized']:.3f}" for mode, v in r.items()))

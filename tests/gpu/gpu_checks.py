@@ -47,7 +47,7 @@ from tests import dist_adalomo_checks as AD
 from tests import dist_engine_checks as E
 from tests.dist_bucket_checks import check_experts
 from tests.dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence
-from tests.dist_methods_checks import lora_lomo_two_passes
+from tests.dist_methods_checks import fetch_per_layer, lora_lomo_two_passes
 from tests.gpu.compare import memory_run_config, predicted_peak_bytes, step_time_table
 from tests.ranks import run_checks
 from tests.tiny import global_batch, tiny_llama
@@ -406,6 +406,9 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         # on the host-update thread from pinned staging (lomo.host_update auto).
         "adalomo_offload": partial(AD.equivalence, tiny(1), adalomo_offload_cfg(pin=on_gpu), clip_norm=0.5),
         "lora_lomo": partial(lora_lomo_two_passes, **E.LOMO_DEFAULTS),
+        # Every method under the shipped configs' per-layer fetch with nothing persistent (LoRA's
+        # frozen embedding once left the first layer's weights released before its backward).
+        "fetch_per_layer": partial(fetch_per_layer),
         # Experts reached by some micro-batches only, switching every step (flush-only buckets).
         "experts": partial(check_experts, E.LOMO_DEFAULTS.get("grad_reduction", "auto")),
         "evaluation": partial(check_evaluation),

@@ -134,6 +134,14 @@ def test_lora_lomo_adapter_gradient_is_one_unscaled_pass(gpu_results, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_every_method_trains_under_the_shipped_per_layer_fetch(gpu_results, world):
+    for method, r in ok(gpu_results(world), "fetch_per_layer").items():
+        assert r["leaf_modules"] == ["LlamaDecoderLayer"], (method, r)
+        if method != "zero_shot":
+            assert r["loss_after"] < r["loss_before"], (method, r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_evaluation_on_the_engine_matches_the_unpartitioned_model(gpu_results, world):
     r = ok(gpu_results(world), "evaluation")
     got, want = r["engine"], r["reference"]

@@ -75,7 +75,8 @@ def test_every_gpu_check_binds_and_its_configs_load(on_gpu, world, tmp_path):
         assert dist_engine_checks.ds_cfg()["lomo"]["grad_reduction"] == "reduce_scatter"
     assert dist_engine_checks.LOMO_DEFAULTS == {}, "the forcing must end with its block"
     new = {"bucket_path", "sgd_direct", "clip_norm_recompute", "reduce_dtype_bf16", "adalomo", "adalomo_clip_norm",
-           "adalomo_offload", "lora_lomo", "experts", "evaluation", "generation", "offload_two_devices",
+           "adalomo_offload", "lora_lomo",
+           "fetch_per_layer", "experts", "evaluation", "generation", "offload_two_devices",
            "offload_overlap", "adalomo_offload_overlap"}
     assert new <= set(checks)
     assert ("overflow" in checks) == ("memory" in checks) == ("host_syncs" in checks) == on_gpu
@@ -140,7 +141,8 @@ def test_summary_names_every_check(tmp_path):
                    "overflow": {"steps": [{"skipped_all_ranks": [s], "scale_after": c} for s, c in
                                           ((False, 256.0), (True, 128.0), (False, 128.0))]},
                    "memory": {"measured": 1.0 * 2**30, "predicted": 1.05 * 2**30},
-                   "offload": {"error": "Traceback ...\nRuntimeError: boom\n"}},
+                   "offload": {"error": "Traceback ...\nRuntimeError: boom\n"},
+                   "fetch_per_layer": {"lora": {"loss_before": 2.5, "loss_after": 2.25}}},
                2: {"step_time": {"table": step_time_table({"floor": [1.0], "lomo": [1.04], "deepspeed_sgd": [1.2]})}}}
     text = format_summary(results)
     assert "[1 GPU(s)] sgd: max |LOMO - torch.optim.SGD| = 3.00e-07" in text
@@ -148,6 +150,7 @@ def test_summary_names_every_check(tmp_path):
     assert "skipped per step False True False, scale 256 -> 128 -> 128" in text
     assert "1.000 GiB measured, 1.050 GiB predicted (+5.0%)" in text
     assert "offload: ERROR RuntimeError: boom" in text
+    assert "loss before -> after one step: lora 2.5000 -> 2.2500" in text
     assert "lomo 1040.0 ms (1.04x floor)" in text
     for world, r in results.items():
         (tmp_path / f"results_{world}.json").write_text(json.dumps(r))
