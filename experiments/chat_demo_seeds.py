@@ -6,8 +6,8 @@ fine-tuned exact match, wall time, and the machine's load average before and aft
     python -m experiments.chat_demo_seeds --out runs/chat_seeds --only lomo --seeds 42
 
 The command is the Makefile's demo-chat recipe (deepspeed, 2 ranks, ds_configs/cpu_chat.json) with
---set train.seed=SEED; AdaLomo adds --set lomo.optimizer=adalomo --set lomo.lr=0.001 (the AdaLomo
-paper's learning rate range, as experiments/table3_hparams/cpu.yaml).
+--set train.seed=SEED; AdaLomo adds --set lomo.optimizer=adalomo, which takes the config's AdaLomo
+recipe (lomo.recipes.adalomo: lr 0.001, the AdaLomo paper's range, as experiments/table3_hparams/cpu.yaml).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import os
 import subprocess
 import time
 
-OPTIMIZERS = {"lomo": [], "adalomo": ["--set", "lomo.optimizer=adalomo", "--set", "lomo.lr=0.001"]}
+OPTIMIZERS = {"lomo": [], "adalomo": ["--set", "lomo.optimizer=adalomo"]}
 
 
 def load_average() -> float:

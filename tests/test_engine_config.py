@@ -427,3 +427,15 @@ def test_bad_recipes_name_the_key(recipes, needle):
     with pytest.raises(ConfigError) as e:
         load_config({"lomo": {"recipes": recipes, "optimizer": "adalomo"}})
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("name, sgd_lr", [("cpu_default.json", 0.1), ("cpu_chat.json", 0.05)])
+def test_shipped_cpu_configs_switch_rule_by_one_key(name, sgd_lr):
+    """The CPU configs carry both rules' recipes: LOMO by default, AdaLomo at its own lr by one override,
+    the clipping and schedule shared."""
+    from lomo_ds.config.run import load_run_config
+
+    path = os.path.join(ROOT, "ds_configs", name)
+    lomo, ada = (load_run_config(path, o, check_files=False).lomo for o in ({}, {"lomo.optimizer": "adalomo"}))
+    assert (lomo.optimizer, lomo.lr, ada.optimizer, ada.lr) == ("sgd", sgd_lr, "adalomo", 1e-3)
+    assert (lomo.clip_grad_norm, lomo.scheduler) == (ada.clip_grad_norm, ada.scheduler)
