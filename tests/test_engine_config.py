@@ -429,13 +429,22 @@ def test_bad_recipes_name_the_key(recipes, needle):
     assert needle in str(e.value)
 
 
-@pytest.mark.parametrize("name, sgd_lr", [("cpu_default.json", 0.1), ("cpu_chat.json", 0.05)])
-def test_shipped_cpu_configs_switch_rule_by_one_key(name, sgd_lr):
-    """The CPU configs carry both rules' recipes: LOMO by default, AdaLomo at its own lr by one override,
-    the clipping and schedule shared."""
+SHIPPED = {  # config: (LOMO's lr, clip, warm-up), (AdaLomo's)
+    "cpu_default.json": ((0.1, 1.0, 0.1), (1e-3, 1.0, 0.1)),
+    "cpu_chat.json": ((0.05, 1.0, 0.1), (1e-3, 1.0, 0.1)),
+    **{f"llama{size}.json": ((0.03, 1.0, 0.05), (5e-4, None, 0.03)) for size in ("7b", "13b", "30b", "65b", "7b_chat")},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_configs_switch_rule_by_one_key(name):
+    """The shipped configs carry both rules' recipes: LOMO by default (the paper's tables and the
+    demos as measured), AdaLomo with its own lr, clipping and warm-up by one override."""
     from lomo_ds.config.run import load_run_config
 
     path = os.path.join(ROOT, "ds_configs", name)
     lomo, ada = (load_run_config(path, o, check_files=False).lomo for o in ({}, {"lomo.optimizer": "adalomo"}))
-    assert (lomo.optimizer, lomo.lr, ada.optimizer, ada.lr) == ("sgd", sgd_lr, "adalomo", 1e-3)
-    assert (lomo.clip_grad_norm, lomo.scheduler) == (ada.clip_grad_norm, ada.scheduler)
+    assert (lomo.optimizer, ada.optimizer) == ("sgd", "adalomo")
+    for cfg, want in zip((lomo, ada), SHIPPED[name], strict=True):
+        assert (cfg.lr, cfg.clip_grad_norm, cfg.scheduler.warmup_ratio) == want
+    assert lomo.scheduler.type == ada.scheduler.type == "linear"
