@@ -194,9 +194,7 @@ class LomoConfig(Section):
             return self
         # The filled keys stay "not given": a DeepSpeed key mapped onto them (gradient_clipping) is
         # the author's and wins, and the section dumped without defaults names only what was written.
-        out = self.model_copy(update=update)
-        object.__setattr__(out, "__pydantic_fields_set__", set(given))
-        return out
+        return type(self).model_construct(_fields_set=set(given), **{**dict(self), **update})
 
 
 def options_markdown(cls: type[BaseModel] = None, prefix: str = "lomo") -> str:
