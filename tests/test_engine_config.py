@@ -448,3 +448,18 @@ def test_shipped_configs_switch_rule_by_one_key(name):
     for cfg, want in zip((lomo, ada), SHIPPED[name], strict=True):
         assert (cfg.lr, cfg.clip_grad_norm, cfg.scheduler.warmup_ratio) == want
     assert lomo.scheduler.type == ada.scheduler.type == "linear"
+
+
+def test_the_run_says_which_update_and_what_its_recipe_filled():
+    from lomo_ds.config.run import load_run_config
+
+    path = os.path.join(ROOT, "ds_configs", "llama7b.json")
+    lomo = load_run_config(path, {}, check_files=False).lomo
+    ada = load_run_config(path, {"lomo.optimizer": "adalomo", "lomo.lr": 2e-3}, check_files=False).lomo
+    assert lomo.describe_update() == ("LOMO (SGD), lr 0.03, clip_grad_norm 1, clip_grad_value none, linear schedule, "
+                                      "warm-up 0.05 (clip_grad_norm, lr, scheduler.warmup_ratio from lomo.recipes.sgd)")
+    assert ada.describe_update() == ("AdaLomo, lr 0.002, clip_grad_norm none, clip_grad_value none, linear schedule, "
+                                     "warm-up 0.03 (clip_grad_norm, scheduler.warmup_ratio from lomo.recipes.adalomo)")
+    plain = load_config({"lomo": {"lr": 0.1, "scheduler": {"warmup_steps": 3}}})[1]
+    assert plain.describe_update() == "LOMO (SGD), lr 0.1, clip_grad_norm none, clip_grad_value none, constant " \
+                                      "schedule, warm-up 3 steps"

@@ -106,6 +106,9 @@ def test_accumulation_counts_optimizer_steps(straight_k3):
     """The metrics, the schedule and the checkpoints count optimizer steps, not micro-batches."""
     straight, out = straight_k3
     assert "4 steps/epoch of 3 micro-batches each, 8 steps in all" in out.stdout
+    # the update the run gets, once (rank 0)
+    assert out.stdout.count("update: LOMO (SGD), lr 0.01, clip_grad_norm 1, clip_grad_value none, linear schedule, "
+                            "warm-up 0.1") == 1
     steps = metric_steps(straight)
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert [r["micro_batches"] for r in steps] == [3, 3, 3, 1] * 2

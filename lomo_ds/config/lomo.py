@@ -196,6 +196,25 @@ class LomoConfig(Section):
         # the author's and wins, and the section dumped without defaults names only what was written.
         return type(self).model_construct(_fields_set=set(given), **{**dict(self), **update})
 
+    def describe_update(self) -> str:
+        """The update a run gets, for its first lines: the rule, its lr, clipping and schedule, and
+        which of them the rule's recipe (lomo.recipes) filled in."""
+        recipe = getattr(self.recipes, self.optimizer)
+        filled = sorted((recipe.model_fields_set - {"scheduler"} if recipe is not None else set())
+                        - self.model_fields_set)
+        if recipe is not None and recipe.scheduler is not None:  # merged key by key: the recipe's values shown
+            filled += [f"scheduler.{k}" for k in sorted(recipe.scheduler.model_fields_set)
+                       if getattr(self.scheduler, k) == getattr(recipe.scheduler, k)]
+        sch = self.scheduler
+        warmup = f"{sch.warmup_steps} steps" if sch.warmup_steps else f"{sch.warmup_ratio:g}"
+        def word(x):
+            return "none" if x is None else f"{x:g}"
+
+        text = (f"{'AdaLomo' if self.optimizer == 'adalomo' else 'LOMO (SGD)'}, lr {self.lr:g}, "
+                f"clip_grad_norm {word(self.clip_grad_norm)}, clip_grad_value {word(self.clip_grad_value)}, "
+                f"{sch.type} schedule, warm-up {warmup}")
+        return text + (f" ({', '.join(filled)} from lomo.recipes.{self.optimizer})" if filled else "")
+
 
 def options_markdown(cls: type[BaseModel] = None, prefix: str = "lomo") -> str:
     """Every option of a config section (default: the `lomo` section), nested sections included, as
@@ -431,12 +450,14 @@ def _with_mapped(ds: dict, lomo: LomoConfig) -> LomoConfig:
         mapped[row.lomo] = (value, row.key)
     if not mapped:
         return lomo
-    data = lomo.model_dump()
+    # Only the keys given, plus the mapped ones: what the author left out stays left out (a rule's
+    # recipe fills it again, and describe_update can say so).
+    data = lomo.model_dump(exclude_unset=True)
     for lomo_key, (value, _) in mapped.items():
         *parents, name = lomo_key.split(".")
         node = data
         for part in parents:
-            node = node[part]
+            node = node.setdefault(part, {})
         node[name] = value
     try:
         return LomoConfig.model_validate(data)

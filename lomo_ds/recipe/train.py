@@ -17,7 +17,7 @@ import sys
 import time
 
 from lomo_ds.config.lomo import ConfigError
-from lomo_ds.config.run import METHODS, check_model_on_disk, load_run_config, parse_override_args
+from lomo_ds.config.run import LOMO_METHODS, METHODS, check_model_on_disk, load_run_config, parse_override_args
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -196,6 +196,8 @@ class TrainRecipe:
         threads = set_cpu_threads(accelerator_device())
         self.say(f"run: {self.cfg.train.method} on {self.world} rank(s), {threads}; "
                  f"config {self.cfg.source_path or 'given in memory'}")
+        if self.cfg.train.method in LOMO_METHODS:
+            self.say(f"update: {self.cfg.lomo.describe_update()}")
         self.setup_data()  # before the model: a malformed file fails fast and cheap
         self.setup_engine()
         self.start_step = self.resume_point()
