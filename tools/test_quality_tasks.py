@@ -127,3 +127,35 @@ def test_rhyme_asks_about_absent_words_in_half_its_no_questions():
         assert not any(absent[1]), f"rhyme/{split}: a Yes question names a word its passage does not"
         share = sum(absent[0]) / len(absent[0])
         assert 0.4 < share < 0.6, f"rhyme/{split}: {share:.2f} of the No questions are lookups"
+
+
+@pytest.mark.parametrize("task", sorted(QUALITY_TASKS))
+def test_the_lookup_shortcut_scores_half_plus_its_lookups(task):
+    """tools/lookup_shortcut.py: every question's names are found from its generator's templates;
+    every question it calls a lookup is a "No", and half of the "No"s are lookups, so the rule scores
+    50% + the lookups' share (about 75%) with no skill: the line a fine-tuned accuracy is read against."""
+    for package in PACKAGES[task]:
+        pytest.importorskip(package, reason=f"tools/make_{task}_task.py needs {package}: pip install -e '.[tools]'")
+    from tools import lookup_shortcut as L
+
+    patterns = L.task_patterns(task)
+    for split in SIZES:
+        records = _read(task, split)
+        answers = [L.shortcut_answer(r["passage"], L.names_asked(r["question"], patterns)) for r in records]
+        assert all(r["label"] == 0 for a, r in zip(answers, records, strict=True) if a == 0), split
+        lookups = answers.count(0) / len(records)
+        assert 0.2 <= lookups <= 0.3, (split, lookups)
+        assert L.score(task, split)["accuracy"] == pytest.approx(100 * (0.5 + lookups)), split
+    with pytest.raises(ValueError, match="matches none of the task's templates"):
+        L.names_asked("What is the capital of France?", patterns)
+
+
+def test_the_lookup_shortcut_matches_whole_words():
+    from tools import lookup_shortcut as L
+
+    pattern = L.template_pattern('Does "{a}" rhyme with "{b}"?')
+    assert L.names_asked('Does "cat" rhyme with "hat"?', [pattern]) == ["cat", "hat"]
+    assert L.shortcut_answer('Two words: "cat" and "hat".', ["cat", "hat"]) == 1
+    assert L.shortcut_answer('Two words: "category" and "hat".', ["cat", "hat"]) == 0
+    assert L.shortcut_answer("The Central African Republic has a prefecture called Ouaka.",
+                             ["central african republic", "Ouaka"]) == 1
