@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import re
 
+from lomo_ds.data.loading import read_jsonl
 from lomo_ds.data.tasks import BUILTIN_DIR, QUALITY_TASKS
 
 SPLITS = ("train", "validation", "heldout")
@@ -54,8 +54,7 @@ def task_patterns(task: str) -> list[re.Pattern]:
 def score(task: str, split: str) -> dict:
     """The shortcut on one split: accuracy, and the share of questions it calls lookups."""
     patterns = task_patterns(task)
-    with open(os.path.join(BUILTIN_DIR, task, f"{split}.jsonl"), encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = [r for r, _ in read_jsonl(os.path.join(BUILTIN_DIR, task, f"{split}.jsonl"))]
     answers = [shortcut_answer(r["passage"], names_asked(r["question"], patterns)) for r in records]
     right = sum(a == int(r["label"]) for a, r in zip(answers, records, strict=True))
     return {"n": len(records), "accuracy": 100.0 * right / len(records),
