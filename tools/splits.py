@@ -19,6 +19,14 @@ def held_out_pool(rng: random.Random, items: list, share: float, sort: bool = Tr
     return (sorted(rest), sorted(held)) if sort else (rest, held)
 
 
+def three_way_pool(rng: random.Random, items: list, share: float) -> tuple[list, list, list]:
+    """`items` cut into (train, validation, heldout) pools by `held_out_pool` twice: heldout takes
+    `share` of them, validation `share` of the rest; no item is in two pools."""
+    rest, held = held_out_pool(rng, items, share)
+    train, validation = held_out_pool(rng, rest, share)
+    return train, validation, held
+
+
 def balanced_unique_split(rng: random.Random, n: int, draw: Callable[[int], dict],
                           key: Callable[[dict], Hashable], seen: set) -> list[dict]:
     """`n` records, half labelled 1 (the extra one 0), each drawn by `draw(label)` until its `key` is
@@ -36,12 +44,15 @@ def balanced_unique_split(rng: random.Random, n: int, draw: Callable[[int], dict
 
 
 def train_validation_heldout(rng: random.Random, sizes: tuple[int, int, int], seen_pool, held_pool,
-                             draw_from: Callable[[object], Callable[[int], dict]]) -> dict[str, list[dict]]:
-    """The three splits of a Yes/No task whose records are keyed by their passage: train and
-    validation drawn by `draw_from(seen_pool)`, heldout by `draw_from(held_pool)`, each balanced,
-    no passage in two of them."""
+                             draw_from: Callable[[object], Callable[[int], dict]],
+                             validation_pool=None) -> dict[str, list[dict]]:
+    """The three splits of a Yes/No task whose records are keyed by their passage: train drawn by
+    `draw_from(seen_pool)`, validation by `draw_from(validation_pool)` (default: `seen_pool`, so
+    validation shares train's items but not its passages), heldout by `draw_from(held_pool)`, each
+    balanced, no passage in two of them."""
     seen: set = set()
-    pools = (("train", seen_pool), ("validation", seen_pool), ("heldout", held_pool))
+    pools = (("train", seen_pool), ("validation", seen_pool if validation_pool is None else validation_pool),
+             ("heldout", held_pool))
     return {name: balanced_unique_split(rng, n, draw_from(pool), itemgetter("passage"), seen)
             for (name, pool), n in zip(pools, sizes, strict=True)}
 
