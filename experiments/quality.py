@@ -1,5 +1,5 @@
 """The quality benchmark: LOMO and AdaLomo against DeepSpeed AdamW, LoRA and LoRA+LOMO on three tasks
-with headroom (numcompare, rhyme, countryfacts: lomo_ds/data/builtin/, tools/make_*_task.py).
+with headroom (valence, spelling, syllables: lomo_ds/data/builtin/, tools/make_*_task.py).
 
     python3 -m experiments.quality --stage 1 --reuse --max-runs 4    # the next 4 runs of the coarse grid
     python3 -m experiments.quality --stage 1 --reuse --only adamw     # one method's grid

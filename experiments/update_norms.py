@@ -1,6 +1,6 @@
 """Where each method's updates go: LOMO's clipped SGD against AdamW, step by step, on one process.
 
-    python -m experiments.update_norms --task numcompare --steps 30
+    python -m experiments.update_norms --task spelling --steps 30
 
 The quality benchmark (experiments/quality.py) reports how far LOMO stays from AdamW; this says why.
 Both rules start from the built-in model and see the same global batches of 8 (the sweep's: the task's
@@ -78,7 +78,7 @@ def print_value_clips(model) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", default="numcompare")
+    ap.add_argument("--task", default="spelling")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lomo-lr", type=float, default=0.1)
     ap.add_argument("--lomo-clip", type=float, default=1.0)

@@ -255,9 +255,9 @@ def test_accumulation_quality_runs_validate_and_report():
     table = aq.report(args, {1: k1, 4: {42: {"final_exact_match": None}}})
     assert "| 1 | 8 | 2 | 75.0 | 70.0 | 42: 80.0 43: 70.0 | 3 3 |" in table, table
     assert "| 4 | 32 | 0 | - | - |" in table, table
-    args = aq.parse_args(["--recipe", "default", "--task", "numcompare"])
+    args = aq.parse_args(["--recipe", "default", "--task", "spelling"])
     cfg = load_run_config(args.config, aq.overrides(args, 1, 42, "/tmp/unused"))
-    assert cfg.data.task == "numcompare" and cfg.data.eval_samples == 500 and cfg.train.max_steps == 35
+    assert cfg.data.task == "spelling" and cfg.data.eval_samples == 500 and cfg.train.max_steps == 35
 
 
 def test_update_norms_groups_every_llama_tensor():

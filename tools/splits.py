@@ -8,6 +8,14 @@ import random
 from operator import itemgetter
 from typing import Callable, Hashable
 
+# Words a benchmark has no need for, matched as substrings of a candidate word.
+OFFENSIVE = ("fuck", "shit", "bitch", "cunt", "dick", "cock", "pussy", "whore", "slut", "fag", "nigg",
+             "rape", "porn", "penis", "vagina", "anal", "tits", "boob", "nazi", "retard", "cum", "sex")
+
+
+def inoffensive(word: str, blocked: tuple[str, ...] = OFFENSIVE) -> bool:
+    return not any(b in word for b in blocked)
+
 
 def held_out_pool(rng: random.Random, items: list, share: float, sort: bool = True) -> tuple[list, list]:
     """`items` shuffled by `rng` and cut once: (the rest, for train and validation; the first

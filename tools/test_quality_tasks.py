@@ -1,14 +1,15 @@
-"""The quality benchmark's tasks (numcompare, rhyme, countryfacts): the committed files load through
-lomo_ds's loading code with the registry's prompt, are balanced, keep the separations their
-generators promise, and are what the generators write (where the generators' packages are
-installed: num2words comes with the `test` extra; the others, tens of MB of word lists and ISO
-data, with the `tools` extra)."""
+"""The quality benchmark's tasks (valence, spelling, syllables): the committed files load through
+lomo_ds's loading code with the registry's prompt, are balanced, ask about words no other split
+has, carry no answer outside the quoted word (no frame word and no word length decides them), are
+labelled by their source's rule, and are what the generators write (the generators' word lists,
+tens of MB, come with the `tools` extra; the tests that need them skip without it)."""
 from __future__ import annotations
 
 import importlib
 import json
 import os
 import re
+from collections import Counter, defaultdict
 
 import pytest
 
@@ -18,12 +19,38 @@ from lomo_ds.data.tasks import BUILTIN_DIR, QUALITY_TASKS, TASKS
 
 SIZES = {"train": 2000, "validation": 500, "heldout": 500}
 # The packages each generator imports (tools/make_<name>_task.py).
-PACKAGES = {"numcompare": ["num2words"], "rhyme": ["pronouncing", "wordfreq", "english_words"],
-            "countryfacts": ["pycountry"]}
+PACKAGES = {"valence": ["vaderSentiment", "wordfreq"], "spelling": ["english_words", "wordfreq"],
+            "syllables": ["pronouncing", "wordfreq", "english_words"]}
+# A rule that reads no skill scores about 50% on a balanced split; this is how far above it noise may
+# take one on 500 examples (2.7 standard errors) before the rule counts as a shortcut.
+SHORTCUT_LIMIT = 0.56
 
 
 def _read(task: str, split: str) -> list[dict]:
     return [r for r, _ in D.read_jsonl(os.path.join(BUILTIN_DIR, task, f"{split}.jsonl"))]
+
+
+def _word(r: dict) -> str:
+    """The quoted word a record asks about (every passage quotes exactly one)."""
+    quoted = re.findall(r'"([^"]+)"', r["passage"])
+    assert len(quoted) == 1, r
+    return quoted[0]
+
+
+def _frame_words(r: dict) -> set[str]:
+    """Every word of the record but the one it asks about: who, where, and the question's wording."""
+    return set(re.findall(r"[A-Za-z']+", r["passage"].replace(f'"{_word(r)}"', " ") + " " + r["question"]))
+
+
+def _importorskip(task: str) -> None:
+    for package in PACKAGES[task]:
+        pytest.importorskip(package, reason=f"tools/make_{task}_task.py needs {package}: pip install -e '.[tools]'")
+
+
+def test_the_registry_lists_every_generated_task():
+    assert sorted(QUALITY_TASKS) == sorted(PACKAGES)
+    assert {n[len("make_"):-len("_task.py")] for n in os.listdir(os.path.dirname(__file__))
+            if n.startswith("make_") and n.endswith("_task.py")} == set(PACKAGES) | {"builtin", "chat"}
 
 
 @pytest.mark.parametrize("task", sorted(QUALITY_TASKS))
@@ -39,123 +66,97 @@ def test_task_loads_through_the_registry_with_boolq_prompt(task):
         assert evaluated == _read(task, eval_split)  # the split asked for, not another one
     r = train[0]
     ex = D.format_example(task, r)
-    question = r["question"] if r["question"].endswith("?") else r["question"] + "?"
-    assert ex.prompt == f'{r["passage"]} {question[0].upper()}{question[1:]}\n'
+    assert ex.prompt == f'{r["passage"]} {r["question"]}\n'
     assert ex.candidates == ["Yes", "No"]
     assert [D.format_example(task, x).label for x in train[:50]] == [0 if x["label"] == 1 else 1 for x in train[:50]]
 
 
 @pytest.mark.parametrize("task", sorted(QUALITY_TASKS))
-def test_labels_balanced_in_every_split(task):
+def test_labels_balanced_and_no_word_in_two_splits(task):
+    words = {}
     for split, n in SIZES.items():
         records = _read(task, split)
         assert len(records) == n and sum(r["label"] for r in records) * 2 == n, split
+        assert len({r["passage"] for r in records}) == n, f"{task}/{split}: a passage repeats"
+        words[split] = {_word(r) for r in records}
+    for a, b in (("train", "validation"), ("train", "heldout"), ("validation", "heldout")):
+        assert not words[a] & words[b], f"{task}: {a} and {b} share {sorted(words[a] & words[b])[:5]}"
 
 
-def _quoted_words(r: dict, field: str = "passage") -> frozenset:
-    return frozenset(re.findall(r'"([a-z]+)"', r[field]))
+def _best_rule(train: list[dict], features) -> tuple[object, int]:
+    """The single feature value f and answer a ("Yes" exactly when f is present, or exactly when it is
+    absent) that scores best on `train`: the strongest one-feature shortcut the split offers."""
+    counts = defaultdict(Counter)
+    for r in train:
+        for f in features(r):
+            counts[f][r["label"]] += 1
+    n_yes = sum(r["label"] for r in train)
+
+    def train_accuracy(f, yes_when_present):
+        c = counts[f]
+        right_present = c[1] if yes_when_present else c[0]
+        right_absent = (len(train) - n_yes - c[0]) if yes_when_present else (n_yes - c[1])
+        return right_present + right_absent
+    return max(((f, a) for f in counts for a in (1, 0)), key=lambda fa: train_accuracy(*fa))
 
 
-_COUNTRY_QUESTION = re.compile(r"^(?:Is (?P<r1>.+) (?:in|part of|a region of) (?P<c1>.+)"
-                               r"|Does (?P<c2>.+) include (?P<r2>.+))\?$")
-
-
-def _asked_country(r: dict) -> str:
-    m = _COUNTRY_QUESTION.match(r["question"])
-    assert m, r["question"]
-    return m["c1"] or m["c2"]
-
-
-def _numcompare_place(r: dict) -> str:
-    # Every passage starts with its setting's place ("The school has", "The school ordered"), or says
-    # "According to the count, the school has"; the first three words tell the settings apart.
-    return " ".join(re.sub(r"^According to the count, ", "", r["passage"]).lower().split(" ")[:3])
-
-
-# task -> (the item no two splits share, what heldout shares with no other split)
-SEPARATIONS = {
-    "numcompare": (lambda r: r["passage"], _numcompare_place),
-    "rhyme": (_quoted_words, lambda r: _quoted_words(r) | _quoted_words(r, "question")),
-    "countryfacts": (lambda r: r["passage"], _asked_country),
-}
+def _rule_accuracy(records: list[dict], features, rule) -> float:
+    f, yes_when_present = rule
+    return sum(int((f in features(r)) == bool(yes_when_present)) == r["label"] for r in records) / len(records)
 
 
 @pytest.mark.parametrize("task", sorted(QUALITY_TASKS))
-def test_splits_share_no_item_and_heldout_shares_no_vocabulary(task):
-    item, domain = SEPARATIONS[task]
-    splits = {s: _read(task, s) for s in SIZES}
-    items = {s: [item(r) for r in recs] for s, recs in splits.items()}
-    for s in SIZES:
-        assert len(set(items[s])) == len(items[s]), f"{task}/{s}: an item repeats"
-    assert not set(items["train"]) & set(items["validation"])
-    assert not (set(items["train"]) | set(items["validation"])) & set(items["heldout"])
+@pytest.mark.parametrize("feature", ["frame word", "word length"])
+def test_nothing_but_the_quoted_word_answers(task, feature):
+    """The frame around the word (who, where, the question's wording) and the word's length are drawn
+    independently of the label: the best one-feature rule learned on train scores at chance on the
+    evaluated splits."""
+    features = _frame_words if feature == "frame word" else (lambda r: {len(_word(r))})
+    rule = _best_rule(_read(task, "train"), features)
+    for split in ("validation", "heldout"):
+        accuracy = _rule_accuracy(_read(task, split), features, rule)
+        assert accuracy <= SHORTCUT_LIMIT, f"{task}/{split}: '{rule[0]}' alone scores {accuracy:.1%}"
 
-    def vocabulary(recs):
-        out = set()
-        for r in recs:
-            d = domain(r)
-            out |= d if isinstance(d, frozenset) else {d}
-        return out
 
-    seen = vocabulary(splits["train"]) | vocabulary(splits["validation"])
-    held = vocabulary(splits["heldout"])
-    assert held and not seen & held, f"{task}: heldout shares {sorted(seen & held)[:5]}"
+def test_the_shortcut_rule_finds_a_planted_shortcut():
+    """The rule above is not blind: a frame word planted on every "Yes" is found and scores 100%."""
+    train = [dict(r, question=r["question"] + (" Really?" if r["label"] else "")) for r in _read("valence", "train")]
+    rule = _best_rule(train, _frame_words)
+    assert rule == ("Really", 1) and _rule_accuracy(train, _frame_words, rule) == 1.0
+
+
+@pytest.mark.parametrize("task", sorted(QUALITY_TASKS))
+def test_labels_follow_the_sources_rule(task):
+    _importorskip(task)
+    gen = importlib.import_module(f"tools.make_{task}_task")
+    if task == "valence":
+        truth = gen.lexicon()
+    elif task == "syllables":
+        truth = gen.vocabulary()
+    else:  # a word spelled right is a dictionary word; a "No" is a slip of one that is no word at all
+        known = gen.known_words()
+        vocabulary = gen.vocabulary(known)
+        slipped = set().union(*map(gen.slips, vocabulary)) - known
+        truth = {**{w: 0 for w in slipped}, **{w: 1 for w in vocabulary}}
+    for split in SIZES:
+        for r in _read(task, split):
+            assert truth[_word(r)] == r["label"], (split, r)
+
+
+def test_spelling_slips_are_the_documented_ones():
+    from tools.make_spelling_task import slips
+
+    got = set(slips("letter"))
+    assert {"lteter", "leter", "lettre", "lettar", "litter"} <= got  # swap, undouble, swap, vowel, vowel
+    assert "etter" not in got and "letter" not in got and all(s[0] == "l" for s in got)
 
 
 @pytest.mark.parametrize("task", sorted(QUALITY_TASKS))
 def test_committed_files_are_the_generators_output(task):
-    for package in PACKAGES[task]:
-        pytest.importorskip(package, reason=f"tools/make_{task}_task.py needs {package}: pip install -e '.[tools]'")
+    _importorskip(task)
     gen = importlib.import_module(f"tools.make_{task}_task")
     generated = gen.generate()
     assert sorted(generated) == sorted(SIZES)
     for split, records in generated.items():
         with open(os.path.join(BUILTIN_DIR, task, f"{split}.jsonl"), encoding="utf-8") as f:
             assert f.read() == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), f"{task}/{split}"
-
-
-def test_rhyme_asks_about_absent_words_in_half_its_no_questions():
-    """The lookup half: a "No" question names a word its passage does not in about half the cases
-    (a "Yes" question never does), and every question names two words."""
-    for split in SIZES:
-        recs = _read("rhyme", split)
-        absent = {0: [], 1: []}
-        for r in recs:
-            asked = _quoted_words(r, "question")
-            assert len(asked) == 2, r
-            absent[r["label"]].append(bool(asked - _quoted_words(r)))
-        assert not any(absent[1]), f"rhyme/{split}: a Yes question names a word its passage does not"
-        share = sum(absent[0]) / len(absent[0])
-        assert 0.4 < share < 0.6, f"rhyme/{split}: {share:.2f} of the No questions are lookups"
-
-
-@pytest.mark.parametrize("task", sorted(QUALITY_TASKS))
-def test_the_lookup_shortcut_scores_half_plus_its_lookups(task):
-    """tools/lookup_shortcut.py: every question's names are found from its generator's templates;
-    every question it calls a lookup is a "No", and half of the "No"s are lookups, so the rule scores
-    50% + the lookups' share (about 75%) with no skill: the line a fine-tuned accuracy is read against."""
-    for package in PACKAGES[task]:
-        pytest.importorskip(package, reason=f"tools/make_{task}_task.py needs {package}: pip install -e '.[tools]'")
-    from tools import lookup_shortcut as L
-
-    patterns = L.task_patterns(task)
-    for split in SIZES:
-        records = _read(task, split)
-        answers = [L.shortcut_answer(r["passage"], L.names_asked(r["question"], patterns)) for r in records]
-        assert all(r["label"] == 0 for a, r in zip(answers, records, strict=True) if a == 0), split
-        lookups = answers.count(0) / len(records)
-        assert 0.2 <= lookups <= 0.3, (split, lookups)
-        assert L.score(task, split)["accuracy"] == pytest.approx(100 * (0.5 + lookups)), split
-    with pytest.raises(ValueError, match="matches none of the task's templates"):
-        L.names_asked("What is the capital of France?", patterns)
-
-
-def test_the_lookup_shortcut_matches_whole_words():
-    from tools import lookup_shortcut as L
-
-    pattern = L.template_pattern('Does "{a}" rhyme with "{b}"?')
-    assert L.names_asked('Does "cat" rhyme with "hat"?', [pattern]) == ["cat", "hat"]
-    assert L.shortcut_answer('Two words: "cat" and "hat".', ["cat", "hat"]) == 1
-    assert L.shortcut_answer('Two words: "category" and "hat".', ["cat", "hat"]) == 0
-    assert L.shortcut_answer("The Central African Republic has a prefecture called Ouaka.",
-                             ["central african republic", "Ouaka"]) == 1

@@ -9,9 +9,9 @@ scores every candidate by its mean token log-probability. The prompts are MeZO's
   SuperGLUE    rte boolq wsc (wsc.fixed) wic multirc copa: from the hub, or local JSONL/Parquet of
                the same schema
   builtin      a small review-sentiment task in BoolQ's schema, shipped in lomo_ds/data/builtin/
-  numcompare   the quality benchmark (experiments/quality.py), BoolQ's schema, shipped in
-  rhyme        lomo_ds/data/builtin/<name>/ with a third split, heldout.jsonl, that tuning never
-  countryfacts reads (eval.split: heldout); written by tools/make_<name>_task.py
+  valence      the quality benchmark (experiments/quality.py), BoolQ's schema, shipped in
+  spelling     lomo_ds/data/builtin/<name>/ with a third split, heldout.jsonl, that tuning never
+  syllables    reads (eval.split: heldout); written by tools/make_<name>_task.py
   instruction  {"prompt", "response"} records with no candidates: trained on the response, and
                evaluated by the mean token loss on an eval file
   chat         conversations (messages, ShareGPT, Alpaca or prompt/response records: data/chat.py)
@@ -84,7 +84,7 @@ def _copa_choice(choice: str) -> str:
 
 
 # The quality benchmark's tasks (tools/make_<name>_task.py): three skills, Yes/No in BoolQ's schema.
-QUALITY_TASKS = {"numcompare": "NumCompare", "rhyme": "Rhyme", "countryfacts": "CountryFacts"}
+QUALITY_TASKS = {"valence": "Valence", "spelling": "Spelling", "syllables": "Syllables"}
 _BOOLQ_FIELDS = {"passage": _STR, "question": _STR, "label": _LABEL}
 _BINARY = {"label": (0, 1)}
 
