@@ -7,18 +7,20 @@ used the word "dreary".'); the question asks, in varied words, whether the word 
 ("Was that a compliment?"). Schema: BoolQ's (passage, question, label: 1 = yes), so it uses the
 BoolQ prompt "{passage} {question}\\n" -> Yes/No. The words and their labels are the sentiment
 lexicon of the package `vaderSentiment` (7,500 entries rated by 10 people each from -4 to +4):
-"Yes" for a mean rating of at least +1, "No" for at most -1.
+"Yes" for a mean rating from +1 to under +2, "No" from -1 to over -2: mild words only.
 
 Why this task: a skill of word meaning (is this word good or bad?), unlike the other two (the
 language of a word list, and spelling). The answer is the word's sense alone: no question can be
 answered by noticing that it names something the passage lacks (the shortcut the first
 benchmark's tasks had), and the frame around the word (who, about what) carries no signal, as it
-is drawn independently of the label. The built-in task's reviews use 28 opinion words; this one
-uses thousands, most of them nouns and verbs as well as adjectives, many mild ("fussy", "dodgy",
-"sparkle"), and the evaluated splits' words are never seen in training, so only what the model knows of
-a word's sense answers them.
+is drawn independently of the label. The built-in task's reviews use 28 strong opinion words; this
+one uses over a thousand, nouns and verbs as well as adjectives, all of them mild ("sincere",
+"hesitation", "burdens": the strongest words, rated 2 or more from neutral, left DeepSpeed AdamW too
+little room: 94.0% on validation at lr 3e-5 after 100 steps, and its best lr on the grid is
+higher), and the evaluated splits' words are never seen in training, so only what the model knows
+of a word's sense answers them.
 
-Kept only: lower-case alphabetic words of 3 to 14 letters with |mean| >= 1 whose raters mostly
+Kept only: lower-case alphabetic words of 3 to 14 letters with 1 <= |mean| < 2 whose raters mostly
 agreed (standard deviation under 1.2), that are among the 50,000 most frequent English words of the
 package `wordfreq` (the model has seen them), and none of a short list of slurs and obscenities.
 
@@ -43,7 +45,7 @@ from tools.splits import OFFENSIVE, inoffensive, three_way_pool, train_validatio
 SEED = 20261202
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500
 HELDOUT_SHARE = 0.25
-MIN_ABS_MEAN, MAX_STD = 1.0, 1.2
+MIN_ABS_MEAN, MAX_ABS_MEAN, MAX_STD = 1.0, 2.0, 1.2
 TOP_N = 50000
 LEXICON = os.path.join(os.path.dirname(vaderSentiment.__file__), "vader_lexicon.txt")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +76,7 @@ def lexicon() -> dict[str, int]:
         for line in f:
             word, mean, std, _ = line.rstrip("\n").split("\t")
             mean, std = float(mean), float(std)
-            if (re.fullmatch(r"[a-z]{3,14}", word) and word in frequent and abs(mean) >= MIN_ABS_MEAN
+            if (re.fullmatch(r"[a-z]{3,14}", word) and word in frequent and MIN_ABS_MEAN <= abs(mean) < MAX_ABS_MEAN
                     and std < MAX_STD and inoffensive(word, BLOCKED)):
                 words[word] = int(mean > 0)
     return words
