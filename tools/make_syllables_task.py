@@ -14,7 +14,7 @@ two (the meaning of a word, and its spelling). The answer is the quoted word alo
 can be answered by noticing that it names something the passage lacks (the shortcut the first
 benchmark's tasks had), and the frame (who, where) is drawn independently of the label. Length
 does not decide it: every word has 7 or 8 letters, and each split draws "Yes" and "No" words of
-each length equally often, so "strength" (1) and "children" (2) are "No", "animals" and "industry"
+each length equally often, so "strength" (1) and "children" (2) are "No", "company" and "industry"
 (3) are "Yes".
 
 Kept only: the 30,000 most frequent English words of the package `wordfreq` with 7 or 8 letters and
