@@ -106,9 +106,9 @@ def make_record(rng: random.Random, label: int, words: list[str], known: set[str
 def generate(seed: int = SEED) -> dict[str, list]:
     rng = random.Random(seed)
     known = known_words()
-    train, validation, held = three_way_pool(rng, vocabulary(known), HELDOUT_SHARE)
-    return train_validation_heldout(rng, (N_TRAIN, N_VALIDATION, N_HELDOUT), train, held,
-                                    lambda pool: lambda label: make_record(rng, label, pool, known), validation)
+    return train_validation_heldout(rng, (N_TRAIN, N_VALIDATION, N_HELDOUT),
+                                    three_way_pool(rng, vocabulary(known), HELDOUT_SHARE),
+                                    lambda pool: lambda label: make_record(rng, label, pool, known))
 
 
 if __name__ == "__main__":

@@ -84,11 +84,10 @@ def make_record(rng: random.Random, label: int, pool: dict[tuple[int, int], list
 def generate(seed: int = SEED) -> dict[str, list]:
     rng = random.Random(seed)
     labelled = vocabulary()
-    train, validation, held = [{(n, lab): [w for w in part if len(w) == n and labelled[w] == lab]
-                                for n in LENGTHS for lab in (0, 1)}
-                               for part in three_way_pool(rng, labelled, HELDOUT_SHARE)]
-    return train_validation_heldout(rng, (N_TRAIN, N_VALIDATION, N_HELDOUT), train, held,
-                                    lambda pool: lambda label: make_record(rng, label, pool), validation)
+    pools = [{(n, lab): [w for w in part if len(w) == n and labelled[w] == lab] for n in LENGTHS for lab in (0, 1)}
+             for part in three_way_pool(rng, labelled, HELDOUT_SHARE)]
+    return train_validation_heldout(rng, (N_TRAIN, N_VALIDATION, N_HELDOUT), pools,
+                                    lambda pool: lambda label: make_record(rng, label, pool))
 
 
 if __name__ == "__main__":

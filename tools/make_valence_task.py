@@ -92,10 +92,10 @@ def make_record(rng: random.Random, label: int, words: dict[int, list[str]]) -> 
 def generate(seed: int = SEED) -> dict[str, list]:
     rng = random.Random(seed)
     labelled = lexicon()
-    train, validation, held = [{lab: [w for w in part if labelled[w] == lab] for lab in (0, 1)}
-                               for part in three_way_pool(rng, labelled, HELDOUT_SHARE)]
-    return train_validation_heldout(rng, (N_TRAIN, N_VALIDATION, N_HELDOUT), train, held,
-                                    lambda pool: lambda label: make_record(rng, label, pool), validation)
+    pools = [{lab: [w for w in part if labelled[w] == lab] for lab in (0, 1)}
+             for part in three_way_pool(rng, labelled, HELDOUT_SHARE)]
+    return train_validation_heldout(rng, (N_TRAIN, N_VALIDATION, N_HELDOUT), pools,
+                                    lambda pool: lambda label: make_record(rng, label, pool))
 
 
 if __name__ == "__main__":

@@ -17,14 +17,12 @@ def inoffensive(word: str, blocked: tuple[str, ...] = OFFENSIVE) -> bool:
     return not any(b in word for b in blocked)
 
 
-def held_out_pool(rng: random.Random, items: list, share: float, sort: bool = True) -> tuple[list, list]:
-    """`items` shuffled by `rng` and cut once: (the rest, for train and validation; the first
-    `share`, for the held-out split), each sorted unless `sort` is false."""
+def held_out_pool(rng: random.Random, items: list, share: float) -> tuple[list, list]:
+    """`items` shuffled by `rng` and cut once: (the rest; the first `share`), each sorted."""
     items = list(items)
     rng.shuffle(items)
     cut = int(len(items) * share)
-    rest, held = items[cut:], items[:cut]
-    return (sorted(rest), sorted(held)) if sort else (rest, held)
+    return sorted(items[cut:]), sorted(items[:cut])
 
 
 def three_way_pool(rng: random.Random, items: list, share: float) -> tuple[list, list, list]:
@@ -51,18 +49,14 @@ def balanced_unique_split(rng: random.Random, n: int, draw: Callable[[int], dict
     return records
 
 
-def train_validation_heldout(rng: random.Random, sizes: tuple[int, int, int], seen_pool, held_pool,
-                             draw_from: Callable[[object], Callable[[int], dict]],
-                             validation_pool=None) -> dict[str, list[dict]]:
-    """The three splits of a Yes/No task whose records are keyed by their passage: train drawn by
-    `draw_from(seen_pool)`, validation by `draw_from(validation_pool)` (default: `seen_pool`, so
-    validation shares train's items but not its passages), heldout by `draw_from(held_pool)`, each
-    balanced, no passage in two of them."""
+def train_validation_heldout(rng: random.Random, sizes: tuple[int, int, int], pools: tuple,
+                             draw_from: Callable[[object], Callable[[int], dict]]) -> dict[str, list[dict]]:
+    """The three splits of a Yes/No task whose records are keyed by their passage, each drawn by
+    `draw_from(pool)` from its own pool of `pools` (train, validation, heldout: `three_way_pool`'s),
+    each balanced, no passage in two of them."""
     seen: set = set()
-    pools = (("train", seen_pool), ("validation", seen_pool if validation_pool is None else validation_pool),
-             ("heldout", held_pool))
     return {name: balanced_unique_split(rng, n, draw_from(pool), itemgetter("passage"), seen)
-            for (name, pool), n in zip(pools, sizes, strict=True)}
+            for name, pool, n in zip(("train", "validation", "heldout"), pools, sizes, strict=True)}
 
 
 def write_split(out_dir: str, name: str, records: list[dict]) -> str:
