@@ -64,7 +64,7 @@ def known_words() -> set[str]:
     return words | set(wordfreq.iter_wordlist("en"))
 
 
-def vocabulary(known: set[str]) -> list[str]:
+def vocabulary() -> list[str]:
     """The words shown spelled right and the ones slips are made from, in frequency order."""
     dictionary = get_english_words_set(["web2"], lower=False, alpha=True)  # names are capitalised there
     return [w for w in wordfreq.iter_wordlist("en")
@@ -107,7 +107,7 @@ def generate(seed: int = SEED) -> dict[str, list]:
     rng = random.Random(seed)
     known = known_words()
     return train_validation_heldout(rng, (N_TRAIN, N_VALIDATION, N_HELDOUT),
-                                    three_way_pool(rng, vocabulary(known), HELDOUT_SHARE),
+                                    three_way_pool(rng, vocabulary(), HELDOUT_SHARE),
                                     lambda pool: lambda label: make_record(rng, label, pool, known))
 
 
