@@ -153,8 +153,8 @@ def train_overrides(method: str, setting: dict, hp: dict, nproc: int, out_dir: s
 
     if method in ("lomo", "adalomo"):  # AdaLomo: LOMO's engine with the adaptive update rule
         o["train.method"] = "lomo"
-        if method == "adalomo":
-            o["lomo.optimizer"] = "adalomo"
+        # named either way: the rule must not follow the config file's default
+        o["lomo.optimizer"] = "adalomo" if method == "adalomo" else "sgd"
         o["lomo.lr"] = setting["lr"]
         o["lomo.scheduler.warmup_ratio"] = setting["warmup_ratio"]
     elif method == "adamw":  # DeepSpeed's AdamW on ZeRO-3, clipped by lomo.clip_grad_norm
@@ -164,6 +164,7 @@ def train_overrides(method: str, setting: dict, hp: dict, nproc: int, out_dir: s
         lora("")
     elif method == "lora_lomo":
         lora("lora.")
+        o["lomo.optimizer"] = "sgd"
         o["lomo.lr"] = setting["lomo.lr"]
         o["lomo.scheduler.warmup_ratio"] = setting["lomo.warmup_ratio"]
     return o

@@ -164,6 +164,9 @@ def test_overrides_are_valid_run_configs(table3, method):
         assert cfg.lomo.lr == setting["lr"] and cfg.lomo.scheduler.warmup_ratio == setting["warmup_ratio"]
     if method == "lora_lomo":
         assert cfg.train.lora.rank == setting["lora.rank"] and cfg.lomo.lr == setting["lomo.lr"]
+    if method in ("lomo", "lora_lomo"):
+        # plain LOMO's cells name SGD, whichever rule the config file ships as its default
+        assert o["lomo.optimizer"] == "sgd" and cfg.lomo.optimizer == "sgd"
     cpu = table3.load_hparams("cpu")
     o = table3.train_overrides(method, table3.settings(method, cpu)[0], cpu, cpu["ranks"], "/tmp/x")
     cfg = load_run_config(os.path.join(ROOT, cpu["config"]), o, check_files=False)
