@@ -10,7 +10,9 @@ with headroom (valence, spelling, syllables: lomo_ds/data/builtin/, tools/make_*
 The sweep is experiments/quality.yaml. Stage 1 tunes each method on one task, the first seed and the
 validation split by a coordinate search (its base setting, then each axis from the best setting so
 far); stage 2 runs each method's best setting on every task and seed and reports the held-out split
-(eval.split: heldout), which stage 1 never reads. Every run is the training program, launched as
+(eval.split: heldout), which stage 1 never reads. The best is chosen among the runs that saw the
+budget's examples (max_steps batches): a K > 1 run at equal optimizer steps, which sees K times as
+many, is shown in stage 1's table but never becomes a recipe. Every run is the training program, launched as
 experiments/table3.py launches it (its train_overrides, train_program, run_train), in a directory of
 its own whose table3_run.json records the config, the overrides and the result: with --reuse a
 finished run with the same overrides is kept, so the sweep runs in pieces (--max-runs N new runs, or
@@ -186,19 +188,26 @@ class Search:
     """A method's stage-1 coordinate search: every run tried with its result, and the best so far."""
 
     method: str
+    budget: int  # micro-batches every method's run sees (max_steps x 1): the benchmark's token budget
     tried: list = field(default_factory=list)  # [(Run, result or None)]
     complete: bool = True
 
+    def eligible(self, run: Run) -> bool:
+        """Whether `run` saw the budget's tokens. A K > 1 run at equal optimizer steps sees K times the
+        examples every other method trains on, so it is shown beside the others but never chosen:
+        stage 2 compares every method at the same examples and the same optimizer steps as AdamW's."""
+        return run.max_steps * run.accumulation == self.budget
+
     @property
     def best(self) -> tuple | None:
-        done = [(r, res) for r, res in self.tried if res is not None]
+        done = [(r, res) for r, res in self.tried if res is not None and self.eligible(r)]
         return max(done, key=lambda x: x[1]["accuracy"]) if done else None  # ties: the earlier
 
 
 def stage1(hp: dict, method: str, runner: Runner) -> Search:
     """Base setting, then each axis's values from the best setting so far. Stops at the first run
     that has not finished (the next axis depends on it)."""
-    search = Search(method)
+    search = Search(method, int(hp["shared"]["max_steps"]))
     seen: set[Run] = set()
 
     def trial(setting: dict) -> bool:
@@ -271,6 +280,8 @@ def stage1_table(searches: dict[str, Search], hp: dict) -> list[str]:
             acc = "not run yet" if res is None else _pct(res["accuracy"])
             if best is not None and run == best[0]:
                 acc = f"**{acc}**"
+            elif res is not None and not search.eligible(run):
+                acc += f" ({run.accumulation}x the tokens: not chosen)"
             minutes = "-" if res is None else f"{res['minutes']:.1f}"
             lines.append(f"| {table3.METHOD_NAMES[method]} | {table3.describe(method, run.settings)} | {run.max_steps} "
                          f"| {tokens_of(run, hp)} | {acc} | {minutes} |")

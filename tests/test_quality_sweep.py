@@ -122,6 +122,24 @@ def test_the_accumulation_axis_runs_k_1_once(quality):
         ({"lr": 0.1}, 100), ({"lr": 0.1, "accumulation_steps": 4}, 100), ({"lr": 0.1, "accumulation_steps": 4}, 25)]
 
 
+@pytest.mark.parametrize("k4_equal_tokens, chosen", [(60.0, ({"lr": 0.1}, 100)),
+                                                      (75.0, ({"lr": 0.1, "accumulation_steps": 4}, 25))])
+def test_a_run_with_k_times_the_tokens_is_never_chosen(quality, hp, k4_equal_tokens, chosen):
+    """K = 4 at equal optimizer steps sees 4 times AdamW's examples: shown, never stage 2's recipe;
+    K = 4 at equal tokens competes like any other setting."""
+    small = {"tune_task": "valence", "shared": {"seeds": [1], "max_steps": 100, "global_batch": 8},
+             "methods": {"lomo": {"base": {"lr": 0.1}, "axes": {"accumulation_steps": [1, 4]}}}}
+
+    def runner(run):
+        acc = {1: 70.0, 4: 90.0 if run.max_steps == 100 else k4_equal_tokens}[run.accumulation]
+        return {"accuracy": acc, "minutes": 1.0}
+
+    search = quality.stage1(small, "lomo", runner)
+    assert (search.best[0].settings, search.best[0].max_steps) == chosen
+    text = "\n".join(quality.stage1_table({"lomo": search}, {**hp, **small}))
+    assert "| 90.0 (4x the tokens: not chosen) |" in text
+
+
 def _args(tmp_path, **kw):
     return SimpleNamespace(**{"runs_dir": str(tmp_path / "runs"), "reuse": True, "max_runs": 0, "dry_run": False,
                               "extra_overrides": {}, "timeout": 1, **kw})
