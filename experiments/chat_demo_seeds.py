@@ -17,7 +17,8 @@ import os
 import subprocess
 import time
 
-OPTIMIZERS = {"lomo": [], "adalomo": ["--set", "lomo.optimizer=adalomo"]}
+# Each names its rule, so the config file's default (lomo.optimizer) decides neither.
+OPTIMIZERS = {"lomo": ["--set", "lomo.optimizer=sgd"], "adalomo": ["--set", "lomo.optimizer=adalomo"]}
 
 
 def load_average() -> float:

@@ -254,6 +254,7 @@ def test_accumulation_quality_runs_validate_and_report():
     cfg = load_run_config(args.config, aq.overrides(args, 4, 43, "/tmp/unused"))
     assert cfg.lomo.accumulation_steps == 4 and cfg.train.seed == 43 and cfg.train.max_steps == 20
     assert cfg.data.eval_samples == 100 and cfg.eval.generate_samples == 100 and cfg.train.zero_shot_eval is False
+    assert cfg.lomo.optimizer == "sgd"  # the rule the recorded figures used, not the config's default
     k1 = {42: {"final_exact_match": 0.8, "minutes": 3.0}, 43: {"final_exact_match": 0.7, "minutes": 3.2}}
     table = aq.report(args, {1: k1, 4: {42: {"final_exact_match": None}}})
     assert "| 1 | 8 | 2 | 75.0 | 70.0 | 42: 80.0 43: 70.0 | 3 3 |" in table, table
@@ -261,6 +262,8 @@ def test_accumulation_quality_runs_validate_and_report():
     args = aq.parse_args(["--recipe", "default", "--task", "spelling"])
     cfg = load_run_config(args.config, aq.overrides(args, 1, 42, "/tmp/unused"))
     assert cfg.data.task == "spelling" and cfg.data.eval_samples == 500 and cfg.train.max_steps == 35
+    args = aq.parse_args(["--optimizer", "adalomo"])
+    assert load_run_config(args.config, aq.overrides(args, 1, 42, "/tmp/unused")).lomo.optimizer == "adalomo"
 
 
 def test_update_norms_groups_every_llama_tensor():

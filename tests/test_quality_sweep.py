@@ -43,7 +43,8 @@ def test_every_run_is_a_valid_run_config(quality, hp, method):
             assert cfg.micro_batch * hp["ranks"] == 8 and cfg.train.max_steps == run.max_steps
             assert cfg.tokenizer.max_length == 96 and cfg.train.seed == cfg.data.seed == 42
             assert cfg.train.method == ("lomo" if method == "adalomo" else method)
-            assert cfg.lomo.optimizer == ("adalomo" if method == "adalomo" else "sgd")
+            if method in ("lomo", "adalomo", "lora_lomo"):  # named by every cell: not the config's default
+                assert cfg.lomo.optimizer == ("adalomo" if method == "adalomo" else "sgd")
             assert cfg.lomo.clip_grad_norm == setting.get("clip_grad_norm", 1.0)
             assert cfg.lomo.clip_grad_value == setting.get("clip_grad_value")
             assert cfg.lomo.scheduler.type == setting.get("schedule", "linear")

@@ -1,8 +1,9 @@
 """The demo's recipe (ds_configs/cpu_default.json) on the real built-in model.
 
 The recipe check runs launch/train.py on 2 ranks for a few steps of SmolLM2-135M: the loss must go
-down and never spike. The recipe before it (lr 0.03, value clipping only) fails it: 7.9, 11.7, 17.6,
-5.0, 3.0, 2.4.
+down and never spike. The config's default rule is AdaLomo (lomo.recipes.adalomo); plain LOMO's recipe
+(lomo.recipes.sgd) was checked the same way when it was the default, and the LOMO recipe before it
+(lr 0.03, value clipping only) fails it: 7.9, 11.7, 17.6, 5.0, 3.0, 2.4.
 """
 import importlib.util
 import json

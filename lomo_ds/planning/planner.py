@@ -780,6 +780,16 @@ def model_spec_for(cfg, model_size: str | None = None) -> ModelSpec:
         return spec_from_hf_config(json.load(f), name=os.path.basename(os.path.abspath(source)))
 
 
+def method_of_run(cfg) -> str | None:
+    """The planner's row for a validated run config's training: LOMO's engine under the rule
+    lomo.optimizer names, DeepSpeed's SGD or AdamW; None for methods the planner has no row for."""
+    from lomo_ds.config.run import LOMO_METHODS
+
+    if cfg.train.method in LOMO_METHODS:
+        return "adalomo" if cfg.lomo.optimizer == "adalomo" else "lomo"
+    return cfg.train.method if cfg.train.method in METHODS else None
+
+
 def plan_for_run(cfg, world: int | None = None, model_size: str | None = None, gpu_mem_gib: float = 24.0,
                  overrides: dict | None = None) -> Plan:
     """The plan for a validated run config: its model, precision, micro-batch, sequence length,

@@ -66,9 +66,10 @@ def dry_run(cfg) -> None:
         print(f"memory plan: not available ({e})")
         return
     print(planner.format_plan(p, world))
-    if world:
-        need = p.estimates[("lomo", world)].total / planner.GIB
-        print(f"this launch ({world} ranks): LOMO needs {need:.2f} GiB per GPU")
+    method = planner.method_of_run(cfg)
+    if world and method is not None:
+        need = p.estimates[(method, world)].total / planner.GIB
+        print(f"this launch ({world} ranks): {planner.METHOD_LABELS[method]} needs {need:.2f} GiB per GPU")
 
 
 def check_runtime(cfg) -> None:
