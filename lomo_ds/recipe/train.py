@@ -399,11 +399,14 @@ class TrainRecipe:
                       for m in ("accuracy", "exact_match", "contains") if f"eval/{m}" in v}}
         with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
+        method = self.cfg.train.method
+        if method in LOMO_METHODS and self.cfg.lomo.optimizer == "adalomo":
+            method += " with AdaLomo"  # the update rule the shipped configs default to
         for key in ("accuracy", "exact_match", "contains"):
             zs, ft = (results.get(k, {}).get(f"eval/{key}") for k in ("zero_shot", "final"))
             if zs is not None and ft is not None and not math.isnan(zs):
                 # The run's result in one line: where it started, where it ended, and the gain.
-                print(f"{key.replace('_', ' ')}: zero-shot {zs:.3f} -> fine-tuned ({self.cfg.train.method}) "
+                print(f"{key.replace('_', ' ')}: zero-shot {zs:.3f} -> fine-tuned ({method}) "
                       f"{ft:.3f} ({100 * (ft - zs):+.1f} points)", flush=True)
         self.show_generations()
 
