@@ -188,7 +188,7 @@ class Search:
     """A method's stage-1 coordinate search: every run tried with its result, and the best so far."""
 
     method: str
-    budget: int  # micro-batches every method's run sees (max_steps x 1): the benchmark's token budget
+    budget: int  # batches each run may see: the benchmark's max_steps at K = 1 (its token budget)
     tried: list = field(default_factory=list)  # [(Run, result or None)]
     complete: bool = True
 
