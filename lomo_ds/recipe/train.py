@@ -400,7 +400,9 @@ class TrainRecipe:
         with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         method = self.cfg.train.method
-        if method in LOMO_METHODS and self.cfg.lomo.optimizer == "adalomo":
+        from lomo_ds.planning.planner import method_of_run
+
+        if method_of_run(self.cfg) == "adalomo":
             method += " with AdaLomo"  # the update rule the shipped configs default to
         for key in ("accuracy", "exact_match", "contains"):
             zs, ft = (results.get(k, {}).get(f"eval/{key}") for k in ("zero_shot", "final"))
