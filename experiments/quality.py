@@ -10,7 +10,8 @@ with headroom (valence, spelling, syllables: lomo_ds/data/builtin/, tools/make_*
 The sweep is experiments/quality.yaml. Stage 1 tunes each method on one task, the first seed and the
 validation split by a coordinate search (its base setting, then each axis from the best setting so
 far); stage 2 runs each method's best setting on every task and seed and reports the held-out split
-(eval.split: heldout), which stage 1 never reads. The best is chosen among the runs that saw the
+(eval.split: heldout), which stage 1 never reads; a method's `also` settings (a shipped recipe the
+search did not choose) run there too, each a row of its own. The best is chosen among the runs that saw the
 budget's examples (max_steps batches): a K > 1 run at equal optimizer steps, which sees K times as
 many, is shown in stage 1's table but never becomes a recipe. Every run is the training program, launched as
 experiments/table3.py launches it (its train_overrides, train_program, run_train), in a directory of
@@ -244,6 +245,21 @@ def step_multiples(hp: dict) -> dict[str, int]:
     return {t: int(given.get(t, 1)) for t in hp["tasks"]}
 
 
+def also_of(hp: dict, method: str) -> list[tuple[str, Run]]:
+    """quality.yaml's `also` of a method: {label: setting} that stage 2 runs beside the search's best,
+    each a row of its own (a shipped recipe the search did not choose, say), as (label, the setting's
+    stage-1 run at the budget's examples). The goals stay on the search's best."""
+    budget = int(hp["shared"]["max_steps"])
+    out = []
+    for label, setting in (hp["methods"][method].get("also") or {}).items():
+        if not isinstance(setting, dict):
+            raise ValueError(f"quality.yaml methods.{method}.also.{label}: expected a mapping of setting keys, "
+                             f"got {setting!r}")
+        out.append((label, next(r for r in stage1_runs_of(hp, method, setting) if r.max_steps * r.accumulation
+                                == budget)))
+    return out
+
+
 def stage2(hp: dict, method: str, best: Run | None, runner: Runner) -> list[tuple]:
     """[(Run, result or None)] of `best`'s setting (zero-shot: none) on every task and seed, heldout,
     for the best run's steps times the task's step multiple (so a K > 1 setting chosen at equal tokens
@@ -290,17 +306,18 @@ def stage1_table(searches: dict[str, Search], hp: dict) -> list[str]:
     return lines
 
 
-def stage2_rows(results: dict[str, list[tuple]]) -> list[dict]:
-    """Per method: the accuracies per task and seed of the finished runs, their mean and minimum."""
+def stage2_rows(results: dict[tuple[str, str | None], list[tuple]]) -> list[dict]:
+    """Per (method, label: None for the search's best, else an `also` setting's): the accuracies per
+    task and seed of the finished runs, their mean and minimum."""
     rows = []
-    for method, runs in results.items():
+    for (method, label), runs in results.items():
         per_task: dict[str, dict[int, float]] = {}
         for run, res in runs:
             if res is not None:
                 per_task.setdefault(run.task, {})[run.seed] = res["accuracy"]
         accs = [a for seeds in per_task.values() for a in seeds.values()]
         first = min((run for run, _ in runs), key=lambda run: run.max_steps, default=None)
-        rows.append({"method": method, "setting": first.settings if first else {}, "per_task": per_task,
+        rows.append({"method": method, "label": label, "setting": first.settings if first else {}, "per_task": per_task,
                      "steps": 0 if method == "zero_shot" or not first else first.max_steps,
                      "accumulation": first.accumulation if first else 1,
                      "runs": len(accs), "planned": len(runs), "mean": sum(accs) / len(accs) if accs else None,
@@ -310,7 +327,7 @@ def stage2_rows(results: dict[str, list[tuple]]) -> list[dict]:
 
 def goals(rows: list[dict]) -> list[str]:
     """The issue's goals on the 9-run means: LOMO >= AdamW - 2, AdaLomo >= AdamW."""
-    by = {r["method"]: r for r in rows if r["mean"] is not None and r["runs"] == r["planned"]}
+    by = {r["method"]: r for r in rows if r["label"] is None and r["mean"] is not None and r["runs"] == r["planned"]}
     if "adamw" not in by:
         return ["Goals: not judged yet (AdamW's stage 2 has not finished)."]
     out, ref = [], by["adamw"]["mean"]
@@ -342,7 +359,8 @@ def stage2_table(rows: list[dict], hp: dict) -> list[str]:
             cells.append("-" if not vals else f"{sum(vals) / len(vals):.1f} (min {min(vals):.1f}; "
                          + " ".join(f"{a:.1f}" for a in vals) + ")")
         tokens = r["steps"] * int(hp["shared"]["global_batch"]) * r["accumulation"]
-        lines.append(f"| {table3.METHOD_NAMES[r['method']]} | {table3.describe(r['method'], r['setting'])} | "
+        name = table3.METHOD_NAMES[r["method"]] + (f" ({r['label']})" if r["label"] else "")
+        lines.append(f"| {name} | {table3.describe(r['method'], r['setting'])} | "
                      f"{r['steps']} | {tokens} | {r['runs']}/{r['planned']} | {_pct(r['mean'])} | {_pct(r['min'])} | "
                      + " | ".join(cells) + " |")
     return lines + [""] + goals(rows)
@@ -428,7 +446,9 @@ def main(argv=None) -> int:
             if a.stage == 2 and m in methods:
                 print(f"{m}: stage 1 has not finished; run --stage 1 --only {m} --reuse first", file=sys.stderr)
             continue
-        results[m] = stage2(hp, m, None if m == "zero_shot" else searches[m].best[0], runner)
+        results[(m, None)] = stage2(hp, m, None if m == "zero_shot" else searches[m].best[0], runner)
+        for label, run in also_of(hp, m) if m != "zero_shot" else ():
+            results[(m, label)] = stage2(hp, m, run, runner)
     if a.dry_run:
         return 0
     command = "python3 -m experiments.quality " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -82,6 +82,12 @@ def test_heldout_runs_and_zero_shot(quality, hp):
     assert zs_cfg.train.zero_shot_eval and zs_cfg.train.method == "zero_shot"
 
 
+def test_an_also_setting_must_be_a_mapping(quality, hp):
+    bad = {**hp, "methods": {**hp["methods"], "lomo": {**hp["methods"]["lomo"], "also": {"shipped": 0.1}}}}
+    with pytest.raises(ValueError, match=re.escape("methods.lomo.also.shipped: expected a mapping of setting keys")):
+        quality.also_of(bad, "lomo")
+
+
 @pytest.mark.parametrize("bad, message", [({"wordle": 2}, "unknown task 'wordle'"),
                                           ({"valence": 0}, "step_multiple.valence: expected a whole number >= 1"),
                                           ({"valence": 1.5}, "step_multiple.valence: expected a whole number >= 1")])
@@ -177,6 +183,9 @@ def test_reuse_and_pieces(quality, hp, tmp_path, capsys):
 def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
     monkeypatch.setattr(quality, "accumulation_available", lambda: False)
     hp = {**hp, "step_multiple": {"syllables": 2}}  # one task run longer in stage 2
+    # A recipe stage 2 runs beside LOMO's best: a row of its own, not the one the goals judge.
+    lomo_hp = {**hp["methods"]["lomo"], "also": {"shipped": {**hp["methods"]["lomo"]["base"], "lr": 0.05}}}
+    hp = {**hp, "methods": {**hp["methods"], "lomo": lomo_hp}}
     hparams = tmp_path / "quality.yaml"
     hparams.write_text(yaml.safe_dump(hp))
     runner = quality.Runner(hp, _args(tmp_path), set())
@@ -194,6 +203,10 @@ def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
             _finish(quality, hp, runner, run, per_seed[seeds.index(run.seed)] + hp["tasks"].index(run.task))
     for run, _ in quality.stage2(hp, "zero_shot", None, lambda r: None):
         _finish(quality, hp, runner, run, 50.0)
+    [(label, shipped)] = quality.also_of(hp, "lomo")
+    assert (label, shipped.settings["lr"], shipped.max_steps) == ("shipped", 0.05, 100)
+    for run, _ in quality.stage2(hp, "lomo", shipped, lambda r: None):
+        _finish(quality, hp, runner, run, 95.0)
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nHand-written notes.\n")
     argv = ["--stage", "2", "--reuse", "--max-runs", "0", "--runs-dir", str(tmp_path / "runs"),
@@ -211,6 +224,8 @@ def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
     assert "| 9/9 | 83.0 | 80.0 | 82.0 (min 80.0; 80.0 82.0 84.0) |" in row
     assert any(line.startswith("| Zero-shot | - | 0 | 0 | 3/3 | 50.0 | 50.0 |") for line in lines)
     assert any(line.startswith("| AdamW | lr=3e-05, warmup_ratio=0.1 | 100 | 800 | **70.0** |") for line in lines)
+    also = next(line for line in lines if line.startswith("| LOMO (shipped) |"))
+    assert "lr=0.05" in also and "| 9/9 | 95.0 | 95.0 |" in also
     assert "- LOMO 83.0 against AdamW 88.0 -2: NOT met" in text and "- AdaLomo 90.0 against AdamW 88.0: met" in text
     assert not any("LoRA+LOMO | lomo" in line and "| 9/9 |" in line for line in lines)  # stage 2 not run: no row
 
