@@ -249,14 +249,13 @@ def also_of(hp: dict, method: str) -> list[tuple[str, Run]]:
     """quality.yaml's `also` of a method: {label: setting} that stage 2 runs beside the search's best,
     each a row of its own (a shipped recipe the search did not choose, say), as (label, the setting's
     stage-1 run at the budget's examples). The goals stay on the search's best."""
-    budget = int(hp["shared"]["max_steps"])
+    at_budget = Search(method, int(hp["shared"]["max_steps"])).eligible
     out = []
     for label, setting in (hp["methods"][method].get("also") or {}).items():
         if not isinstance(setting, dict):
             raise ValueError(f"quality.yaml methods.{method}.also.{label}: expected a mapping of setting keys, "
                              f"got {setting!r}")
-        out.append((label, next(r for r in stage1_runs_of(hp, method, setting) if r.max_steps * r.accumulation
-                                == budget)))
+        out.append((label, next(r for r in stage1_runs_of(hp, method, setting) if at_budget(r))))
     return out
 
 
