@@ -112,6 +112,18 @@ def ok(results: dict, check: Check | str) -> Any:
     return r
 
 
+def assert_matches_reference(r: dict, tol: float, label: str) -> None:
+    """A training check's figures against its single-process reference: the parameters within
+    `tol`, the loss of every step the reference's (the global batch's, as the reference computes
+    it), and training having moved."""
+    import pytest  # the pytest side only: ranks import this module too
+
+    print(f"{label}: max |LOMO - reference| = {r['max_abs_diff']:.2e}")
+    assert r["max_abs_diff"] <= tol
+    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+    assert r["loss"][-1] != r["loss"][0]  # training moved
+
+
 # ----------------------------------------------------------------------------- the pytest side
 def one_launch():
     """Hold this while ranks run: one launch at a time in a pytest session (a no-op outside one)."""
