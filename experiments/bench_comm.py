@@ -36,13 +36,7 @@ VARIANTS = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=4000)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    common.add_run_shape_args(ap, layers=4, hidden=256, vocab=4000, seq=128, micro=2, steps=5, warmup=2)
     args = ap.parse_args()
 
     as_deepspeed_launched()

@@ -68,13 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated subset to time (a profile of one engine against its floor)")
     ap.add_argument("--bucket-size", type=int, default=None,
                     help="lomo.bucket_size (default: the run config's lomo section, else lomo's default)")
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=10_000)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    common.add_run_shape_args(ap, layers=6, hidden=512, vocab=10_000, seq=128, micro=4, steps=10, warmup=2)
     ap.add_argument("--measure-steps", type=int, default=3,
                     help="untimed steps after the timed ones: counting and hook timing, then one sampling memory")
     ap.add_argument("--json", default=None, help="also write rank 0's figures here")

@@ -89,14 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="model and run sizes (default: gpu where CUDA is, else cpu)")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--hidden", type=int)
-    ap.add_argument("--vocab", type=int)
-    ap.add_argument("--seq", type=int)
-    ap.add_argument("--micro", type=int)
+    common.add_run_shape_args(ap)  # defaults from the preset
     ap.add_argument("--bucket-size", type=int, help="lomo.bucket_size (elements per rank)")
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--warmup", type=int)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), help="the model's and the shards' dtype")
     ap.add_argument("--in-flight", type=int, default=1, help="reduce-scatters LOMO lets run at once")
     ap.add_argument("--accumulation", type=int, default=1, help="micro-batches per step (gradient_accumulation_steps)")

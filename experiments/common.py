@@ -30,6 +30,17 @@ RESULT_PREFIX = "RESULT "  # a worker's result line on stdout: the prefix, then 
 
 
 # ----------------------------------------------------------------------------- configuration
+def add_run_shape_args(ap, layers=None, hidden=None, vocab=None, seq=None, micro=None, steps=None,
+                       warmup=None) -> None:
+    """The benchmarks' random-LLaMA and run-size flags, with each benchmark's defaults (None: the
+    benchmark fills it from a preset)."""
+    for flag, default, what in (("--layers", layers, "decoder layers"), ("--hidden", hidden, "hidden size"),
+                                ("--vocab", vocab, "vocabulary size"), ("--seq", seq, "tokens per sequence"),
+                                ("--micro", micro, "sequences per rank per micro-batch"),
+                                ("--steps", steps, "timed steps"), ("--warmup", warmup, "untimed steps before them")):
+        ap.add_argument(flag, type=int, default=default, help=what)
+
+
 def ds_config(cpu: bool, dtype: str, batch: int) -> dict:
     """The same ZeRO-3 settings for every method. On a CPU the buckets and the gathered working set
     are scaled to the small models (as DeepSpeed's defaults, used on GPUs, are to a 7B one)."""
