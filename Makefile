@@ -81,7 +81,7 @@ table2-cpu: .installed
 table3-cpu: .installed
 	$(PYTHON) -m experiments.table3 --cpu
 
-# The quality benchmark's sweep (experiments/quality.py, experiments/quality.yaml): ~80 runs of 100
+# The quality benchmark's sweep (experiments/quality.py, experiments/quality.yaml): ~90 runs of 100
 # steps, hours on 2 cores, resumable: a piece is QUALITY_ARGS="--max-runs 4" (or "--only adamw").
 QUALITY_ARGS ?=
 quality-cpu: .installed
