@@ -26,7 +26,7 @@ from lomo_ds.planning.planner import LLAMA
 from tests import dist_adalomo_checks as A
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.dist_engine_checks import PER_LAYER, nonfinite_grad_steps, offloaded, scaled_forward
-from tests.ranks import multi_rank_checks, ok
+from tests.ranks import assert_matches_reference, multi_rank_checks, ok
 from tests.tiny import ScaledLlama, global_batch, tiny_llama
 
 TOL = 1e-6  # fp32, 3 steps
@@ -169,12 +169,9 @@ def test_reference_matches_public_adalomo(tie, kw):
 @pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
 def test_sharded_adalomo_matches_reference(rank_results, world, check):
     r = ok(rank_results(world), check)
-    print(f"{check} on {world} rank(s): max |AdaLomo on ZeRO-3 - reference| = {r['max_abs_diff']:.2e} "
-          f"(largest move {r['moved']:.2e}), {r['crosses_rows']} matrices sliced mid-row")
-    assert r["max_abs_diff"] <= TOL
+    assert_matches_reference(r, TOL, f"{check} on {world} rank(s), AdaLomo on ZeRO-3 (largest move "
+                                     f"{r['moved']:.2e}, {r['crosses_rows']} matrices sliced mid-row)")
     assert r["moved"] > 1000 * TOL
-    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
-    assert r["loss"][-1] != r["loss"][0]  # training moved
     if world > 1:
         assert r["crosses_rows"] > 0
 
