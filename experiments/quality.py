@@ -45,6 +45,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HPARAMS = os.path.join(HERE, "quality.yaml")
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
+# Every finished run's result, one JSON line each, committed: runs/ is not, so a new machine or a
+# fresh clone resumes the sweep (and rewrites its table) from this file.
+LEDGER = os.path.join(HERE, "quality_runs.jsonl")
 METHODS = ("zero_shot", "lomo", "adalomo", "adamw", "lora", "lora_lomo")  # zero_shot: stage 2 only
 # Setting keys that replace the shared protocol's (table3.train_overrides reads them from `shared`).
 SHARED_KEYS = ("clip_grad_norm", "clip_grad_value", "schedule")
@@ -113,11 +116,50 @@ def tokens_of(run: Run, hp: dict) -> int:
     return run.max_steps * int(hp["shared"]["global_batch"]) * run.accumulation
 
 
+class Ledger:
+    """The sweep's committed record of finished runs: {run name: (config, overrides, result)}, with the
+    config relative to the checkout and the overrides without the run's directory, so that a record
+    made on one machine is the same run on another. Appended to as runs finish; the last line of a
+    name wins."""
+
+    def __init__(self, path: str):
+        self.path, self.entries = path, {}
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            rec = json.loads(line)
+                            self.entries[rec["run"]] = rec
+                        except (ValueError, KeyError) as e:
+                            raise ValueError(f"{path}:{n}: expected a JSON object with a 'run' key ({e})") from e
+
+    @staticmethod
+    def _portable(config: str, overrides: dict) -> tuple[str, dict]:
+        return os.path.relpath(config, ROOT), {k: v for k, v in overrides.items() if k != "output.dir"}
+
+    def find(self, name: str, config: str, overrides: dict) -> dict | None:
+        """The recorded result of the run `name` with this config and these overrides, or None."""
+        rec = self.entries.get(name)
+        if rec is None or (rec["config"], rec["overrides"]) != self._portable(config, overrides):
+            return None
+        return rec["result"] if rec["result"].get("rc") == 0 else None
+
+    def add(self, name: str, config: str, overrides: dict, res: dict) -> None:
+        config, overrides = self._portable(config, overrides)
+        rec = {"run": name, "config": config, "overrides": overrides, "result": res}
+        self.entries[name] = rec
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
 class Runner:
-    """Runs (or, over budget, only looks up) the sweep's runs; one directory and result file per run."""
+    """Runs (or, over budget, only looks up) the sweep's runs; one directory and result file per run,
+    and a line of the ledger per finished run."""
 
     def __init__(self, hp: dict, a, runnable: set[tuple[int, str]]):
         self.hp, self.a = hp, a
+        self.ledger = Ledger(a.ledger)
         self.runnable = runnable  # the (stage, method) pairs this invocation may run; the rest are looked up
         self.nproc = int(hp.get("ranks", 2))
         self.config = os.path.join(ROOT, hp.get("config", "ds_configs/cpu_default.json"))
@@ -129,6 +171,8 @@ class Runner:
         out_dir = os.path.join(self.a.runs_dir, run.name)
         overrides = {**overrides_of(run, self.hp, self.nproc, out_dir), **self.a.extra_overrides}
         res = table3.finished_run(out_dir, self.config, overrides)
+        if res is None:  # not on this machine: a run recorded elsewhere
+            res = self.ledger.find(run.name, self.config, overrides)
         may_run = (run.stage, run.method) in self.runnable
         if res is not None and (self.a.reuse or not may_run):
             return self._result(run, res)
@@ -143,6 +187,8 @@ class Runner:
             return None
         res = table3.run_train(program, self.nproc, True, out_dir, self.a.timeout)
         table3.record_run(out_dir, self.config, overrides, res)
+        if res.get("rc") == 0:
+            self.ledger.add(run.name, self.config, overrides, res)
         out = self._result(run, res)
         if out is not None:
             self.missing.remove(run)
@@ -417,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="print the commands of the next runs, run nothing")
     ap.add_argument("--hparams", default=HPARAMS, help="the sweep's YAML (default experiments/quality.yaml)")
     ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "quality"), help="where the runs' directories go")
+    ap.add_argument("--ledger", default=LEDGER, help="the committed record of finished runs (JSON lines)")
     ap.add_argument("--results", default=RESULTS_MD, help="the Markdown file whose quality section is rewritten")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

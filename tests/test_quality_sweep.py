@@ -149,7 +149,7 @@ def test_a_run_with_k_times_the_tokens_is_never_chosen(quality, hp, k4_equal_tok
 
 def _args(tmp_path, **kw):
     return SimpleNamespace(**{"runs_dir": str(tmp_path / "runs"), "reuse": True, "max_runs": 0, "dry_run": False,
-                              "extra_overrides": {}, "timeout": 1, **kw})
+                              "extra_overrides": {}, "timeout": 1, "ledger": str(tmp_path / "ledger.jsonl"), **kw})
 
 
 def _finish(quality, hp, runner, run, accuracy, split=None):
@@ -178,6 +178,51 @@ def test_reuse_and_pieces(quality, hp, tmp_path, capsys):
     _finish(quality, hp, runner, run, 81.0, split="heldout")
     with pytest.raises(RuntimeError, match="evaluated on 'heldout', expected 'validation'"):
         runner(run)
+
+
+def test_the_ledger_carries_finished_runs_to_another_machine(quality, hp, tmp_path, monkeypatch):
+    """runs/ stays on the machine that ran it; the committed ledger is what a fresh clone resumes from."""
+    run = quality.stage1_runs_of(hp, "adamw", hp["methods"]["adamw"]["base"])[0]
+    launched = []
+
+    def fake_train(program, nproc, cpu, out_dir, timeout):  # the launch itself is table3's, tested there
+        launched.append(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        return {"rc": 0 if len(launched) == 1 else 1, "minutes": 3.0, "final_accuracy": 0.8, "eval_split": "validation"}
+
+    monkeypatch.setattr(quality.table3, "run_train", fake_train)
+    here = quality.Runner(hp, _args(tmp_path, max_runs=None), {(1, "adamw")})
+    assert here(run)["accuracy"] == pytest.approx(80.0) and len(launched) == 1
+    # another machine: another runs directory (and checkout), the same ledger: nothing runs again
+    there = quality.Runner(hp, _args(tmp_path, max_runs=None, runs_dir=str(tmp_path / "elsewhere")), {(1, "adamw")})
+    assert there(run)["accuracy"] == pytest.approx(80.0) and len(launched) == 1
+    rec = quality.Ledger(str(tmp_path / "ledger.jsonl")).entries[run.name]
+    assert rec["config"] == hp["config"] and "output.dir" not in rec["overrides"]
+    # other overrides are another run; a failed run is not recorded
+    other = quality.Runner(hp, _args(tmp_path, max_runs=None, runs_dir=str(tmp_path / "third"),
+                                     extra_overrides={"train.max_steps": 2}), {(1, "adamw")})
+    assert other(run) is None and len(launched) == 2
+    assert len((tmp_path / "ledger.jsonl").read_text().splitlines()) == 1
+    (tmp_path / "ledger.jsonl").write_text((tmp_path / "ledger.jsonl").read_text() + "not json\n")
+    with pytest.raises(ValueError, match=re.escape("ledger.jsonl:2: expected a JSON object with a 'run' key")):
+        quality.Ledger(str(tmp_path / "ledger.jsonl"))
+
+
+def test_the_committed_ledger_rebuilds_the_committed_table(quality, tmp_path):
+    """A fresh clone has no runs/: the sweep's tables in RESULTS.md, rewritten from the committed
+    ledger alone, come out row for row as committed (only the date, command and count lines differ)."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text(open(quality.RESULTS_MD, encoding="utf-8").read())
+    assert quality.main(["--stage", "2", "--reuse", "--max-runs", "0", "--runs-dir", str(tmp_path / "runs"),
+                         "--results", str(results)]) == 0
+
+    def rows(text):
+        section = text.split(quality.BEGIN, 1)[1].split(quality.END, 1)[0]
+        return [line for line in section.splitlines() if line.startswith(("|", "- "))]
+
+    committed, rebuilt = rows(open(quality.RESULTS_MD, encoding="utf-8").read()), rows(results.read_text())
+    assert len(committed) > 40 and "not run yet" not in "\n".join(committed)
+    assert rebuilt == committed
 
 
 def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
@@ -210,7 +255,7 @@ def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nHand-written notes.\n")
     argv = ["--stage", "2", "--reuse", "--max-runs", "0", "--runs-dir", str(tmp_path / "runs"),
-            "--results", str(results), "--hparams", str(hparams)]
+            "--results", str(results), "--hparams", str(hparams), "--ledger", str(tmp_path / "ledger.jsonl")]
     assert quality.main(argv) == 0
     assert quality.main(argv) == 0  # rewritten in place, not appended twice
     text = results.read_text()
