@@ -119,8 +119,8 @@ def tokens_of(run: Run, hp: dict) -> int:
 class Ledger:
     """The sweep's committed record of finished runs: {run name: (config, overrides, result)}, with the
     config relative to the checkout and the overrides without the run's directory, so that a record
-    made on one machine is the same run on another. Appended to as runs finish; the last line of a
-    name wins."""
+    made on one machine is the same run on another. Appended to as runs finish; of two lines for
+    the same run, the last wins."""
 
     def __init__(self, path: str):
         self.path, self.entries = path, {}
@@ -130,7 +130,7 @@ class Ledger:
                     if line.strip():
                         try:
                             rec = json.loads(line)
-                            self.entries[rec["run"]] = rec
+                            self.entries[self._key(rec["run"], rec["overrides"])] = rec
                         except (ValueError, KeyError) as e:
                             raise ValueError(f"{path}:{n}: expected a JSON object with a 'run' key ({e})") from e
 
@@ -138,17 +138,22 @@ class Ledger:
     def _portable(config: str, overrides: dict) -> tuple[str, dict]:
         return os.path.relpath(config, ROOT), {k: v for k, v in overrides.items() if k != "output.dir"}
 
+    @staticmethod
+    def _key(name: str, portable_overrides: dict) -> str:
+        return name + " " + json.dumps(portable_overrides, sort_keys=True)
+
     def find(self, name: str, config: str, overrides: dict) -> dict | None:
         """The recorded result of the run `name` with this config and these overrides, or None."""
-        rec = self.entries.get(name)
-        if rec is None or (rec["config"], rec["overrides"]) != self._portable(config, overrides):
+        config, overrides = self._portable(config, overrides)
+        rec = self.entries.get(self._key(name, overrides))
+        if rec is None or rec["config"] != config:
             return None
         return rec["result"] if rec["result"].get("rc") == 0 else None
 
     def add(self, name: str, config: str, overrides: dict, res: dict) -> None:
         config, overrides = self._portable(config, overrides)
         rec = {"run": name, "config": config, "overrides": overrides, "result": res}
-        self.entries[name] = rec
+        self.entries[self._key(name, overrides)] = rec
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
 
@@ -187,7 +192,7 @@ class Runner:
             return None
         res = table3.run_train(program, self.nproc, True, out_dir, self.a.timeout)
         table3.record_run(out_dir, self.config, overrides, res)
-        if res.get("rc") == 0:
+        if res.get("rc") == 0 and not self.a.extra_overrides:  # a --set smoke run is not the sweep's
             self.ledger.add(run.name, self.config, overrides, res)
         out = self._result(run, res)
         if out is not None:

@@ -188,7 +188,8 @@ def test_the_ledger_carries_finished_runs_to_another_machine(quality, hp, tmp_pa
     def fake_train(program, nproc, cpu, out_dir, timeout):  # the launch itself is table3's, tested there
         launched.append(out_dir)
         os.makedirs(out_dir, exist_ok=True)
-        return {"rc": 0 if len(launched) == 1 else 1, "minutes": 3.0, "final_accuracy": 0.8, "eval_split": "validation"}
+        return {"rc": 1 if "fails" in out_dir else 0, "minutes": 3.0, "final_accuracy": 0.8,
+                "eval_split": "validation"}
 
     monkeypatch.setattr(quality.table3, "run_train", fake_train)
     here = quality.Runner(hp, _args(tmp_path, max_runs=None), {(1, "adamw")})
@@ -196,13 +197,18 @@ def test_the_ledger_carries_finished_runs_to_another_machine(quality, hp, tmp_pa
     # another machine: another runs directory (and checkout), the same ledger: nothing runs again
     there = quality.Runner(hp, _args(tmp_path, max_runs=None, runs_dir=str(tmp_path / "elsewhere")), {(1, "adamw")})
     assert there(run)["accuracy"] == pytest.approx(80.0) and len(launched) == 1
-    rec = quality.Ledger(str(tmp_path / "ledger.jsonl")).entries[run.name]
-    assert rec["config"] == hp["config"] and "output.dir" not in rec["overrides"]
-    # other overrides are another run; a failed run is not recorded
-    other = quality.Runner(hp, _args(tmp_path, max_runs=None, runs_dir=str(tmp_path / "third"),
+    [rec] = quality.Ledger(str(tmp_path / "ledger.jsonl")).entries.values()
+    assert rec["run"] == run.name and rec["config"] == hp["config"] and "output.dir" not in rec["overrides"]
+    # a smoke run (--set extras) is another run, and not the sweep's: it runs and is not recorded
+    smoke = quality.Runner(hp, _args(tmp_path, max_runs=None, runs_dir=str(tmp_path / "third"),
                                      extra_overrides={"train.max_steps": 2}), {(1, "adamw")})
-    assert other(run) is None and len(launched) == 2
+    assert smoke(run)["accuracy"] == pytest.approx(80.0) and len(launched) == 2
+    # a failed run is not recorded either
+    failing = quality.Runner(hp, _args(tmp_path, max_runs=None, runs_dir=str(tmp_path / "fails")), {(1, "adamw")})
+    other = quality.stage1_runs_of(hp, "adamw", {**hp["methods"]["adamw"]["base"], "lr": 1e-3})[0]
+    assert failing(other) is None and len(launched) == 3
     assert len((tmp_path / "ledger.jsonl").read_text().splitlines()) == 1
+    assert there(run)["accuracy"] == pytest.approx(80.0)
     (tmp_path / "ledger.jsonl").write_text((tmp_path / "ledger.jsonl").read_text() + "not json\n")
     with pytest.raises(ValueError, match=re.escape("ledger.jsonl:2: expected a JSON object with a 'run' key")):
         quality.Ledger(str(tmp_path / "ledger.jsonl"))
