@@ -22,8 +22,9 @@ stage3_module_granularity_threshold), leaving DeepSpeed's default: one gather pe
 `--fetch per-layer` fetches each decoder layer as one unit (leaf_module LlamaDecoderLayer).
 
 Rank 0 prints, per engine: the median step time (a step is timed until its slowest rank is done),
-its ratio to FSDP2 with SGD and to its own floor, and from extra untimed steps after the timed
-ones: the collectives issued per step and the bytes sent (lomo_ds.engine.comm_stats.count_comm,
+its ratio to FSDP2 with SGD and to its own floor (the ratio of the medians, and "paired": the
+median of each round's ratio, the two steps of a round run back to back), and from extra untimed
+steps after the timed ones: the collectives issued per step and the bytes sent (lomo_ds.engine.comm_stats.count_comm,
 which also sees DeepSpeed's and lomo_ds's shared-memory transports), the host time in the
 engine's own update hooks and in the framework's parameter fetch/release hooks, and for lomo and
 FSDP2 the accounted peak bytes per rank (this rank's shards, the gathered parameters and
@@ -322,22 +323,27 @@ def report(args, r: dict) -> None:
           f"{r['world']} ranks, micro-batch {args.micro} x {args.seq}, fp32, {r['threads']} torch thread(s) per rank; "
           f"zero_optimization {json.dumps(r['zero_optimization'])}: fetched per {fetch}; "
           f"lomo.bucket_size {r['bucket_size']:,}; median of {args.steps} steps")
+    floors = {"lomo": "deepspeed floor", "fsdp2 sgd": "fsdp2 floor"}
+
+    def paired(name: str) -> float:
+        """The median of the per-round ratios to the floor: each round's two steps ran back to
+        back, so a slow spell of the machine divides out (the ratio of medians does not pair them)."""
+        return statistics.median(a / b for a, b in zip(times[name], times[floors[name]], strict=True))
+
     if "measured" not in r:
-        floors = {"lomo": "deepspeed floor", "fsdp2 sgd": "fsdp2 floor"}
         for name, t in med.items():
-            ratios = [a / b for a, b in zip(times[name], times.get(floors.get(name), times[name]), strict=True)]
-            own = (f", {statistics.median(ratios):.3f} x its floor (median of the per-round ratios)"
+            own = (f", {paired(name):.3f} x its floor (median of the per-round ratios)"
                    if floors.get(name) in times else "")
             print(f"{name:16s} {t:7.3f} s{own}")
         return
     measured = r["measured"]
-    print(f"{'engine':16s} {'step s':>7s} {'/ fsdp2 sgd':>11s} {'/ own floor':>11s} {'collectives':>11s} "
-          f"{'MB sent':>8s} {'update hooks ms':>15s} {'fetch hooks ms':>14s}")
-    floors = {"lomo": "deepspeed floor", "fsdp2 sgd": "fsdp2 floor"}
+    print(f"{'engine':16s} {'step s':>7s} {'/ fsdp2 sgd':>11s} {'/ own floor':>11s} {'paired':>7s} "
+          f"{'collectives':>11s} {'MB sent':>8s} {'update hooks ms':>15s} {'fetch hooks ms':>14s}")
     for name in [*times, "lomo rs"]:
         m = measured[name]
         step = f"{med[name]:7.3f} {med[name] / med['fsdp2 sgd']:11.3f}" if name in med else f"{'-':>7s} {'-':>11s}"
-        own = f"{med[name] / med[floors[name]]:11.3f}" if name in floors else f"{'-':>11s}"
+        own = (f"{med[name] / med[floors[name]]:11.3f} {paired(name):7.3f}" if name in floors
+               else f"{'-':>11s} {'-':>7s}")
         print(f"{name:16s} {step} {own} {m['calls'][-1]:11d} {m['bytes'][-1] / 1e6:8.2f} "
               f"{1e3 * statistics.median(m['update hooks']):15.1f} "
               f"{1e3 * statistics.median(m['fetch hooks']):14.1f}")
