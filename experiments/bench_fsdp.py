@@ -22,16 +22,17 @@ stage3_module_granularity_threshold), leaving DeepSpeed's default: one gather pe
 `--fetch per-layer` fetches each decoder layer as one unit (leaf_module LlamaDecoderLayer).
 
 Rank 0 prints, per engine: the median step time (a step is timed until its slowest rank is done),
-its ratio to FSDP2 with SGD and to its own floor (the ratio of the medians, and "paired": the
-median of each round's ratio, the two steps of a round run back to back), and from extra untimed
-steps after the timed ones: the collectives issued per step and the bytes sent (lomo_ds.engine.comm_stats.count_comm,
-which also sees DeepSpeed's and lomo_ds's shared-memory transports), the host time in the
-engine's own update hooks and in the framework's parameter fetch/release hooks, and for lomo and
-FSDP2 the accounted peak bytes per rank (this rank's shards, the gathered parameters and
-gradients alive, sampled at every gradient hook, plus the activations autograd saved), against
-the planner's prediction for lomo. A "lomo rs" engine (lomo.grad_reduction "reduce_scatter", where
-every collective is a torch.distributed one) is counted too, not timed. At the end lomo's and
-FSDP2-with-SGD's parameters are compared (max abs difference): the two did the same work.
+its ratio to FSDP2 with SGD and to its own floor (the ratio of the medians, and "paired": the median
+of each round's ratio, the two steps of a round run back to back), and from extra untimed steps
+after the timed ones: the collectives issued per step and the bytes sent
+(lomo_ds.engine.comm_stats.count_comm, which also sees DeepSpeed's and lomo_ds's shared-memory
+transports), the host time in the engine's own update hooks and in the framework's parameter
+fetch/release hooks, and for lomo and FSDP2 the accounted peak bytes per rank (this rank's shards,
+the gathered parameters and gradients alive, sampled at every gradient hook, plus the activations
+autograd saved), against the planner's prediction for lomo. A "lomo rs" engine (lomo.grad_reduction
+"reduce_scatter", where every collective is a torch.distributed one) is counted too, not timed. At
+the end lomo's and FSDP2-with-SGD's parameters are compared (max abs difference): the two did the
+same work.
 """
 from __future__ import annotations
 
