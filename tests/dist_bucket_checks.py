@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import lomo_ds
+from lomo_ds.engine import cpu_kernels
 from lomo_ds.engine.buckets import resolve_transport
 from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.engine.fused_update import geometry
@@ -21,9 +22,13 @@ from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 TRANSPORTS = ("reduce_scatter", "shared_memory")
 
 
-def check_nonfinite(bf16: bool, transport: str = "auto"):
-    """inf in one parameter's gradient on the last rank only, in a one-pass step: every rank sees
-    the non-finite flag, the buckets before it are applied, that bucket and every later one are not."""
+def check_nonfinite(bf16: bool, transport: str = "auto", overflow: bool = False):
+    """inf in one element of one parameter's gradient on the last rank only, in a one-pass step:
+    every rank sees the non-finite flag, the buckets before it are applied, that bucket and every
+    later one are not. The element is the parameter's first, in rank 0's slice: on several ranks
+    the last rank never receives it, and learns of it only from the flag it sent.
+    `overflow`: instead, every rank's element is a finite 2e38, whose sum over the ranks overflows
+    in the reduction: only rank 0, which receives it, can see it."""
     cfg = ds_cfg(bucket_size=3000, grad_reduction=transport)
     if bf16:
         cfg["bf16"] = {"enabled": True}
@@ -31,16 +36,28 @@ def check_nonfinite(bf16: bool, transport: str = "auto"):
     world, rank = engine.world, engine.rank
     target = engine.module.model.layers[0].mlp.up_proj.weight
     inject = {"on": False}
-    target.register_hook(lambda g: g * float("inf") if inject["on"] and rank == world - 1 else g)
+
+    def poison(g):
+        if not (inject["on"] and (overflow or rank == world - 1)):
+            return g
+        g = g.clone()
+        g.view(-1)[0] = 2e38 if overflow else float("inf")
+        return g
+
+    target.register_hook(poison)
     engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
     layout = [list(b) for b in engine.buckets.layout] if world > 1 else [[p] for p in engine.buckets.arrived]
     bad = next(b for b, params in enumerate(layout) if any(p is target for p in params))
-    shards = lambda: {id(p): ds_compat.shard(p).clone() for p in engine.params}  # noqa: E731
+    # Real elements only: the padded tail of the last ranks' shards is never written by the update.
+    real = lambda p: ds_compat.shard(p)[:geometry(p, world, rank).local]  # noqa: E731
+    shards = lambda: {id(p): real(p).clone() for p in engine.params}  # noqa: E731
     before = shards()
     inject["on"] = True
     engine.train_step(global_batch(1, world)[rank])
     after = shards()
-    changed = [[float(not torch.equal(before[id(p)], after[id(p)])) for p in params] for params in layout]
+    # 1: moved, 0: unchanged, -1: this rank holds no element of it
+    changed = [[float(not torch.equal(before[id(p)], after[id(p)])) if before[id(p)].numel() else -1.0
+                for p in params] for params in layout]
     found = not bool(engine.buckets.stats.finite)
     inject["on"] = False
     engine.train_step(global_batch(2, world)[rank])
@@ -52,7 +69,12 @@ def check_nonfinite(bf16: bool, transport: str = "auto"):
     finite_after = float(all(torch.isfinite(ds_compat.shard(p)[:geometry(p, world, rank).local]).all()
                              for p in engine.params))
     flags = on_every_rank(float(found), float(not bool(engine.buckets.stats.finite)), moved_next, finite_after)
-    return {"n_buckets": len(layout), "bad_bucket": bad, "changed_by_bucket": changed,
+    # Which buckets moved, on every rank: a rank that never received the bad element must drop its
+    # bucket too (on the flag alone).
+    sizes = [len(bucket) for bucket in changed]
+    every = [[flat[sum(sizes[:b]):sum(sizes[:b + 1])] for b in range(len(sizes))]
+             for flat in on_every_rank(*[c for bucket in changed for c in bucket])]
+    return {"n_buckets": len(layout), "bad_bucket": bad, "changed_by_bucket": every,
             "found_all_ranks": [f[0] for f in flags], "found_next_step": [f[1] for f in flags],
             "next_step_updates_all": [f[2] for f in flags], "finite_all_ranks": [f[3] for f in flags]}
 
@@ -266,7 +288,15 @@ def check_transport():
                  or (f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f)]
     return {"auto": engine.buckets.transport, "local_size": os.environ.get("LOCAL_SIZE"), "refused": error,
             "rng_untouched": rng_untouched,
-            "shm_bytes": engine.buckets.shm.nbytes if engine.buckets.shm else 0, "shm_files_left": leftovers}
+            "shm_bytes": engine.buckets.shm.nbytes if engine.buckets.shm else 0, "shm_files_left": leftovers,
+            "cpu_kernels": float(engine.buckets.kernels is not None)}
+
+
+def torch_ops_only(check, **kwargs):
+    """`check(**kwargs)` with the fused CPU kernels off (LOMO_DS_CPU_KERNELS=0): the shared-memory
+    transport then packs, flags and reduces with torch ops, the path of hosts without a compiler."""
+    with mock.patch.dict(os.environ, {cpu_kernels.ENV: "0"}):
+        return check(**kwargs)
 
 
 def check_sgd(transport: str = "auto", clip_norm: float | None = None):

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import io
 import math
+import shutil
 
 import pytest
 import torch
@@ -33,10 +34,15 @@ CLIP_NORM = by_transport("clip_norm", functools.partial(B.check_sgd, clip_norm=0
 NONFINITE_FP32 = by_transport("nonfinite_fp32", functools.partial(B.check_nonfinite, False))
 EXPERTS = by_transport("experts", B.check_experts)
 EXPERT_SEND_ORDER = by_transport("expert_send_order", B.check_expert_send_order, worlds=[2, 3])
+OVERFLOW = by_transport("overflow", functools.partial(B.check_nonfinite, False, overflow=True), worlds=[2, 3])
 APPLY_POINTS = by_transport("apply_points", B.check_apply_points, worlds=[2, 3])
 STEP_SUMS = by_transport("step_sums", B.check_step_sums, worlds=[2, 3])
 nonfinite_bf16, two_groups, transport = multi_rank_checks(
     WORLDS, nonfinite_bf16=lambda: B.check_nonfinite(True), two_groups=B.check_two_groups, transport=B.check_transport)
+# The shared-memory transport's torch-op path (no C compiler on the host, or LOMO_DS_CPU_KERNELS=0).
+sgd_torch_ops, nonfinite_torch_ops = multi_rank_checks(
+    [2, 3], sgd_torch_ops=lambda: B.torch_ops_only(B.check_sgd, transport="shared_memory"),
+    nonfinite_torch_ops=lambda: B.torch_ops_only(B.check_nonfinite, bf16=False, transport="shared_memory"))
 overlap, other_partitioning = multi_rank_checks(
     [2, 3], overlap=B.check_overlap, other_partitioning=B.check_other_partitioning_refused)
 
@@ -84,6 +90,8 @@ def test_auto_transport_and_refusal(rank_results, world):
         return
     # Here (gloo, every rank on this x86-64 node, LOCAL_SIZE set as DeepSpeed's launcher does).
     assert r["auto"] == "shared_memory" and r["shm_bytes"] > 0
+    # The fused CPU kernels built (this host has a C compiler): the shared-memory checks run them.
+    assert r["cpu_kernels"] == (1.0 if shutil.which("cc") or shutil.which("gcc") else 0.0)
     assert r["refused"] is not None and "lomo.grad_reduction" in r["refused"] and "LOCAL_SIZE" in r["refused"]
 
 
@@ -94,16 +102,44 @@ def test_nonfinite_gradient_on_one_rank_stops_every_rank_at_that_bucket(rank_res
         check_nonfinite_verdict(ok(rank_results(world), name), world, dtype)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sum_that_overflows_in_the_reduction_is_dropped(rank_results, world):
+    """Finite gradients on every rank whose sum is not: rank 0, the one rank that receives it,
+    drops that bucket at once; its next flag stops every rank at the next bucket."""
+    for name in OVERFLOW(world):
+        r = ok(rank_results(world), name)
+        bad, every = r["bad_bucket"], r["changed_by_bucket"]
+        print(f"{name}, {world} ranks: overflow in bucket {bad}; changed per bucket, rank by rank {every}")
+        assert all(r["found_all_ranks"]) and all(r["finite_all_ranks"]) and not any(r["found_next_step"])
+        assert all(c != 1.0 for bucket in every[0][bad:] for c in bucket), "rank 0 applies none of it"
+        for rank, changed in enumerate(every):
+            assert all(c != 0.0 for bucket in changed[:bad] for c in bucket), f"rank {rank}: buckets before it"
+            assert all(c != 1.0 for bucket in changed[bad + 1:] for c in bucket), f"rank {rank}: buckets after it"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_without_cpu_kernels(rank_results, world):
+    """The torch ops that stand in for the fused CPU kernels: the same SGD step, the same verdicts."""
+    r = ok(rank_results(world), sgd_torch_ops)
+    assert r["max_abs_diff"] <= TOL and r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+    check_nonfinite_verdict(ok(rank_results(world), nonfinite_torch_ops), world, "fp32")
+
+
 def check_nonfinite_verdict(r: dict, world: int, dtype: str) -> None:
-    bad, changed = r["bad_bucket"], r["changed_by_bucket"]
-    print(f"{world} rank(s), {dtype}: inf in bucket {bad} of {r['n_buckets']}; changed per bucket {changed}")
+    bad, every = r["bad_bucket"], r["changed_by_bucket"]
+    print(f"{world} rank(s), {dtype}: inf in bucket {bad} of {r['n_buckets']}; changed per bucket, "
+          f"rank by rank {every}")
     assert 0 < bad < r["n_buckets"] - 1, "the poisoned bucket should have buckets before and after it"
     assert all(r["found_all_ranks"]), "every rank must see the non-finite gradient of the last rank"
-    assert all(c == 0.0 for bucket in changed[bad:] for c in bucket), "that bucket and later ones are not applied"
+    for rank, changed in enumerate(every):
+        assert all(c != 1.0 for bucket in changed[bad:] for c in bucket), \
+            f"rank {rank}: that bucket and later ones are not applied"
+        if dtype == "fp32":  # every fp32 update moves the weights; a small bf16 one may round away
+            assert all(c != 0.0 for bucket in changed[:bad] for c in bucket), \
+                f"rank {rank}: buckets before it are applied"
     assert all(r["finite_all_ranks"])
     assert not any(r["found_next_step"]), "the next backward starts clean"
-    if dtype == "fp32":  # every fp32 update moves the weights; a small bf16 one may round away
-        assert all(all(c == 1.0 for c in bucket) for bucket in changed[:bad]), "buckets before it are applied"
+    if dtype == "fp32":
         assert all(r["next_step_updates_all"])
     else:
         assert any(c == 1.0 for bucket in changed[:bad] for c in bucket), "buckets before it are applied"

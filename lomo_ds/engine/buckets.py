@@ -43,7 +43,8 @@ Transports (`lomo.grad_reduction`):
   shared_memory   CPU ranks all on one node: the same rank-major payload, packed straight into
                   this rank's shared-memory buffer and reduced by each rank reading its own row
                   of every rank's payload when the bucket is due (shm_reduce_scatter.py). gloo's
-                  reduce-scatter through TCP loopback costs several times as long on a CPU.
+                  reduce-scatter through TCP loopback costs several times as long on a CPU. An
+                  fp32 payload is packed and summed for its flag in one read (cpu_kernels.py).
   auto            shared_memory where the ranks can, else reduce_scatter.
   all_reduce      the public reference implementation's way (all-reduce each whole gradient,
                   synchronously, keep this rank's slice): twice the bytes. A baseline for
@@ -152,6 +153,8 @@ class GradientBuckets:
         self.shm = (shm_reduce_scatter.SharedMemoryReduceScatter(group, world, rank, in_flight=max_in_flight,
                                                                  timeout_s=timeout_s)
                     if self.transport == "shared_memory" else None)
+        # The fused CPU passes (cpu_kernels.py) where the payload is in host memory: shared memory only.
+        self.kernels = self.shm.kernels if self.shm is not None else None
         self.timers = timers or StepTimers()
         self.accelerator = get_accelerator()
         # Gradients are produced on the current stream; packing and sending them on a side stream
@@ -332,9 +335,12 @@ class GradientBuckets:
             with self.timers.span("pack"):
                 send = (self.shm.payload(width + 1, dtype) if self.shm is not None
                         else torch.empty(self.world, width + 1, dtype=dtype, device=self.device))
-                self._pack(send, params, grads)
+                packed_sum = self._pack(send, params, grads)
             with self.timers.span("flag"):
-                send[:, width] = nonfinite_marker(send[:, :width], self.stats.finite)
+                if packed_sum is None:
+                    send[:, width] = nonfinite_marker(send[:, :width], self.stats.finite)
+                else:  # summed while packing, in host memory (shared memory joins CPU ranks only)
+                    send[:, width] = 0.0 if math.isfinite(packed_sum) and bool(self.stats.finite) else math.nan
             if self.tracker is not None:
                 self.tracker.note_bucket(self._held_bytes() + send.numel() * send.element_size())
             # The gradients are packed: let them go before the receive buffer exists.
@@ -350,8 +356,12 @@ class GradientBuckets:
                         else ds_compat.reduce_scatter_async(received, send.view(-1), self.bucket_groups[b]))
         self.in_flight.append(_InFlight(work, send, received, params))
 
-    def _pack(self, send: torch.Tensor, params, grads) -> None:
-        """Fill the rank-major payload `send`; its last column (the flag) is left for the caller."""
+    def _pack(self, send: torch.Tensor, params, grads) -> float | None:
+        """Fill the rank-major payload `send`; its last column (the flag) is left for the caller.
+        Returns the fp32 sum of what was packed where the fused CPU kernel packed it (the flag
+        then needs no second read of the payload), else None."""
+        kernels = self.kernels if self.kernels is not None and self.kernels.usable(send) else None
+        total = 0.0 if kernels is not None else None
         col = 0
         for p, g in zip(params, grads, strict=True):
             part = part_of(p, self.world)
@@ -361,13 +371,22 @@ class GradientBuckets:
                 continue
             flat = g.reshape(-1)
             full_rows = g.numel() // part
-            send[:full_rows, col:col + part].copy_(flat[:full_rows * part].view(full_rows, part))
+            if kernels is not None and kernels.usable(flat):
+                for r in range(full_rows):  # row by row: each row of a parameter is contiguous on both sides
+                    total += kernels.copy_sum(send[r, col:col + part], flat[r * part:(r + 1) * part])
+            else:
+                send[:full_rows, col:col + part].copy_(flat[:full_rows * part].view(full_rows, part))
+                if total is not None:
+                    total += float(flat[:full_rows * part].sum(dtype=torch.float32))
             if full_rows < self.world:
                 send[full_rows:, col:col + part].zero_()
                 tail = g.numel() - full_rows * part
                 if tail:
                     send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
+                    if total is not None:
+                        total += float(flat[full_rows * part:].sum(dtype=torch.float32))
             col += part
+        return total
 
     def _complete_oldest(self, timer: str = "wait") -> None:
         done = self.in_flight.popleft()
@@ -378,9 +397,14 @@ class GradientBuckets:
         # The summed flag (0, or NaN when some rank's part of the bucket or an earlier received
         # slice was not finite: the same on every rank) and this rank's reduced slices (an fp16
         # sum may overflow inside the reduction). On the device: from here on nothing is applied.
-        self.stats.finite.logical_and_(all_finite(done.received))
-        # Shared memory joins CPU ranks only: the verdict is in host memory, and reading it is free.
-        self.stats.finite_on_host = self.shm is not None and bool(self.stats.finite)
+        if self.shm is not None:
+            # Shared memory joins CPU ranks only: its verdict (read while reducing) is in host
+            # memory, and reading the pass's flag is free.
+            if not done.work.finite:
+                self.stats.finite.fill_(False)
+            self.stats.finite_on_host = bool(self.stats.finite)
+        else:
+            self.stats.finite.logical_and_(all_finite(done.received))
         items, col = [], 0
         for p in done.params:
             part = part_of(p, self.world)

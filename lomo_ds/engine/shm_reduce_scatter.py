@@ -17,24 +17,28 @@ outstanding (buckets.py), so `slots` >= `in_flight` keeps every wait finite.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from lomo_ds.engine import comm_stats
+from lomo_ds.engine import comm_stats, cpu_kernels
 from lomo_ds.engine.shm_transport import ALIGN, MIN_SLOTS, SharedMemorySlots, available
 
 __all__ = ["ALIGN", "MIN_SLOTS", "SharedMemoryReduceScatter", "available"]
 
 
 class _Pending:
-    """The handle of one posted payload (`wait()`, as a torch.distributed work handle)."""
+    """The handle of one posted payload (`wait()`, as a torch.distributed work handle); after the
+    wait, `finite` says whether every element of the reduced slice (flag included) is finite."""
 
     def __init__(self, owner: "SharedMemoryReduceScatter", seq: int, out: torch.Tensor):
         self.owner, self.seq, self.out = owner, seq, out
         self.done = False
+        self.finite: bool | None = None
 
     def wait(self) -> None:
         if not self.done:
-            self.owner.reduce_into(self.out, self.seq)
+            self.finite = self.owner.reduce_into(self.out, self.seq)
             self.done = True
 
 
@@ -51,6 +55,7 @@ class SharedMemoryReduceScatter(SharedMemorySlots):
     def __init__(self, group, world: int, rank: int, in_flight: int = 1, timeout_s: float | None = None):
         super().__init__(group, world, rank, slots=in_flight, timeout_s=timeout_s)
         self._next: tuple[int, torch.dtype] | None = None  # (width, dtype) of the payload handed out
+        self.kernels = cpu_kernels.load()  # None: torch ops (no compiler, or LOMO_DS_CPU_KERNELS=0)
 
     def _slot(self, rank: int, seq: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         n = self.world * width * dtype.itemsize
@@ -77,13 +82,20 @@ class SharedMemoryReduceScatter(SharedMemorySlots):
         comm_stats.record("reduce_scatter", width * dtype.itemsize * (self.world - 1))
         return _Pending(self, self.seq, out)
 
-    def reduce_into(self, out: torch.Tensor, seq: int) -> None:
+    def reduce_into(self, out: torch.Tensor, seq: int) -> bool:
+        """Sum row `rank` of every rank's payload `seq` into `out`; whether the sum is all finite
+        (read in the same pass by the fused kernel, else by a sum over `out`)."""
         self._wait_posted(seq)
         rows = [self._slot(r, seq, out.numel(), out.dtype)[self.rank] for r in range(self.world)]
-        if self.world == 2:
-            torch.add(rows[0], rows[1], out=out)
+        if self.kernels is not None and self.kernels.usable(out):  # rows: slices of aligned slots
+            total = self.kernels.sum_rows(out, rows)
         else:
-            out.copy_(rows[0])
-            for row in rows[1:]:
+            if self.world == 1:
+                out.copy_(rows[0])
+            else:
+                torch.add(rows[0], rows[1], out=out)
+            for row in rows[2:]:
                 out.add_(row)
+            total = float(out.sum(dtype=torch.float32))
         self._mark_read(seq)
+        return math.isfinite(total)

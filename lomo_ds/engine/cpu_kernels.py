@@ -1,0 +1,135 @@
+"""Fused passes over fp32 gradients for CPU ranks (cpu_kernels.c), built on first use.
+
+On a CPU, what LOMO adds to a step is passes over the gradient's bytes (pack the payload, sum it
+for the non-finite flag, sum the ranks' rows, check the sum, step the weights), and each pass is
+bound by memory bandwidth, not arithmetic. torch has no op that copies and sums, or adds and sums,
+in one read, so these few loops are C: the shared-memory transport packs its payload and reduces
+its rows with them, one pass each instead of two.
+
+Built like DeepSpeed's CPU ops, by the host's C compiler at first use (`cc -O3 -march=native`,
+well under a second), into a cache keyed by the source and this CPU, and loaded with ctypes (no
+torch headers, no build step at install). Where there is no compiler, or `LOMO_DS_CPU_KERNELS=0`,
+`load()` returns None and the callers run the same passes as torch ops: same results, more time.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ENV = "LOMO_DS_CPU_KERNELS"  # "0": never build or use them; "1" (the default): where they build
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+
+_lib: "Kernels | None | bool" = False  # False: not tried yet in this process
+
+
+def enabled() -> bool:
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}: expected 0 (torch ops only) or 1 (build the fused CPU kernels), got {value!r}")
+    return value == "1"
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "lomo_ds" / "kernels"
+
+
+def _build() -> Path:
+    """The shared library for this source and CPU: from the cache, else compiled into it
+    (written under a temporary name and renamed, so ranks building at once never see half a file)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc, gcc, or $CC) on PATH")
+    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_id().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+class Kernels:
+    """The loaded library: each call takes contiguous fp32 CPU tensors (the caller's promise:
+    checked by `usable`) and returns the fp32 sum of what it wrote."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        f32p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for name, args in (("lomo_copy_sum_f32", [f32p, f32p, i64]),
+                           ("lomo_add2_sum_f32", [f32p, f32p, f32p, i64]),
+                           ("lomo_add_sum_f32", [f32p, f32p, i64])):
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = ctypes.c_float
+        self._copy_sum, self._add2_sum, self._add_sum = (lib.lomo_copy_sum_f32, lib.lomo_add2_sum_f32,
+                                                         lib.lomo_add_sum_f32)
+        self.path = path
+
+    @staticmethod
+    def usable(*tensors: torch.Tensor) -> bool:
+        return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+    def copy_sum(self, dst: torch.Tensor, src: torch.Tensor) -> float:
+        """dst.copy_(src) and src.sum(), in one read of src."""
+        if dst.numel() != src.numel():
+            raise ValueError(f"copy_sum: {dst.numel()} elements to receive {src.numel()}")
+        return self._copy_sum(dst.data_ptr(), src.data_ptr(), src.numel())
+
+    def sum_rows(self, out: torch.Tensor, rows: list[torch.Tensor]) -> float:
+        """out = rows[0] + rows[1] + ... (in that order, as torch's adds), and out.sum()."""
+        n = out.numel()
+        if not rows or any(r.numel() != n for r in rows):
+            raise ValueError(f"sum_rows: expected rows of {n} elements, got {[r.numel() for r in rows]}")
+        if len(rows) == 1:
+            return self.copy_sum(out, rows[0])
+        total = self._add2_sum(out.data_ptr(), rows[0].data_ptr(), rows[1].data_ptr(), n)
+        for row in rows[2:]:
+            total = self._add_sum(out.data_ptr(), row.data_ptr(), n)
+        return total
+
+
+def load() -> Kernels | None:
+    """The kernels, built once per process; None where LOMO_DS_CPU_KERNELS=0 (read at each call:
+    an engine made after it is set runs torch ops) or where they cannot be built (one warning
+    saying why)."""
+    global _lib
+    if not enabled():
+        return None
+    if _lib is False:
+        try:
+            _lib = Kernels(_build())
+        except (OSError, RuntimeError) as err:
+            _lib = None
+            log.warning("lomo_ds: fused CPU kernels unavailable (%s): the shared-memory transport runs torch ops, "
+                        "slower; set %s=0 to skip building them", err, ENV)
+    return _lib
