@@ -262,6 +262,15 @@ def check_apply_points(transport: str = "auto"):
 
     engine.buckets.add = counted_add
     engine.buckets.on_bucket = lambda items, stats: (applied_at.append(arrived[0]), apply_bucket(items, stats))[-1]
+    apply_rows = engine.buckets.on_rows  # shared memory: the SGD step applies a bucket from its rows
+
+    def counted_rows(items, stats):
+        taken = apply_rows(items, stats)
+        if taken:
+            applied_at.append(arrived[0])
+        return taken
+
+    engine.buckets.on_rows = counted_rows
     engine.train_step(global_batch(1, world)[rank])
     return {"n_buckets": len(engine.buckets.layout), "applied_at": on_every_rank(*applied_at)}
 

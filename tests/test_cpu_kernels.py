@@ -116,3 +116,57 @@ def test_no_compiler_falls_back_with_one_warning(fresh, monkeypatch, caplog):
         assert cpu_kernels.load() is None
     warnings = [r for r in caplog.records if "fused CPU kernels unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no-such-compiler" in warnings[0].getMessage()
+
+
+@needs_compiler
+def test_copy_sum_flags_elements_beyond_the_limit(kernels):
+    src = torch.tensor([1.0, -3.0, 2.0] * 7, device="cpu")
+    assert kernels.copy_sum(torch.empty(21, device="cpu"), src, limit=3.0) == pytest.approx(0.0)
+    assert math.isnan(kernels.copy_sum(torch.empty(21, device="cpu"), src, limit=2.5))
+    big = torch.finfo(torch.float32).max / 2
+    two = torch.tensor([big * 0.99, 1.0], device="cpu")
+    assert math.isfinite(kernels.copy_sum(torch.empty(2, device="cpu"), two, limit=big))
+    assert math.isnan(kernels.copy_sum(torch.empty(2, device="cpu"), two * 1.02, limit=big))
+
+
+def torch_sgd(w, rows, lr, scale, clip_value, wd):
+    """What ShardUpdater.apply does with a reduced slice: the reference of the fused step."""
+    g = rows[0].clone()
+    for row in rows[1:]:
+        g += row
+    step_scale = scale
+    if clip_value is not None:
+        g, step_scale = g.mul_(scale).clamp_(-clip_value, clip_value), 1.0
+    if wd:
+        w.mul_(1.0 - lr * wd)
+    return w.add_(g, alpha=-lr * step_scale)
+
+
+@needs_compiler
+@pytest.mark.parametrize("n", [1, 17, 4099])
+@pytest.mark.parametrize("nrows", [1, 2, 3])
+@pytest.mark.parametrize("clip_value,wd", [(None, 0.0), (0.3, 0.0), (None, 0.1), (0.3, 0.1)])
+def test_sgd_rows_is_the_update_of_the_summed_rows(kernels, n, nrows, clip_value, wd):
+    gen = torch.Generator(device="cpu").manual_seed(7 * n + nrows)
+    rows = [unaligned(n, gen) for _ in range(nrows)]
+    w = unaligned(n, gen)
+    expected = torch_sgd(w.clone(), rows, lr=0.05, scale=0.5, clip_value=clip_value, wd=wd)
+    assert kernels.sgd_rows(w, rows, lr=0.05, scale=0.5, clip_value=clip_value, weight_decay=wd) == 0
+    # fp32: the compiler may fuse a multiply-add that torch rounds twice (one ulp)
+    torch.testing.assert_close(w, expected, rtol=1e-6, atol=1e-7)
+
+
+@needs_compiler
+@pytest.mark.parametrize("clip_value", [None, 0.3])
+def test_sgd_rows_leaves_elements_whose_sum_is_not_finite(kernels, clip_value):
+    big = torch.finfo(torch.float32).max
+    a = torch.ones(40, device="cpu")
+    b = torch.ones(40, device="cpu")
+    a[3], b[3] = big, big  # overflows only once summed
+    a[17], b[17] = math.inf, -math.inf  # NaN once summed
+    a[39] = math.nan  # the last element: in the tail after the 16-lane blocks of the many-row loop
+    w = torch.zeros(40, device="cpu")
+    assert kernels.sgd_rows(w, [a, b], lr=0.1, scale=1.0, clip_value=clip_value, weight_decay=0.0) == 3
+    bad = torch.zeros(40, dtype=torch.bool)
+    bad[[3, 17, 39]] = True
+    assert torch.equal(w[bad], torch.zeros(3)) and bool((w[~bad] < 0).all())

@@ -69,6 +69,7 @@ from lomo_ds.runtime.device import group_device
 from lomo_ds.runtime.dist import all_reduce_sum
 
 OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]], PassStats], None]
+OnRows = Callable[[list[tuple[torch.nn.Parameter, list[torch.Tensor]]], PassStats], bool]
 
 
 def part_of(param: torch.nn.Parameter, world: int) -> int:
@@ -134,7 +135,8 @@ class GradientBuckets:
     def __init__(self, params: list[torch.nn.Parameter], group, world: int, rank: int, capacity: int,
                  reduce_dtype: torch.dtype | None, on_bucket: OnBucket, device: torch.device,
                  transport: str = "auto", max_in_flight: int = 1, timers: StepTimers | None = None,
-                 timeout_s: float | None = None, sparse: list[torch.nn.Parameter] = ()):
+                 timeout_s: float | None = None, sparse: list[torch.nn.Parameter] = (),
+                 on_rows: OnRows | None = None):
         from deepspeed.accelerator import get_accelerator
 
         self.group, self.world, self.rank = group, world, rank
@@ -144,6 +146,9 @@ class GradientBuckets:
         # Called once per reduced bucket with every parameter of the bucket at once, so an update
         # rule that needs a collective per bucket (AdaLomo's row/column statistics) can batch it.
         self.on_bucket = on_bucket
+        # Optional: a bucket as every rank's row of it (shared memory with the fused kernels), to
+        # apply while summing them; returns False when this pass needs the reduced slices instead.
+        self.on_rows = on_rows
         self.device = device
         self.tracker = None  # a MemoryTracker, once track_memory() is called
         if max_in_flight < 1:
@@ -153,8 +158,6 @@ class GradientBuckets:
         self.shm = (shm_reduce_scatter.SharedMemoryReduceScatter(group, world, rank, in_flight=max_in_flight,
                                                                  timeout_s=timeout_s)
                     if self.transport == "shared_memory" else None)
-        # The fused CPU passes (cpu_kernels.py) where the payload is in host memory: shared memory only.
-        self.kernels = self.shm.kernels if self.shm is not None else None
         self.timers = timers or StepTimers()
         self.accelerator = get_accelerator()
         # Gradients are produced on the current stream; packing and sending them on a side stream
@@ -168,6 +171,11 @@ class GradientBuckets:
         self._plan(self.params[::-1] if bucketed else [], self.declared_sparse)
         self._relayout_pending = bucketed
         self.reset(PassStats(device))
+
+    @property
+    def kernels(self):
+        """The fused CPU passes (cpu_kernels.py), where every rank has them: shared memory only."""
+        return self.shm.kernels if self.shm is not None else None
 
     def abandon(self) -> None:
         """This rank's backward raised: peers waiting on it through shared memory fail at once,
@@ -362,6 +370,9 @@ class GradientBuckets:
         then needs no second read of the payload), else None."""
         kernels = self.kernels if self.kernels is not None and self.kernels.usable(send) else None
         total = 0.0 if kernels is not None else None
+        # Elements within FLT_MAX / world: no sum over the ranks can overflow, so a bucket whose
+        # flags are all 0 is finite once summed, and can be stepped on as it is summed (on_rows).
+        limit = torch.finfo(torch.float32).max / self.world
         col = 0
         for p, g in zip(params, grads, strict=True):
             part = part_of(p, self.world)
@@ -371,25 +382,27 @@ class GradientBuckets:
                 continue
             flat = g.reshape(-1)
             full_rows = g.numel() // part
-            if kernels is not None and kernels.usable(flat):
+            if kernels is not None:
+                flat = flat.to(torch.float32)  # a bf16 gradient into an fp32 payload (lomo.reduce_dtype)
                 for r in range(full_rows):  # row by row: each row of a parameter is contiguous on both sides
-                    total += kernels.copy_sum(send[r, col:col + part], flat[r * part:(r + 1) * part])
+                    total += kernels.copy_sum(send[r, col:col + part], flat[r * part:(r + 1) * part], limit)
             else:
                 send[:full_rows, col:col + part].copy_(flat[:full_rows * part].view(full_rows, part))
-                if total is not None:
-                    total += float(flat[:full_rows * part].sum(dtype=torch.float32))
             if full_rows < self.world:
                 send[full_rows:, col:col + part].zero_()
                 tail = g.numel() - full_rows * part
                 if tail:
-                    send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
-                    if total is not None:
-                        total += float(flat[full_rows * part:].sum(dtype=torch.float32))
+                    if kernels is not None:
+                        total += kernels.copy_sum(send[full_rows, col:col + tail], flat[full_rows * part:], limit)
+                    else:
+                        send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
             col += part
         return total
 
     def _complete_oldest(self, timer: str = "wait") -> None:
         done = self.in_flight.popleft()
+        if self.kernels is not None and self.on_rows is not None and self._apply_rows(done, timer):
+            return
         with self.timers.span(timer):
             done.work.wait()  # on an accelerator: the current stream waits for the collective
         if self.stream is not None:
@@ -412,6 +425,33 @@ class GradientBuckets:
             col += part
         with self.timers.span("update"):
             self.on_bucket(items, self.stats)
+
+    def _apply_rows(self, done: _InFlight, timer: str) -> bool:
+        """Shared memory with the fused kernels: hand `on_rows` every rank's row of the bucket, to
+        step on as it sums them (no reduced slice stored, no second read of it). The flags decide
+        first: all 0 means every payload was finite and within FLT_MAX / world (_pack), so the sum
+        is finite too. False, with nothing consumed: `on_rows` cannot take this pass (the
+        measuring pass, AdaLomo, accumulation), and the bucket is reduced as usual."""
+        with self.timers.span(timer):
+            rows = done.work.rows()
+        width = done.received.numel() - 1
+        flags = sum(float(row[width]) for row in rows)  # 0, or NaN where some rank's payload was not clean
+        items, col = [], 0
+        for p in done.params:
+            part = part_of(p, self.world)
+            items.append((p, [row[col:col + part] for row in rows]))
+            col += part
+        finite_before = bool(self.stats.finite)
+        if not math.isfinite(flags):
+            self.stats.finite.fill_(False)
+        self.stats.finite_on_host = bool(self.stats.finite)
+        with self.timers.span("update"):
+            taken = self.on_rows(items, self.stats)
+        if taken:
+            done.work.release()
+        else:
+            self.stats.finite.fill_(finite_before)  # the reduction decides it again
+        return taken
 
     def _all_reduce_one(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)

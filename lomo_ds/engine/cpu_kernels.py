@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -86,24 +87,27 @@ class Kernels:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         f32p, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name, args in (("lomo_copy_sum_f32", [f32p, f32p, i64]),
-                           ("lomo_add2_sum_f32", [f32p, f32p, f32p, i64]),
-                           ("lomo_add_sum_f32", [f32p, f32p, i64])):
+        f32, i32 = ctypes.c_float, ctypes.c_int32
+        for name, args, result in (("lomo_copy_sum_f32", [f32p, f32p, i64, f32], f32),
+                                   ("lomo_add2_sum_f32", [f32p, f32p, f32p, i64], f32),
+                                   ("lomo_add_sum_f32", [f32p, f32p, i64], f32),
+                                   ("lomo_sgd_rows_f32", [f32p, f32p, i32, i64, f32, f32, f32, f32], i64)):
             getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = ctypes.c_float
+            getattr(lib, name).restype = result
         self._copy_sum, self._add2_sum, self._add_sum = (lib.lomo_copy_sum_f32, lib.lomo_add2_sum_f32,
                                                          lib.lomo_add_sum_f32)
+        self._sgd_rows = lib.lomo_sgd_rows_f32
         self.path = path
 
     @staticmethod
     def usable(*tensors: torch.Tensor) -> bool:
         return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
-    def copy_sum(self, dst: torch.Tensor, src: torch.Tensor) -> float:
-        """dst.copy_(src) and src.sum(), in one read of src."""
+    def copy_sum(self, dst: torch.Tensor, src: torch.Tensor, limit: float = math.inf) -> float:
+        """dst.copy_(src) and src.sum(), in one read of src; NaN where some |src| > `limit`."""
         if dst.numel() != src.numel():
             raise ValueError(f"copy_sum: {dst.numel()} elements to receive {src.numel()}")
-        return self._copy_sum(dst.data_ptr(), src.data_ptr(), src.numel())
+        return self._copy_sum(dst.data_ptr(), src.data_ptr(), src.numel(), limit)
 
     def sum_rows(self, out: torch.Tensor, rows: list[torch.Tensor]) -> float:
         """out = rows[0] + rows[1] + ... (in that order, as torch's adds), and out.sum()."""
@@ -116,6 +120,22 @@ class Kernels:
         for row in rows[2:]:
             total = self._add_sum(out.data_ptr(), row.data_ptr(), n)
         return total
+
+    def sgd_rows(self, weights: torch.Tensor, rows: list[torch.Tensor], lr: float, scale: float,
+                 clip_value: float | None, weight_decay: float) -> int:
+        """The SGD step of `weights` by the sum of `rows` (never stored): g = sum(rows) * scale,
+        value-clipped when `clip_value`; weights = weights * (1 - lr * weight_decay) - lr * g.
+        Elements whose sum is not finite are left unchanged; returns how many there were."""
+        n = weights.numel()
+        if not rows or any(r.numel() != n for r in rows):
+            raise ValueError(f"sgd_rows: expected rows of {n} elements, got {[r.numel() for r in rows]}")
+        if clip_value is not None and not clip_value > 0:
+            raise ValueError(f"sgd_rows: clip_value must be > 0, got {clip_value}")
+        ptrs = (ctypes.c_void_p * len(rows))(*[r.data_ptr() for r in rows])
+        # Without a value clip the scale folds into the step's multiplier, as the torch update does.
+        alpha = -lr if clip_value is not None else -lr * scale
+        return self._sgd_rows(weights.data_ptr(), ptrs, len(rows), n, scale, clip_value or 0.0, alpha,
+                              1.0 - lr * weight_decay)
 
 
 def load() -> Kernels | None:

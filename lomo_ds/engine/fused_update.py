@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lomo_ds.engine import cpu_kernels
 from lomo_ds.engine.precision import stochastic_round_to_bf16
 from lomo_ds.runtime import ds_compat
 
@@ -162,6 +163,34 @@ class ShardUpdater:
         finite = True if stats.finite_on_host else stats.finite
         for param, grad_shard in items:
             self.apply(param, grad_shard, finite)
+
+    def apply_rows(self, items: list[tuple[torch.nn.Parameter, list[torch.Tensor]]], stats: PassStats) -> bool:
+        """The SGD step of a bucket straight from every rank's row of it (the shared-memory
+        transport with the fused CPU kernels, buckets.py): the rows summed and the shard stepped in
+        one pass, the summed slice never stored. `stats.finite_on_host` holds the bucket's verdict,
+        from its flags. False, touching nothing: this pass needs the reduced slices (the measuring
+        pass, AdaLomo, an fp32 master copy, a shard that is not fp32 in host memory)."""
+        kernels = cpu_kernels.load()
+        if self.measuring or self.adalomo is not None or kernels is None:
+            return False
+        work = []
+        for param, rows in items:
+            n = self.geometry(param).local
+            if n == 0:
+                continue
+            shard = ds_compat.shard(param)[:n]
+            if ds_compat.param_id(param) in self.masters or not kernels.usable(shard):
+                return False
+            work.append((shard, [row[:n] for row in rows]))
+        if not stats.finite_on_host:  # this bucket, or an earlier one, was not finite: nothing moves
+            return True
+        rule = self.rule
+        left = sum(kernels.sgd_rows(shard, rows, rule.lr, rule.grad_scale, rule.clip_value, rule.weight_decay)
+                   for shard, rows in work)
+        if left:  # sums that overflowed (the flags rule it out; kept as a guard): left unchanged, stop here
+            stats.finite.fill_(False)
+            stats.finite_on_host = False
+        return True
 
     def apply(self, param: torch.nn.Parameter, grad_shard: torch.Tensor, finite: torch.Tensor | bool) -> None:
         """Update this rank's slice of `param` from its reduced slice, unless `finite` (the pass's

@@ -146,7 +146,8 @@ class LomoEngine:
                                        transport=lomo.grad_reduction, max_in_flight=lomo.max_in_flight,
                                        timers=self.timers, timeout_s=lomo.collective_timeout,
                                        sparse=[p for n, p in self.module.named_parameters() if p.requires_grad
-                                               and any(fnmatch.fnmatch(n, pat) for pat in lomo.sparse_params)])
+                                               and any(fnmatch.fnmatch(n, pat) for pat in lomo.sparse_params)],
+                                       on_rows=self._on_bucket_rows)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         # The step's agreements (loss, norm, verdict) go where the buckets go: through shared
         # memory between CPU ranks of one node (about 1 ms each through gloo), else one all-reduce.
@@ -242,6 +243,13 @@ class LomoEngine:
         if self.bucket_mode == "fold":
             items = [(p, self.accumulator.total(p, self.updater.slice_device(p), g)) for p, g in items]
         self.updater.apply_bucket(items, stats)
+
+    def _on_bucket_rows(self, items: list[tuple[torch.nn.Parameter, list[torch.Tensor]]], stats: PassStats) -> bool:
+        """A bucket as every rank's row of it (CPU ranks through shared memory): the plain update
+        pass steps on it as it sums the rows (ShardUpdater.apply_rows); False: reduce it first."""
+        if self.bucket_mode != "update" or self.host_updates is not None:
+            return False
+        return self.updater.apply_rows(items, stats)
 
     def _host_apply(self, mode: str):
         """What the host-update worker does with one staged slice (a parameter's real elements in
