@@ -23,8 +23,11 @@ naming it, raised before this rank sends anything out of order.
 Payload. The reduce-scatter input is rank-major: row r of a [world, width + 1] matrix holds, for
 every parameter of the bucket, the elements rank r owns (zero-padded to `part`), then one flag
 element: 0 when this rank's gradients in the bucket, and every reduced slice it has received in
-this pass, are all finite; NaN otherwise. The collective sums the flags with the gradients, so
-every rank receives the same verdict on the bucket with no extra collective. A sum that overflows
+this pass, are all finite; NaN otherwise (and, packed by the fused CPU kernels, when the payload's
+sum of |elements| exceeds FLT_MAX / world, so that no element's sum over the ranks can overflow:
+such a gradient is no step, as a sum that overflows in `all_finite`). The
+collective sums the flags with the gradients, so every rank receives the same verdict on the
+bucket with no extra collective. A sum that overflows
 only inside the reduction (fp16) shows in the received slice of one rank alone: that rank drops
 the bucket at once, and its next flag tells the others (the engine agrees on the last bucket once
 the pass ends). The verdict is a device flag (PassStats.finite): no host sync per bucket. The
@@ -44,7 +47,10 @@ Transports (`lomo.grad_reduction`):
                   this rank's shared-memory buffer and reduced by each rank reading its own row
                   of every rank's payload when the bucket is due (shm_reduce_scatter.py). gloo's
                   reduce-scatter through TCP loopback costs several times as long on a CPU. An
-                  fp32 payload is packed and summed for its flag in one read (cpu_kernels.py).
+                  fp32 payload is packed and summed for its flag in one read, and the plain SGD
+                  pass steps each shard as it sums the ranks' rows (`on_rows`), the reduced
+                  slice never stored (cpu_kernels.py): on a CPU every pass over the gradient's
+                  bytes costs memory bandwidth.
   auto            shared_memory where the ranks can, else reduce_scatter.
   all_reduce      the public reference implementation's way (all-reduce each whole gradient,
                   synchronously, keep this rank's slice): twice the bytes. A baseline for
@@ -343,12 +349,16 @@ class GradientBuckets:
             with self.timers.span("pack"):
                 send = (self.shm.payload(width + 1, dtype) if self.shm is not None
                         else torch.empty(self.world, width + 1, dtype=dtype, device=self.device))
-                packed_sum = self._pack(send, params, grads)
+                packed_l1 = self._pack(send, params, grads)
             with self.timers.span("flag"):
-                if packed_sum is None:
+                if packed_l1 is None:
                     send[:, width] = nonfinite_marker(send[:, :width], self.stats.finite)
                 else:  # summed while packing, in host memory (shared memory joins CPU ranks only)
-                    send[:, width] = 0.0 if math.isfinite(packed_sum) and bool(self.stats.finite) else math.nan
+                    # Within FLT_MAX / world (NaN compares false), every element is: no sum over
+                    # the ranks can overflow, so a bucket whose flags are all 0 stays finite once
+                    # summed, and can be stepped on as it is summed (on_rows).
+                    clean = packed_l1 <= torch.finfo(torch.float32).max / self.world and bool(self.stats.finite)
+                    send[:, width] = 0.0 if clean else math.nan
             if self.tracker is not None:
                 self.tracker.note_bucket(self._held_bytes() + send.numel() * send.element_size())
             # The gradients are packed: let them go before the receive buffer exists.
@@ -366,13 +376,10 @@ class GradientBuckets:
 
     def _pack(self, send: torch.Tensor, params, grads) -> float | None:
         """Fill the rank-major payload `send`; its last column (the flag) is left for the caller.
-        Returns the fp32 sum of what was packed where the fused CPU kernel packed it (the flag
-        then needs no second read of the payload), else None."""
+        Returns the sum of |what was packed| where the fused CPU kernel packed it (the flag then
+        needs no second read of the payload), else None."""
         kernels = self.kernels if self.kernels is not None and self.kernels.usable(send) else None
         total = 0.0 if kernels is not None else None
-        # Elements within FLT_MAX / world: no sum over the ranks can overflow, so a bucket whose
-        # flags are all 0 is finite once summed, and can be stepped on as it is summed (on_rows).
-        limit = torch.finfo(torch.float32).max / self.world
         col = 0
         for p, g in zip(params, grads, strict=True):
             part = part_of(p, self.world)
@@ -385,7 +392,7 @@ class GradientBuckets:
             if kernels is not None:
                 flat = flat.to(torch.float32)  # a bf16 gradient into an fp32 payload (lomo.reduce_dtype)
                 for r in range(full_rows):  # row by row: each row of a parameter is contiguous on both sides
-                    total += kernels.copy_sum(send[r, col:col + part], flat[r * part:(r + 1) * part], limit)
+                    total += kernels.copy_abs_sum(send[r, col:col + part], flat[r * part:(r + 1) * part])
             else:
                 send[:full_rows, col:col + part].copy_(flat[:full_rows * part].view(full_rows, part))
             if full_rows < self.world:
@@ -393,7 +400,7 @@ class GradientBuckets:
                 tail = g.numel() - full_rows * part
                 if tail:
                     if kernels is not None:
-                        total += kernels.copy_sum(send[full_rows, col:col + tail], flat[full_rows * part:], limit)
+                        total += kernels.copy_abs_sum(send[full_rows, col:col + tail], flat[full_rows * part:])
                     else:
                         send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
             col += part

@@ -20,26 +20,22 @@ static float lanes_total(const float acc[LANES]) {
     return total;
 }
 
-/* dst[i] = src[i] for i < n; returns the fp32 sum of src, or NaN when some |src[i]| > limit (the
- * caller's bound: with each of `world` ranks' elements within FLT_MAX / world, no sum over the
- * ranks can overflow, so a payload that passes needs no check once summed). */
-float lomo_copy_sum_f32(float *restrict dst, const float *restrict src, int64_t n, float limit) {
-    float acc[LANES] = {0}, top[LANES] = {0};
+/* dst[i] = src[i] for i < n; returns the fp32 sum of |src[i]|: not finite where some element is
+ * not, and a bound on every element (the callers bound it by FLT_MAX / world, so that no sum over
+ * the ranks can overflow). */
+float lomo_copy_abs_sum_f32(float *restrict dst, const float *restrict src, int64_t n) {
+    float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
         for (int k = 0; k < LANES; k++) {
             float v = src[i + k];
             dst[i + k] = v;
-            acc[k] += v;
-            top[k] = fmaxf(top[k], fabsf(v));
+            acc[k] += fabsf(v);
         }
     for (; i < n; i++) {
         dst[i] = src[i];
-        acc[0] += src[i];
-        top[0] = fmaxf(top[0], fabsf(src[i]));
+        acc[0] += fabsf(src[i]);
     }
-    for (int k = 0; k < LANES; k++)
-        if (top[k] > limit) return NAN;
     return lanes_total(acc);
 }
 
@@ -81,7 +77,7 @@ float lomo_add_sum_f32(float *restrict out, const float *restrict a, int64_t n) 
  * stored: g = rows[0][i] + rows[1][i] + ... (torch's order); with clip > 0, g = clamp(g * scale,
  * -clip, clip); then w[i] = w[i] * decay + alpha * g (alpha: -lr, times scale when not clipping).
  * An element whose sum is not finite is left as it is (a NaN never reaches a weight); returns how
- * many there were. The callers' flags make that 0 (see lomo_copy_sum_f32's limit).
+ * many there were. The callers' flags make that 0 (see lomo_copy_abs_sum_f32).
  * Two ranks (the common CPU case) get a loop of their own, which the compiler vectorises; more
  * ranks sum into a block of LANES first. `clipping` is a constant in each inlined copy. */
 static inline int step_one(float *restrict w, float g, int clipping, float scale, float clip, float alpha,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import math
 import os
 import platform
 import shutil
@@ -88,14 +87,14 @@ class Kernels:
         lib = ctypes.CDLL(str(path))
         f32p, i64 = ctypes.c_void_p, ctypes.c_int64
         f32, i32 = ctypes.c_float, ctypes.c_int32
-        for name, args, result in (("lomo_copy_sum_f32", [f32p, f32p, i64, f32], f32),
+        for name, args, result in (("lomo_copy_abs_sum_f32", [f32p, f32p, i64], f32),
                                    ("lomo_add2_sum_f32", [f32p, f32p, f32p, i64], f32),
                                    ("lomo_add_sum_f32", [f32p, f32p, i64], f32),
                                    ("lomo_sgd_rows_f32", [f32p, f32p, i32, i64, f32, f32, f32, f32], i64)):
             getattr(lib, name).argtypes = args
             getattr(lib, name).restype = result
-        self._copy_sum, self._add2_sum, self._add_sum = (lib.lomo_copy_sum_f32, lib.lomo_add2_sum_f32,
-                                                         lib.lomo_add_sum_f32)
+        self._copy_abs_sum, self._add2_sum, self._add_sum = (lib.lomo_copy_abs_sum_f32, lib.lomo_add2_sum_f32,
+                                                             lib.lomo_add_sum_f32)
         self._sgd_rows = lib.lomo_sgd_rows_f32
         self.path = path
 
@@ -103,11 +102,12 @@ class Kernels:
     def usable(*tensors: torch.Tensor) -> bool:
         return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
-    def copy_sum(self, dst: torch.Tensor, src: torch.Tensor, limit: float = math.inf) -> float:
-        """dst.copy_(src) and src.sum(), in one read of src; NaN where some |src| > `limit`."""
+    def copy_abs_sum(self, dst: torch.Tensor, src: torch.Tensor) -> float:
+        """dst.copy_(src) and src.abs().sum(), in one read of src: not finite where some element
+        is not, and at least the largest |element|."""
         if dst.numel() != src.numel():
-            raise ValueError(f"copy_sum: {dst.numel()} elements to receive {src.numel()}")
-        return self._copy_sum(dst.data_ptr(), src.data_ptr(), src.numel(), limit)
+            raise ValueError(f"copy_abs_sum: {dst.numel()} elements to receive {src.numel()}")
+        return self._copy_abs_sum(dst.data_ptr(), src.data_ptr(), src.numel())
 
     def sum_rows(self, out: torch.Tensor, rows: list[torch.Tensor]) -> float:
         """out = rows[0] + rows[1] + ... (in that order, as torch's adds), and out.sum()."""
@@ -115,7 +115,8 @@ class Kernels:
         if not rows or any(r.numel() != n for r in rows):
             raise ValueError(f"sum_rows: expected rows of {n} elements, got {[r.numel() for r in rows]}")
         if len(rows) == 1:
-            return self.copy_sum(out, rows[0])
+            out.copy_(rows[0])
+            return float(out.sum(dtype=torch.float32))
         total = self._add2_sum(out.data_ptr(), rows[0].data_ptr(), rows[1].data_ptr(), n)
         for row in rows[2:]:
             total = self._add_sum(out.data_ptr(), row.data_ptr(), n)
