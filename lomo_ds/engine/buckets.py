@@ -25,10 +25,10 @@ every parameter of the bucket, the elements rank r owns (zero-padded to `part`),
 element: 0 when this rank's gradients in the bucket, and every reduced slice it has received in
 this pass, are all finite; NaN otherwise (and, packed by the fused CPU kernels, when the payload's
 sum of |elements| exceeds FLT_MAX / world, so that no element's sum over the ranks can overflow:
-such a gradient is no step, as a sum that overflows in `all_finite`). The
-collective sums the flags with the gradients, so every rank receives the same verdict on the
-bucket with no extra collective. A sum that overflows
-only inside the reduction (fp16) shows in the received slice of one rank alone: that rank drops
+such a gradient is no step, as a sum that overflows in `all_finite`). The collective sums the
+flags with the gradients, so every rank receives the same verdict on the bucket with no extra
+collective. A sum that overflows only inside the reduction (fp16, or any transport without the
+kernels' bound) shows in the received slice of one rank alone: that rank drops
 the bucket at once, and its next flag tells the others (the engine agrees on the last bucket once
 the pass ends). The verdict is a device flag (PassStats.finite): no host sync per bucket. The
 gradient bytes are those of DeepSpeed's own ZeRO-3 path, half an all-reduce's. One rank uses the

@@ -2,9 +2,10 @@
 
 On a CPU, what LOMO adds to a step is passes over the gradient's bytes (pack the payload, sum it
 for the non-finite flag, sum the ranks' rows, check the sum, step the weights), and each pass is
-bound by memory bandwidth, not arithmetic. torch has no op that copies and sums, or adds and sums,
-in one read, so these few loops are C: the shared-memory transport packs its payload and reduces
-its rows with them, one pass each instead of two.
+bound by memory bandwidth, not arithmetic. torch has no op that copies and sums, adds and sums,
+or adds and steps, in one read, so these few loops are C: the shared-memory transport packs its
+payload and sums it for the flag in one pass, reduces the ranks' rows and checks them in one, and
+plain LOMO's SGD pass steps each shard as it sums the rows (fused_update.ShardUpdater.apply_rows).
 
 Built like DeepSpeed's CPU ops, by the host's C compiler at first use (`cc -O3 -march=native`,
 well under a second), into a cache keyed by the source and this CPU, and loaded with ctypes (no
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -58,8 +60,8 @@ def cache_dir() -> Path:
 def _build() -> Path:
     """The shared library for this source and CPU: from the cache, else compiled into it
     (written under a temporary name and renamed, so ranks building at once never see half a file)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")]
+    if compiler[0] is None:
         raise RuntimeError("no C compiler (cc, gcc, or $CC) on PATH")
     key = hashlib.sha256(SOURCE.read_bytes() + _cpu_id().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels_{key}.so"
@@ -69,9 +71,9 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
+            raise RuntimeError(f"{' '.join(compiler)} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
