@@ -39,8 +39,9 @@ float lomo_copy_abs_sum_f32(float *restrict dst, const float *restrict src, int6
     return lanes_total(acc);
 }
 
-/* out[i] = a[i] + b[i] for i < n; returns the fp32 sum of out. */
-float lomo_add2_sum_f32(float *restrict out, const float *restrict a, const float *restrict b, int64_t n) {
+/* out[i] = a[i] + b[i] for i < n; returns the fp32 sum of out. `out` may be `a` (adding a third
+ * rank's row in place), so neither is `restrict`: the compiler checks the overlap at run time. */
+float lomo_add2_sum_f32(float *out, const float *a, const float *restrict b, int64_t n) {
     float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
@@ -51,23 +52,6 @@ float lomo_add2_sum_f32(float *restrict out, const float *restrict a, const floa
         }
     for (; i < n; i++) {
         out[i] = a[i] + b[i];
-        acc[0] += out[i];
-    }
-    return lanes_total(acc);
-}
-
-/* out[i] += a[i] for i < n; returns the fp32 sum of out (the last row of a sum over ranks). */
-float lomo_add_sum_f32(float *restrict out, const float *restrict a, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) {
-            float v = out[i + k] + a[i + k];
-            out[i + k] = v;
-            acc[k] += v;
-        }
-    for (; i < n; i++) {
-        out[i] += a[i];
         acc[0] += out[i];
     }
     return lanes_total(acc);

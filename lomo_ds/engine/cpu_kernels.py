@@ -91,12 +91,10 @@ class Kernels:
         f32, i32 = ctypes.c_float, ctypes.c_int32
         for name, args, result in (("lomo_copy_abs_sum_f32", [f32p, f32p, i64], f32),
                                    ("lomo_add2_sum_f32", [f32p, f32p, f32p, i64], f32),
-                                   ("lomo_add_sum_f32", [f32p, f32p, i64], f32),
                                    ("lomo_sgd_rows_f32", [f32p, f32p, i32, i64, f32, f32, f32, f32], i64)):
             getattr(lib, name).argtypes = args
             getattr(lib, name).restype = result
-        self._copy_abs_sum, self._add2_sum, self._add_sum = (lib.lomo_copy_abs_sum_f32, lib.lomo_add2_sum_f32,
-                                                             lib.lomo_add_sum_f32)
+        self._copy_abs_sum, self._add2_sum = lib.lomo_copy_abs_sum_f32, lib.lomo_add2_sum_f32
         self._sgd_rows = lib.lomo_sgd_rows_f32
         self.path = path
 
@@ -121,7 +119,7 @@ class Kernels:
             return float(out.sum(dtype=torch.float32))
         total = self._add2_sum(out.data_ptr(), rows[0].data_ptr(), rows[1].data_ptr(), n)
         for row in rows[2:]:
-            total = self._add_sum(out.data_ptr(), row.data_ptr(), n)
+            total = self._add2_sum(out.data_ptr(), out.data_ptr(), row.data_ptr(), n)
         return total
 
     def sgd_rows(self, weights: torch.Tensor, rows: list[torch.Tensor], lr: float, scale: float,
