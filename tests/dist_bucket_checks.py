@@ -308,6 +308,29 @@ def torch_ops_only(check, **kwargs):
         return check(**kwargs)
 
 
+def check_rows_path(**lomo):
+    """Which passes of one step apply their buckets straight from the shared-memory rows (the
+    fused SGD step) and which from reduced slices: counted by wrapping the updater's two doors."""
+    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, grad_reduction="shared_memory", **lomo))
+    world, rank = engine.world, engine.rank
+    engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
+    counts = {"from_rows": 0, "declined": 0, "reduced_updates": 0, "reduced_measures": 0}
+    rows, reduced = engine.updater.apply_rows, engine.updater.apply_bucket
+
+    def counted_rows(items, stats):
+        taken = rows(items, stats)
+        counts["from_rows" if taken else "declined"] += 1
+        return taken
+
+    def counted_reduced(items, stats):
+        counts["reduced_measures" if engine.updater.measuring else "reduced_updates"] += 1
+        return reduced(items, stats)
+
+    engine.updater.apply_rows, engine.updater.apply_bucket = counted_rows, counted_reduced
+    engine.train_step(global_batch(1, world)[rank])
+    return {"n_buckets": len(engine.buckets.layout), **counts}
+
+
 def check_sgd(transport: str = "auto", clip_norm: float | None = None):
     """The engine against SGD with several buckets, one pass, or two with norm clipping."""
     lomo = {"clip_grad_norm": clip_norm} if clip_norm else {}

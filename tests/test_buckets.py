@@ -16,6 +16,7 @@ from tests import dist_bucket_checks as B
 from tests.ranks import multi_rank_checks, ok
 
 WORLDS = [1, 2, 3]
+needs_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 TOL = 1e-6  # fp32, as the engine's equivalence tests
 TRANSPORTS = list(B.TRANSPORTS)
 
@@ -43,6 +44,9 @@ nonfinite_bf16, two_groups, transport = multi_rank_checks(
 sgd_torch_ops, nonfinite_torch_ops = multi_rank_checks(
     [2, 3], sgd_torch_ops=lambda: B.torch_ops_only(B.check_sgd, transport="shared_memory"),
     nonfinite_torch_ops=lambda: B.torch_ops_only(B.check_nonfinite, bf16=False, transport="shared_memory"))
+rows_sgd, rows_clip_norm, rows_adalomo = multi_rank_checks(
+    [2, 3], rows_sgd=B.check_rows_path, rows_clip_norm=lambda: B.check_rows_path(clip_grad_norm=0.5),
+    rows_adalomo=lambda: B.check_rows_path(optimizer="adalomo"))
 overlap, other_partitioning = multi_rank_checks(
     [2, 3], overlap=B.check_overlap, other_partitioning=B.check_other_partitioning_refused)
 
@@ -115,6 +119,19 @@ def test_a_sum_that_overflows_in_the_reduction_is_dropped(rank_results, world):
         for rank, changed in enumerate(every):
             assert all(c != 0.0 for bucket in changed[:bad] for c in bucket), f"rank {rank}: buckets before it"
             assert all(c != 1.0 for bucket in changed[bad + 1:] for c in bucket), f"rank {rank}: buckets after it"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@needs_compiler
+def test_which_passes_step_straight_from_the_rows(rank_results, world):
+    """Plain LOMO's update pass steps every bucket from the ranks' rows (the fused SGD step); the
+    norm-measuring pass and AdaLomo (its statistics need the summed slice) reduce first."""
+    sgd, clipped, adalomo = (ok(rank_results(world), c) for c in (rows_sgd, rows_clip_norm, rows_adalomo))
+    n = sgd["n_buckets"]
+    print(f"{world} ranks, {n} buckets: sgd {sgd}, clipped {clipped}, adalomo {adalomo}")
+    assert (sgd["from_rows"], sgd["reduced_updates"], sgd["reduced_measures"]) == (n, 0, 0)
+    assert (clipped["from_rows"], clipped["reduced_updates"], clipped["reduced_measures"]) == (n, 0, n)
+    assert (adalomo["from_rows"], adalomo["declined"], adalomo["reduced_updates"]) == (0, n, n)
 
 
 @pytest.mark.parametrize("world", [2, 3])
