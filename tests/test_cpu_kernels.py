@@ -3,7 +3,9 @@ the same bytes written, a sum whose finiteness is torch's, on sizes around the 1
 unaligned views; and how they are built, cached, switched off and stood in for."""
 import logging
 import math
+import os
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -98,6 +100,17 @@ def test_built_once_into_the_cache(fresh):
     stamp = first.path.stat().st_mtime_ns
     cpu_kernels._lib = False  # a new process: found in the cache, not compiled again
     assert cpu_kernels.load().path == first.path and first.path.stat().st_mtime_ns == stamp
+
+
+@needs_compiler
+def test_a_cache_that_cannot_be_written_builds_in_the_temporary_directory(fresh, monkeypatch):
+    blocked = fresh / "not-a-folder"
+    blocked.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setattr(tempfile, "tempdir", str(fresh / "tmp"))
+    (fresh / "tmp").mkdir()
+    k = cpu_kernels.load()
+    assert k is not None and k.path.parent == fresh / "tmp" / f"lomo_ds_kernels_{os.getuid()}"
 
 
 def test_switched_off(fresh, monkeypatch):

@@ -10,7 +10,9 @@ plain LOMO's SGD pass steps each shard as it sums the rows (fused_update.ShardUp
 Built like DeepSpeed's CPU ops, by the host's C compiler at first use (`cc -O3 -march=native`,
 well under a second), into a cache keyed by the source and this CPU, and loaded with ctypes (no
 torch headers, no build step at install). Where there is no compiler, or `LOMO_DS_CPU_KERNELS=0`,
-`load()` returns None and the callers run the same passes as torch ops: same results, more time.
+`load()` returns None and the callers run the same passes as torch ops: the same results (but for
+the fused SGD step's last-bit rounding: it computes `w * decay + alpha * g` as C does, torch's
+`add_` as torch does), more time.
 """
 from __future__ import annotations
 
@@ -52,9 +54,20 @@ def _cpu_id() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
 
 
-def cache_dir() -> Path:
+def cache_dirs() -> list[Path]:
+    """Where the built library is kept: the user's cache, else (a home that cannot be written) a
+    folder of this user's in the temporary directory."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "lomo_ds" / "kernels"
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return [Path(root) / "lomo_ds" / "kernels", Path(tempfile.gettempdir()) / f"lomo_ds_kernels_{user}"]
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
 
 
 def _build() -> Path:
@@ -64,11 +77,15 @@ def _build() -> Path:
     if compiler[0] is None:
         raise RuntimeError("no C compiler (cc, gcc, or $CC) on PATH")
     key = hashlib.sha256(SOURCE.read_bytes() + _cpu_id().encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    name = f"cpu_kernels_{key}.so"
+    for folder in cache_dirs():
+        if (folder / name).exists():
+            return folder / name
+    folder = next((f for f in cache_dirs() if _writable(f)), None)
+    if folder is None:
+        raise RuntimeError(f"no writable folder to build into (tried {', '.join(map(str, cache_dirs()))})")
+    target = folder / name
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
     os.close(fd)
     try:
         done = subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
