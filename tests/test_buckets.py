@@ -109,7 +109,9 @@ def test_nonfinite_gradient_on_one_rank_stops_every_rank_at_that_bucket(rank_res
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_sum_that_overflows_in_the_reduction_is_dropped(rank_results, world):
     """Finite gradients on every rank whose sum is not: rank 0, the one rank that receives it,
-    drops that bucket at once; its next flag stops every rank at the next bucket."""
+    drops that bucket at once, and its next flag stops every rank at the next bucket (with the
+    fused CPU kernels every rank drops it at once: each packed element over FLT_MAX / world flags
+    the bucket). Either way no rank applies anything from it on."""
     for name in OVERFLOW(world):
         r = ok(rank_results(world), name)
         bad, every = r["bad_bucket"], r["changed_by_bucket"]
