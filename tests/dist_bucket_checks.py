@@ -264,8 +264,8 @@ def check_apply_points(transport: str = "auto"):
     engine.buckets.on_bucket = lambda items, stats: (applied_at.append(arrived[0]), apply_bucket(items, stats))[-1]
     apply_rows = engine.buckets.on_rows  # shared memory: the SGD step applies a bucket from its rows
 
-    def counted_rows(items, stats):
-        taken = apply_rows(items, stats)
+    def counted_rows(items, stats, kernels):
+        taken = apply_rows(items, stats, kernels)
         if taken:
             applied_at.append(arrived[0])
         return taken
@@ -317,8 +317,8 @@ def check_rows_path(**lomo):
     counts = {"from_rows": 0, "declined": 0, "reduced_updates": 0, "reduced_measures": 0}
     rows, reduced = engine.updater.apply_rows, engine.updater.apply_bucket
 
-    def counted_rows(items, stats):
-        taken = rows(items, stats)
+    def counted_rows(items, stats, kernels):
+        taken = rows(items, stats, kernels)
         counts["from_rows" if taken else "declined"] += 1
         return taken
 

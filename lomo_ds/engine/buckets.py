@@ -75,7 +75,8 @@ from lomo_ds.runtime.device import group_device
 from lomo_ds.runtime.dist import all_reduce_sum
 
 OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]], PassStats], None]
-OnRows = Callable[[list[tuple[torch.nn.Parameter, list[torch.Tensor]]], PassStats], bool]
+# A bucket as every rank's row of it, the pass's stats, and the kernels to step with; False: declined.
+OnRows = Callable[[list[tuple[torch.nn.Parameter, list[torch.Tensor]]], PassStats, object], bool]
 
 
 def part_of(param: torch.nn.Parameter, world: int) -> int:
@@ -380,30 +381,25 @@ class GradientBuckets:
         needs no second read of the payload), else None."""
         kernels = self.kernels if self.kernels is not None and self.kernels.usable(send) else None
         total = 0.0 if kernels is not None else None
-        col = 0
-        for p, g in zip(params, grads, strict=True):
-            part = part_of(p, self.world)
+        for (_, cols), g in zip(self._columns(params), grads, strict=True):
             if g is None:
-                send[:, col:col + part].zero_()  # no gradient on this rank: it contributes zeros
-                col += part
+                send[:, cols].zero_()  # no gradient on this rank: it contributes zeros
                 continue
-            flat = g.reshape(-1)
+            flat, part = g.reshape(-1), cols.stop - cols.start
             full_rows = g.numel() // part
             if kernels is not None:
                 flat = flat.to(torch.float32)  # a bf16 gradient into an fp32 payload (lomo.reduce_dtype)
                 for r in range(full_rows):  # row by row: each row of a parameter is contiguous on both sides
-                    total += kernels.copy_abs_sum(send[r, col:col + part], flat[r * part:(r + 1) * part])
-            else:
-                send[:full_rows, col:col + part].copy_(flat[:full_rows * part].view(full_rows, part))
+                    total += kernels.copy_abs_sum(send[r, cols], flat[r * part:(r + 1) * part])
+            else:  # one copy for every full row (one kernel launch on an accelerator)
+                send[:full_rows, cols].copy_(flat[:full_rows * part].view(full_rows, part))
             if full_rows < self.world:
-                send[full_rows:, col:col + part].zero_()
-                tail = g.numel() - full_rows * part
-                if tail:
-                    if kernels is not None:
-                        total += kernels.copy_abs_sum(send[full_rows, col:col + tail], flat[full_rows * part:])
-                    else:
-                        send[full_rows, col:col + tail].copy_(flat[full_rows * part:])
-            col += part
+                send[full_rows:, cols].zero_()
+                tail, run = g.numel() - full_rows * part, flat[full_rows * part:]
+                if tail and kernels is not None:
+                    total += kernels.copy_abs_sum(send[full_rows, cols.start:cols.start + tail], run)
+                elif tail:
+                    send[full_rows, cols.start:cols.start + tail].copy_(run)
         return total
 
     def _complete_oldest(self, timer: str = "wait") -> None:
@@ -425,11 +421,7 @@ class GradientBuckets:
             self.stats.finite_on_host = bool(self.stats.finite)
         else:
             self.stats.finite.logical_and_(all_finite(done.received))
-        items, col = [], 0
-        for p in done.params:
-            part = part_of(p, self.world)
-            items.append((p, done.received[col:col + part]))
-            col += part
+        items = [(p, done.received[cols]) for p, cols in self._columns(done.params)]
         with self.timers.span("update"):
             self.on_bucket(items, self.stats)
 
@@ -437,28 +429,31 @@ class GradientBuckets:
         """Shared memory with the fused kernels: hand `on_rows` every rank's row of the bucket, to
         step on as it sums them (no reduced slice stored, no second read of it). The flags decide
         first: all 0 means every payload was finite and within FLT_MAX / world (_pack), so the sum
-        is finite too. False, with nothing consumed: `on_rows` cannot take this pass (the
-        measuring pass, AdaLomo, accumulation), and the bucket is reduced as usual."""
+        is finite too. False, with nothing consumed or changed: `on_rows` cannot take this pass
+        (the measuring pass, AdaLomo, accumulation), and the bucket is reduced as usual."""
         with self.timers.span(timer):
             rows = done.work.rows()
         width = done.received.numel() - 1
-        flags = sum(float(row[width]) for row in rows)  # 0, or NaN where some rank's payload was not clean
-        items, col = [], 0
-        for p in done.params:
-            part = part_of(p, self.world)
-            items.append((p, [row[col:col + part] for row in rows]))
-            col += part
-        finite_before = bool(self.stats.finite)
-        if not math.isfinite(flags):
-            self.stats.finite.fill_(False)
-        self.stats.finite_on_host = bool(self.stats.finite)
+        clean = math.isfinite(sum(float(row[width]) for row in rows))  # flags: 0, or NaN from some rank
+        items = [(p, [row[cols] for row in rows]) for p, cols in self._columns(done.params)]
+        # What the update reads: whether anything may move (the reduced path sets it again).
+        self.stats.finite_on_host = clean and bool(self.stats.finite)
         with self.timers.span("update"):
-            taken = self.on_rows(items, self.stats)
-        if taken:
-            done.work.release()
-        else:
-            self.stats.finite.fill_(finite_before)  # the reduction decides it again
-        return taken
+            if not self.on_rows(items, self.stats, self.kernels):
+                return False
+        if not clean:
+            self.stats.finite.fill_(False)
+        done.work.release()
+        return True
+
+    def _columns(self, params: list[torch.nn.Parameter]) -> list[tuple[torch.nn.Parameter, slice]]:
+        """Each parameter of a bucket with its columns in the payload's rows and the received slice."""
+        spans, col = [], 0
+        for p in params:
+            part = part_of(p, self.world)
+            spans.append((p, slice(col, col + part)))
+            col += part
+        return spans
 
     def _all_reduce_one(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         full = grad.reshape(-1).to(self.reduce_dtype or grad.dtype)

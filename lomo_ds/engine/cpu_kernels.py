@@ -100,7 +100,7 @@ def _build() -> Path:
 
 class Kernels:
     """The loaded library: each call takes contiguous fp32 CPU tensors (the caller's promise:
-    checked by `usable`) and returns the fp32 sum of what it wrote."""
+    checked by `usable`); the passes that write a sum return it, the SGD step a count."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))

@@ -164,14 +164,15 @@ class ShardUpdater:
         for param, grad_shard in items:
             self.apply(param, grad_shard, finite)
 
-    def apply_rows(self, items: list[tuple[torch.nn.Parameter, list[torch.Tensor]]], stats: PassStats) -> bool:
+    def apply_rows(self, items: list[tuple[torch.nn.Parameter, list[torch.Tensor]]], stats: PassStats,
+                   kernels: cpu_kernels.Kernels) -> bool:
         """The SGD step of a bucket straight from every rank's row of it (the shared-memory
-        transport with the fused CPU kernels, buckets.py): the rows summed and the shard stepped in
-        one pass, the summed slice never stored. `stats.finite_on_host` holds the bucket's verdict,
-        from its flags. False, touching nothing: this pass needs the reduced slices (the measuring
-        pass, AdaLomo, an fp32 master copy, a shard that is not fp32 in host memory)."""
-        kernels = cpu_kernels.load()
-        if self.measuring or self.adalomo is not None or kernels is None:
+        transport with the fused CPU `kernels` every rank agreed on, buckets.py): the rows summed
+        and the shard stepped in one pass, the summed slice never stored. `stats.finite_on_host`
+        holds the bucket's verdict, from its flags. False, touching nothing: this pass needs the
+        reduced slices (the measuring pass, AdaLomo, an fp32 master copy, a shard that is not fp32
+        in host memory)."""
+        if self.measuring or self.adalomo is not None:
             return False
         work = []
         for param, rows in items:

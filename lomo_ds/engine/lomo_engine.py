@@ -244,12 +244,13 @@ class LomoEngine:
             items = [(p, self.accumulator.total(p, self.updater.slice_device(p), g)) for p, g in items]
         self.updater.apply_bucket(items, stats)
 
-    def _on_bucket_rows(self, items: list[tuple[torch.nn.Parameter, list[torch.Tensor]]], stats: PassStats) -> bool:
+    def _on_bucket_rows(self, items: list[tuple[torch.nn.Parameter, list[torch.Tensor]]], stats: PassStats,
+                        kernels) -> bool:
         """A bucket as every rank's row of it (CPU ranks through shared memory): the plain update
         pass steps on it as it sums the rows (ShardUpdater.apply_rows); False: reduce it first."""
         if self.bucket_mode != "update" or self.host_updates is not None:
             return False
-        return self.updater.apply_rows(items, stats)
+        return self.updater.apply_rows(items, stats, kernels)
 
     def _host_apply(self, mode: str):
         """What the host-update worker does with one staged slice (a parameter's real elements in
