@@ -33,6 +33,14 @@ autograd saved), against the planner's prediction for lomo. A "lomo rs" engine (
 "reduce_scatter", where every collective is a torch.distributed one) is counted too, not timed. At
 the end lomo's and FSDP2-with-SGD's parameters are compared (max abs difference): the two did the
 same work.
+
+On CPU ranks it also times, on every rank at once (they share the machine's memory bandwidth, as in
+a step), the two passes over memory that lomo's shared-memory transport makes per step, alone and on
+buffers of the step's sizes: packing this rank's whole gradient for its peers (copy and |x| sum),
+and stepping this rank's shard from every rank's row of its slice. The second is the pass any fused
+SGD update of fp32 shards must make (read each rank's gradient slice and the shard, write the
+shard); with the floor's step it gives the least lomo / floor this machine allows, and with the
+first, what this transport's passes allow. What lomo costs beyond both is its hooks' own time.
 """
 from __future__ import annotations
 
@@ -236,6 +244,48 @@ def lomo_section(args) -> dict:
     return {"lr": LR, "bucket_size": bucket}
 
 
+def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, float]:
+    """Seconds (median of `repeats`, every rank at once) of the two passes over memory that the
+    shared-memory transport makes per step, on buffers of the step's sizes: "pack" copies this rank's
+    whole gradient into a payload and sums its |elements| (the non-finite flag), "step" steps this
+    rank's shard by the sum of `world` rows of its slice. With the fused kernels, as lomo runs them;
+    else torch's ops."""
+    from lomo_ds.engine import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    shard = -(-n_params // world)
+    g = torch.Generator(device="cpu").manual_seed(torch.distributed.get_rank())
+    grad = torch.randn(n_params, generator=g, device="cpu")
+    payload = torch.empty(n_params, device="cpu")
+    rows = [torch.randn(shard, generator=g, device="cpu") for _ in range(world)]
+    weights = torch.randn(shard, generator=g, device="cpu")
+
+    def pack():
+        if kernels:
+            kernels.copy_abs_sum(payload, grad)
+        else:
+            payload.copy_(grad)
+            float(payload.abs().sum())
+
+    def step():
+        if kernels:
+            kernels.sgd_rows(weights, rows, LR, 1.0, None, 0.0)
+        else:
+            weights.add_(torch.stack(rows).sum(0), alpha=-LR)
+
+    out = {}
+    for name, fn in (("pack", pack), ("step", step)):
+        spent = []
+        for _ in range(repeats):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - t0)
+        out[name] = statistics.median(spent)
+    out["kernels"] = kernels is not None
+    return out
+
+
 def run(args) -> dict:
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     zero = zero_section(args)
@@ -309,10 +359,12 @@ def run(args) -> dict:
     fsdp_full = engines["fsdp2 sgd"].full_params()
     diff = (max((lomo_full[k] - fsdp_full[k]).abs().max().item() for k in fsdp_full) if rank == 0 else None)
     n_buckets = len(counted_only["lomo rs"].buckets.layout)
-    return {"world": world, "zero_optimization": zero, "leaf_modules": leaves, "times": times,
+    n_params = sum(p.numel() for p in base.parameters())
+    passes = memory_passes(n_params, world) if device.type == "cpu" else None
+    return {"memory_passes": passes, "world": world, "zero_optimization": zero, "leaf_modules": leaves, "times": times,
             "measured": measured, "memory": memory, "max_abs_diff": diff, "buckets": n_buckets,
             "predicted_lomo_bytes": predicted_bytes(args, zero, lomo["bucket_size"], world),
-            "params": sum(p.numel() for p in base.parameters()), "threads": torch.get_num_threads(),
+            "params": n_params, "threads": torch.get_num_threads(),
             "bucket_size": lomo["bucket_size"]}
 
 
@@ -360,6 +412,14 @@ def report(args, r: dict) -> None:
         if name == "lomo":
             line += f"; planner {r['predicted_lomo_bytes'] / mib:.1f} MiB ({total / r['predicted_lomo_bytes']:.3f}x)"
         print(line)
+    passes = r.get("memory_passes")
+    if passes and "deepspeed floor" in med:
+        floor = med["deepspeed floor"]
+        how = "the fused CPU kernels" if passes["kernels"] else "torch ops"
+        print(f"memory passes per step, every rank at once ({how}): stepping the shard from the ranks' rows "
+              f"{1e3 * passes['step']:.1f} ms, the pass any fused update of fp32 shards makes: lomo / floor >= "
+              f"{1 + passes['step'] / floor:.3f} on this machine; packing the gradient for the peers "
+              f"{1e3 * passes['pack']:.1f} ms; the two: {1 + (passes['step'] + passes['pack']) / floor:.3f}")
     print(f"lomo vs fsdp2 sgd parameters after {args.warmup + args.steps + args.measure_steps} steps: "
           f"max abs difference {r['max_abs_diff']:.2e}")
 
