@@ -54,6 +54,7 @@ import lomo_ds
 from experiments import common
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planning.planner import ModelSpec
+from lomo_ds.runtime.host_malloc import keep_freed_memory
 from lomo_ds.runtime.launch import as_deepspeed_launched
 
 LR = 1e-3
@@ -73,7 +74,13 @@ PRESETS = {
 
 
 def start_ranks() -> None:
+    """The ranks as a training run starts them: DeepSpeed's environment, and on CPU ranks freed
+    memory kept for the next step (as launch/train.py does), which every engine of the process shares."""
+    from lomo_ds.runtime.device import accelerator_device
+
     as_deepspeed_launched()
+    if accelerator_device().type == "cpu":
+        keep_freed_memory()
     lomo_ds.init_distributed()
 
 

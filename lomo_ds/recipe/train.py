@@ -188,14 +188,19 @@ class TrainRecipe:
 
         from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
         from lomo_ds.runtime.dist import init_distributed
+        from lomo_ds.runtime.host_malloc import keep_freed_memory
 
         torch.manual_seed(self.cfg.train.seed)
         init_distributed(timeout_s=self.cfg.lomo.collective_timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.barrier = torch.distributed.barrier
-        # CPU ranks split the cores (unless OMP_NUM_THREADS says otherwise); the run's first line says which.
-        threads = set_cpu_threads(accelerator_device())
-        self.say(f"run: {self.cfg.train.method} on {self.world} rank(s), {threads}; "
+        # CPU ranks split the cores (unless OMP_NUM_THREADS says otherwise) and keep the memory a step
+        # frees for the next (unless MALLOC_* says otherwise); the run's first line says which.
+        device = accelerator_device()
+        host = set_cpu_threads(device)
+        if device.type == "cpu":
+            host += f", {keep_freed_memory()}"
+        self.say(f"run: {self.cfg.train.method} on {self.world} rank(s), {host}; "
                  f"config {self.cfg.source_path or 'given in memory'}")
         if self.cfg.train.method in LOMO_METHODS:
             self.say(f"update: {self.cfg.lomo.describe_update()}")

@@ -1,0 +1,54 @@
+"""A CPU rank keeps freed memory for reuse (lomo_ds/runtime/host_malloc.py): a block freed and
+allocated again is not page-faulted in anew. Each check runs in a fresh interpreter, whose malloc
+has not been tuned yet."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+
+# Allocate, touch and free a 64 MiB block (above glibc's largest mmap threshold) three times; the
+# page faults of the last round, and the line keep_freed_memory returned (None: not called).
+PROBE = """
+import json, resource, sys, torch
+line = None
+if sys.argv[1] == "keep":
+    from lomo_ds.runtime.host_malloc import keep_freed_memory
+    line = keep_freed_memory()
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = torch.empty(16 * 2**20)
+    block.fill_(1.0)
+    del block
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"faults": faults, "line": line}))
+"""
+PAGES = 64 * 2**20 // 4096
+
+
+def probe(mode: str, **env) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], env={**clean, **env}, capture_output=True,
+                         text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_freed_blocks_are_reused_without_page_faults():
+    untuned, kept = probe("as is"), probe("keep")
+    # As glibc ships: the block is mmapped afresh each round, every page faulted in (and zeroed).
+    assert untuned["faults"] >= PAGES * 0.9, untuned
+    # Kept: the heap's block is reused, no page is faulted again.
+    assert kept["faults"] < PAGES * 0.05, kept
+    assert kept["line"].startswith("freed memory kept for the next step"), kept
+
+
+def test_the_users_allocator_choice_is_left_alone():
+    chosen = probe("keep", MALLOC_ARENA_MAX="2")
+    assert chosen["line"] == "malloc as the environment sets it (MALLOC_ARENA_MAX)", chosen
+    assert chosen["faults"] >= PAGES * 0.9, chosen  # mallopt was not called
