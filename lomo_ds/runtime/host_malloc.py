@@ -4,10 +4,10 @@ A CPU step allocates the same large tensors every step (gathered parameters, act
 gradients, logits) and frees them again. glibc's malloc serves a block of 32 MiB or more (and
 smaller ones, until its dynamic threshold has grown) with a fresh mmap, and hands it back with
 munmap on free; the top of its heap is trimmed as soon as 128 KiB lie free there. Every step then
-page-faults its working set in again and the kernel zeroes each page first: on the 2-rank CPU
-benchmark (experiments/bench_fsdp.py) that was a tenth of the floor step's samples
-(clear_page_erms), and it moved with the other allocations of the process (glibc's threshold
-adapts to what was freed last), which made step times jump between runs.
+page-faults its working set in again, and the kernel zeroes each page first: in a profile of the
+2-rank CPU benchmark's floor (experiments/bench_fsdp.py) the zeroing alone took 8% of the samples.
+How much of it a step pays moves with the process's other allocations (glibc's threshold adapts to
+the blocks freed last), so step times also jumped between runs.
 
 `keep_freed_memory` turns both off for the process (mallopt): no mmap for any block, and the heap
 trimmed only above 2 GiB free. The rank's resident memory then stays at its peak between steps,
