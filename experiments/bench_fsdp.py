@@ -40,7 +40,8 @@ buffers of the step's sizes: packing this rank's whole gradient for its peers (c
 and stepping this rank's shard from every rank's row of its slice. The second is the pass any fused
 SGD update of fp32 shards must make (read each rank's gradient slice and the shard, write the
 shard); with the floor's step it gives the least lomo / floor this machine allows, and with the
-first, what this transport's passes allow. What lomo costs beyond both is its hooks' own time.
+first, what this transport's passes allow. What lomo costs beyond both is its hooks' other work
+and any slowdown of the compute around them.
 """
 from __future__ import annotations
 
