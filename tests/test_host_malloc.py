@@ -37,7 +37,8 @@ PAGES = 64 * 2**20 // 4096
 
 
 def probe(mode: str, **env) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "LOMO_DS_KEEP_FREED_MEMORY")}
     out = subprocess.run([sys.executable, "-c", PROBE, mode], env={**clean, **env}, capture_output=True,
                          text=True, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -52,7 +53,10 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert kept["line"].startswith("freed memory kept for the next step"), kept
 
 
-def test_the_users_allocator_choice_is_left_alone():
+def test_the_users_allocator_choice_and_the_switch_are_honoured():
     chosen = probe("keep", MALLOC_ARENA_MAX="2")
     assert chosen["line"] == "malloc as the environment sets it (MALLOC_ARENA_MAX)", chosen
     assert chosen["faults"] >= ROUNDS * PAGES * 0.9, chosen  # mallopt was not called
+    switched_off = probe("keep", LOMO_DS_KEEP_FREED_MEMORY="0")
+    assert switched_off["line"] == "glibc's malloc as it is (LOMO_DS_KEEP_FREED_MEMORY=0)", switched_off
+    assert switched_off["faults"] >= ROUNDS * PAGES * 0.9, switched_off

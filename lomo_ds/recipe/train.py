@@ -194,18 +194,19 @@ class TrainRecipe:
         init_distributed(timeout_s=self.cfg.lomo.collective_timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.barrier = torch.distributed.barrier
-        # CPU ranks split the cores (unless OMP_NUM_THREADS says otherwise) and keep the memory a step
-        # frees for the next (unless MALLOC_* says otherwise); the run's first line says which.
+        # CPU ranks split the cores (unless OMP_NUM_THREADS says otherwise); the run's first line says which.
         device = accelerator_device()
-        host = set_cpu_threads(device)
-        if device.type == "cpu":
-            host += f", {keep_freed_memory()}"
-        self.say(f"run: {self.cfg.train.method} on {self.world} rank(s), {host}; "
+        threads = set_cpu_threads(device)
+        self.say(f"run: {self.cfg.train.method} on {self.world} rank(s), {threads}; "
                  f"config {self.cfg.source_path or 'given in memory'}")
         if self.cfg.train.method in LOMO_METHODS:
             self.say(f"update: {self.cfg.lomo.describe_update()}")
         self.setup_data()  # before the model: a malformed file fails fast and cheap
         self.setup_engine()
+        if device.type == "cpu":
+            # From here on the steps keep the memory they free for the next (unless MALLOC_* says
+            # otherwise); only now, so that what loading the model freed went back to the kernel.
+            self.say(f"host memory: {keep_freed_memory()}")
         self.start_step = self.resume_point()
         from lomo_ds.recipe.metrics import Metrics
 
