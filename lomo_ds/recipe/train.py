@@ -204,8 +204,8 @@ class TrainRecipe:
         self.setup_data()  # before the model: a malformed file fails fast and cheap
         self.setup_engine()
         if device.type == "cpu":
-            # From here on the steps keep the memory they free for the next (unless MALLOC_* says
-            # otherwise); only now, so that what loading the model freed went back to the kernel.
+            # From here on the steps keep the memory they free for the next (host_malloc.py says when
+            # not); only now, so that what loading the model freed went back to the kernel.
             self.say(f"host memory: {keep_freed_memory()}")
         self.start_step = self.resume_point()
         from lomo_ds.recipe.metrics import Metrics

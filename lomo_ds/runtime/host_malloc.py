@@ -12,7 +12,7 @@ the blocks freed last), so step times also jumped between runs.
 `keep_freed_memory` turns both off for the process (mallopt): no mmap for any block, and the heap
 trimmed only above 2 GiB free. The price is resident memory: it stays at its peak between steps,
 and the heap holds holes that a block of another size cannot reuse (`make demo`: a step 13%
-faster, peak resident memory 3.3 GB per rank instead of 2.85). LOMO_DS_KEEP_FREED_MEMORY=0 leaves
+faster, a peak 15% higher; experiments/RESULTS.md). LOMO_DS_KEEP_FREED_MEMORY=0 leaves
 malloc as it is; so does a MALLOC_* variable or a preloaded jemalloc / tcmalloc (the user chose),
 or a C library other than glibc.
 """
@@ -32,7 +32,7 @@ ENV = "LOMO_DS_KEEP_FREED_MEMORY"
 
 def keep_freed_memory() -> str:
     """Keep freed memory in this process for reuse (see the module's docstring). Returns what was
-    decided, for the run's first log line."""
+    decided, for the run's `host memory:` line."""
     if os.environ.get(ENV, "1") == "0":
         return f"glibc's malloc as it is ({ENV}=0)"
     chosen = sorted(k for k in os.environ if k.startswith("MALLOC_"))
