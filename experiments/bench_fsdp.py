@@ -250,8 +250,9 @@ def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, floa
     shared-memory transport makes per step, on buffers of the step's sizes: "pack" copies this rank's
     whole gradient into a payload and sums its |elements| (the non-finite flag), "step" steps this
     rank's shard by the sum of `world` rows of its slice. With the fused kernels, as lomo runs them;
-    else torch's ops."""
+    else torch's ops, as lomo's fallback does (copy then flag; rows added into one slice, then the step)."""
     from lomo_ds.engine import cpu_kernels
+    from lomo_ds.engine.buckets import nonfinite_marker
 
     kernels = cpu_kernels.load()
     shard = -(-n_params // world)
@@ -260,19 +261,23 @@ def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, floa
     payload = torch.empty(n_params, device="cpu")
     rows = [torch.randn(shard, generator=g, device="cpu") for _ in range(world)]
     weights = torch.randn(shard, generator=g, device="cpu")
+    summed = torch.empty(shard, device="cpu")  # the fallback's reduced slice
 
     def pack():
         if kernels:
             kernels.copy_abs_sum(payload, grad)
         else:
             payload.copy_(grad)
-            float(payload.abs().sum())
+            float(nonfinite_marker(payload))
 
     def step():
         if kernels:
             kernels.sgd_rows(weights, rows, LR, 1.0, None, 0.0)
         else:
-            weights.add_(torch.stack(rows).sum(0), alpha=-LR)
+            summed.copy_(rows[0])
+            for row in rows[1:]:
+                summed.add_(row)
+            weights.add_(summed, alpha=-LR)
 
     out = {}
     for name, fn in (("pack", pack), ("step", step)):
