@@ -208,3 +208,35 @@ def check_low_precision_accumulator() -> dict:
         out[dtype] = {"max_abs_diff": r["max_abs_diff"], "fused": r["fused"],
                       "accumulator_bytes": r["accumulator_bytes"], "local_elements": r["local_elements"]}
     return out
+
+
+def check_token_seed(k: int) -> dict:
+    """loss_normalization "tokens" with loss scaling and norm clipping, windows of `k`: the result
+    is SGD's on the token mean, and what each backward is seeded with stays near the loss scale
+    (a token sum seeded as tokens x scale overflows fp16 for log2(tokens) halvings of the scale).
+    Records the largest seed / (loss x loss scale) and the label tokens per micro-batch and rank."""
+    cfg = ds_cfg(accumulation_steps=k, loss_normalization="tokens", clip_grad_norm=0.5,
+                 loss_scale={"enabled": True, "initial_scale_power": 16})
+    ref = tiny_llama(4)
+    engine = lomo_ds.initialize(copy.deepcopy(ref), cfg)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    seeds = []
+    inner = engine._backward_loss
+
+    def recorded(loss, labelled, tokens, loss_scale, per_token=1.0):
+        out = inner(loss, labelled, tokens, loss_scale, per_token)
+        if labelled:
+            seeds.append(float(out.detach()) / (float(loss.detach()) * (engine.loss_scaler.scale)))
+        return out
+
+    engine._backward_loss = recorded
+    norms = []
+    for step in range(STEPS):
+        window = window_batches(step, engine.world, k, uneven=True)
+        calls = run_window(engine, window)
+        _, ref_norm = reference_window(ref, opt, window, tokens=True, clip_norm=0.5)
+        norms.append((calls[-1]["grad_norm"], ref_norm))
+    tokens = [label_count(mb) for step in range(STEPS) for mbs in window_batches(step, engine.world, k, uneven=True)
+              for mb in mbs]
+    return {"max_abs_diff": max_diff(engine, ref), "max_seed_over_scale": max(seeds), "min_tokens": min(tokens),
+            "norms": norms, "skipped": engine.skipped_steps}

@@ -49,7 +49,8 @@ NONFINITE = multi_rank_checks(
 )
 # Bookkeeping that does not depend on the shard layout: on 2 ranks.
 (nonfinite_loss, overflow_scale, loss_scale, tokens_clip_norm, accumulate_on_cpu, low_precision, resume,
- start_window_misuse, offload_host_thread, adalomo_host_thread, adalomo_clip_norm_host_thread) = multi_rank_checks(
+ start_window_misuse, offload_host_thread, adalomo_host_thread, adalomo_clip_norm_host_thread,
+ token_seed_single, token_seed_window) = multi_rank_checks(
     [2],
     nonfinite_loss=lambda: A.check_nonfinite(CFG(), poison_micro=1, when_loss=True),
     overflow_scale=lambda: A.check_nonfinite(CFG(loss_scale={"enabled": True, "initial_scale_power": 8}),
@@ -69,6 +70,8 @@ NONFINITE = multi_rank_checks(
     adalomo_clip_norm_host_thread=lambda: EQ(lambda: tiny_llama(1), A.adalomo_acc_cfg(clip_grad_norm=0.5,
                                                                                      host_update="thread"),
                                              adalomo=True, clip_norm=0.5),
+    token_seed_single=lambda: A.check_token_seed(1),
+    token_seed_window=lambda: A.check_token_seed(K),
 )
 
 
@@ -169,3 +172,111 @@ def test_checkpoints_only_at_step_boundaries_and_resume_exactly(rank_results):
     misuse = ok(rank_results(2), start_window_misuse)
     assert "expected 1..3 micro-batches, got 4" in misuse["too_long"]
     assert "before a window's first micro-batch" in misuse["mid_window"]
+
+
+class _LateCopy:
+    """A device copy that reads its host source only when the device gets to it: when waited for,
+    or when the test lets the device run on (complete); what an asynchronous host-to-device copy
+    queued behind other work does."""
+
+    def __init__(self, src, out):
+        self.src, self.out, self.done = src, out, False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.complete()
+
+    def complete(self):
+        if not self.done:
+            self.out.copy_(self.src)
+            self.done = True
+
+
+def test_host_accumulator_is_zeroed_only_after_the_device_has_read_it(monkeypatch):
+    """accumulate_on cpu without fusion (norm clipping, fp16): the step reads the pinned sums with
+    copies the device runs later, then the window ends with zero(). zero() must wait for those
+    copies, or the device reads zeros or a partial sum. Here the copies read their source only when
+    waited for or when the test lets them run after zero() has returned; without the wait in zero()
+    the step sees zeros."""
+    import torch
+
+    from lomo_ds.engine import accumulation
+    from lomo_ds.runtime import ds_compat
+
+    params = [torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(4))]
+    monkeypatch.setattr(ds_compat, "shard", lambda p: p.data)
+    monkeypatch.setattr(ds_compat, "param_id", id)
+    copies = []
+
+    def late_read(buf, device):
+        out = torch.empty(buf.shape, dtype=torch.float32)
+        copies.append(_LateCopy(buf, out))
+        return out, copies[-1]
+
+    monkeypatch.setattr(accumulation, "read_async", late_read)
+    acc = accumulation.ShardAccumulator(params, lambda p: p.numel(), torch.float32, on_host=True)
+    for i, p in enumerate(params):
+        acc.add(p, torch.arange(p.numel(), dtype=torch.float32) + i)
+    device = torch.device("meta")  # anything but the buffers' device: the copy path
+    totals = [acc.total(p, device) for p in params]
+    acc.zero()
+    for c in copies:
+        c.complete()  # the device runs the copies now, if nobody waited for them
+    for i, (p, t) in enumerate(zip(params, totals, strict=True)):
+        assert torch.equal(t, torch.arange(p.numel(), dtype=torch.float32) + i), "the step read a zeroed buffer"
+    assert all(not b.any() for b in acc.buffers.values())
+
+
+def test_host_accumulator_adds_finished_copies_without_waiting(monkeypatch):
+    """Slices copied to the host are added once their copies are done, polled at later buckets
+    (event.query), never waited for inside the backward unless too many bytes are in flight."""
+    import torch
+
+    from lomo_ds.engine import accumulation
+    from lomo_ds.runtime import ds_compat
+
+    class Copy:
+        def __init__(self):
+            self.done, self.waited = False, 0
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited += 1
+            self.done = True
+
+    events = []
+    monkeypatch.setattr(accumulation, "record_event", lambda device: events.append(Copy()) or events[-1])
+    monkeypatch.setattr(ds_compat, "shard", lambda p: p.data)
+    monkeypatch.setattr(ds_compat, "param_id", id)
+    params = [torch.nn.Parameter(torch.zeros(8)) for _ in range(3)]
+    acc = accumulation.ShardAccumulator(params, lambda p: p.numel(), torch.float32, on_host=True)
+    # Device slices: a "meta" slice is not on the buffer's device, so add() stages a copy.
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: torch.ones(self.shape))
+    for p in params:
+        acc.add(p, torch.empty(8, device="meta"))
+    assert len(acc._pending) == 3 and not any(e.waited for e in events)
+    events[0].done = True
+    acc.add(params[0], torch.empty(8, device="meta"))
+    assert len(acc._pending) == 3 and not any(e.waited for e in events), "a finished copy is added, none waited"
+    monkeypatch.setattr(accumulation, "MAX_PENDING_BYTES", 8 * 4)
+    acc.add(params[1], torch.empty(8, device="meta"))
+    assert sum(e.waited for e in events) >= 1, "past the in-flight bound the oldest copy is waited for"
+    acc.settle()
+    assert not acc._pending and acc.buffer(params[0]).tolist() == [2.0] * 8
+
+
+@pytest.mark.parametrize("check", [token_seed_single, token_seed_window], ids=str)
+def test_token_normalised_backward_is_seeded_near_the_loss_scale(rank_results, check):
+    """loss_normalization tokens under loss scaling: SGD's result on the token mean (clipping on),
+    and no backward seeded with more than a few times the loss scale, however many label tokens a
+    micro-batch has (each rank's token sum is weighted by a power of two near 1 / the mean)."""
+    r = ok(rank_results(2), check)
+    assert r["max_abs_diff"] <= TOL and not r["skipped"]
+    for got, want in r["norms"]:
+        assert got == pytest.approx(want, rel=1e-5)
+    assert r["min_tokens"] >= 8, "the check needs micro-batches of many label tokens"
+    assert r["max_seed_over_scale"] <= 2 * 2, r  # tokens / mean tokens per rank, times < 2 for the power of two

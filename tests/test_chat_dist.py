@@ -36,7 +36,7 @@ def export_method(method: str) -> dict:
     eng = fresh_engine(run_config(method), total_steps=max(steps, 1))
     for s in range(steps):
         eng.train_step(batch_for(s, eng))
-    export_hf(eng, chatml_tokenizer(), out_dir, torch.distributed.barrier)
+    export_hf(eng, chatml_tokenizer(), out_dir, 600.0)
     logits = eng.eval_forward({"input_ids": PROBE}).logits
     if eng.rank == 0:
         torch.save({"input_ids": PROBE, "logits": logits}, os.path.join(out_dir, "engine_logits.pt"))

@@ -144,6 +144,9 @@ class OutputConfig(Section):
     checkpoint_every: Int | None = Field(None, ge=1)
     keep_last: Int = Field(2, ge=1)  # resumable checkpoints kept on disk
     export_hf: bool = True  # write a Hugging Face model directory at the end
+    # Seconds a rank waits for the others while checkpoint or export files are written (a slow disk
+    # must not trip lomo.collective_timeout: 130 GB at 200 MB/s is 11 minutes).
+    io_timeout: float = Field(4 * 3600, gt=0)
     metrics_file: str = "metrics.jsonl"  # inside `dir`
     tensorboard: bool = False
 

@@ -20,9 +20,12 @@ into it; a step is taken from the accumulated sum once per window of K micro-bat
 
 `accumulate_on: cpu` keeps the sums in pinned host memory, for models where even 1/N in fp32 does
 not fit beside the activations: each slice is copied over without blocking the backward (the add
-happens at the next bucket, when the copy is done), and at the update the sum is copied back
-without blocking. On a CPU rank host memory is the device, and with `offload_param: cpu` the
-shards (and so the accumulator, which lives with them) are in host memory already.
+happens once its copy has finished: polled at the next buckets, waited for only when too many
+bytes are in flight), and at the update the sum is copied back without blocking. The device reads
+those copies after the host has moved on, so a buffer is zeroed only once every copy read from it
+is done (an event per copy, waited for in zero()). On a CPU rank host memory is the device, and
+with `offload_param: cpu` the shards (and so the accumulator, which lives with them) are in host
+memory already.
 """
 from __future__ import annotations
 
@@ -31,8 +34,19 @@ import threading
 import torch
 
 from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.device import record_event
 
 ACCUMULATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Staged device-to-host slices not yet added: past this, add() waits for the oldest copy instead of
+# letting pinned staging grow (a few buckets' worth keeps the backward from ever waiting on one).
+MAX_PENDING_BYTES = 256 << 20
+
+
+def read_async(buf: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object | None]:
+    """`buf` as fp32 on `device`, copied without blocking when it lives elsewhere; the event after
+    the copy (None: no copy in flight). `buf` must not be written before that event has passed."""
+    out = buf.to(device, torch.float32, non_blocking=True)
+    return out, (record_event(device) if buf.device != device else None)
 
 
 def check_window(micro_batches: int, accumulation_steps: int, accumulated: int) -> None:
@@ -60,8 +74,11 @@ class ShardAccumulator:
             pin = on_host and shard_device.type != "cpu"
             self.buffers[ds_compat.param_id(p)] = torch.zeros(local_elements(p), dtype=dtype, device=device,
                                                               pin_memory=pin)
-        # Host copies of slices still in flight: (buffer, staged copy, event), added at the next bucket.
+        # Host copies of slices still in flight: (buffer, staged copy, event), added once done.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+        self._pending_bytes = 0
+        # Events after the device copies that read the buffers (total()): zero() waits for them.
+        self._reads: list[object] = []
         # With offloaded shards the host-update worker adds and totals their buffers while the
         # backward's thread may stage slices of shards on the device (host_updates.py).
         self._lock = threading.Lock()
@@ -81,27 +98,31 @@ class ShardAccumulator:
         if real.device == buf.device:
             buf.add_(real)
             return
-        # Device slice, host buffer: copy without blocking; the add waits for the copy at the next
-        # bucket (or at settle()), so the copy overlaps the backward's next kernels.
+        # Device slice, host buffer: copy without blocking; the add happens once the copy is done,
+        # polled here at later buckets (no host sync), so the copy overlaps the backward's kernels.
         with self._lock:
-            self._settle()
+            self._settle(block=False)
             staged = real.to(buf.device, non_blocking=True)
-            event = torch.cuda.Event() if real.device.type == "cuda" else None
-            if event is not None:
-                event.record()
-            self._pending.append((buf, staged, event))
+            self._pending.append((buf, staged, record_event(real.device)))
+            self._pending_bytes += staged.numel() * staged.element_size()
 
     def settle(self) -> None:
         """Finish the host adds whose copies were still in flight."""
         with self._lock:
             self._settle()
 
-    def _settle(self) -> None:
-        for buf, staged, event in self._pending:
-            if event is not None:
+    def _settle(self, block: bool = True) -> None:
+        """Add the staged slices whose copies are done, oldest first: all of them (block), or those
+        finished by now plus the oldest while more than MAX_PENDING_BYTES are in flight."""
+        while self._pending:
+            buf, staged, event = self._pending[0]
+            if event is not None and not event.query():
+                if not block and self._pending_bytes <= MAX_PENDING_BYTES:
+                    return
                 event.synchronize()
             buf.add_(staged)
-        self._pending.clear()
+            self._pending.pop(0)
+            self._pending_bytes -= staged.numel() * staged.element_size()
 
     def total(self, param: torch.nn.Parameter, device: torch.device, grad_shard: torch.Tensor | None = None
               ) -> torch.Tensor:
@@ -110,23 +131,39 @@ class ShardAccumulator:
         when it is fp32 and on `device`, else a copy (the buffer is zeroed after the step anyway)."""
         self.settle()
         buf = self.buffer(param)
-        total = buf.to(device, torch.float32, non_blocking=True)
+        total, event = read_async(buf, device)
+        if event is not None:
+            with self._lock:
+                self._reads.append(event)
         if grad_shard is not None and buf.numel():
             total.add_(grad_shard[:buf.numel()].to(device, torch.float32))
         return total
 
-    def sum_of_squares(self, params) -> float:
+    def sum_of_squares(self, params) -> torch.Tensor:
         """This rank's share of the squared global norm of the accumulated gradient (fp32 per
-        tensor, summed in fp64 as torch's clip_grad_norm_ does); inf when something overflowed."""
+        tensor, summed in fp64 as torch's clip_grad_norm_ does; inf when something overflowed), as
+        a CPU fp64 scalar. Summed on each buffer's device and read once per device at the end, not
+        once per tensor (each read of a device tensor waits for the device)."""
         self.settle()
-        total = 0.0
+        totals: dict[torch.device, torch.Tensor] = {}
         for p in params:
             buf = self.buffer(p)
             if buf.numel():
-                total += float(torch.linalg.vector_norm(buf, dtype=torch.float32)) ** 2
+                sq = torch.linalg.vector_norm(buf, dtype=torch.float32).to(torch.float64) ** 2
+                totals[buf.device] = totals[buf.device] + sq if buf.device in totals else sq
+        total = torch.zeros((), dtype=torch.float64, device="cpu")
+        for t in totals.values():
+            total += t.cpu()
         return total
 
     def zero(self) -> None:
+        """Zero every buffer for the next window, once the device has finished reading them: a
+        copy total() started may still be in flight when the host gets here (nothing else waits
+        for it on the path that applies the step after the backward)."""
         self.settle()
+        with self._lock:
+            reads, self._reads = self._reads, []
+        for event in reads:
+            event.synchronize()
         for b in self.buffers.values():
             b.zero_()

@@ -322,16 +322,27 @@ class LomoEngine:
         token_loss, all_tokens = weighted if by_tokens else (0.0, 0.0)
         return _Agreed(total / n_labelled, token_loss, all_tokens, False, False)
 
-    def _backward_loss(self, loss: torch.Tensor, labelled: bool, tokens: int, loss_scale: float) -> torch.Tensor:
-        """What this rank back-propagates: its token-mean loss ("mean"), or its token sum ("tokens");
-        unscaled and averaged afterwards, by the update's grad_scale."""
+    def _backward_loss(self, loss: torch.Tensor, labelled: bool, tokens: int, loss_scale: float,
+                       per_token: float = 1.0) -> torch.Tensor:
+        """What this rank back-propagates: its token-mean loss ("mean"), or its token sum ("tokens")
+        times `per_token` (_token_weight); unscaled and averaged afterwards, by the update's grad_scale."""
         if not labelled:
             # Nothing to learn on this rank, but its backward still runs (ZeRO-3's gathers and
             # the reduce-scatter are collectives) and contributes a zero gradient. transformers'
             # 0/0 loss already back-propagates zeros; a model's own loss may not.
             return loss * 0.0
-        weight = tokens if self.config.loss_normalization == "tokens" else 1
+        weight = tokens * per_token if self.config.loss_normalization == "tokens" else 1
         return loss * (weight * loss_scale)
+
+    def _token_weight(self, all_tokens: float) -> float:
+        """With loss_normalization "tokens", what each rank's token sum is multiplied by before the
+        backward: about one over the mean label tokens per rank, a power of two (so the gradient is
+        the token sum's exactly, rescaled). A seed of tokens x loss_scale would overflow fp16 for
+        log2(tokens) halvings of the scale, at the start and after every regrowth; this one is as
+        large as "mean"'s. 1 for "mean", or before any rank has a label."""
+        if self.config.loss_normalization != "tokens" or all_tokens <= 0:
+            return 1.0
+        return 2.0 ** -math.floor(math.log2(max(all_tokens / self.world, 1.0)))
 
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
         """One micro-batch of this rank: a forward and a backward. With accumulation_steps K > 1,
@@ -363,9 +374,11 @@ class LomoEngine:
             # backward, so no rank starts one.
             del raw_loss
             return self._skip(result, overflow=agreed.nonfinite)
-        result["normalizer"] = self._normalizer(1, agreed.tokens)
+        per_token = self._token_weight(agreed.tokens)
+        # What the summed gradient is divided by: the seed's per-token weight included.
+        result["normalizer"] = self._normalizer(1, agreed.tokens) * per_token
         grad_scale = 1.0 / (result["normalizer"] * loss_scale)  # averaged, unscaled
-        loss = self._backward_loss(raw_loss, labelled, tokens, 1.0)
+        loss = self._backward_loss(raw_loss, labelled, tokens, 1.0, per_token)
         del raw_loss
         if self.two_passes:
             retain = not recompute
@@ -389,7 +402,7 @@ class LomoEngine:
             else:
                 # The same random draws (dropout) as the measured forward: the same graph.
                 restore_rng(rng, self.device)
-                loss = self._backward_loss(loss_of(self.forward(batch)), labelled, tokens, 1.0)
+                loss = self._backward_loss(loss_of(self.forward(batch)), labelled, tokens, 1.0, per_token)
             grad_scale *= coef
         rule = UpdateRule(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
                           weight_decay=self.config.weight_decay)
@@ -432,6 +445,11 @@ class LomoEngine:
         raw_loss = loss_of(self.forward(batch))
         agreed = self._agree_on_loss(raw_loss, labelled, tokens)
         window.note(agreed)
+        if window.per_token is None and agreed.tokens > 0:
+            # One weight for the whole window (its micro-batches' gradients are summed), chosen
+            # from the first micro-batch with labels.
+            window.per_token = self._token_weight(agreed.tokens)
+        per_token = window.per_token or 1.0
         fused = last and self.fused_accumulation
         if window.nonfinite or agreed.unlabelled:
             # Known on every rank before the backward (a non-finite loss here, or something
@@ -441,12 +459,12 @@ class LomoEngine:
         else:
             # Fused: the update rides on this backward, with the window's normalisation.
             rule = (UpdateRule(lr=lr, grad_scale=1.0 / (self._normalizer(self.window_length, window.tokens)
-                                                         * loss_scale),
+                                                         * per_token * loss_scale),
                                clip_value=self.config.clip_grad_value, weight_decay=self.config.weight_decay)
                     if fused else UpdateRule())
             self.bucket_mode = "fold" if fused else "add"
             try:
-                loss = self._backward_loss(raw_loss, labelled, tokens, loss_scale)
+                loss = self._backward_loss(raw_loss, labelled, tokens, loss_scale, per_token)
                 del raw_loss
                 stats = self._backward(loss, rule, measure=False, retain_graph=False)
             finally:
@@ -473,12 +491,11 @@ class LomoEngine:
             # the whole step is skipped on every rank, once.
             self.accumulator.zero()
             return self._skip(result, overflow=window.nonfinite)
-        result["normalizer"] = self._normalizer(length, window.tokens)
+        result["normalizer"] = self._normalizer(length, window.tokens) * (window.per_token or 1.0)
         if not fused:
             grad_scale = 1.0 / (result["normalizer"] * result["loss_scale"])
             # Exact global norm of the accumulated gradient: per-rank sums of squares, one all-reduce.
-            norm_sq = torch.tensor([self.accumulator.sum_of_squares(self.params) * grad_scale**2],
-                                   dtype=torch.float64, device="cpu")
+            norm_sq = (self.accumulator.sum_of_squares(self.params) * grad_scale**2).reshape(1)
             (total,) = self._sum_over_ranks(norm_sq, "squared norm")
             norm = math.sqrt(total) if math.isfinite(total) else math.inf
             result["grad_norm"] = norm
@@ -554,7 +571,10 @@ class LomoEngine:
 
     def shard_state_dict(self) -> dict[str, Any]:
         """This rank's part of a resumable checkpoint: its shards, masters and the step state.
-        Only at a step boundary: the accumulator is then empty, so it is not part of the state."""
+        Only at a step boundary: the accumulator is then empty, so it is not part of the state.
+        The tensors are the live shards themselves, not copies (a node's ranks would otherwise
+        hold the whole model twice in host memory): write them out before the next step.
+        torch.save copies a device tensor to the host one at a time as it writes it."""
         if self.micro_step:
             raise RuntimeError(f"shard_state_dict: {self.micro_step} micro-batch(es) of a window of "
                                f"{self.window_length} are accumulated; checkpoint at a step boundary")
@@ -562,8 +582,8 @@ class LomoEngine:
         return {
             "world": self.world,
             "rank": self.rank,
-            "shards": {names[id(p)]: ds_compat.shard(p).detach().cpu().clone() for p in self.params},
-            "masters": {names[id(p)]: self.updater.masters[ds_compat.param_id(p)].cpu().clone()
+            "shards": {names[id(p)]: ds_compat.shard(p).detach() for p in self.params},
+            "masters": {names[id(p)]: self.updater.masters[ds_compat.param_id(p)].detach()
                         for p in self.params if ds_compat.param_id(p) in self.updater.masters},
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
@@ -636,6 +656,7 @@ class _Window:
     tokens: float = 0.0
     nonfinite: bool = False
     backwards: int = 0  # micro-batches whose gradient is in the accumulator
+    per_token: float | None = None  # the window's backward seed weight (LomoEngine._token_weight)
 
     def note(self, agreed: _Agreed) -> None:
         self.nonfinite |= agreed.nonfinite

@@ -80,7 +80,10 @@ def load_rank_state(directory: str, rank: int) -> dict[str, Any]:
     path = rank_state_file(directory, rank)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: missing state file for rank {rank}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # Memory-mapped: each tensor is read from the file as it is copied into its shard, so a rank
+    # never holds its whole state in host memory. weights_only: a checkpoint directory from
+    # anywhere else must not run code on every rank (tensors, numbers, strings and containers only).
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 
 class MethodEngine:

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 
 from lomo_ds.config.lomo import ConfigError
 from lomo_ds.config.run import LOMO_METHODS, METHODS, check_model_on_disk, load_run_config, parse_override_args
@@ -187,13 +188,15 @@ class TrainRecipe:
         import torch
 
         from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
-        from lomo_ds.runtime.dist import init_distributed
+        from lomo_ds.runtime.dist import init_distributed, io_barrier
         from lomo_ds.runtime.host_malloc import keep_freed_memory
 
         torch.manual_seed(self.cfg.train.seed)
         init_distributed(timeout_s=self.cfg.lomo.collective_timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.barrier = torch.distributed.barrier
+        # Waits on other ranks' disk writes (checkpoints): under output.io_timeout, not the collectives'.
+        self.io_barrier = partial(io_barrier, self.cfg.output.io_timeout)
         # CPU ranks split the cores (unless OMP_NUM_THREADS says otherwise); the run's first line says which.
         device = accelerator_device()
         threads = set_cpu_threads(device)
@@ -373,13 +376,13 @@ class TrainRecipe:
         from lomo_ds.storage import checkpoint
 
         checkpoint.save_checkpoint(self.cfg.output.dir, self.engine, {"config": self.cfg.to_dict()},
-                                   self.cfg.output.keep_last, self.barrier)
+                                   self.cfg.output.keep_last, self.io_barrier)
 
     def export(self) -> str:
         from lomo_ds.storage import checkpoint
 
         path = checkpoint.export_hf(self.engine, self.tokenizer, os.path.join(self.cfg.output.dir, "hf_model"),
-                                    self.barrier)
+                                    self.cfg.output.io_timeout)
         self.say(f"exported Hugging Face model to {path}")
         return path
 

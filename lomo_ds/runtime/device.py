@@ -34,6 +34,19 @@ def accelerator_device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
+def record_event(device: torch.device):
+    """An event recorded now on `device`'s current stream (None on a CPU, where work is done when
+    the call returns): what waits for work queued so far, without waiting for the whole device."""
+    if device.type in ("cpu", "meta"):
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    event = accelerator.Event()
+    event.record(accelerator.current_stream(device))
+    return event
+
+
 def set_cpu_threads(device: torch.device) -> str:
     """On a CPU rank, give torch this process's cores / the ranks on this node as intra-op threads
     (else every rank starts one thread per core and they fight over them), unless OMP_NUM_THREADS

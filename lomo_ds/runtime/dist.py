@@ -14,13 +14,12 @@ from lomo_ds.runtime.device import group_device, set_rank_device
 
 
 def init_distributed(timeout_s: float | None = None) -> None:
-    """Put this rank on its own accelerator, then start the process group once (gloo on a CPU,
+    """Start the process group once, then put this rank on its own accelerator (gloo on a CPU,
     NCCL on GPUs: DeepSpeed's accelerator picks). `timeout_s` (lomo.collective_timeout): how long
     a collective may wait on a peer before the run fails; NCCL's watchdog then aborts the
     communicator and raises (async error handling) instead of leaving the peers waiting."""
     import deepspeed
 
-    set_rank_device()
     if not torch.distributed.is_initialized():
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
@@ -28,6 +27,28 @@ def init_distributed(timeout_s: float | None = None) -> None:
         if torch.distributed.get_backend() == "gloo":
             torch.distributed.barrier()  # every rank has mapped its peers' shared memory
             ds_compat.forget_shm_allreduce_names()
+    # After DeepSpeed's start: under an MPI-style launcher (mpirun, SLURM's srun) its discovery is
+    # what sets LOCAL_RANK, so before it every rank would pick the first GPU. NCCL makes its
+    # communicators at the first collective, by then on this rank's device.
+    set_rank_device()
+
+
+_IO_GROUPS: dict[float, object] = {}
+
+
+def io_barrier(timeout_s: float) -> None:
+    """Collective: wait for every rank where some rank may spend long on disk (a checkpoint's or an
+    export's files), through a gloo group of its own whose timeout is `timeout_s` (output.io_timeout),
+    not lomo.collective_timeout: a slow disk must not look like a dead peer to NCCL's watchdog,
+    which would kill the job after training with its export half-written. No NCCL collective is in
+    flight while a rank waits here. The group is made on first use, by every rank at the same call."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return
+    group = _IO_GROUPS.get(timeout_s)
+    if group is None:
+        group = _IO_GROUPS[timeout_s] = torch.distributed.new_group(backend="gloo",
+                                                                     timeout=timedelta(seconds=timeout_s))
+    torch.distributed.barrier(group=group)
 
 
 def loss_of(outputs) -> torch.Tensor:

@@ -15,6 +15,7 @@ A checkpoint is first written to a temporary directory; only when every rank's f
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -22,7 +23,9 @@ from typing import Any
 
 import torch
 
+from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import capture_rng, restore_rng
+from lomo_ds.runtime.dist import io_barrier
 from lomo_ds.storage.models import plain_state_dict
 
 CKPT_DIR = "checkpoints"
@@ -116,39 +119,126 @@ def load_checkpoint(path: str, engine) -> dict[str, Any]:
     if not os.path.exists(rng_file):
         raise FileNotFoundError(f"{rng_file}: missing RNG state file for rank {engine.rank}")
     engine.load_state(path)
-    restore_rng(torch.load(rng_file, weights_only=False), engine.device)
+    restore_rng(torch.load(rng_file, weights_only=True), engine.device)
     return meta
 
 
-def export_hf(engine, tokenizer, out_dir: str, barrier, max_shard_size: int | str = MAX_SHARD_SIZE) -> str | None:
-    """Collective: write the full fine-tuned model as a Hugging Face directory that
-    `AutoModelForCausalLM.from_pretrained(out_dir)` loads: safetensors shards of at most
-    `max_shard_size` (bytes, or "5GB"-style) with an index, or one model.safetensors when it all
-    fits in one, as `save_pretrained` writes them. Parameters are gathered one at a time. A LoRA
-    model is written merged; the tokenizer (with its chat template) is saved beside the weights."""
-    from huggingface_hub import save_torch_state_dict
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
-    state = engine.full_state_dict()
-    if engine.rank == 0:
-        module = engine.module
-        state = plain_state_dict(module, state)  # LoRA adapters merged: a plain model of the base architecture
-        # Tied weights are one tensor under several names; safetensors stores it once (under its
-        # first name, the input embedding) and transformers re-ties on load.
-        tensors, seen = {}, set()
-        for name, t in state.items():
-            if id(t) not in seen:
-                seen.add(id(t))
-                tensors[name] = t
-        staging = f"{out_dir}.partial"
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a "5GB"-style string (decimal units, as save_pretrained's max_shard_size)."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    for unit, factor in _UNITS.items():
+        if text.endswith(unit) and text[:-len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[:-len(unit)]) * factor)
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"max_shard_size: expected bytes or a size like '5GB', got {size!r}")
+
+
+def _lora_layer(name: str) -> str | None:
+    """The peft LoRA layer a parameter belongs to (its base weight and adapters are merged together),
+    or None."""
+    for part in (".base_layer.", ".lora_A.", ".lora_B."):
+        if part in name:
+            return name.split(part, 1)[0]
+    return None
+
+
+def export_groups(module: torch.nn.Module, limit: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """The parameters an export writes, in order, cut into files of at most `limit` bytes (a LoRA
+    layer's base weight and adapters never split, nor one tensor larger than the limit). A tied
+    tensor is written once, under its first name (transformers re-ties it on load). The same on
+    every rank: sizes come from each parameter's full shape, not its shard."""
+    units: list[list[tuple[str, torch.nn.Parameter]]] = []
+    seen: set[int] = set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        layer = _lora_layer(name)
+        if units and layer is not None and _lora_layer(units[-1][-1][0]) == layer:
+            units[-1].append((name, p))
+        else:
+            units.append([(name, p)])
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
+    size = 0
+    for unit in units:
+        nbytes = sum(ds_compat.full_numel(p) * p.element_size() for _, p in unit)
+        if not groups or size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].extend(unit)
+        size += nbytes
+    return groups
+
+
+def _gathered(params: list[tuple[str, torch.nn.Parameter]], rank: int) -> dict[str, torch.Tensor]:
+    """Collective: the full parameters on rank 0's host (empty elsewhere), gathered one at a time."""
+    import deepspeed
+
+    out = {}
+    for name, p in params:
+        if ds_compat.is_zero_param(p):
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if rank == 0:
+                    out[name] = p.data.detach().to("cpu", copy=True)
+        elif rank == 0:
+            out[name] = p.data.detach().to("cpu", copy=True)
+    return out
+
+
+def export_hf(engine, tokenizer, out_dir: str, io_timeout: float, max_shard_size: int | str = MAX_SHARD_SIZE,
+              write_file=None) -> str | None:
+    """Collective: write the full fine-tuned model as a Hugging Face directory that
+    `AutoModelForCausalLM.from_pretrained(out_dir)` loads: safetensors files of at most
+    `max_shard_size` (bytes, or "5GB"-style) with an index, or one model.safetensors when it all
+    fits in one, as `save_pretrained` writes them. The tokenizer (with its chat template) is saved
+    beside the weights; a LoRA model is written merged.
+
+    Streamed: parameters are gathered one at a time and rank 0 holds at most one file's tensors in
+    host memory (a 65B model is 130 GB; one file is 5 GB). While rank 0 writes a file the others
+    wait in io_barrier, under `io_timeout` (output.io_timeout), not the collectives' timeout.
+    `write_file(tensors, path)`: how a file is written (safetensors; tests slow it down)."""
+    from safetensors.torch import save_file
+
+    write_file = write_file or (lambda tensors, path: save_file(tensors, path, metadata={"format": "pt"}))
+    module, rank = engine.module, engine.rank
+    limit = parse_size(max_shard_size)
+    groups = export_groups(module, limit)
+    staging = f"{out_dir}.partial"
+    if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-        module.config.save_pretrained(staging)
-        if getattr(module, "generation_config", None) is not None:
-            module.generation_config.save_pretrained(staging)
-        save_torch_state_dict(tensors, staging, max_shard_size=max_shard_size)
+    weight_map, total_size = {}, 0
+    for i, group in enumerate(groups):
+        tensors = _gathered(group, rank)
+        if rank == 0:
+            # LoRA adapters merged: a plain model of the base architecture.
+            tensors = {k: v.contiguous() for k, v in plain_state_dict(module, tensors).items()}
+            fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            write_file(tensors, os.path.join(staging, fname))
+            for k, v in tensors.items():
+                weight_map[k] = fname
+                total_size += v.numel() * v.element_size()
+        del tensors
+        gc.collect()  # a group's tensors may sit in reference cycles (the gathers' hooks): free them now
+        io_barrier(io_timeout)
+    if rank == 0:
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        base = getattr(module, "get_base_model", lambda: module)()
+        base.config.save_pretrained(staging)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(staging, out_dir)
-    barrier()
-    return out_dir if engine.rank == 0 else None
+    io_barrier(io_timeout)
+    return out_dir if rank == 0 else None

@@ -106,8 +106,8 @@ def load_model(cfg: RunConfig, ds_config: dict, rank: int = 0, barrier=None) -> 
 
 
 def plain_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A full state dict under the names the base architecture loads: for a peft LoRA model, every
-    adapter merged into its base weight (W + scaling * B @ A, in fp32, back to W's dtype) and the
+    """A full state dict (or a part of one holding whole LoRA layers) under the names the base
+    architecture loads: for a peft LoRA model, every adapter merged into its base weight (W + scaling * B @ A, in fp32, back to W's dtype) and the
     wrapper's name parts (base_model.model., .base_layer) removed; any other model as it is."""
     try:
         from peft import PeftModel
@@ -121,6 +121,8 @@ def plain_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) ->
         if not isinstance(layer, LoraLayer):
             continue
         weight = f"{name}.base_layer.weight"
+        if weight not in state:  # a part of the model (export_hf writes it a file at a time)
+            continue
         for adapter, scaling in layer.scaling.items():
             if layer.use_dora.get(adapter):
                 raise ValueError(f"{name}: DoRA adapters are not merged by this export")
