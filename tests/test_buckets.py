@@ -338,3 +338,22 @@ def test_step_agreements_go_where_the_buckets_go(rank_results, world):
         assert r["wide"] == pytest.approx(r["wide_expected"], rel=1e-15)
         # Two one-pass steps: the loss before each backward, the verdict after it.
         assert r["process_group_agreements"] == (0 if shm else 4), name
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_shared_memory_named_where_ranks_cannot_use_it_is_refused_on_any_world(monkeypatch, world):
+    """lomo.grad_reduction "shared_memory" on ranks that cannot share memory (one GPU, NCCL) is the
+    config's error, naming CPU (gloo) ranks, on one rank as on several: not a device error from the
+    transport's first use."""
+    from lomo_ds.engine import buckets, shm_reduce_scatter
+    from lomo_ds.runtime import ds_compat
+
+    monkeypatch.setattr(shm_reduce_scatter, "available", lambda group: False)  # NCCL ranks
+    monkeypatch.setattr(ds_compat, "process_group", lambda p: None)
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match=r"lomo.grad_reduction: 'shared_memory' needs CPU \(gloo\) ranks"):
+        buckets.resolve_transport("shared_memory", params, world)
+    assert buckets.resolve_transport("auto", params, world) == ("direct" if world == 1 else "reduce_scatter")
+    assert buckets.resolve_transport("reduce_scatter", params, world) == "reduce_scatter"
+    monkeypatch.setattr(shm_reduce_scatter, "available", lambda group: True)  # CPU ranks of one node
+    assert buckets.resolve_transport("shared_memory", params, world) == "shared_memory"

@@ -125,8 +125,9 @@ def resolve_transport(requested: str, params: list[torch.nn.Parameter], world: i
         # Nothing to reduce: each gradient is applied as it arrives (one gradient alive, no payload
         # copy). Asked for by name, a transport runs as a one-rank collective (the GPU suite's path).
         return "direct"
-    if world == 1 or requested in ("reduce_scatter", "all_reduce"):
+    if requested in ("reduce_scatter", "all_reduce"):
         return requested
+    # Named on one rank too: one GPU has no shared-memory transport, whatever the world size.
     possible = all(shm_reduce_scatter.available(ds_compat.process_group(p)) for p in params)
     if requested == "shared_memory" and not possible:
         raise ValueError(f"lomo.grad_reduction: 'shared_memory' needs CPU (gloo) ranks all on one x86-64 node, "
