@@ -190,3 +190,28 @@ def accumulation_every_method(windows=(2, 1, 2)) -> dict:
         del accumulating, plain
     return out
 
+
+
+def lora_writes_before_gathers() -> dict:
+    """LoRA+LOMO writes the adapters' shards after the LOMO step: the gather stream must be ordered
+    after those writes. What the adapters' shards hold when the step last orders the gather stream
+    (ds_compat.gathers_wait_for_updates, recorded) must be what they hold after the step."""
+    from lomo_ds.runtime import ds_compat
+
+    eng = fresh_engine(run_config("lora_lomo"), total_steps=0)
+    seen = []
+    inner = ds_compat.gathers_wait_for_updates
+
+    def recorded(offload):
+        seen.append([ds_compat.shard(p).clone() for p in eng.adapters])
+        inner(offload)
+
+    ds_compat.gathers_wait_for_updates = recorded
+    try:
+        eng.train_step(batch_for(0, eng))
+    finally:
+        ds_compat.gathers_wait_for_updates = inner
+    after = [ds_compat.shard(p) for p in eng.adapters]
+    return {"orders": len(seen), "last_order_saw_final_adapters": all(
+        torch.equal(a, b) for a, b in zip(seen[-1], after, strict=True)) if seen else False,
+        "adapters_moved": any(not torch.equal(a, b) for a, b in zip(seen[0], after, strict=True)) if seen else False}

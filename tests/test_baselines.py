@@ -10,10 +10,12 @@ from lomo_ds.methods import METHODS
 from tests import dist_methods_checks as M
 from tests.ranks import multi_rank_checks, ok
 
-interface, resume, lora_lomo_two_passes, fetch_per_layer, accumulation, labelled_logits = multi_rank_checks(
+(interface, resume, lora_lomo_two_passes, fetch_per_layer, accumulation, labelled_logits,
+ lora_writes_before_gathers) = multi_rank_checks(
     [2], interface=lambda: {m: M.interface_and_memory(m) for m in METHODS}, resume=M.resume_every_method,
     lora_lomo_two_passes=M.lora_lomo_two_passes, fetch_per_layer=M.fetch_per_layer,
-    accumulation=M.accumulation_every_method, labelled_logits=M.labelled_logits_every_method)
+    accumulation=M.accumulation_every_method, labelled_logits=M.labelled_logits_every_method,
+    lora_writes_before_gathers=M.lora_writes_before_gathers)
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +158,12 @@ def test_every_method_steps_alike_on_the_labelled_logits_alone(rank_results, met
     assert r["loss_kept"] == pytest.approx(r["loss_full"], rel=1e-6)
     tol = 1e-5 if method == "adamw" else 1e-6  # AdamW's normalised step magnifies summation-order rounding
     assert r["max_diff"] <= tol, r
+
+
+def test_lora_adapter_writes_are_ordered_before_the_next_gathers(rank_results):
+    """The adapters' new values are written after the LOMO step's end ordered ZeRO-3's gather
+    stream; the step orders it again after them (on a GPU the next forward could otherwise gather
+    adapters half-written; a CPU records the order)."""
+    r = ok(rank_results(2), lora_writes_before_gathers)
+    assert r["adapters_moved"] and r["orders"] >= 2
+    assert r["last_order_saw_final_adapters"], r

@@ -88,3 +88,21 @@ def test_cpu_ranks_split_the_cores_unless_omp_num_threads_is_set(monkeypatch):
         assert set_cpu_threads(torch.device("cuda", 0)) == "cuda ranks"
     finally:
         torch.set_num_threads(before)
+
+
+def test_rank_device_is_set_after_deepspeed_discovers_an_mpi_launch(monkeypatch):
+    """Under mpirun or srun, DeepSpeed's init_distributed discovers the ranks and sets LOCAL_RANK:
+    the rank's device is chosen after it, or every rank would take the first GPU."""
+    import deepspeed
+    import torch
+
+    from lomo_ds.runtime import dist
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    seen = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: monkeypatch.setenv("LOCAL_RANK", "3"))
+    monkeypatch.setattr(dist, "set_rank_device", lambda: seen.append(os.environ.get("LOCAL_RANK")))
+    dist.init_distributed(timeout_s=60)
+    assert seen == ["3"]

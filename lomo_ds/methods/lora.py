@@ -118,6 +118,9 @@ class LoraLomoEngine(LomoMethodEngine):
             g = self.engine.updater.geometry(p)
             if g.local:
                 ds_compat.shard(p)[:g.local].copy_(m.detach().reshape(-1)[g.start:g.start + g.local])
+        # The writes are queued on the compute stream after the step's end ordered ZeRO-3's gather
+        # stream: order it again, or the next forward may gather adapters half-written.
+        ds_compat.gathers_wait_for_updates(self.engine.offload)
         ds_compat.release_all(self.engine.offload)  # the next forward gathers the new adapters
 
     # ----------------------------------------------------------------- resume: both halves
