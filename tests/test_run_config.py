@@ -262,3 +262,25 @@ def test_accumulation_for_every_method_and_token_normalisation_for_lomo_only(tmp
     for method in ("adamw", "sgd", "lora"):
         with pytest.raises(ConfigError, match=rf"x\.json: lomo\.loss_normalization: 'tokens' is LOMO's .*{method!r}"):
             load_run_config(write(tmp_path, {**MIN, "lomo": tokens, "train": {"method": method}}))
+
+
+def test_flash_attention_with_packed_multi_row_micro_batches_is_refused_on_load():
+    """transformers takes flash attention's varlen path only for one-row batches: with packing and
+    micro-batches of more rows, examples would attend to each other. Refused when the config is
+    loaded (so --dry-run refuses it too, whether or not flash-attn is installed); sdpa, or one row
+    per micro-batch, loads."""
+    chat = os.path.join(ROOT, "ds_configs", "llama7b_chat.json")
+    base = load_run_config(chat, {"model.path": "/m"})
+    assert base.data.packing and base.ds["train_micro_batch_size_per_gpu"] > 1
+    with pytest.raises(ConfigError, match=r"model.attn_implementation: flash attention \('flash_attention_2'\) "
+                                          r"with data.packing needs train_micro_batch_size_per_gpu 1"):
+        load_run_config(chat, {"model.path": "/m", "model.attn_implementation": "flash_attention_2"})
+    one_row = load_run_config(chat, {"model.path": "/m", "model.attn_implementation": "flash_attention_2",
+                                     "train_micro_batch_size_per_gpu": 1})
+    assert one_row.model.attn_implementation == "flash_attention_2"
+    sdpa = load_run_config(chat, {"model.path": "/m", "model.attn_implementation": "sdpa"})
+    assert sdpa.model.attn_implementation == "sdpa"
+    dry = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config", chat, "--model", "/m",
+                          "--set", 'model.attn_implementation="flash_attention_2"', "--dry-run"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert dry.returncode != 0 and "flash attention" in dry.stderr + dry.stdout and "data.packing" in dry.stderr + dry.stdout

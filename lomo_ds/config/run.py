@@ -53,6 +53,9 @@ class ModelConfig(Section):
     gguf_file: str | None = None  # a GGUF file inside `path` (set automatically for the builtin)
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # transformers' attention implementation ("sdpa", "eager", "flash_attention_2", ...); None:
+    # transformers' default for the model (sdpa where the model supports it).
+    attn_implementation: str | None = None
     # The architecture (7b|13b|30b|65b) the memory planner assumes when `path` is not on this
     # machine yet (the shipped LLaMA configs name placeholder paths); unused by training.
     planner_size: Literal["7b", "13b", "30b", "65b"] | None = None
@@ -241,6 +244,15 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
     if d.packing and TASK_SPECS[d.task].has_candidates:
         raise ConfigError(f"data.packing: task {d.task!r} is scored by candidates; packing is for the chat and "
                           f"instruction tasks")
+    attn = cfg.model.attn_implementation or ""
+    micro = cfg.ds.get("train_micro_batch_size_per_gpu", 1)
+    if d.packing and "flash" in attn and micro != 1:
+        # transformers takes flash attention's varlen path from position ids only for a batch of one
+        # row, and its flash mask drops the packed block-diagonal mask: packed examples would attend
+        # to each other.
+        raise ConfigError(f"model.attn_implementation: flash attention ({attn!r}) with data.packing needs "
+                          f"train_micro_batch_size_per_gpu 1 (got {micro}): with more rows per micro-batch "
+                          "packed examples would attend to each other; use 'sdpa', or micro-batches of one row")
     if cfg.eval.generate_samples and not conversational:
         raise ConfigError(f"eval.generate_samples: generation is evaluated on conversations; task {d.task!r} "
                           f"is not a chat task")

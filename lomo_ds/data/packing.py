@@ -4,7 +4,9 @@ Packing (data.packing) concatenates tokenized examples into rows of at most toke
 No example may see another: each row carries position ids that restart at every example, and the
 batch has no attention_mask and no cache, which is how transformers' models are told a row is
 packed (masking_utils finds the examples from the position ids and builds a block-diagonal causal
-mask for sdpa/eager; flash attention takes the same position ids as varlen sequences). The loss is
+mask for sdpa/eager). Flash attention is another matter: transformers takes its varlen path from the
+position ids only for a batch of one row, so the config refuses flash attention with packing and
+more rows per micro-batch (config/run.py). The loss is
 unchanged: every example's first token is a prompt token, labelled -100, so no example is asked to
 predict the next one's start.
 

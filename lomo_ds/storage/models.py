@@ -97,8 +97,9 @@ def load_model(cfg: RunConfig, ds_config: dict, rank: int = 0, barrier=None) -> 
         _convert_once(cached, "config.json", lambda folder: _save_gguf_model(source, gguf, folder), rank, barrier)
         source = cached
     _hf_ds_config = HfDeepSpeedConfig(ds_config)  # must stay alive while the model is built
+    extra = {"attn_implementation": cfg.model.attn_implementation} if cfg.model.attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(source, dtype=cfg.precision.torch_dtype,
-                                                 trust_remote_code=cfg.model.trust_remote_code)
+                                                 trust_remote_code=cfg.model.trust_remote_code, **extra)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
