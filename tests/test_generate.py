@@ -94,3 +94,19 @@ def test_a_model_without_a_chat_template_is_refused(tmp_path, capsys):
     tok.save_pretrained(tmp_path)
     assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
     assert "has no chat template; set tokenizer.chat_template" in capsys.readouterr().err
+
+
+def test_a_models_chunked_prefill_is_turned_off():
+    """A generation_config with prefill_chunk_size runs one prefill forward per chunk of the prompt:
+    ranks with prompts of other lengths would run other numbers of forwards, each a ZeRO-3 gather
+    (a hang). generate_ids prefills in one forward whatever the model's config says."""
+    from lomo_ds.evaluation.generation import generate_ids
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama(0)
+    model.generation_config.prefill_chunk_size = 2
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    replies = generate_ids(model, [list(range(3, 12))], stop_ids=[], pad_id=0, max_new_tokens=2,
+                           device=torch.device("cpu"))
+    assert len(replies[0]) == 2 and len(forwards) == 2, "one prefill forward and one decoding forward"

@@ -49,8 +49,11 @@ def generate_ids(module: torch.nn.Module, prompts: Sequence[Sequence[int]], *, s
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
     # The model's own generation_config may ask for sampling; everything decoding depends on is set here.
+    # prefill_chunk_size None: a chunked prefill runs one forward per chunk of the prompt, so ranks
+    # with prompts of other lengths would run other numbers of forwards (under ZeRO-3 every forward
+    # gathers collectively: a hang); synced_gpus keeps only the decoding steps in line.
     out = module.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids), pad_token_id=pad_id,
-                          use_cache=True, synced_gpus=synced, **sampling)
+                          use_cache=True, synced_gpus=synced, prefill_chunk_size=None, **sampling)
     width = batch["input_ids"].shape[1]
     return [cut_at_stop(row[width:].tolist(), stop_ids) for row in out]
 
