@@ -429,3 +429,34 @@ def test_placeholder_error_is_printed_once_on_two_ranks():
     out = proc.stdout + proc.stderr
     assert out.count("model.path: '/path/to/llama-65b'") == 1, out[-3000:]
     assert "Repo id" not in out and "from_pretrained" not in out, out[-3000:]
+
+
+class _RunsCode:
+    """Unpickled, it writes a file: what a checkpoint from anywhere else could do at --resume."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def test_a_checkpoint_carrying_pickled_code_is_refused(tmp_path):
+    """Resume reads the rank's state and its RNG file with weights_only: tensors, numbers, strings
+    and containers load; a pickled callable is refused before it runs."""
+    import pickle
+
+    from lomo_ds.methods.base import load_rank_state, rank_state_file
+    from lomo_ds.storage.checkpoint import _rng_file, read_rng, write_atomic
+
+    marker = tmp_path / "ran"
+    good = {"lomo": {"shards": {"w": torch.ones(3)}, "global_step": 4, "loss_scaler": None, "name": "x"}}
+    write_atomic(rank_state_file(str(tmp_path), 0), lambda f: torch.save(good, f))
+    assert load_rank_state(str(tmp_path), 0)["lomo"]["global_step"] == 4
+    for path in (rank_state_file(str(tmp_path), 1), _rng_file(str(tmp_path), 1)):
+        write_atomic(path, lambda f: torch.save({"lomo": {"evil": _RunsCode(str(marker))}}, f))
+    with pytest.raises(pickle.UnpicklingError):
+        load_rank_state(str(tmp_path), 1)
+    with pytest.raises(pickle.UnpicklingError):
+        read_rng(str(tmp_path), 1)  # as load_checkpoint reads it
+    assert not marker.exists()

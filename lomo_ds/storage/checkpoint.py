@@ -115,12 +115,19 @@ def load_checkpoint(path: str, engine) -> dict[str, Any]:
     if meta["world"] != engine.world:
         raise ValueError(f"{path}: written by {meta['world']} ranks, this run has {engine.world}; "
                          f"resume with the same number of ranks")
-    rng_file = _rng_file(path, engine.rank)
-    if not os.path.exists(rng_file):
-        raise FileNotFoundError(f"{rng_file}: missing RNG state file for rank {engine.rank}")
+    rng = read_rng(path, engine.rank)
     engine.load_state(path)
-    restore_rng(torch.load(rng_file, weights_only=True), engine.device)
+    restore_rng(rng, engine.device)
     return meta
+
+
+def read_rng(path: str, rank: int) -> dict[str, torch.Tensor]:
+    """A rank's random state from checkpoint `path`; tensors only (weights_only: a checkpoint from
+    anywhere else must not run code on every rank)."""
+    rng_file = _rng_file(path, rank)
+    if not os.path.exists(rng_file):
+        raise FileNotFoundError(f"{rng_file}: missing RNG state file for rank {rank}")
+    return torch.load(rng_file, weights_only=True)
 
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
