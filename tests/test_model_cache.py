@@ -1,4 +1,4 @@
-"""A GGUF model or tokenizer is converted once, by rank 0, into a cache folder that appears whole;
+"""A GGUF model or tokenizer is converted once per node, by its first rank, into a cache folder that appears whole;
 the built-in model's converted copy is what the demo's ranks load."""
 import importlib.util
 import json
@@ -70,3 +70,25 @@ def test_the_builtin_model_loads_from_its_converted_copy(tmp_path, monkeypatch):
     tied = [k for k in ("model.embed_tokens.weight", "lm_head.weight") if k in got]
     assert len(tied) == 1  # the head is tied to the embedding: stored once (from_pretrained ties it back)
     assert torch.equal(got[tied[0]], want.reshape(got[tied[0]].shape))
+
+
+def test_the_first_rank_of_every_node_converts_for_its_node(tmp_path, monkeypatch):
+    """On several nodes the cache is on each node's own disk: the first rank of each node (LOCAL_RANK
+    0) converts, not only global rank 0, or the second node's ranks would wait for a copy that never
+    appears on their disk."""
+    calls = []
+
+    def convert(folder):
+        calls.append(folder)
+        os.makedirs(folder)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"done": True}, f)
+
+    os.makedirs(tmp_path / "node2")
+    cached = str(tmp_path / "node2" / "m")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # rank 5: the second rank of node 2
+    models._convert_once(cached, "config.json", convert, rank=5, barrier=None)
+    assert calls == []
+    monkeypatch.setenv("LOCAL_RANK", "0")  # rank 4: the first rank of node 2
+    models._convert_once(cached, "config.json", convert, rank=4, barrier=None)
+    assert len(calls) == 1 and os.path.exists(os.path.join(cached, "config.json"))

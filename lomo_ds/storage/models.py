@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 
 import torch
 
@@ -30,11 +31,14 @@ def _cache_dir(kind: str, source: str, gguf_file: str) -> str:
 
 
 def _convert_once(cached: str, marker: str, convert, rank: int, barrier) -> None:
-    """Rank 0 writes `cached` with convert(folder) unless it holds `marker` already (into a private
-    folder first, renamed into place whole: a run killed mid-conversion leaves nothing half-written);
-    the other ranks wait for it at `barrier`."""
-    if rank == 0 and not os.path.exists(os.path.join(cached, marker)):
-        tmp = f"{cached}.tmp{os.getpid()}"
+    """The first rank of each node (LOCAL_RANK 0; `rank` 0 without a launcher's LOCAL_RANK) writes
+    `cached` with convert(folder) unless it holds `marker` already: the cache is on each node's own
+    disk, so every node converts its own copy. Into a private folder first, renamed into place
+    whole: a run killed mid-conversion leaves nothing half-written, and where nodes share the disk
+    the first rename wins. The other ranks wait for it at `barrier`."""
+    first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0
+    if first_on_node and not os.path.exists(os.path.join(cached, marker)):
+        tmp = f"{cached}.tmp{socket.gethostname()}.{os.getpid()}"
         convert(tmp)
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         try:
