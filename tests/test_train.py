@@ -460,3 +460,25 @@ def test_a_checkpoint_carrying_pickled_code_is_refused(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         read_rng(str(tmp_path), 1)  # as load_checkpoint reads it
     assert not marker.exists()
+
+
+SLOW_WRITE_S = 12  # each of rank 0's export files and checkpoint seals takes this long to write
+SHORT_TIMEOUT_S = 8  # the collectives' timeout once the ranks are up: shorter than one write
+
+
+def test_slow_checkpoint_and_export_writes_outlast_the_collective_timeout(tiny_run, tmp_path):
+    """A 2-rank run whose collectives time out after 8 s, while each of rank 0's export files and
+    checkpoint seals takes 12 s to write (a slow disk; a 65B export at 200 MB/s is 11 minutes): the
+    other rank waits under output.io_timeout, the run finishes, and the export loads."""
+    from transformers import AutoModelForCausalLM
+
+    _, config = tiny_run
+    out = tmp_path / "slow"
+    with one_launch():
+        proc = run_local(["-m", "tests.slow_io_run", str(SLOW_WRITE_S), str(SHORT_TIMEOUT_S), "--config", str(config),
+                          "--output-dir", str(out), "--max-steps", "2", "--set", "eval.at_end=false",
+                          "--set", "train.zero_shot_eval=false"],
+                         2, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
+    assert AutoModelForCausalLM.from_pretrained(out / "hf_model") is not None
