@@ -502,3 +502,22 @@ def test_planner_matches_measured_lomo(measured, case):
     assert r["activations"] == pytest.approx(est.activations, rel=0.10), detail
     assert r["total"] == pytest.approx(est.accounted, rel=0.10), detail
     assert r["optimizer_states"] == est.optimizer_states, detail  # 0 for LOMO; AdaLomo's state, exactly
+
+
+def test_host_ram_of_checkpoints_and_export_is_planned():
+    """The export holds one file (at most the export's file size) and the tensor being gathered on
+    rank 0; a save or resume one shard tensor per rank (none with offloaded shards): for 65B in bf16
+    on 8 GPUs, 5 GB + its largest tensor, not the 130 GB of the whole model."""
+    from dataclasses import replace
+
+    from lomo_ds.planning.planner import EXPORT_FILE_BYTES, format_plan, io_host_bytes, llama_spec, plan, shipped_run
+    from lomo_ds.storage.checkpoint import MAX_SHARD_SIZE, parse_size
+
+    assert EXPORT_FILE_BYTES == parse_size(MAX_SHARD_SIZE)
+    m, run = llama_spec("65b"), shipped_run("65b")
+    largest = max(m.param_numels())
+    export, per_rank = io_host_bytes(m, run, 8)
+    assert export == EXPORT_FILE_BYTES + 2 * largest < 0.05 * 2 * m.n_params
+    assert per_rank == 2 * -(-largest // 8)
+    assert io_host_bytes(m, replace(run, offload=True), 8)[1] == 0
+    assert "the export 5.14 GiB on rank 0" in format_plan(plan(m, 24.0, run), 8)

@@ -141,6 +141,9 @@ GPU_COUNTS = (1, 2, 4, 8)
 # Buckets staged ahead of the host-update worker (engine/host_updates.py MAX_STAGED; not imported:
 # the planner runs without torch's engine modules loaded). tests/test_planner.py checks they agree.
 HOST_STAGED_BUCKETS = 4
+# The largest safetensors file the export writes (storage/checkpoint.py MAX_SHARD_SIZE; not imported:
+# planning sits below storage; tests/test_planner.py checks they agree).
+EXPORT_FILE_BYTES = 5 * 10**9
 
 
 @dataclass(frozen=True)
@@ -620,6 +623,19 @@ def format_granularity(p: Plan, gpus: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def io_host_bytes(m: ModelSpec, run: RunSpec, gpus: int) -> tuple[float, float]:
+    """Host RAM that saving and exporting add to a run's (not in the GPU totals, nor in `host`):
+    (the export's, on rank 0: one file of at most EXPORT_FILE_BYTES plus the tensor being gathered;
+    a checkpoint save's or resume's, per rank: one shard tensor on its way to or from disk, in the
+    parameters' dtype and, with fp32 masters, the master's; nothing more: resume reads its file
+    memory-mapped). With offload_param the shards are in host memory already: a save copies nothing."""
+    b, max_p = run.b, max(m.param_numels())
+    export = min(EXPORT_FILE_BYTES, b * m.n_params) + b * max_p
+    slice_n = math.ceil(max_p / gpus)
+    per_rank = 0 if run.offload else b * slice_n + (4 * slice_n if run.lomo_fp32_master and b != 4 else 0)
+    return float(export), float(per_rank)
+
+
 def format_plan(p: Plan, gpus: int | None = None) -> str:
     m, run = p.model, p.run
     accumulating = run.accumulation > 1
@@ -650,6 +666,12 @@ def format_plan(p: Plan, gpus: int | None = None) -> str:
     counts = sorted({n for _, n in p.estimates})
     for method, g in p.min_gpus.items():
         lines.append(f"smallest GPU count for {method}: {g if g else 'none of ' + ','.join(map(str, counts))}")
+    n = gpus or max(counts)
+    export, per_rank = io_host_bytes(m, run, n)
+    lines.append(f"host RAM for checkpoints and the export (beyond training's, on {n} GPU(s)): the export "
+                 f"{export / GIB:.2f} GiB on rank 0 (one file of at most {EXPORT_FILE_BYTES / 1e9:g} GB and the "
+                 f"tensor being gathered); a checkpoint save or resume {per_rank / GIB:.2f} GiB per rank "
+                 "(one tensor at a time; resume reads memory-mapped)")
     if "lomo" in p.min_gpus:
         lines += ["", format_granularity(p, gpus)]
     return "\n".join(lines)
