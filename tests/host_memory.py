@@ -88,3 +88,73 @@ def live_tensor_bytes() -> int:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
     return total
+
+
+def checkpoint_and_export_host_memory(root: str) -> dict:
+    """Collective (writes under `root`, one folder every rank sees). Rank 0's peak anonymous host
+    memory above its start, over the export, a checkpoint save and its load, on a model of many
+    ~1 MB tensors (no single tensor dominates): an export that held
+    the whole model, or a save or load that copied the whole shard state, shows as a multiple of
+    what a streamed one holds (one file of the export, one tensor beyond the shards)."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lomo_ds
+    from lomo_ds.methods.base import load_rank_state, rank_state_file
+    from lomo_ds.runtime import ds_compat
+    from lomo_ds.storage.checkpoint import export_hf, write_atomic
+    from tests.tiny import global_batch
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
+                                         num_attention_heads=6, num_key_value_heads=6, tie_word_embeddings=False))
+    engine = lomo_ds.initialize(model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                                        "lomo": {"lr": 0.01}})
+    del model
+    engine.train_step(global_batch(0, engine.world)[engine.rank])
+    model_bytes = sum(ds_compat.full_numel(p) * 4 for p in engine.params)
+    shard_bytes = sum(ds_compat.shard(p).numel() * 4 for p in engine.params)
+    largest = max(ds_compat.full_numel(p) * 4 for p in engine.params)
+    file_limit = model_bytes // 16
+    out = {"model_bytes": model_bytes, "shard_bytes": shard_bytes, "largest_tensor": largest, "file_limit": file_limit}
+    # The first export warms what the gathers keep for the next (the all-gather's buffers); the
+    # second shows what the export itself holds: resident memory, and the tensors alive while each
+    # file is written (exact, where resident memory also counts what the allocator kept).
+    export_hf(engine, None, os.path.join(root, "rss_export"), 600.0, max_shard_size=file_limit)
+    base, at_write = live_tensor_bytes(), []
+
+    def write(tensors, path):
+        at_write.append(live_tensor_bytes() - base)
+        save_file(tensors, path)
+
+    with AnonPeak() as probe:
+        export_hf(engine, None, os.path.join(root, "rss_export"), 600.0, max_shard_size=file_limit, write_file=write)
+    out["export"] = probe.above_start
+    out["export_live"] = max(at_write) if at_write else 0
+    ckpt = os.path.join(root, "rss_checkpoint")
+    os.makedirs(ckpt, exist_ok=True)
+    gc.collect()
+    with AnonPeak() as probe:  # as LOMO's save_state writes it
+        write_atomic(rank_state_file(ckpt, engine.rank), lambda f: torch.save(engine.shard_state_dict(), f))
+    out["save"] = probe.above_start
+    gc.collect()
+    with AnonPeak() as probe:  # as LOMO's load_state reads it
+        engine.load_shard_state_dict(load_rank_state(ckpt, engine.rank))
+    out["load"] = probe.above_start
+    return out
+
+
+def assert_checkpoint_and_export_host_memory(r: dict) -> None:
+    """What checkpoint_and_export_host_memory's figures must show (the CPU suite's and the GPU suite's)."""
+    slack = 8 << 20  # the allocator's and Python's own, independent of the model's size
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in r.items() if k != "_seconds"})
+    # Rank 0 held one file's tensors at each write, nothing more.
+    assert 0 < r["export_live"] <= r["file_limit"] + r["largest_tensor"], r
+    # Resident memory also counts what glibc kept of the gathers' freed buffers and the probe's own
+    # scans: a coarser bound, below what holding the whole model costs.
+    assert r["export"] < r["model_bytes"], r
+    assert r["save"] <= 2 * r["largest_tensor"] + slack < r["shard_bytes"], r
+    assert r["load"] <= 2 * r["largest_tensor"] + slack < r["shard_bytes"], r

@@ -283,4 +283,5 @@ def test_flash_attention_with_packed_multi_row_micro_batches_is_refused_on_load(
     dry = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config", chat, "--model", "/m",
                           "--set", 'model.attn_implementation="flash_attention_2"', "--dry-run"],
                          capture_output=True, text=True, cwd=ROOT)
-    assert dry.returncode != 0 and "flash attention" in dry.stderr + dry.stdout and "data.packing" in dry.stderr + dry.stdout
+    said = dry.stderr + dry.stdout
+    assert dry.returncode != 0 and "flash attention" in said and "data.packing" in said

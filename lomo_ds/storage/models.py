@@ -112,8 +112,9 @@ def load_model(cfg: RunConfig, ds_config: dict, rank: int = 0, barrier=None) -> 
 
 def plain_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full state dict (or a part of one holding whole LoRA layers) under the names the base
-    architecture loads: for a peft LoRA model, every adapter merged into its base weight (W + scaling * B @ A, in fp32, back to W's dtype) and the
-    wrapper's name parts (base_model.model., .base_layer) removed; any other model as it is."""
+    architecture loads: for a peft LoRA model, every adapter merged into its base weight
+    (W + scaling * B @ A, in fp32, back to W's dtype) and the wrapper's name parts
+    (base_model.model., .base_layer) removed; any other model as it is."""
     try:
         from peft import PeftModel
         from peft.tuners.lora import LoraLayer

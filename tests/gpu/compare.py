@@ -108,6 +108,11 @@ def format_summary(results: dict[int, dict]) -> str:
             elif name == "memory":
                 lines.append(f"{head} peak {r['measured'] / GIB:.3f} GiB measured, {r['predicted'] / GIB:.3f} GiB "
                              f"predicted ({100 * relative_gap(r['measured'], r['predicted']):+.1f}%)")
+            elif name == "host_memory":
+                lines.append(f"{head} rank 0's host memory above its start: export {r['export'] / 2**20:.1f} MiB "
+                             f"({r['export_live'] / 2**20:.1f} MiB of tensors at a file's write; a file holds at most "
+                             f"{r['file_limit'] / 2**20:.1f}), save {r['save'] / 2**20:.1f} MiB, load "
+                             f"{r['load'] / 2**20:.1f} MiB (model {r['model_bytes'] / 2**20:.1f} MiB)")
             elif name == "step_time":
                 lines.append(f"{head} " + ", ".join(f"{k} {v['median_s'] * 1e3:.1f} ms ({v['x_floor']:.2f}x floor)"
                                                      for k, v in r["table"].items()))

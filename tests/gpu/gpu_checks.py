@@ -49,6 +49,7 @@ from tests.dist_bucket_checks import check_experts
 from tests.dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence
 from tests.dist_methods_checks import fetch_per_layer, lora_lomo_two_passes
 from tests.gpu.compare import memory_run_config, predicted_peak_bytes, step_time_table
+from tests.host_memory import checkpoint_and_export_host_memory
 from tests.ranks import run_checks
 from tests.tiny import global_batch, tiny_llama
 
@@ -172,12 +173,19 @@ def check_host_syncs():
 
     out = {}
     for name, lomo in {"sgd": {}, "clip_norm": {"clip_grad_norm": 0.5}, "adalomo": {"optimizer": "adalomo"},
-                       "adalomo_offload": {"optimizer": "adalomo"}, "direct": {"grad_reduction": "auto"}}.items():
+                       "adalomo_offload": {"optimizer": "adalomo"}, "direct": {"grad_reduction": "auto"},
+                       # Accumulation: the host accumulator (slices copied to pinned memory, added as
+                       # their copies finish), fused and one pass after the backward (norm clipping).
+                       "accumulate_host": {"accumulation_steps": 2, "accumulate_on": "cpu"},
+                       "accumulate_host_clip_norm": {"accumulation_steps": 2, "accumulate_on": "cpu",
+                                                     "clip_grad_norm": 0.5},
+                       "accumulate_clip_norm": {"accumulation_steps": 2, "clip_grad_norm": 0.5}}.items():
         cfg = ds_cfg(bucket_size=3000, **lomo)
         if name.endswith("_offload"):
             cfg = E.offloaded(cfg)
         engine = lomo_ds.initialize(tiny_llama(0), cfg)
-        engine.train_step(global_batch(0, engine.world)[engine.rank])
+        for i in range(engine.accumulation_steps):  # the first step settles the layout
+            engine.train_step(global_batch(i, engine.world)[engine.rank])
         found = []
 
         def record(message, category, filename, lineno, file=None, line=None, _found=found):
@@ -186,20 +194,37 @@ def check_host_syncs():
                 where = f"other: {threading.current_thread().name} thread, {where}"
             _found.append(where)
 
-        def watched(*args, _backward=engine._backward, _record=record, **kwargs):
+        # CUDA's sync debug mode does not see an event's synchronize: counted apart, by its caller.
+        event_waits = []
+        event_sync = torch.cuda.Event.synchronize
+
+        def counted(event, _waits=event_waits, _sync=event_sync):
+            where = owner(traceback.extract_stack()[:-1])
+            if threading.current_thread() is not threading.main_thread():
+                where = f"other: {threading.current_thread().name} thread, {where}"
+            _waits.append(where)
+            return _sync(event)
+
+        def watched(*args, _backward=engine._backward, _record=record, _counted=counted, _sync=event_sync,
+                    **kwargs):
             with warnings.catch_warnings():  # restores warnings.showwarning at its end
                 warnings.simplefilter("always")
                 warnings.showwarning = _record
                 torch.cuda.set_sync_debug_mode("warn")
+                torch.cuda.Event.synchronize = _counted
                 try:
                     return _backward(*args, **kwargs)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
+                    torch.cuda.Event.synchronize = _sync
 
         engine._backward = watched
-        engine.train_step(global_batch(1, engine.world)[engine.rank])
+        for i in range(engine.accumulation_steps):
+            engine.train_step(global_batch(10 + i, engine.world)[engine.rank])
         out[name] = {"lomo_ds": sorted({f for f in found if not f.startswith(("other", "backward"))}),
-                     "others": sorted({f for f in found if f.startswith(("other", "backward"))})}
+                     "others": sorted({f for f in found if f.startswith(("other", "backward"))}),
+                     "event_waits_lomo_ds": sorted({f for f in event_waits if not f.startswith("other")}),
+                     "event_waits_others": sorted({f for f in event_waits if f.startswith("other")})}
         del engine
     return out
 
@@ -353,6 +378,53 @@ def check_step_time(device: torch.device, sizes: dict):
             "world": torch.distributed.get_world_size()}
 
 
+# GPU clock cycles torch.cuda._sleep spins before the window's step reads the host accumulator:
+# long enough (tens of ms at GPU clocks) that the host reaches the window's end first.
+DELAY_CYCLES = 200_000_000
+DELAYED_MODEL = {"gpu": dict(STEP_MODEL["gpu"], micro=2, seq=128, steps=2),
+                 "smoke": dict(STEP_MODEL["smoke"], steps=2)}
+
+
+def check_delayed_window_tail(device: torch.device, sizes: dict, cycles: int = DELAY_CYCLES):
+    """accumulate_on cpu with norm clipping (the step is one pass over the accumulated shards after
+    the backward, reading pinned host sums with copies that do not block), on the step-time model,
+    with the device held back by torch.cuda._sleep just before that pass: the host reaches the
+    window's end (zeroing the sums) while the copies are still queued. The result must still be
+    torch.optim.SGD's on the window (K = 2, 2 windows), reference on this device."""
+    from tests.dist_accumulation_checks import reference_window
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    k, lr = 2, 0.05
+    ref = llama(sizes).to(device)
+    cfg = {"train_micro_batch_size_per_gpu": sizes["micro"], "zero_optimization": {"stage": 3},
+           "lomo": {"lr": lr, "accumulation_steps": k, "accumulate_on": "cpu", "clip_grad_norm": 0.5,
+                    **E.LOMO_DEFAULTS}}
+    engine = lomo_ds.initialize(llama(sizes), cfg)
+    apply = engine._apply_accumulated
+
+    def delayed(rule):
+        if device.type == "cuda":
+            torch.cuda._sleep(cycles)  # every copy of the pass queues behind it
+        return apply(rule)
+
+    engine._apply_accumulated = delayed
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    norms = []
+    for step in range(sizes["steps"]):
+        window = [[random_batch(sizes, device, seed=10_000 * step + 100 * i + r) for r in range(world)]
+                  for i in range(k)]
+        out = [engine.train_step(mbs[rank]) for mbs in window][-1]
+        _, ref_norm = reference_window(ref, opt, window, clip_norm=0.5)
+        norms.append((out["grad_norm"], ref_norm))
+    full = engine.full_state_dict()
+    if rank:
+        return {}
+    diff = max((full[n].to(device) - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return {"max_abs_diff": diff, "norms": norms, "fused": engine.fused_accumulation,
+            "accumulator_device": str(next(iter(engine.accumulator.buffers.values())).device),
+            "delayed": device.type == "cuda", "model": sizes}
+
+
 def check_offload_overlap(device: torch.device, sizes: dict, optimizer: str = "sgd"):
     """offload_param: cpu with the shards' updates on the host-update thread (slices staged in pinned
     memory, the CPU update overlapped with the backward) against the same updates inside the hook
@@ -433,6 +505,11 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         "accumulation_host": partial(A.equivalence, tiny(0), A.acc_cfg(accumulate_on="cpu")),
         "accumulation_host_clip_norm": partial(A.equivalence, tiny(1), A.acc_cfg(accumulate_on="cpu",
                                                                                clip_grad_norm=0.5), clip_norm=0.5),
+        # The same on the step-time model with the device held back before the step's pass (a
+        # missing wait before the host zeroes the sums shows as a wrong update).
+        "delayed_window_tail": partial(check_delayed_window_tail, device, DELAYED_MODEL["gpu" if on_gpu else "smoke"]),
+        # Rank 0's host memory around an export, a checkpoint save and its load (tests/host_memory.py).
+        "host_memory": partial(checkpoint_and_export_host_memory, workdir),
     }
     if not on_gpu:  # DeepSpeed refuses fp16 on a CPU, and only CUDA reports allocator peaks and syncs
         checks.pop("overflow"), checks.pop("memory"), checks.pop("host_syncs")

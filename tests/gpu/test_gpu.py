@@ -16,7 +16,10 @@ import statistics
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+# LOMO_GPU_COLLECT=1: collect every test here without CUDA, as on 2 GPUs, each one skipped
+# (tests/gpu/test_helpers.py checks that the suite collects on a CPU).
+COLLECT_ONLY = os.environ.get("LOMO_GPU_COLLECT") == "1" and not torch.cuda.is_available()
+if not torch.cuda.is_available() and not COLLECT_ONLY:
     pytest.skip("the GPU checks need CUDA", allow_module_level=True)
 
 from tests.dist_engine_checks import (  # noqa: E402
@@ -27,8 +30,10 @@ from tests.dist_engine_checks import (  # noqa: E402
 from tests.gpu.compare import MEMORY_TOLERANCE, predicted_peak_bytes, relative_gap, within_tolerance  # noqa: E402
 from tests.ranks import ROOT, launch, ok  # noqa: E402
 
-pytestmark = pytest.mark.ranks  # its launches run in the one xdist worker that starts ranks
-N_GPUS = torch.cuda.device_count()
+pytestmark = [pytest.mark.ranks]  # its launches run in the one xdist worker that starts ranks
+if COLLECT_ONLY:
+    pytestmark.append(pytest.mark.skip(reason="collected without CUDA (LOMO_GPU_COLLECT)"))
+N_GPUS = torch.cuda.device_count() or (2 if COLLECT_ONLY else 0)
 WORLDS = sorted({1, N_GPUS})
 # fp32 on CUDA against fp32 on the CPU: kernels sum in other orders (TF32 stays off: torch's default).
 GPU_TOL = 1e-5
@@ -181,6 +186,31 @@ def test_no_host_sync_from_lomo_ds_inside_the_backward(gpu_results, world):
         print(f"{world} GPU(s), {name}: syncs in the backward from lomo_ds {syncs['lomo_ds']}, "
               f"others {syncs['others']}")
     assert all(not syncs["lomo_ds"] for syncs in r.values()), r
+    # Event waits too, which the sync debug mode does not report (the host accumulator's adds).
+    assert all(not syncs["event_waits_lomo_ds"] for syncs in r.values()), r
+    assert {"accumulate_host", "accumulate_host_clip_norm", "accumulate_clip_norm"} <= set(r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_host_accumulator_sums_survive_a_delayed_device(gpu_results, world):
+    """accumulate_on cpu, norm clipping, the step-time model, the device held back by
+    torch.cuda._sleep before the step's pass over the pinned sums: the host zeroes them for the next
+    window only after the device has read them, so the result is SGD's."""
+    r = ok(gpu_results(world), "delayed_window_tail")
+    print(f"delayed window tail on {world} GPU(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")
+    assert r["delayed"] and not r["fused"] and r["accumulator_device"] == "cpu"
+    assert r["max_abs_diff"] <= GPU_TOL
+    for got, want in r["norms"]:
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_checkpoint_and_export_host_memory_on_gpus(gpu_results, world):
+    """Rank 0's host memory around an export (one file's tensors at a time), a checkpoint save (each
+    shard copied to the host one at a time by torch.save) and its load (memory-mapped)."""
+    from tests.host_memory import assert_checkpoint_and_export_host_memory
+
+    assert_checkpoint_and_export_host_memory(ok(gpu_results(world), "host_memory"))
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -269,3 +299,48 @@ def test_train_builtin_bf16_norm_clipping_20_steps(tmp_path, results_dir):
         json.dump(summary, f, indent=1)
     print(f"train.py builtin bf16: loss {losses[0]:.3f} -> {losses[-1]:.3f}; peak {measured / 2**30:.3f} GiB, "
           f"planner {predicted / 2**30:.3f} GiB")
+
+
+def recipe_config(tmp_path, out_dir) -> str:
+    """The chat demo's config on the GPUs: bf16, packing, norm clipping, an evaluation with generation
+    every 2 steps, a checkpoint every 2 steps, the export at the end."""
+    with open(os.path.join(ROOT, "ds_configs", "cpu_chat.json")) as f:
+        cfg = json.load(f)
+    cfg["bf16"] = {"enabled": True}
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    cfg["data"].update(packing=True, eval_samples=16)
+    cfg["train"].update(max_steps=4, zero_shot_eval=False)
+    cfg["eval"].update(every_steps=2, generate_samples=8, max_new_tokens=8)
+    cfg["output"].update(dir=str(out_dir), checkpoint_every=2, export_hf=True)
+    path = tmp_path / f"{out_dir.name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+SLOW_WRITE_S, SHORT_TIMEOUT_S = 20, 10  # rank 0's export files and checkpoint seals; the collectives'
+
+
+def test_recipe_chat_packing_evaluates_checkpoints_resumes_and_exports_through_slow_writes(tmp_path):
+    """launch/train.py's recipe on every GPU: chat with packing, evaluation with generation, a
+    checkpoint, then a resumed run to the end and the export, with collectives that time out after
+    10 s while each of rank 0's export files and checkpoint seals takes 20 s to write
+    (tests/slow_io_run.py; the CPU suite has its 2-rank twin). The resumed run's export equals an
+    uninterrupted run's (bf16, up to the nondeterminism of GPU kernels) and loads."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    slow = ["-m", "tests.slow_io_run", str(SLOW_WRITE_S), str(SHORT_TIMEOUT_S)]
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    launch(slow + ["--config", recipe_config(tmp_path, straight)], N_GPUS, timeout=900, cpu=False)
+    launch(slow + ["--config", recipe_config(tmp_path, interrupted), "--max-steps", "2"], N_GPUS, timeout=900,
+           cpu=False)
+    assert (interrupted / "checkpoints" / "latest").read_text() == "step_00000002"
+    launch(slow + ["--config", recipe_config(tmp_path, interrupted), "--resume"], N_GPUS, timeout=900, cpu=False)
+    with open(interrupted / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert any("eval/exact_match" in r for r in rows), "the evaluation with generation ran"
+    a, b = (load_file(d / "hf_model" / "model.safetensors") for d in (straight, interrupted))
+    assert a.keys() == b.keys()
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-2
+    model = AutoModelForCausalLM.from_pretrained(interrupted / "hf_model", dtype=torch.bfloat16).cuda()
+    assert torch.isfinite(model(input_ids=torch.arange(1, 9, device="cuda")[None]).logits.float()).all()

@@ -41,14 +41,16 @@ def forced(check):
 # onto the bucket path as the GPU launch is: they prove the code runs end to end, not how fast it is.
 # One rank's one-rank reduce-scatter is the CPU suite's own (tests/test_buckets.py).
 (gpu_step_time, gpu_offload, gpu_bucket_path, gpu_evaluation, gpu_generation, gpu_offload_two_devices,
- gpu_offload_overlap) = multi_rank_checks(
+ gpu_offload_overlap, gpu_delayed_window_tail) = multi_rank_checks(
     [2], gpu_step_time=lambda: gpu_checks.check_step_time(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
     gpu_offload=lambda: gpu_checks.check_offload(pin=False),
     gpu_bucket_path=forced(gpu_checks.check_bucket_path), gpu_evaluation=forced(gpu_checks.check_evaluation),
     # 3 prompts (one generate call per rank) instead of the GPU's 7: the same code, a CPU's share.
     gpu_generation=forced(functools.partial(gpu_checks.check_generation, lengths=(4, 9, 6))),
     gpu_offload_two_devices=forced(gpu_checks.check_offload_two_devices),
-    gpu_offload_overlap=lambda: gpu_checks.check_offload_overlap(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]))
+    gpu_offload_overlap=lambda: gpu_checks.check_offload_overlap(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
+    gpu_delayed_window_tail=forced(functools.partial(gpu_checks.check_delayed_window_tail, torch.device("cpu"),
+                                                     gpu_checks.DELAYED_MODEL["smoke"])))
 
 
 def bind_everything(fn) -> list[dict]:
@@ -77,7 +79,7 @@ def test_every_gpu_check_binds_and_its_configs_load(on_gpu, world, tmp_path):
     new = {"bucket_path", "sgd_direct", "clip_norm_recompute", "reduce_dtype_bf16", "adalomo", "adalomo_clip_norm",
            "adalomo_offload", "lora_lomo",
            "fetch_per_layer", "experts", "evaluation", "generation", "offload_two_devices",
-           "offload_overlap", "adalomo_offload_overlap"}
+           "offload_overlap", "adalomo_offload_overlap", "delayed_window_tail", "host_memory"}
     assert new <= set(checks)
     assert ("overflow" in checks) == ("memory" in checks) == ("host_syncs" in checks) == on_gpu
     assert ("step_time" in checks) == ("reduction_overflow" in checks) == (world > 1)
@@ -194,3 +196,33 @@ def test_gpu_launchs_own_checks_run_tiny_on_cpu_ranks(rank_results):
                                "offload_overlap": overlap}})
     assert "gloo, reduce_scatter, side stream False" in text and "3 of 3 replies" in text
     assert "shards on ['cpu']" in text and "updates on it" in text
+
+
+def test_delayed_window_tail_runs_tiny_on_cpu_ranks(rank_results):
+    """The GPU suite's delayed-device accumulation check, tiny on 2 gloo ranks (no device to hold
+    back here): the host accumulator's one-pass step with norm clipping equals SGD's."""
+    r = ok(rank_results(2), gpu_delayed_window_tail)
+    assert r["max_abs_diff"] <= 1e-6 and not r["fused"] and not r["delayed"]
+    for got, want in r["norms"]:
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_every_gpu_test_is_collected_on_a_cpu():
+    """The GPU suite's tests collect here, as on 2 GPUs (each skipped without CUDA): a test that
+    would not even import or parametrize on a GPU machine shows on the CPU first."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.ranks import ROOT
+
+    path = os.path.join(ROOT, "tests", "gpu", "test_gpu.py")
+    with open(path) as f:
+        names = set(re.findall(r"^def (test_\w+)", f.read(), flags=re.M))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "LOMO_GPU_COLLECT": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = set(re.findall(r"::(test_\w+)", proc.stdout))
+    assert collected == names, sorted(names - collected)
+    assert "[2]" in proc.stdout, "parametrized as on 2 GPUs"
