@@ -11,7 +11,8 @@ Layout under <output.dir>/checkpoints/:
 A checkpoint is first written to a temporary directory; only when every rank's file is on disk
 (and synced) does rank 0 write meta.json, rename the directory into place and then replace
 `latest`, each step atomic. A crash at any point leaves the previous checkpoint intact and
-`latest` pointing at it.
+`latest` pointing at it. The recipe's barrier here is io_barrier (output.io_timeout): ranks wait
+for disk writes under that timeout, not the collectives'.
 """
 from __future__ import annotations
 
