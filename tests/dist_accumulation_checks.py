@@ -220,16 +220,19 @@ def check_token_seed(k: int) -> dict:
     ref = tiny_llama(4)
     engine = lomo_ds.initialize(copy.deepcopy(ref), cfg)
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    seeds = []
-    inner = engine._backward_loss
+    seeds, raw = [], []
+    weigh, backward = engine._backward_loss, engine._backward
 
-    def recorded(loss, labelled, tokens, loss_scale, per_token=1.0):
-        out = inner(loss, labelled, tokens, loss_scale, per_token)
-        if labelled:
-            seeds.append(float(out.detach()) / (float(loss.detach()) * (engine.loss_scaler.scale)))
-        return out
+    def weighed(loss, labelled, tokens, loss_scale, per_token=1.0):
+        raw.append(float(loss.detach()) if labelled else None)
+        return weigh(loss, labelled, tokens, loss_scale, per_token)
 
-    engine._backward_loss = recorded
+    def seeded(seed, *args, **kwargs):  # what the backward starts from, loss scale included
+        if raw[-1] is not None:
+            seeds.append(float(seed.detach()) / (raw[-1] * engine.loss_scaler.scale))
+        return backward(seed, *args, **kwargs)
+
+    engine._backward_loss, engine._backward = weighed, seeded
     norms = []
     for step in range(STEPS):
         window = window_batches(step, engine.world, k, uneven=True)
