@@ -14,14 +14,18 @@ a layer). The layer's class differs per family (LlamaDecoderLayer, Qwen2DecoderL
   has: DeepSpeed would only log a warning on one rank and fall back to one gather per module.
 
 `check_value` runs where the config is loaded (before any model exists): "auto" or an object.
+The planner resolves "auto" the same way on the model it builds on the meta device
+(lomo_ds/planning/model_tree.py).
 """
 from __future__ import annotations
 
 import copy
-
-import torch
+from typing import TYPE_CHECKING
 
 from lomo_ds.config.lomo import ConfigError
+
+if TYPE_CHECKING:  # loading a config imports no torch
+    import torch
 
 AUTO = "auto"
 KEY = "zero_optimization.leaf_module"

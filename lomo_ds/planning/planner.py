@@ -256,7 +256,8 @@ class RunSpec:
     sub_group: int = 1_000_000_000  # sub_group_size
     sgd_momentum: bool = False  # the paper's SGD has none (Table 1: optimizer states = fp32 master only)
     # The fetch granularity (zero_optimization.leaf_module and stage3_module_granularity_threshold).
-    leaf_classes: tuple[str, ...] = PER_LAYER  # class names, or modules' dotted names / name suffixes
+    # class names, or modules' dotted names / name suffixes; AUTO: the model's own (resolve_auto)
+    leaf_classes: tuple[str, ...] = AUTO
     granularity_threshold: int = 0
     accumulation: int = 1  # gradient_accumulation_steps (LOMO keeps a shard accumulator when > 1)
     accumulate_dtype: str = "fp32"  # lomo.accumulate_dtype
@@ -702,8 +703,9 @@ def format_plan(p: Plan, gpus: int | None = None) -> str:
                "optimizer states",
                "activations (+recompute)", "update tmp", "total GiB/GPU", *(["host RAM GiB (node)"] if host else []),
                "fits"]
+    moe = f", {m.experts} experts of f={m.expert_intermediate}, top {m.experts_per_tok}" if m.experts else ""
     lines = [f"# {m.name}: {m.n_params / 1e9:.2f}B parameters (h={m.hidden}, L={m.layers}, f={m.intermediate}, "
-             f"V={m.vocab}); {p.gpu_mem_gib:g} GiB per GPU",
+             f"V={m.vocab}{moe}); decoder layer {m.layer_class}; {p.gpu_mem_gib:g} GiB per GPU",
              f"assumptions ({p.source}): {run.assumptions()}",
              "",
              "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
@@ -837,14 +839,18 @@ def run_spec_for(cfg) -> RunSpec:
 
 def model_spec_for(cfg, model_size: str | None = None) -> ModelSpec:
     """The architecture a run config trains: `model_size` (7b|13b|30b|65b), else the config's
-    model.planner_size, else read from model.path (an HF folder's config.json, or the GGUF file's
-    metadata: the builtin model). A path that is not on this machine (the shipped configs'
-    placeholders, a hub name) needs one of the first two."""
+    model.planner_size or model.planner_config (a config.json), else read from model.path (an HF
+    folder's config.json, or the GGUF file's metadata: the builtin model). A path that is not on
+    this machine (the shipped configs' placeholders, a hub name) needs one of the others."""
     from lomo_ds.config.run import resolve_model_source
 
     model_size = model_size or cfg.model.planner_size
     if model_size is not None:
         return llama_spec(model_size)
+    if cfg.model.planner_config:
+        if hf_config_path(cfg.model.planner_config) is None:
+            raise ValueError(f"model.planner_config {cfg.model.planner_config!r}: not an HF config.json")
+        return resolve_model(cfg.model.planner_config)
     source, gguf = resolve_model_source(cfg.model.path, cfg.model.gguf_file)
     if gguf:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -905,8 +911,10 @@ def resolve_model(arg: str) -> ModelSpec:
     path = hf_config_path(arg)
     if path is None:
         return llama_spec(arg)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
     with open(path) as f:
-        return spec_from_hf_config(json.load(f), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        return spec_from_hf_config(json.load(f), name=name)
 
 
 def llama_size_of(path: str) -> str:

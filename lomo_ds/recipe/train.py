@@ -70,6 +70,20 @@ def dry_run(cfg) -> None:
     if world and method is not None:
         need = p.estimates[(method, world)].total / planner.GIB
         print(f"this launch ({world} ranks): {planner.METHOD_LABELS[method]} needs {need:.2f} GiB per GPU")
+    print_eval_plan(cfg, p, world)
+
+
+def print_eval_plan(cfg, p, world: int | None) -> None:
+    """The evaluation's and generation's memory on this launch's GPU count (else the smallest the
+    run's method fits on)."""
+    from lomo_ds.planning import inference, planner
+
+    method = planner.method_of_run(cfg)
+    if method not in planner.FUSED:
+        return
+    gpus = world or p.min_gpus.get(method) or max(n for _, n in p.estimates)
+    print()
+    print(inference.format_eval(p, inference.eval_spec_for(cfg), gpus, method))
 
 
 def check_runtime(cfg) -> None:
