@@ -283,3 +283,29 @@ def test_adalomo_on_moe_matches_reference(rank_results, world, check):
         assert r["expert_state_shapes"][name] == [[e, rows], [e, cols]], name
     if world == 3:
         assert r["crosses_experts"] > 0
+
+
+def test_unknown_leaf_class_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """`launch/train.py` with a Qwen2 model on disk and a config naming LlamaDecoderLayer: one config
+    error naming the model's classes, from its config.json built on the meta device, before any
+    rank loads the model."""
+    import json
+
+    from lomo_ds.recipe import train
+
+    folder = tmp_path / "qwen2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(tiny_family("qwen2").config.to_dict()))
+    cfg = json.load(open(os.path.join(ROOT, "ds_configs", "tiny_cpu.json")))
+    cfg["model"]["path"] = str(folder)
+    cfg["zero_optimization"]["leaf_module"] = {"classes": ["LlamaDecoderLayer"]}
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    loaded = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(train, "TrainRecipe", lambda *a, **k: loaded.append(a))  # what would load the model
+    assert train.main(["--config", str(tmp_path / "run.json")]) == 2
+    assert loaded == []
+    err = capsys.readouterr().err
+    print(err)
+    assert "config error" in err and "zero_optimization.leaf_module.classes" in err
+    assert "LlamaDecoderLayer" in err and "Qwen2DecoderLayer" in err
