@@ -6,6 +6,8 @@ that fits, and (with `offload_param: cpu`) the host RAM a LOMO run needs.
     est = estimate(LLAMA["13b"], "lomo", gpus=2, run=shipped_run("13b"))
     est.total                 # predicted peak bytes per GPU
 
+The model: a LLaMA size (LLAMA), or any config.json transformers knows, built on the meta device
+(model_tree.py: its real shapes and module tree, its decoder-layer class for leaf_module "auto").
 Defaults are the shipped GPU configs' (ds_configs/llama*.json): bf16 weights, sequences of 512
 tokens, activation checkpointing on, stochastic rounding on, lomo.bucket_size 25e6, and their
 ZeRO-3 settings (one gather per decoder layer included); `shipped_run(size)` adds that size's
@@ -52,7 +54,8 @@ Model states
                                               lomo.accumulate_on "cpu" or offload_param "cpu"
   LOMO optim   0                              (4 P / N with fp32 master shards)
   AdaLomo optim  4 sum(r + c) + 4 V / N + 8 p   AdaLomo's state: fp32 row and column second moments
-                                              of every r x c matrix (whole on every rank), this
+                                              of every r x c matrix (E (r + c) for E stacked MoE
+                                              experts [E, r, c]; whole on every rank), this
                                               rank's slice of every vector's (V elements in all),
                                               an fp64 step count per parameter (p of them): 10 MiB
                                               for LLaMA-7B, 49 MiB for 65B (on 8 GPUs)
