@@ -114,6 +114,11 @@ def _run_plan(args) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(planner.format_plan(p, args.gpus))
+    if os.path.isfile(args.model) and planner.hf_config_path(args.model) is None:
+        from lomo_ds.config.run import load_run_config
+        from lomo_ds.recipe.train import print_eval_plan
+
+        print_eval_plan(load_run_config(args.model, check_files=False), p, args.gpus)
     if args.gpus:
         print()
         for m in p.min_gpus:

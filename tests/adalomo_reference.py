@@ -3,7 +3,8 @@
 Deliberately the paper's form, not lomo_ds's: row and column *sums* of g^2 + eps1 and
 v = r c^T / (1^T r), on whole gradients after an ordinary backward. The choices the paper leaves
 open follow lomo_ds/engine/adalomo.py's docstring: beta_t = 1 - t^decay_rate, weight decay by the
-relative step, only 2-D tensors factored.
+relative step, tensors of 3 or more dimensions (MoE experts stacked [E, R, C]) factored as a stack of
+R x C matrices: row sums [E, R], column sums [E, C], each matrix divided by its own 1^T r.
 """
 from __future__ import annotations
 
@@ -32,12 +33,12 @@ class ReferenceAdaLomo:
                 continue
             g = p.grad.float()
             sq = g * g + self.eps1
-            if p.dim() == 2:
-                r, c = self.moments.get(id(p), (torch.zeros(p.shape[0]), torch.zeros(p.shape[1])))
-                r = beta * r + (1 - beta) * sq.sum(dim=1)  # (g^2 + eps1) 1_m
-                c = beta * c + (1 - beta) * sq.sum(dim=0)  # 1_n^T (g^2 + eps1)
+            if p.dim() >= 2:
+                r, c = self.moments.get(id(p), (torch.zeros(p.shape[:-1]), torch.zeros((*p.shape[:-2], p.shape[-1]))))
+                r = beta * r + (1 - beta) * sq.sum(dim=-1)  # (g^2 + eps1) 1_m, per matrix
+                c = beta * c + (1 - beta) * sq.sum(dim=-2)  # 1_n^T (g^2 + eps1), per matrix
                 self.moments[id(p)] = (r, c)
-                v = torch.outer(r, c) / r.sum()
+                v = r.unsqueeze(-1) * c.unsqueeze(-2) / r.sum(dim=-1)[..., None, None]
             else:
                 (v,) = self.moments.get(id(p), (torch.zeros_like(g),))
                 v = beta * v + (1 - beta) * sq

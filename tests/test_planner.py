@@ -20,6 +20,7 @@ from lomo_ds.cli import main
 from lomo_ds.config.run import load_run_config
 from lomo_ds.methods import build_engine
 from lomo_ds.planning.planner import (
+    AUTO,
     GIB,
     LLAMA,
     PER_LAYER,
@@ -34,6 +35,7 @@ from lomo_ds.planning.planner import (
     model_spec_for,
     plan,
     plan_for_run,
+    resolve_auto,
     resolve_model,
     run_overrides_from_ds,
     run_spec,
@@ -345,7 +347,9 @@ def test_shipped_configs_fetch_the_coarsest_that_fits(size):
     cfg = load_run_config(os.path.join(ROOT, "ds_configs", f"llama{size}.json"), check_files=False)
     run, gpus = run_spec_for(cfg), SHIPPED_GPUS[size]
     best = coarsest_fitting(LLAMA[size], run, gpus, 24.0)
-    assert best is not None and best.run.leaf_classes == run.leaf_classes == PER_LAYER
+    # leaf_module "auto", the model's own decoder layer
+    assert run.leaf_classes == AUTO and resolve_auto(LLAMA[size], run).leaf_classes == PER_LAYER
+    assert best is not None and best.run.leaf_classes == PER_LAYER
     assert best.estimate.total <= 24 * GIB
 
 
@@ -354,7 +358,7 @@ def test_builtin_model_fetch_costs_no_memory_per_layer():
     layer (3.5M elements) at once adds nothing to the working set (ds_configs/cpu_default.json)."""
     cfg = load_run_config(os.path.join(ROOT, "ds_configs", "cpu_default.json"), check_files=False)
     run = replace(run_spec_for(cfg), dtype="fp32")
-    assert run.leaf_classes == PER_LAYER
+    assert run.leaf_classes == AUTO and resolve_auto(SMOLLM2, run).leaf_classes == PER_LAYER
     assert largest_fetch_unit(SMOLLM2, run) == largest_fetch_unit(SMOLLM2, replace(run, leaf_classes=()))
     assert estimate(SMOLLM2, "lomo", 2, run).total == estimate(SMOLLM2, "lomo", 2, replace(run, leaf_classes=())).total
 

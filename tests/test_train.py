@@ -318,8 +318,8 @@ PLACEHOLDER_CONFIGS = [n for n in sorted(os.listdir(os.path.join(ROOT, "ds_confi
 
 
 def test_every_gpu_config_holds_a_placeholder():
-    assert PLACEHOLDER_CONFIGS == ["llama13b.json", "llama30b.json", "llama65b.json", "llama7b.json",
-                                   "llama7b_chat.json"]
+    assert PLACEHOLDER_CONFIGS == ["llama13b.json", "llama3.1_8b_chat.json", "llama30b.json", "llama65b.json",
+                                   "llama7b.json", "llama7b_chat.json", "qwen2.5_7b_chat.json"]
 
 
 @pytest.mark.parametrize("name", PLACEHOLDER_CONFIGS)

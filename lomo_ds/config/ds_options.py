@@ -235,7 +235,8 @@ OPTIONS: tuple[DsOption, ...] = (
              aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")),
     DsOption(_Z + "memory_efficient_linear", SUPPORTED, "ZeRO-3's linear autograd function; gradients still "
              "reach the engine's hooks"),
-    DsOption(_Z + "leaf_module", SUPPORTED, "modules fetched as one unit: " + _FETCH),
+    DsOption(_Z + "leaf_module", SUPPORTED, "modules fetched as one unit (also \"auto\": the model's own "
+             "decoder layer, from its _no_split_modules, resolved by lomo_ds): " + _FETCH),
     DsOption(_Z + "override_module_apply", SUPPORTED, "model initialisation under ZeRO-3"),
     DsOption(_Z + "pipeline_loading_checkpoint", SUPPORTED, "checkpoint loading in pipeline mode: no effect"),
     DsOption(_Z + "log_trace_cache_warnings", SUPPORTED, "logging only"),

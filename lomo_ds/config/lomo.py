@@ -392,6 +392,9 @@ def validate_deepspeed_section(ds: dict, lomo: LomoConfig, lomo_method: bool = T
                 raise ConfigError(f"{key}: unknown key{_did_you_mean(key)}")
         elif row.refuses(value) and (lomo_method or row.all_methods):
             raise ConfigError(f"{key}: {row.reason}" + (f", got {value!r}" if row.accepts else ""))
+    from lomo_ds.config import leaf_module  # it reads ConfigError from here
+
+    leaf_module.check_value(ds.get("zero_optimization", {}).get("leaf_module"))
     if ds.get("fp16", {}).get("enabled", False) and ds.get("bf16", {}).get("enabled", False):
         raise ConfigError("fp16.enabled and bf16.enabled: choose one precision")
     ds.setdefault("zero_optimization", {}).setdefault("stage", 3)

@@ -59,6 +59,9 @@ class ModelConfig(Section):
     # The architecture (7b|13b|30b|65b) the memory planner assumes when `path` is not on this
     # machine yet (the shipped LLaMA configs name placeholder paths); unused by training.
     planner_size: Literal["7b", "13b", "30b", "65b"] | None = None
+    # Any other architecture: a config.json (path relative to the working directory, as
+    # tokenizer.chat_template's) the planner builds the model from instead; unused by training.
+    planner_config: str | None = None
 
     @field_validator("path")
     @classmethod

@@ -6,7 +6,9 @@ The rule, per parameter θ with gradient g at its t-th update (t counts the upda
     matrix (2-D, R x C):  r = beta r + (1-beta) rowmean(g^2 + eps1)      [R]
                           c = beta c + (1-beta) colmean(g^2 + eps1)      [C]
                           v = outer(r, c) / mean(r)            (Adafactor's factorisation)
-    anything else:        v = beta v + (1-beta) (g^2 + eps1)   (the full second moment)
+    stacked (E x .. x R x C, e.g. a MoE layer's experts): each R x C matrix factored alike,
+                          r [E.., R], c [E.., C], mean(r) per matrix
+    vector:               v = beta v + (1-beta) (g^2 + eps1)   (the full second moment)
     u = g / sqrt(v);  u = u / max(1, RMS(u) / clip_threshold)
     step = lr * max(eps2, RMS(θ))
     θ = θ * (1 - step * weight_decay) - step * u
@@ -30,9 +32,10 @@ Where the paper, the public `lomo-optim` code and this module differ, and which 
   beta_1 = 0 and v starts at g^2 + eps1.
 - Weight decay: not in the paper. The code decays by the relative step, θ *= 1 - lr *
   max(eps2, RMS(θ)) * weight_decay (as Adafactor does); we follow the code.
-- Tensors of 3 or more dimensions: the code factors them over the last two dimensions, the paper
-  only treats matrices and vectors. We factor 2-D tensors only and keep the full second moment for
-  the others (a LLaMA has only 1-D and 2-D parameters).
+- Tensors of 3 or more dimensions (transformers' MoE experts, stacked into one [E, R, C] tensor):
+  the paper only treats matrices and vectors; the code's factorisation (Adafactor's) works over
+  the last two dimensions, with mean(r) per matrix. We factor them so: their state is E (R + C)
+  floats, not the E R C of a full second moment (twice the bf16 weights).
 - Clipping order: the code clamps values first and then applies the norm-clipping coefficient;
   we apply the coefficient first and then clamp, as torch's clip_grad_norm_ + clip_grad_value_
   (and this project's LOMO update) do. With only one kind of clipping they agree.
@@ -66,6 +69,7 @@ from the host weights itself, once.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -95,7 +99,27 @@ def row_pieces(start: int, n: int, cols: int) -> list[tuple[int, int, int, int, 
 
 
 def is_factored(shape: torch.Size) -> bool:
-    return len(shape) == 2
+    return len(shape) >= 2
+
+
+def factored_pieces(start: int, n: int, shape: torch.Size) -> list[tuple[int, int, int, int, int]]:
+    """row_pieces of a flat slice of a factored tensor seen as its stacked matrices' rows [E.. x R, C],
+    each piece within one matrix, with its column index into the stacked column sums [E.. x C]
+    (matrix e's column j is e * C + j). For a 2-D tensor, row_pieces itself."""
+    rows_per, cols = shape[-2], shape[-1]
+    pieces = []
+    for pos, row, col, rows, width in row_pieces(start, n, cols):
+        while rows:
+            matrix = row // rows_per
+            take = min(rows, (matrix + 1) * rows_per - row)
+            pieces.append((pos, row, matrix * cols + col, take, width))
+            pos, row, rows = pos + take * width, row + take, rows - take
+    return pieces
+
+
+def factor_sizes(shape: torch.Size) -> tuple[int, int]:
+    """Elements of a factored tensor's row and column second moments: [E.., R] and [E.., C]."""
+    return math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
 
 
 class _Slice(NamedTuple):
@@ -150,8 +174,8 @@ class AdaLomo:
                 self.deferred[ds_compat.param_id(p)] = len(self.deferred)
                 device_of_p = device if device is not None else host.device
             if is_factored(shape):
-                moments = {"row": torch.zeros(shape[0], dtype=torch.float32, device=device_of_p),
-                           "col": torch.zeros(shape[1], dtype=torch.float32, device=device_of_p)}
+                moments = {"row": torch.zeros(shape[:-1], dtype=torch.float32, device=device_of_p),
+                           "col": torch.zeros((*shape[:-2], shape[-1]), dtype=torch.float32, device=device_of_p)}
             else:
                 moments = {"sq": torch.zeros(geometry(p).local, dtype=torch.float32, device=device_of_p)}
             self.state[ds_compat.param_id(p)] = {"step": torch.zeros((), dtype=torch.float64, device=device_of_p),
@@ -184,7 +208,7 @@ class AdaLomo:
         for param, grad_shard in items:
             geo = self.geometry(param)
             shape = ds_compat.full_shape(param)
-            pieces = row_pieces(geo.start, geo.local, shape[1]) if is_factored(shape) else None
+            pieces = factored_pieces(geo.start, geo.local, shape) if is_factored(shape) else None
             if ds_compat.param_id(param) in self.deferred:
                 # The slice stays where it arrived (the rank's device); the weights are the
                 # worker's. Its u goes into the bucket's staged buffer, then its coef and decay.
@@ -205,17 +229,18 @@ class AdaLomo:
         #    buffer on the group's device: [rows, cols] of each matrix, then one θ^2 per parameter.
         #    Each slice's sums are taken where its gradient is (they need not all be on one device).
         device = group_device(self.group) if torch.distributed.is_initialized() else slices[0].g.device
-        width = sum(s.shape[0] + s.shape[1] for s in slices if s.pieces is not None)
+        width = sum(sum(factor_sizes(s.shape)) for s in slices if s.pieces is not None)
         sums = torch.zeros(width + len(slices), dtype=torch.float32, device=device)
         at = 0
         for i, s in enumerate(slices):
             if s.pieces is not None:
-                cols_at = at + s.shape[0]
+                n_rows, n_cols = factor_sizes(s.shape)
+                cols_at = at + n_rows
                 for pos, row, col, rows, w in s.pieces:
                     block = s.g[pos:pos + rows * w].view(rows, w)
                     sums[at + row:at + row + rows] += torch.linalg.vector_norm(block, dim=1).square_().to(device)
                     sums[cols_at + col:cols_at + col + w] += torch.linalg.vector_norm(block, dim=0).square_().to(device)
-                at += s.shape[0] + s.shape[1]
+                at += n_rows + n_cols
             if s.at is None:
                 sums[width + i] = torch.linalg.vector_norm(s.weights).square().to(device)
         deferred_at = [i for i, s in enumerate(slices) if s.at is not None]
@@ -238,14 +263,17 @@ class AdaLomo:
             state["step"].add_(here.double())
             beta = 1.0 - state["step"].clamp(min=1.0).pow(cfg.decay_rate)  # fp64, as a Python float was
             if s.pieces is not None:
-                rows, cols = s.shape
-                row_mean = sums[at:at + rows].div(cols).add_(cfg.eps1).to(state["row"].device)
-                col_mean = sums[at + rows:at + rows + cols].div(rows).add_(cfg.eps1).to(state["col"].device)
-                at += rows + cols
-                _ema_where(state["row"], row_mean, beta, here)
-                _ema_where(state["col"], col_mean, beta, here)
-                row_factor = (state["row"] / state["row"].mean()).rsqrt_()
-                col_factor = state["col"].rsqrt()
+                rows, cols = s.shape[-2:]
+                n_rows, n_cols = factor_sizes(s.shape)
+                row_mean = sums[at:at + n_rows].div(cols).add_(cfg.eps1).to(state["row"].device)
+                col_mean = sums[at + n_rows:at + n_rows + n_cols].div(rows).add_(cfg.eps1).to(state["col"].device)
+                at += n_rows + n_cols
+                _ema_where(state["row"], row_mean.view_as(state["row"]), beta, here)
+                _ema_where(state["col"], col_mean.view_as(state["col"]), beta, here)
+                # mean(r) of each matrix (the one matrix of a 2-D tensor); both factors flat, as
+                # factored_pieces indexes them
+                row_factor = (state["row"] / state["row"].mean(dim=-1, keepdim=True)).rsqrt_().view(-1)
+                col_factor = state["col"].rsqrt().view(-1)
                 for pos, row, col, n_rows, w in s.pieces:
                     block = s.g[pos:pos + n_rows * w].view(n_rows, w)
                     out = s.u[pos:pos + n_rows * w].view(n_rows, w)

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lomo_ds.config import leaf_module
 from lomo_ds.config.lomo import LomoConfig, Precision, load_config
 from lomo_ds.engine import shm_all_gather
 from lomo_ds.engine.accumulation import ACCUMULATE_DTYPES, ShardAccumulator, check_window
@@ -95,7 +96,8 @@ class LomoEngine:
         self.schedule = self._make_schedule(lomo, total_steps)
         # This rank's device: batches are moved here and every tensor the engine makes lives here.
         self.device = accelerator_device()
-        self.ds_engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+        # zero_optimization.leaf_module "auto" becomes the model's own decoder-layer class.
+        self.ds_engine, *_ = deepspeed.initialize(model=model, config=leaf_module.resolve(ds_config, model),
                                                   model_parameters=None, optimizer=None)
         self.module = self.ds_engine.module
         self.offload = ds_compat.offload_of(self.ds_engine)

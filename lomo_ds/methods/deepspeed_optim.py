@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lomo_ds.config import leaf_module
 from lomo_ds.engine import shm_all_gather
 from lomo_ds.engine.accumulation import check_window
 from lomo_ds.engine.schedule import Schedule
@@ -65,7 +66,7 @@ class DeepSpeedOptimizerEngine(MethodEngine):
             self.torch_optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
         factor = linear_lr_factor(total_steps, warmup_steps)
         self.ds_engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=self.torch_optimizer, config=self.ds_config,
+            model=model, optimizer=self.torch_optimizer, config=leaf_module.resolve(self.ds_config, model),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor))
         self.module = self.ds_engine.module
         self.params = [p for p in self.module.parameters() if p.requires_grad]

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lomo_ds.config import leaf_module
 from lomo_ds.engine import shm_all_gather
 from lomo_ds.methods.base import MethodEngine
 from lomo_ds.methods.deepspeed_optim import baseline_ds_config
@@ -28,7 +29,8 @@ class ZeroShotEngine(MethodEngine):
             p.requires_grad_(False)
         # No step to accumulate for: gradient_accumulation_steps is ignored.
         ds = {**baseline_ds_config(ds_config, clip=None), "gradient_accumulation_steps": 1}
-        self.ds_engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=None, optimizer=None)
+        self.ds_engine, *_ = deepspeed.initialize(model=model, config=leaf_module.resolve(ds, model),
+                                                  model_parameters=None, optimizer=None)
         self.module = self.ds_engine.module
         self.params = self.all_params()
         self.group = ds_compat.process_group(self.params[0])

@@ -6,6 +6,8 @@ that fits, and (with `offload_param: cpu`) the host RAM a LOMO run needs.
     est = estimate(LLAMA["13b"], "lomo", gpus=2, run=shipped_run("13b"))
     est.total                 # predicted peak bytes per GPU
 
+The model: a LLaMA size (LLAMA), or any config.json transformers knows, built on the meta device
+(model_tree.py: its real shapes and module tree, its decoder-layer class for leaf_module "auto").
 Defaults are the shipped GPU configs' (ds_configs/llama*.json): bf16 weights, sequences of 512
 tokens, activation checkpointing on, stochastic rounding on, lomo.bucket_size 25e6, and their
 ZeRO-3 settings (one gather per decoder layer included); `shipped_run(size)` adds that size's
@@ -52,7 +54,8 @@ Model states
                                               lomo.accumulate_on "cpu" or offload_param "cpu"
   LOMO optim   0                              (4 P / N with fp32 master shards)
   AdaLomo optim  4 sum(r + c) + 4 V / N + 8 p   AdaLomo's state: fp32 row and column second moments
-                                              of every r x c matrix (whole on every rank), this
+                                              of every r x c matrix (E (r + c) for E stacked MoE
+                                              experts [E, r, c]; whole on every rank), this
                                               rank's slice of every vector's (V elements in all),
                                               an fp64 step count per parameter (p of them): 10 MiB
                                               for LLaMA-7B, 49 MiB for 65B (on 8 GPUs)
@@ -157,6 +160,22 @@ class ModelSpec:
     kv_heads: int | None = None
     head_dim: int | None = None
     tie: bool = False
+    # From the model built on the meta device (planning/model_tree.py; the LLaMA sizes above need
+    # none): every parameter's shape, the module tree, the decoder layer's class, the classes the
+    # model names as unsplittable (leaf_module "auto"), and what the activation terms read.
+    shapes: tuple | None = field(default=None, compare=False, repr=False)
+    tree: object = field(default=None, compare=False, repr=False)
+    family: str = "llama"
+    layer_class: str = "LlamaDecoderLayer"
+    no_split: tuple[str, ...] = ("LlamaDecoderLayer",)
+    norms_per_layer: int = 2
+    qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3, OLMo-2, Gemma 3)
+    experts: int = 0  # MoE: routed experts per layer (stacked [E, R, C] tensors), 0 for a dense MLP
+    experts_per_tok: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # a shared expert's MLP width (Qwen2-MoE)
+    softcap: bool = False  # tanh soft-capping of the attention scores (Gemma 2)
+    final_softcap: bool = False  # ... and of the logits
 
     @property
     def d(self) -> int:
@@ -167,7 +186,9 @@ class ModelSpec:
         return self.kv_heads or self.heads
 
     def param_shapes(self) -> list[tuple[int, ...]]:
-        """Every parameter's shape, as transformers' LLaMA holds it (nn.Linear: [out, in])."""
+        """Every parameter's shape (nn.Linear: [out, in]): the built model's, else LLaMA's."""
+        if self.shapes is not None:
+            return list(self.shapes)
         h, f, d = self.hidden, self.intermediate, self.d
         out = [(self.vocab, h)]
         if not self.tie:
@@ -211,6 +232,14 @@ _ZERO_FIELDS = {"reduce_bucket_size": "reduce_bucket", "stage3_prefetch_bucket_s
 
 # zero_optimization.leaf_module.classes for one gather per decoder layer (the shipped configs').
 PER_LAYER = ("LlamaDecoderLayer",)
+# zero_optimization.leaf_module "auto": the classes the model names in _no_split_modules
+# (ModelSpec.no_split), resolved by resolve_auto as lomo_ds resolves it for DeepSpeed.
+AUTO = ("auto",)
+
+
+def resolve_auto(m: ModelSpec, run: RunSpec) -> RunSpec:
+    """`run` with leaf_module "auto" replaced by the model's own unsplittable classes."""
+    return replace(run, leaf_classes=tuple(m.no_split)) if run.leaf_classes == AUTO else run
 
 
 @dataclass(frozen=True)
@@ -233,7 +262,8 @@ class RunSpec:
     sub_group: int = 1_000_000_000  # sub_group_size
     sgd_momentum: bool = False  # the paper's SGD has none (Table 1: optimizer states = fp32 master only)
     # The fetch granularity (zero_optimization.leaf_module and stage3_module_granularity_threshold).
-    leaf_classes: tuple[str, ...] = PER_LAYER  # class names, or modules' dotted names / name suffixes
+    # class names, or modules' dotted names / name suffixes; AUTO: the model's own (resolve_auto)
+    leaf_classes: tuple[str, ...] = AUTO
     granularity_threshold: int = 0
     accumulation: int = 1  # gradient_accumulation_steps (LOMO keeps a shard accumulator when > 1)
     accumulate_dtype: str = "fp32"  # lomo.accumulate_dtype
@@ -294,7 +324,39 @@ def layer_activation_bytes(m: ModelSpec, run: RunSpec) -> float:
     rep = m.heads if m.k < m.heads else m.k
     attn = run.batch * m.heads * run.seq**2 * (4 + (b if b != 4 else 0))
     return (2 * T * h * (4 + b) + 4 * T * m.heads * d * b + 2 * T * m.k * d * b + 2 * T * rep * d * b
-            + attn + 4 * T * f * b)
+            + attn + (4 * T * f * b if not m.experts else 0) + family_layer_bytes(m, run))
+
+
+def family_layer_bytes(m: ModelSpec, run: RunSpec) -> float:
+    """What a family's decoder layer saves beyond LLaMA's (measured on tiny models, tests/test_planner_families.py):
+      (norms - 2) T h (4 + b)     more norms per layer (Gemma 2, 3: four)
+    + T (H + K) d (4 + b)         RMSNorm of each head's q and k (Qwen3, OLMo-2, Gemma 3)
+    + 4 B H S^2                   tanh soft-capping of the fp32 attention scores (Gemma 2)
+    MoE, in place of the dense MLP's 4 T f b, each token routed to k of E experts of width f_e:
+      T k (3 h + 4 f_e + 2) b     each token-expert pair's input, gate/up, activation and output
+    + 4 T E + 12 T k + 4 T        the router's fp32 probabilities, the top-k indices and weights
+    + 4 T f_s b + 2 T h b         a shared expert of width f_s and its gate (Qwen2-MoE)"""
+    T, b, h = run.batch * run.seq, run.b, m.hidden
+    out = (m.norms_per_layer - 2) * T * h * (4 + b)
+    if m.qk_norm:
+        out += T * (m.heads + m.k) * m.d * (4 + b)
+    if m.softcap:
+        out += 4 * run.batch * m.heads * run.seq**2
+    if m.experts:
+        k = m.experts_per_tok
+        out += T * k * (3 * h + 4 * m.expert_intermediate + 2) * b + 4 * T * m.experts + 12 * T * k + 4 * T
+        if m.shared_intermediate:
+            out += 4 * T * m.shared_intermediate * b + 2 * T * h * b
+    return out
+
+
+def gathered_expert_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """Bytes of one decoder layer's stacked expert tensors in the model dtype. Under ZeRO-3 on N > 1
+    ranks the experts' matmuls save views of the gathered [E, R, C] tensors, which keep the
+    gathered storage alive until the backward: every layer's experts stay gathered through the
+    forward (without checkpointing), or the recomputed layer's (with it)."""
+    per_layer = sum(math.prod(s) for s in m.param_shapes() if len(s) >= 3) // max(m.layers, 1)
+    return run.b * per_layer
 
 
 def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
@@ -303,6 +365,8 @@ def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
     # fp32 logits of every position: the bound for data labelled throughout (packed chat); the
     # recipe's forward computes them only from the first labelled position on (keep_labelled_logits).
     head = T * h * (4 + b) + 4 * T * m.vocab + 8 * T + 2 * run.seq * m.d * b
+    if m.final_softcap:
+        head += 4 * T * m.vocab  # tanh soft-capping of the fp32 logits (Gemma 2)
     layer = layer_activation_bytes(m, run)
     if run.checkpointing:
         # each checkpointed layer saves its inputs: the hidden states, and the (eager) 4-D causal mask
@@ -331,7 +395,10 @@ class ModuleNode:
 
 
 def module_tree(m: ModelSpec) -> ModuleNode:
-    """LlamaForCausalLM's module tree (transformers' LLaMA), with parameter sizes."""
+    """The model's module tree with parameter sizes: the built model's (model_tree.py), else
+    LlamaForCausalLM's (transformers' LLaMA)."""
+    if m.tree is not None:
+        return m.tree
     h, f, d = m.hidden, m.intermediate, m.d
 
     def linear(name, numel):
@@ -403,6 +470,7 @@ def leaf_module_names(m: ModelSpec, run: RunSpec) -> list[str]:
 
 
 def _fetch_plan(m: ModelSpec, run: RunSpec) -> tuple[list[tuple[str, int]], list[str]]:
+    run = resolve_auto(m, run)
     root = module_tree(m)
     gran: dict = {}
     if run.granularity_threshold:
@@ -467,16 +535,18 @@ def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec) -> int:
 
 
 def adalomo_state_bytes(m: ModelSpec, gpus: int) -> int:
-    """AdaLomo's optimizer state on each rank: fp32 row and column second moments of every matrix,
-    whole on every rank (their sums are all-reduced), this rank's slice of the second moment of
-    every vector, and an fp64 step count per parameter."""
-    return sum(4 * (shape[0] + shape[1]) if len(shape) == 2 else 4 * math.ceil(math.prod(shape) / gpus)
-               for shape in m.param_shapes()) + 8 * len(m.param_shapes())
+    """AdaLomo's optimizer state on each rank: fp32 row and column second moments of every matrix
+    (of each matrix of a stacked [E, R, C] tensor: E (R + C)), whole on every rank (their sums are
+    all-reduced), this rank's slice of the second moment of every vector, and an fp64 step count
+    per parameter."""
+    return sum(4 * math.prod(shape[:-2]) * (shape[-2] + shape[-1]) if len(shape) >= 2
+               else 4 * math.ceil(math.prod(shape) / gpus) for shape in m.param_shapes()) + 8 * len(m.param_shapes())
 
 
 def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> Estimate:
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    run = resolve_auto(m, run)
     if run.offload and method not in FUSED:
         raise ValueError(f"offload_param: the planner models parameter offload for LOMO and AdaLomo only, "
                          f"not {method!r}")
@@ -489,6 +559,11 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     shard = 0 if run.offload else b * shard_numel
     params = shard + gathered
     acts, recompute = activation_bytes(m, run)
+    if n > 1 and m.experts:  # gathered experts held by the forward's saved views (gathered_expert_bytes)
+        if run.checkpointing:
+            recompute += gathered_expert_bytes(m, run)
+        else:
+            acts += m.layers * gathered_expert_bytes(m, run)
     if method in FUSED:
         grads = b * max_p if n == 1 else (2 + 1 / n) * b * min(P, max(run.lomo_bucket * n, max_p))
         masters = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
@@ -551,6 +626,7 @@ def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_
          methods=None, source: str = "planner defaults") -> Plan:
     """Every method x GPU count, and the smallest count that fits. Offloaded runs plan LOMO and AdaLomo only."""
     methods = methods or (FUSED if run.offload else METHODS)
+    run = resolve_auto(m, run)
     p = Plan(m, run, gpu_mem_gib, source)
     for method in methods:
         p.min_gpus[method] = None
@@ -564,7 +640,7 @@ def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_
 
 # The fetch granularities the planner weighs, coarsest first: one decoder layer per gather (as
 # PyTorch FSDP2 wraps a layer), then DeepSpeed's default of one module's own parameters.
-GRANULARITIES = {"per decoder layer": {"leaf_classes": PER_LAYER, "granularity_threshold": 0},
+GRANULARITIES = {"per decoder layer": {"leaf_classes": AUTO, "granularity_threshold": 0},
                  "per module": {"leaf_classes": (), "granularity_threshold": 0}}
 
 
@@ -583,7 +659,8 @@ def granularity_rows(m: ModelSpec, run: RunSpec, gpus: int, gpu_mem_gib: float, 
                      ) -> list[GranularityRow]:
     """`method` on `gpus` GPUs under each fetch granularity, coarsest first; the run's own
     granularity is added when it is neither."""
-    options = {name: replace(run, **fields) for name, fields in GRANULARITIES.items()}
+    run = resolve_auto(m, run)
+    options = {name: resolve_auto(m, replace(run, **fields)) for name, fields in GRANULARITIES.items()}
     if all(o.fetch_label != run.fetch_label for o in options.values()):
         options = {f"this config: {run.fetch_label}": run, **options}
     rows = []
@@ -645,8 +722,9 @@ def format_plan(p: Plan, gpus: int | None = None) -> str:
                "optimizer states",
                "activations (+recompute)", "update tmp", "total GiB/GPU", *(["host RAM GiB (node)"] if host else []),
                "fits"]
+    moe = f", {m.experts} experts of f={m.expert_intermediate}, top {m.experts_per_tok}" if m.experts else ""
     lines = [f"# {m.name}: {m.n_params / 1e9:.2f}B parameters (h={m.hidden}, L={m.layers}, f={m.intermediate}, "
-             f"V={m.vocab}); {p.gpu_mem_gib:g} GiB per GPU",
+             f"V={m.vocab}{moe}); decoder layer {m.layer_class}; {p.gpu_mem_gib:g} GiB per GPU",
              f"assumptions ({p.source}): {run.assumptions()}",
              "",
              "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
@@ -741,6 +819,12 @@ def shipped_run(size: str) -> RunSpec:
 
 
 def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
+    """The architecture of a config.json: with a model_type, the model transformers builds from it
+    (on the meta device: planning/model_tree.py); without one, LLaMA's tree of these sizes."""
+    if cfg.get("model_type"):
+        from lomo_ds.planning.model_tree import spec_from_config
+
+        return spec_from_config(cfg, name)
     try:
         return ModelSpec(name=name, hidden=int(cfg["hidden_size"]), layers=int(cfg["num_hidden_layers"]),
                          intermediate=int(cfg["intermediate_size"]), vocab=int(cfg.get("vocab_size", 32000)),
@@ -757,7 +841,7 @@ def run_overrides_from_ds(ds: dict) -> dict:
     zero = ds.get("zero_optimization") or {}
     out = {f: int(float(zero.get(k, DEEPSPEED_ZERO_DEFAULTS[k]))) for k, f in _ZERO_FIELDS.items()}
     leaf = zero.get("leaf_module") or {}
-    out["leaf_classes"] = tuple(str(x) for key in ("classes", "names", "name_suffixes")
+    out["leaf_classes"] = AUTO if leaf == "auto" else tuple(str(x) for key in ("classes", "names", "name_suffixes")
                                 for x in ([leaf[key]] if isinstance(leaf.get(key), str) else leaf.get(key) or []))
     out["granularity_threshold"] = int(float(zero.get("stage3_module_granularity_threshold",
                                                       zero.get("module_granularity_threshold", 0))))
@@ -780,14 +864,18 @@ def run_spec_for(cfg) -> RunSpec:
 
 def model_spec_for(cfg, model_size: str | None = None) -> ModelSpec:
     """The architecture a run config trains: `model_size` (7b|13b|30b|65b), else the config's
-    model.planner_size, else read from model.path (an HF folder's config.json, or the GGUF file's
-    metadata: the builtin model). A path that is not on this machine (the shipped configs'
-    placeholders, a hub name) needs one of the first two."""
+    model.planner_size or model.planner_config (a config.json), else read from model.path (an HF
+    folder's config.json, or the GGUF file's metadata: the builtin model). A path that is not on
+    this machine (the shipped configs' placeholders, a hub name) needs one of the others."""
     from lomo_ds.config.run import resolve_model_source
 
     model_size = model_size or cfg.model.planner_size
     if model_size is not None:
         return llama_spec(model_size)
+    if cfg.model.planner_config:
+        if hf_config_path(cfg.model.planner_config) is None:
+            raise ValueError(f"model.planner_config {cfg.model.planner_config!r}: not an HF config.json")
+        return resolve_model(cfg.model.planner_config)
     source, gguf = resolve_model_source(cfg.model.path, cfg.model.gguf_file)
     if gguf:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -848,8 +936,10 @@ def resolve_model(arg: str) -> ModelSpec:
     path = hf_config_path(arg)
     if path is None:
         return llama_spec(arg)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = os.path.basename(os.path.dirname(os.path.abspath(path))) if stem == "config" else stem
     with open(path) as f:
-        return spec_from_hf_config(json.load(f), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        return spec_from_hf_config(json.load(f), name=name)
 
 
 def llama_size_of(path: str) -> str:

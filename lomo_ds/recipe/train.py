@@ -71,6 +71,20 @@ def dry_run(cfg) -> None:
     if world and method is not None:
         need = p.estimates[(method, world)].total / planner.GIB
         print(f"this launch ({world} ranks): {planner.METHOD_LABELS[method]} needs {need:.2f} GiB per GPU")
+    print_eval_plan(cfg, p, world)
+
+
+def print_eval_plan(cfg, p, world: int | None) -> None:
+    """The evaluation's and generation's memory on this launch's GPU count (else the smallest the
+    run's method fits on)."""
+    from lomo_ds.planning import inference, planner
+
+    method = planner.method_of_run(cfg)
+    if method not in planner.FUSED:
+        return
+    gpus = world or p.min_gpus.get(method) or max(n for _, n in p.estimates)
+    print()
+    print(inference.format_eval(p, inference.eval_spec_for(cfg), gpus, method))
 
 
 def check_runtime(cfg) -> None:
@@ -79,6 +93,30 @@ def check_runtime(cfg) -> None:
 
     if cfg.precision.dtype == "fp16" and get_accelerator().device_name() == "cpu":
         raise ConfigError(f"{cfg.source_path}: fp16.enabled: DeepSpeed refuses fp16 on a CPU; use bf16 or fp32 here")
+    check_fetch_unit(cfg)
+
+
+def check_fetch_unit(cfg) -> None:
+    """zero_optimization.leaf_module against the model's own module classes, from its config.json
+    built on the meta device (no memory), where model.path is a folder on this machine; otherwise
+    the engine checks it on the loaded model (lomo_ds/config/leaf_module.py)."""
+    from lomo_ds.config import leaf_module
+    from lomo_ds.planning.model_tree import hf_config, meta_model
+
+    value = (cfg.ds.get("zero_optimization") or {}).get("leaf_module")
+    config_json = os.path.join(cfg.model.path, "config.json")
+    if value is None or not os.path.isfile(config_json):
+        return
+    with open(config_json) as f:
+        raw = json.load(f)
+    try:
+        model = meta_model(hf_config(raw, config_json))
+    except (ValueError, KeyError):  # remote code, or an architecture transformers cannot build alone
+        return
+    try:
+        leaf_module.resolve_value(value, model)
+    except ConfigError as e:
+        raise ConfigError(f"{cfg.source_path or '<config>'}: {e} (model.path {cfg.model.path!r})") from None
 
 
 def show_what_matters(rank: int) -> None:

@@ -191,6 +191,31 @@ def timed_fetch_hooks(offload, timers, name: str = "fetch hooks"):
             delattr(offload, hook)
 
 
+@contextlib.contextmanager
+def counted_fetches(offload):
+    """While the block runs, record every fetch ZeRO-3 makes: (phase "forward" | "backward", the
+    module fetched) for each module whose pre-forward or pre-backward hook gathers parameters (its
+    own, or all under it for a leaf). Yields the list it fills: the fetch units of the block."""
+    from deepspeed.utils import z3_leaf_module
+
+    fetched = []
+    for hook, phase in (("pre_sub_module_forward_function", "forward"),
+                        ("pre_sub_module_backward_function", "backward")):
+        original = getattr(offload, hook)
+
+        def counting(module, _original=original, _phase=phase):
+            if next(module.parameters(recurse=z3_leaf_module(module)), None) is not None:
+                fetched.append((_phase, module))
+            return _original(module)
+
+        setattr(offload, hook, counting)
+    try:
+        yield fetched
+    finally:
+        for hook in ("pre_sub_module_forward_function", "pre_sub_module_backward_function"):
+            delattr(offload, hook)
+
+
 def leaf_modules(module) -> list:
     """The modules ZeRO-3 fetches as one unit (leaf_module, stage3_module_granularity_threshold)."""
     from deepspeed.utils import z3_leaf_module

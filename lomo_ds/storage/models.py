@@ -13,6 +13,7 @@ import socket
 
 import torch
 
+from lomo_ds.config import leaf_module
 from lomo_ds.config.run import RunConfig, resolve_model_source
 
 _hf_ds_config = None  # transformers consults the live HfDeepSpeedConfig through a weak reference
@@ -100,7 +101,9 @@ def load_model(cfg: RunConfig, ds_config: dict, rank: int = 0, barrier=None) -> 
         cached = _cache_dir("models", source, gguf)
         _convert_once(cached, "config.json", lambda folder: _save_gguf_model(source, gguf, folder), rank, barrier)
         source = cached
-    _hf_ds_config = HfDeepSpeedConfig(ds_config)  # must stay alive while the model is built
+    # Must stay alive while the model is built; DeepSpeed parses it whole, so an unresolved
+    # leaf_module "auto" (resolved against the built model by the engine) is left out.
+    _hf_ds_config = HfDeepSpeedConfig(leaf_module.for_model_build(ds_config))
     extra = {"attn_implementation": cfg.model.attn_implementation} if cfg.model.attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(source, dtype=cfg.precision.torch_dtype,
                                                  trust_remote_code=cfg.model.trust_remote_code, **extra)
