@@ -1,0 +1,37 @@
+"""LOMO and AdaLomo inside Hugging Face's Trainer and TRL's SFTTrainer (lomo_ds.integrations).
+
+The multi-rank checks (tests/dist_hf_checks.py) train through a real Trainer on real DeepSpeed
+ZeRO-3 ranks: K = 2 micro-batches, label counts that differ per micro-batch and rank, a linear
+schedule with warm-up, and norm clipping that is active on some steps and not on others. After the
+run the parameters must equal a single-process reference (torch.optim.SGD, or the reference
+AdaLomo, on each window's whole batch with the Trainer's token-mean loss and schedule) and
+lomo_ds's own engine with lomo.loss_normalization "tokens".
+"""
+import pytest
+
+from tests import dist_hf_checks as H
+from tests.ranks import multi_rank_checks, ok
+
+TOL = 1e-5
+WORLDS = [1, 2]
+EQUIVALENCE = multi_rank_checks(
+    WORLDS,
+    trainer_lomo=lambda: H.check_equivalence("lomo"),
+    trainer_adalomo=lambda: H.check_equivalence("adalomo"),
+)
+
+
+@pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
+@pytest.mark.parametrize("world", WORLDS)
+def test_trainer_matches_reference(rank_results, world, check):
+    r = ok(rank_results(world), check)
+    print(f"{check} on {world}: max |Trainer - reference| = {r['max_abs_diff']:.2e}, "
+          f"|Trainer - engine| = {r['engine_vs_trainer']:.2e}")
+    assert r["wrapped"] == "DeepSpeedEngine"  # the LomoEngine's, no second one built by accelerate
+    assert r["max_abs_diff"] <= TOL
+    assert r["engine_vs_trainer"] <= TOL
+    assert r["lr"] == pytest.approx(r["ref_lr"], abs=1e-12)  # the Trainer's schedule, warm-up from 0
+    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)  # the window's token mean, every step
+    assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
+    clipped = [n > H.CLIP for n in r["ref_grad_norm"]]
+    assert any(clipped) and not all(clipped), r["ref_grad_norm"]  # the clip acts on some steps only
