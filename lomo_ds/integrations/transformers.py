@@ -59,6 +59,27 @@ def _without_auto(config):
     return config
 
 
+def complete_distributed_state() -> None:
+    """Make accelerate see every rank of a CPU launch. On a machine without an accelerator it finds
+    no distributed backend for DeepSpeed and leaves its state at one process (DeepSpeed itself has
+    started the process group): every rank would then train on the whole dataset. The state is
+    completed from torch.distributed, so the Trainer's data sharding and token counts span the ranks."""
+    from accelerate.state import PartialState
+
+    if not torch.distributed.is_initialized():
+        return
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    state = PartialState()
+    if state.num_processes == world:
+        return
+    if state.device.type != "cpu":
+        raise RuntimeError(f"accelerate sees {state.num_processes} process(es) on {state.device}, torch.distributed "
+                           f"{world}; launch with deepspeed, torchrun or accelerate launch")
+    PartialState._shared_state.update(backend=torch.distributed.get_backend(), num_processes=world,
+                                      process_index=rank,
+                                      local_process_index=int(os.environ.get("LOCAL_RANK", rank)))
+
+
 class TrainerLomoEngine(LomoEngine):
     """A LomoEngine whose forward is the Trainer's compute_loss for the step being taken."""
 
@@ -104,6 +125,7 @@ class LomoTrainerMixin:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         check_trainer_class(type(self))
         check_training_arguments(training_args)
+        complete_distributed_state()
         # The DeepSpeed keys and the lomo section are checked here too, before any rank builds
         # anything (the mapped values whose loss normalisation depends on the model are
         # re-checked when the engine is built).
