@@ -262,11 +262,131 @@ def check_sft(world_rows: int = 8) -> dict:
             "token_accuracy": [h.get("mean_token_accuracy") for h in logs]}
 
 
+def check_resume(optim: str = "adalomo") -> dict:
+    """A run stopped right after its checkpoint at step 2 (as if killed: the process's state is
+    dropped) and resumed from it by a fresh Trainer and model ends with the parameters of an
+    uninterrupted run; that run's save_model() folder loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    world = torch.distributed.get_world_size()
+    data = Samples(STEPS * K * world * BATCH)
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    def run(out_dir, callbacks=(), resume=None):
+        with trainer_session():
+            args = training_args(out_dir, optim=optim, max_grad_norm=CLIP[world], save_strategy="steps",
+                                 save_steps=2, train_sampling_strategy="random")
+            trainer = lomo_trainer_class()(model=tiny_llama(1), args=args, train_dataset=data,
+                                           callbacks=list(callbacks))
+            trainer.train(resume_from_checkpoint=resume)
+            return trainer, full_params(trainer)
+
+    whole_dir, cut_dir = _out("resume_whole"), _out("resume_cut")
+    trainer, whole = run(whole_dir)
+    saved = os.path.join(whole_dir, "final")
+    trainer.save_model(saved)
+    _, stopped = run(cut_dir, callbacks=[StopAt()])
+    checkpoint = os.path.join(cut_dir, "checkpoint-2")
+    files = sorted(os.listdir(checkpoint))
+    _, resumed = run(cut_dir, resume=checkpoint)
+    if whole is None:
+        return None
+    loaded = AutoModelForCausalLM.from_pretrained(saved)
+    return {"resumed_vs_whole": diff(resumed, whole), "stopped_vs_whole": diff(stopped, whole),
+            "from_pretrained_vs_trained": diff({n: p.detach() for n, p in loaded.named_parameters()}, whole),
+            "checkpoint_files": files}
+
+
+def check_trackers() -> dict:
+    """report_to TensorBoard and W&B (offline): what each wrote, read back from its files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    world = torch.distributed.get_world_size()
+    data = Samples(STEPS * K * world * BATCH)
+    out = _out("trackers")
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=out, WANDB_SILENT="true",
+                      TENSORBOARD_LOGGING_DIR=os.path.join(out, "tb"))
+    with trainer_session():
+        args = training_args(out, max_grad_norm=CLIP[world], report_to=["tensorboard", "wandb"],
+                             run_name="lomo-trackers")
+        trainer = lomo_trainer_class()(model=tiny_llama(2), args=args, train_dataset=data)
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+    if torch.distributed.get_rank() != 0:
+        return None
+    import wandb
+
+    wandb.finish()  # the Trainer leaves the run open; finishing it flushes its file
+    tb = {}
+    for root, _, names in os.walk(os.path.join(out, "tb")):
+        if any(n.startswith("events.") for n in names):
+            acc = EventAccumulator(root)
+            acc.Reload()
+            tb = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return {"trainer": {k: [h.get(k) for h in logs] for k in ("loss", "learning_rate", "grad_norm")},
+            "tensorboard": {k: tb.get(f"train/{k}") for k in ("loss", "learning_rate", "grad_norm")},
+            "wandb": wandb_history(out)}
+
+
+def wandb_records(path: str):
+    """The protobuf records of a W&B run file (run-*.wandb): a 7-byte header (":W&B", magic,
+    version), then LevelDB's log format: 32 KiB blocks of chunks, each a 7-byte header (crc32,
+    little-endian length, type: 1 full, 2 first, 3 middle, 4 last) and its payload."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    assert raw[:4] == b":W&B", path
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if kind == 0 and length == 0:
+            break
+        pending += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_history(root: str) -> dict:
+    """The train/* series an offline W&B run wrote, read back from its run file."""
+    import glob
+    import json
+
+    (path,) = glob.glob(os.path.join(root, "wandb", "offline-run-*", "run-*.wandb"))
+    series: dict[str, list] = {}
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if key in ("train/loss", "train/learning_rate", "train/grad_norm"):
+                    series.setdefault(key.split("/", 1)[1], []).append(json.loads(item.value_json))
+    return series
+
+
 def _out(name: str) -> str:
+    """An empty folder of this launch (collective)."""
+    import shutil
+
     from tests.ranks import work_dir
 
     path = os.path.join(work_dir(), f"hf_{name}")
-    os.makedirs(path, exist_ok=True)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    torch.distributed.barrier()
     return path
 
 

@@ -20,6 +20,7 @@ EQUIVALENCE = multi_rank_checks(
     trainer_adalomo=lambda: H.check_equivalence("adalomo"),
     sft=H.check_sft,
 )
+resume, trackers = multi_rank_checks([2], resume=H.check_resume, trackers=H.check_trackers)
 
 
 @pytest.mark.parametrize("check", EQUIVALENCE[:2], ids=str)
@@ -49,3 +50,24 @@ def test_sft_trainer_matches_reference(rank_results, world):
     assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
     assert all(a is not None for a in r["token_accuracy"])  # TRL's metrics, from its fused outputs
     assert len({c for window in r["label_counts"] for c in window}) > 1  # micro-batches differ in label count
+
+
+def test_resume_and_save_model(rank_results):
+    """Stopped after the step-2 checkpoint and resumed (AdaLomo: its statistics are in the shard
+    state) = uninterrupted; save_model() loads with from_pretrained."""
+    r = ok(rank_results(2), resume)
+    print(f"resumed vs uninterrupted: {r['resumed_vs_whole']:.2e}; checkpoint: {r['checkpoint_files']}")
+    assert r["resumed_vs_whole"] == 0.0
+    assert r["stopped_vs_whole"] > 1e-4  # the stopped run is really behind: the resume did the rest
+    assert r["from_pretrained_vs_trained"] == 0.0
+    assert {"lomo_rank_00000.pt", "lomo_rank_00001.pt", "scheduler.pt", "trainer_state.json",
+            "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
+
+
+def test_trackers_read_back(rank_results):
+    """loss, learning_rate and grad_norm reach TensorBoard and W&B (offline), as the Trainer logged them."""
+    r = ok(rank_results(2), trackers)
+    for tracker in ("tensorboard", "wandb"):
+        for key, values in r["trainer"].items():
+            assert r[tracker][key] == pytest.approx(values, rel=1e-6), (tracker, key)
+    assert len(r["trainer"]["loss"]) == H.STEPS and all(v is not None for v in r["trainer"]["grad_norm"])

@@ -222,7 +222,8 @@ class LomoTrainerMixin:
             # The Trainer's loss: this micro-batch's token sum / the window's tokens on every rank,
             # times the rank count when averaged over them. Back to this micro-batch's token mean:
             # the engine weighs it by its tokens and divides by the window's.
-            ranks = self.accelerator.num_processes // self.get_tp_size() if self.args.average_tokens_across_devices else 1
+            averaged = self.args.average_tokens_across_devices
+            ranks = self.accelerator.num_processes // self.get_tp_size() if averaged else 1
             scale = float(num_items_in_batch) / (ranks * mine) if mine else 1.0
 
         def loss_fn(batch):
