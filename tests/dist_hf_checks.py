@@ -58,6 +58,12 @@ def ds_config(**lomo) -> dict:
             "lomo": {"bucket_size": 700, **lomo}}
 
 
+def TrainingArgumentsFor(**kw):  # noqa: N802 (a class, imported late)
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**kw)
+
+
 def training_args(out_dir: str, optim: str = "lomo", **kw):
     from transformers import TrainingArguments
 

@@ -71,3 +71,87 @@ def test_trackers_read_back(rank_results):
         for key, values in r["trainer"].items():
             assert r[tracker][key] == pytest.approx(values, rel=1e-6), (tracker, key)
     assert len(r["trainer"]["loss"]) == H.STEPS and all(v is not None for v in r["trainer"]["grad_norm"])
+
+
+# ----------------------------------------------------------------------------- single process: refusals
+@pytest.fixture
+def hf_args(monkeypatch):
+    """TrainingArguments(deepspeed=...) registers its config with transformers and sets accelerate's
+    environment: both undone after the test, so this worker's other tests see neither."""
+    import os
+
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    saved = dict(os.environ)
+    made = []
+
+    def make(**kw):
+        base = dict(output_dir="/tmp/unused", optim="lomo", deepspeed=H.ds_config(), report_to=[])
+        args = H.TrainingArgumentsFor(**{**base, **kw})
+        made.append(args)
+        return args
+
+    yield make
+    unset_hf_deepspeed_config()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+REFUSED = [
+    ({"optim": "adamw_torch"}, r"^optim: expected 'lomo' or 'adalomo', got 'adamw_torch'$"),
+    ({"weight_decay": 0.1}, r"^weight_decay: the Trainer decays all but biases and norms.*\(got 0.1\)$"),
+    ({"average_tokens_across_devices": False}, r"^average_tokens_across_devices: .*\(got False\)$"),
+    ({"eval_on_start": True, "eval_strategy": "steps", "eval_steps": 1}, r"^eval_on_start: "),
+    ({"adam_beta2": 0.95}, r"^adam_beta2: an AdamW setting"),
+    ({"auto_find_batch_size": True}, r"^auto_find_batch_size: "),
+    ({"deepspeed": H.ds_config(lr=0.1)}, r"^learning_rate: gives lomo.lr 0.05, the config's lomo section says 0.1; "),
+    ({"deepspeed": H.ds_config(scheduler={"type": "cosine"})}, r"^deepspeed: lomo.scheduler is set, but under the "),
+    ({"deepspeed": {**H.ds_config(), "optimizer": {"type": "AdamW"}}}, r"^deepspeed: <config>: optimizer: LOMO is"),
+]
+
+
+@pytest.mark.parametrize("fields,message", REFUSED, ids=lambda v: str(v)[:40])
+def test_refused_in_constructor_before_deepspeed(hf_args, fields, message):
+    """One line naming the field, from check_training_arguments and from the trainer's constructor,
+    before any DeepSpeed engine exists (the model is still a plain module)."""
+    import torch
+
+    from lomo_ds.integrations.training_args import TrainingArgumentsError, check_training_arguments
+    from lomo_ds.runtime import ds_compat
+    from tests.tiny import tiny_llama
+
+    args = hf_args(learning_rate=0.05, **fields)
+    if "deepspeed" not in fields:
+        with pytest.raises(TrainingArgumentsError, match=message):
+            check_training_arguments(args)
+    model = tiny_llama(0)
+    with pytest.raises(TrainingArgumentsError, match=message) as e:
+        H.lomo_trainer_class()(model=model, args=args)
+    assert "\n" not in str(e.value)
+    assert not ds_compat.is_zero_param(next(model.parameters())) and not torch.distributed.is_initialized()
+
+
+def test_other_trainers_refused_by_name():
+    from trl import DPOTrainer
+
+    from lomo_ds.integrations.training_args import TrainingArgumentsError, check_trainer_class
+
+    with pytest.raises(TrainingArgumentsError, match=r"^DPOTrainer: LomoTrainerMixin is tested with"):
+        check_trainer_class(H.lomo_trainer_class(DPOTrainer))
+    check_trainer_class(H.lomo_trainer_class())  # Trainer
+    check_trainer_class(type("Mine", (H.lomo_trainer_class(),), {}))  # a user's subclass of a tested one
+
+
+def test_table_is_generated_and_complete():
+    """docs/training_arguments.md holds the generated table; every row names a real field."""
+    import dataclasses
+    import os
+
+    from transformers import TrainingArguments
+
+    from lomo_ds.integrations.training_args import FIELDS, options_markdown
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert [f.name for f in FIELDS if f.name not in names] == []
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "training_arguments.md")) as f:
+        assert options_markdown() in f.read()
