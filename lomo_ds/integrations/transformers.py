@@ -139,6 +139,11 @@ class LomoTrainerMixin:
     def _lomo_config(args, ds_config: dict, tokens: bool) -> tuple[dict, Any]:
         ds = copy.deepcopy(ds_config)
         lomo = merge_lomo_section(ds.pop("lomo", None), lomo_section(args, tokens))
+        # The Trainer's arguments decide these (transformers checks a value the user's file gives
+        # against them; accelerate fills a missing one with its own default, not the user's).
+        ds.update(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                  train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
+                  gradient_clipping=args.max_grad_norm)
         ds["lomo"] = lomo
         precision = {"bf16": args.bf16, "fp16": args.fp16}
         for name, on in precision.items():
