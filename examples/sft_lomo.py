@@ -25,7 +25,9 @@ DEEPSPEED = {
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "bf16": {"enabled": "auto"},
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    # One gather per decoder layer instead of one per nn.Linear (the shipped configs' setting).
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                          "leaf_module": {"classes": ["LlamaDecoderLayer"]}},
     "lomo": {},  # LOMO's other options (lomo_ds/config/lomo.py), e.g. {"bucket_size": 25000000}
 }
 
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--output-dir", default="runs/sft_lomo")
     ap.add_argument("--report-to", default="none", help="e.g. tensorboard, wandb")
+    ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
     a = ap.parse_args()
 
     import datasets
@@ -50,12 +53,14 @@ def main() -> None:
     import lomo_ds
     from lomo_ds.integrations.models import pretrained_folders
     from lomo_ds.integrations.transformers import LomoTrainerMixin
+    from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
 
     class LomoSFTTrainer(LomoTrainerMixin, SFTTrainer):
         pass
 
     lomo_ds.init_distributed()
     rank = torch.distributed.get_rank()
+    set_cpu_threads(accelerator_device())  # CPU ranks: the cores shared out, not one thread per core each
     # The built-in model is a GGUF file: converted once (rank 0) before ZeRO-3 is configured.
     model_dir, tokenizer_dir = pretrained_folders(a.model, rank, torch.distributed.barrier)
 
