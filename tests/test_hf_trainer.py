@@ -6,6 +6,11 @@ schedule with warm-up, and norm clipping that is active on some steps and not on
 run the parameters must equal a single-process reference (torch.optim.SGD, or the reference
 AdaLomo, on each window's whole batch with the Trainer's token-mean loss and schedule) and
 lomo_ds's own engine with lomo.loss_normalization "tokens".
+
+Revert checked: without the mixin turning the Trainer's loss (token sum / the window's tokens x
+ranks) back into the micro-batch's token mean, so that the normalisation is applied twice,
+trainer_lomo on 2 ranks differs from the reference by 2.1e-3 and sft by 4.3e-3 (and their losses
+by half).
 """
 import pytest
 
@@ -18,12 +23,12 @@ EQUIVALENCE = multi_rank_checks(
     WORLDS,
     trainer_lomo=lambda: H.check_equivalence("lomo"),
     trainer_adalomo=lambda: H.check_equivalence("adalomo"),
-    sft=H.check_sft,
 )
-resume, trackers = multi_rank_checks([2], resume=H.check_resume, trackers=H.check_trackers)
+# SFTTrainer, resume and trackers: on 2 ranks (the Trainer's own equivalence covers 1 and 2).
+sft, resume, trackers = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume, trackers=H.check_trackers)
 
 
-@pytest.mark.parametrize("check", EQUIVALENCE[:2], ids=str)
+@pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
 @pytest.mark.parametrize("world", WORLDS)
 def test_trainer_matches_reference(rank_results, world, check):
     r = ok(rank_results(world), check)
@@ -39,11 +44,10 @@ def test_trainer_matches_reference(rank_results, world, check):
     assert any(clipped) and not all(clipped), r["ref_grad_norm"]  # the clip acts on some steps only
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_sft_trainer_matches_reference(rank_results, world):
+def test_sft_trainer_matches_reference(rank_results):
     """SFTTrainer's own loss (the fused LM head's log-probs) trains as the token-mean SGD reference."""
-    r = ok(rank_results(world), EQUIVALENCE[2])
-    print(f"SFTTrainer on {world}: max |SFTTrainer - reference| = {r['max_abs_diff']:.2e}, "
+    r = ok(rank_results(2), sft)
+    print(f"SFTTrainer on 2 ranks: max |SFTTrainer - reference| = {r['max_abs_diff']:.2e}, "
           f"label tokens per micro-batch {r['label_counts']}")
     assert r["max_abs_diff"] <= TOL
     assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
