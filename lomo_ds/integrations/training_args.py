@@ -78,7 +78,8 @@ FIELDS: list[Field] = [
                                                    "loss takes no num_items_in_batch: `mean`). false (each rank's "
                                                    "own token mean) is refused: no lomo_ds normalisation matches it",
           _unless(True), lomo="loss_normalization"),
-    Field("label_smoothing_factor", SUPPORTED, "part of the Trainer's loss, which the engine back-propagates"),
+    Field("label_smoothing_factor", SUPPORTED, "part of the Trainer's loss, which the engine back-propagates "
+                                               "(not covered by the tests)"),
     Field("auto_find_batch_size", REFUSED, "retries with a smaller batch by rebuilding the DeepSpeed engine; "
                                            "size the batch with `lomo-ds plan`", _unless(False)),
     Field("torch_compile", REFUSED, "not tested with the fused gradient hooks", _unless(False)),
@@ -101,12 +102,13 @@ FIELDS: list[Field] = [
     Field("fp16_full_eval", REFUSED, "evaluation runs in the training precision", _unless(False)),
     Field("tf32", SUPPORTED, "a matmul setting of Ampere+ GPUs; the update is unaffected"),
     Field("gradient_checkpointing", SUPPORTED, "the Trainer enables it on the model; the layers' activations "
-                                               "are recomputed in each backward (the retained graph of norm "
-                                               "clipping's two passes included)"),
+                                               "are recomputed in the backward (tested with SFTTrainer, whose "
+                                               "default it is, at K = 2; norm clipping's two passes at K = 1 "
+                                               "recompute in both, not covered by the tests)"),
     Field("gradient_checkpointing_kwargs", SUPPORTED, "as the Trainer"),
     Field("activation_checkpointing", SUPPORTED, "as gradient_checkpointing"),
     Field("activation_checkpointing_kwargs", SUPPORTED, "as the Trainer"),
-    Field("torch_empty_cache_steps", SUPPORTED, "as the Trainer"),
+    Field("torch_empty_cache_steps", SUPPORTED, "as the Trainer: the device cache emptied every N steps"),
     # ------------------------------------------------------------------ checkpointing
     Field("save_strategy", SUPPORTED, "a checkpoint holds the model as save_model writes it, every rank's shard "
                                       "state (lomo_rank_NNNNN.pt: its shards, step, AdaLomo's state), the "

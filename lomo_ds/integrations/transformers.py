@@ -244,6 +244,11 @@ class LomoTrainerMixin:
         finally:
             engine.loss_fn = None
         self._lomo_last = out
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:
+            from accelerate.utils import clear_device_cache
+
+            clear_device_cache()
         # The Trainer sums what this returns over the window and averages it over the ranks and
         # steps it logs: the engine's window loss (the same on every rank) once per window.
         loss = out["loss"] if out["stepped"] else 0.0
