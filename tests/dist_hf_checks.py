@@ -366,14 +366,22 @@ def wandb_records(path: str):
             yield record
 
 
-def wandb_history(root: str) -> dict:
-    """The train/* series an offline W&B run wrote, read back from its run file."""
+def wandb_history(root: str, wait_s: float = 60.0) -> dict:
+    """The train/* series an offline W&B run wrote, read back from its run file once the run's
+    exit record is in it (W&B's service process writes the file after wandb.finish returns)."""
     import glob
     import json
+    import time
 
     (path,) = glob.glob(os.path.join(root, "wandb", "offline-run-*", "run-*.wandb"))
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = list(wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     series: dict[str, list] = {}
-    for record in wandb_records(path):
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             for item in record.history.item:
                 key = item.key or "/".join(item.nested_key)
