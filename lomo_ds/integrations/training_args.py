@@ -1,0 +1,226 @@
+"""Every TrainingArguments field that touches optimization, precision, checkpointing or logging:
+supported as the Trainer does it, mapped onto the `lomo` section, or refused with the reason.
+
+`check_training_arguments(args)` is what LomoTrainerMixin runs in its constructor, before the
+Trainer builds anything; scripts can call it on their TrainingArguments first. A refusal is one
+`TrainingArgumentsError` line naming the field, what it was given and why. `lomo_section(args, ...)`
+gives the values the mapped fields put into the `lomo` section; a value the DeepSpeed config's own
+`lomo` section sets differently is refused too (one place decides each value). The table in
+docs/training_arguments.md is generated from FIELDS (`options_markdown()`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+SUPPORTED, MAPPED, REFUSED = "supported", "mapped", "refused"
+
+# The Trainer classes the mixin has been tested with (by class name and defining package).
+TESTED_TRAINERS = {("transformers", "Trainer"), ("trl", "SFTTrainer")}
+OPTIMIZERS = {"lomo": "sgd", "adalomo": "adalomo"}
+
+
+class TrainingArgumentsError(ValueError):
+    """A TrainingArguments value LOMO cannot honour; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    status: str  # SUPPORTED | MAPPED | REFUSED
+    what: str  # what it does under LOMO, or why it is refused
+    refuses: Callable[[Any], bool] = lambda value: False  # which values are refused
+    lomo: str | None = None  # MAPPED: the lomo key it sets
+
+
+def _unless(*accepted):
+    return lambda value: value not in accepted
+
+
+def _str(value) -> str:
+    return getattr(value, "value", value)  # the enums TrainingArguments stores (optim, strategies)
+
+
+_NOT_ADAMW = "an AdamW setting; LOMO and AdaLomo keep no moments (AdaLomo's own: the config's lomo.adalomo)"
+
+FIELDS: list[Field] = [
+    # ------------------------------------------------------------------ optimization
+    Field("optim", MAPPED, "`lomo` -> lomo.optimizer `sgd`, `adalomo` -> `adalomo`; any other optimizer is refused",
+          lambda v: _str(v) not in OPTIMIZERS, lomo="optimizer"),
+    Field("optim_args", REFUSED, "options of other optimizers; AdaLomo's are the config's lomo.adalomo",
+          _unless(None, "")),
+    Field("optim_target_modules", REFUSED, "GaLore/APOLLO's; LOMO updates every trainable parameter",
+          _unless(None)),
+    Field("learning_rate", MAPPED, "the peak of the Trainer's schedule; the fused update of every step uses the "
+                                   "schedule's value for that step (lomo.lr and lomo.scheduler are not used)",
+          lomo="lr"),
+    Field("lr_scheduler_type", SUPPORTED, "the Trainer's scheduler runs on a stand-in optimizer; its learning "
+                                          "rate goes into each step's fused update"),
+    Field("lr_scheduler_kwargs", SUPPORTED, "as the Trainer"),
+    Field("warmup_steps", SUPPORTED, "as the Trainer (a value below 1 is a fraction of the steps)"),
+    Field("weight_decay", REFUSED, "the Trainer decays all but biases and norms; lomo_ds's decoupled decay "
+                                   "(lomo.weight_decay in the config's lomo section) decays every parameter: "
+                                   "set that instead and leave this 0", _unless(0, 0.0)),
+    Field("adam_beta1", REFUSED, _NOT_ADAMW, _unless(0.9)),
+    Field("adam_beta2", REFUSED, _NOT_ADAMW, _unless(0.999)),
+    Field("adam_epsilon", REFUSED, _NOT_ADAMW, _unless(1e-8)),
+    Field("max_grad_norm", MAPPED, "exact global-norm clipping of the window's gradient (lomo.clip_grad_norm); "
+                                   "0 = no clipping. The default 1.0 turns it on, and with gradient_accumulation_steps "
+                                   "1 that costs a second backward over the retained graph (never a second "
+                                   "forward or compute_loss); with K > 1 it is one pass over the accumulated shards",
+          lambda v: v < 0, lomo="clip_grad_norm"),
+    Field("gradient_accumulation_steps", MAPPED, "the sharded accumulator (lomo.accumulation_steps): each rank "
+                                                 "sums its 1/N slice of each micro-batch's reduced gradient",
+          lomo="accumulation_steps"),
+    Field("average_tokens_across_devices", MAPPED, "true (the default): the Trainer's loss, a token mean over the "
+                                                   "window and every rank (num_items_in_batch) times the rank count, "
+                                                   "is lomo.loss_normalization `tokens`, applied once (a model whose "
+                                                   "loss takes no num_items_in_batch: `mean`). false (each rank's "
+                                                   "own token mean) is refused: no lomo_ds normalisation matches it",
+          _unless(True), lomo="loss_normalization"),
+    Field("label_smoothing_factor", SUPPORTED, "part of the Trainer's loss, which the engine back-propagates "
+                                               "(not covered by the tests)"),
+    Field("auto_find_batch_size", REFUSED, "retries with a smaller batch by rebuilding the DeepSpeed engine; "
+                                           "size the batch with `lomo-ds plan`", _unless(False)),
+    Field("torch_compile", REFUSED, "not tested with the fused gradient hooks", _unless(False)),
+    Field("use_liger_kernel", REFUSED, "not tested with the fused gradient hooks", _unless(False)),
+    Field("neftune_noise_alpha", REFUSED, "not tested with the fused update", _unless(None)),
+    Field("fsdp", REFUSED, "LOMO runs on DeepSpeed ZeRO-3 (the deepspeed argument)", lambda v: bool(v)),
+    Field("parallelism_config", REFUSED, "tensor, context and sequence parallelism are not supported: every rank "
+                                         "is a data-parallel rank", _unless(None)),
+    Field("deepspeed", MAPPED, "required: a DeepSpeed ZeRO-3 config (dict or file) whose optional `lomo` section "
+                               "holds LOMO's other options; checked like lomo_ds's own configs",
+          lambda v: v is None),
+    Field("use_cpu", REFUSED, "turns off accelerate's DeepSpeed path; CPU ranks run without it (no GPU is found)",
+          _unless(False)),
+    # ------------------------------------------------------------------ precision
+    Field("bf16", MAPPED, "the DeepSpeed config's bf16.enabled (`auto` is filled from it): bf16 shards, gathers "
+                          "and reduce-scatter"),
+    Field("fp16", MAPPED, "the DeepSpeed config's fp16.enabled: lomo_ds's dynamic loss scaling (lomo.loss_scale; "
+                          "two passes at K = 1); accelerators only (DeepSpeed refuses fp16 on a CPU)"),
+    Field("bf16_full_eval", REFUSED, "evaluation runs in the training precision", _unless(False)),
+    Field("fp16_full_eval", REFUSED, "evaluation runs in the training precision", _unless(False)),
+    Field("tf32", SUPPORTED, "a matmul setting of Ampere+ GPUs; the update is unaffected"),
+    Field("gradient_checkpointing", SUPPORTED, "the Trainer enables it on the model; the layers' activations "
+                                               "are recomputed in the backward (tested with SFTTrainer, whose "
+                                               "default it is, at K = 2; norm clipping's two passes at K = 1 "
+                                               "recompute in both, not covered by the tests)"),
+    Field("gradient_checkpointing_kwargs", SUPPORTED, "as the Trainer"),
+    Field("activation_checkpointing", SUPPORTED, "as gradient_checkpointing"),
+    Field("activation_checkpointing_kwargs", SUPPORTED, "as the Trainer"),
+    Field("torch_empty_cache_steps", SUPPORTED, "as the Trainer: the device cache emptied every N steps"),
+    # ------------------------------------------------------------------ checkpointing
+    Field("save_strategy", SUPPORTED, "a checkpoint holds the model as save_model writes it, every rank's shard "
+                                      "state (lomo_rank_NNNNN.pt: its shards, step, AdaLomo's state), the "
+                                      "scheduler, RNG and Trainer state"),
+    Field("save_steps", SUPPORTED, "as the Trainer"),
+    Field("save_total_limit", SUPPORTED, "the Trainer's rotation of checkpoint folders"),
+    Field("save_only_model", SUPPORTED, "no shard state is written: such a checkpoint loads with from_pretrained "
+                                        "but cannot be resumed from"),
+    Field("save_on_each_node", SUPPORTED, "as the Trainer; every rank writes its own shard state anyway"),
+    Field("resume_from_checkpoint", SUPPORTED, "exact: the same parameters as an uninterrupted run (shards, "
+                                               "schedule, data order and RNG restored); the same rank count"),
+    Field("enable_jit_checkpoint", REFUSED, "saves on a signal mid-window, where the accumulator is not part of "
+                                            "the state; checkpoint by save_steps", _unless(False)),
+    Field("load_best_model_at_end", REFUSED, "reloads through DeepSpeed's checkpoint loader, which LOMO's "
+                                             "checkpoints are not; load the best checkpoint with from_pretrained",
+          _unless(False)),
+    Field("ignore_data_skip", SUPPORTED, "as the Trainer (true makes a resumed run differ from an uninterrupted one)"),
+    Field("restore_callback_states_from_checkpoint", SUPPORTED, "as the Trainer"),
+    Field("push_to_hub", SUPPORTED, "the Trainer uploads the folders save_model writes (not exercised by the tests: "
+                                    "no network)"),
+    # ------------------------------------------------------------------ logging and evaluation
+    Field("report_to", SUPPORTED, "every tracker gets `loss` (the engine's window loss, agreed over the ranks), "
+                                  "`learning_rate` (the lr of the update) and `grad_norm` (the engine's exact global "
+                                  "norm; absent when max_grad_norm is 0: no norm is measured) through Trainer.log"),
+    Field("logging_strategy", SUPPORTED, "as the Trainer"),
+    Field("logging_steps", SUPPORTED, "as the Trainer"),
+    Field("logging_first_step", SUPPORTED, "as the Trainer"),
+    Field("logging_nan_inf_filter", SUPPORTED, "as the Trainer (a step every rank skipped reports NaN)"),
+    Field("include_num_input_tokens_seen", SUPPORTED, "as the Trainer"),
+    Field("run_name", SUPPORTED, "as the Trainer"),
+    Field("project", SUPPORTED, "as the Trainer"),
+    Field("eval_strategy", SUPPORTED, "evaluation forwards through the ZeRO-3 module, no update; only once "
+                                      "training has built the engine (see eval_on_start)"),
+    Field("eval_steps", SUPPORTED, "as the Trainer"),
+    Field("eval_on_start", REFUSED, "before the first step the Trainer would build a DeepSpeed engine of its own "
+                                    "for evaluation; evaluate after a step instead", _unless(False)),
+    Field("prediction_loss_only", SUPPORTED, "as the Trainer"),
+    Field("per_device_eval_batch_size", SUPPORTED, "as the Trainer"),
+    Field("skip_memory_metrics", SUPPORTED, "as the Trainer"),
+]
+BY_NAME = {f.name: f for f in FIELDS}
+
+
+def check_trainer_class(cls: type) -> None:
+    """Refuse a trainer lomo_ds has not been tested inside: the nearest library trainer class in
+    `cls`'s bases (a user's own subclass of a tested one is fine) must be Trainer or SFTTrainer."""
+    for base in cls.__mro__:
+        package = base.__module__.split(".", 1)[0]
+        if package in ("transformers", "trl") and base.__name__.endswith("Trainer"):
+            if (package, base.__name__) not in TESTED_TRAINERS:
+                raise TrainingArgumentsError(
+                    f"{base.__name__}: LomoTrainerMixin is tested with transformers' Trainer and TRL's SFTTrainer "
+                    f"only, not {package}'s {base.__name__}")
+            return
+    raise TrainingArgumentsError(f"{cls.__name__}: LomoTrainerMixin must be mixed into a Trainer or SFTTrainer")
+
+
+def check_training_arguments(args) -> None:
+    """Refuse (TrainingArgumentsError naming the field) any value LOMO cannot honour."""
+    if args is None:
+        raise TrainingArgumentsError("args: pass TrainingArguments(optim='lomo' or 'adalomo', deepspeed=...)")
+    for f in FIELDS:
+        if not hasattr(args, f.name):
+            continue  # a field this transformers release does not have
+        value = getattr(args, f.name)
+        if f.refuses(value):
+            shown = _str(value)
+            if f.name == "optim":
+                raise TrainingArgumentsError(f"optim: expected 'lomo' or 'adalomo', got {shown!r}")
+            if f.name == "deepspeed":
+                raise TrainingArgumentsError("deepspeed: required; give a DeepSpeed ZeRO-3 config (dict or file), "
+                                             "which may carry a `lomo` section")
+            raise TrainingArgumentsError(f"{f.name}: {f.what} (got {shown!r})")
+
+
+def lomo_section(args, tokens: bool) -> dict[str, Any]:
+    """What the mapped fields put into the `lomo` section. `tokens`: whether the Trainer's loss is
+    normalised by num_items_in_batch (the model takes it, or a compute_loss_func does)."""
+    return {
+        "optimizer": OPTIMIZERS[_str(args.optim)],
+        "lr": float(args.learning_rate),
+        "clip_grad_norm": float(args.max_grad_norm) if args.max_grad_norm > 0 else None,
+        "accumulation_steps": int(args.gradient_accumulation_steps),
+        "loss_normalization": "tokens" if tokens else "mean",
+    }
+
+
+# Keys of a config's own lomo section the Trainer decides (it would be ignored otherwise).
+_TRAINER_DECIDES = {"scheduler": "lr_scheduler_type / warmup_steps (the Trainer's schedule)",
+                    "recipes": "learning_rate / max_grad_norm (the Trainer's arguments)"}
+_SOURCE = {"optimizer": "optim", "lr": "learning_rate", "clip_grad_norm": "max_grad_norm",
+           "accumulation_steps": "gradient_accumulation_steps", "loss_normalization": "average_tokens_across_devices"}
+
+
+def merge_lomo_section(given: dict, mapped: dict[str, Any]) -> dict[str, Any]:
+    """The config's `lomo` section with the mapped values; a key both set differently is refused."""
+    given = dict(given or {})
+    for key, why in _TRAINER_DECIDES.items():
+        if key in given:
+            raise TrainingArgumentsError(f"deepspeed: lomo.{key} is set, but under the Trainer {why} decide it; "
+                                         f"remove lomo.{key}")
+    for key, value in mapped.items():
+        if key in given and given[key] != value:
+            raise TrainingArgumentsError(f"{_SOURCE[key]}: gives lomo.{key} {value!r}, the config's lomo section "
+                                         f"says {given[key]!r}; set only one of them")
+    return {**given, **mapped}
+
+
+def options_markdown() -> str:
+    """The table of docs/training_arguments.md."""
+    rows = ["| field | status | under LOMO |", "|---|---|---|"]
+    for f in FIELDS:
+        mapped = f" (`lomo.{f.lomo}`)" if f.lomo else ""
+        rows.append(f"| `{f.name}` | {f.status}{mapped} | {f.what} |")
+    return "\n".join(rows) + "\n"

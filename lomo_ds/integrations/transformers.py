@@ -1,0 +1,320 @@
+"""LOMO and AdaLomo inside Hugging Face's Trainer and TRL's SFTTrainer.
+
+    class MyTrainer(LomoTrainerMixin, SFTTrainer): ...      # or (LomoTrainerMixin, Trainer)
+    args = SFTConfig(..., optim="lomo", deepspeed="ds_zero3.json")   # the config may carry a `lomo` section
+    MyTrainer(model=model, args=args, ...).train()
+
+Under DeepSpeed the Trainer builds its optimizer through create_optimizer() and hands it to
+accelerate, which would wrap it in a ZeRO-3 optimizer (fp32 partitions, gradient buffers) and
+back-propagate through DeepSpeed's own backward: the fused path never runs. The mixin instead:
+
+- builds a LomoEngine in create_optimizer (lomo_ds's own deepspeed.initialize, with no
+  optimizer) and returns a stand-in optimizer that holds no state; the Trainer's scheduler runs
+  on it, and each step's fused update takes the scheduler's learning rate. Accelerate is kept
+  from building a second DeepSpeed engine: the model the Trainer "wraps" is the LomoEngine's.
+- runs training_step through the engine: the engine calls the Trainer's compute_loss (so
+  SFTTrainer's own loss path, its fused LM head included) for its forward, and does the backward
+  and the update (two passes over the retained graph when the norm is clipped, never a second
+  compute_loss). The Trainer's token-mean loss (num_items_in_batch over the window and every
+  rank, times the rank count) is turned back into this micro-batch's token mean, which
+  lomo.loss_normalization `tokens` weighs by its tokens and divides by the window's: the Trainer's
+  normalisation, applied once.
+- turns the step's tail into reports: _clip_grad_norm returns the engine's exact norm, the
+  stand-in's step() checks that the window has ended, zero_grad has nothing to free.
+- saves the model as a from_pretrained folder (parameters gathered one at a time) and each rank's
+  shard state beside the Trainer's scheduler, RNG and state files; resumes from them exactly.
+
+TrainingArguments are checked in the constructor before the Trainer builds anything
+(training_args.py holds the table of what is supported, mapped or refused).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any
+
+import torch
+
+from lomo_ds.config.lomo import Precision, load_config
+from lomo_ds.engine.lomo_engine import LomoEngine
+from lomo_ds.integrations.training_args import (
+    TrainingArgumentsError,
+    check_trainer_class,
+    check_training_arguments,
+    lomo_section,
+    merge_lomo_section,
+)
+from lomo_ds.runtime.dist import gather_full_state_dict, label_tokens
+from lomo_ds.storage.checkpoint import write_atomic
+from lomo_ds.storage.models import plain_state_dict
+
+SHARD_STATE = "lomo_rank_{:05d}.pt"
+
+
+def _without_auto(config):
+    """The config without the `auto` values the Trainer fills only once training starts."""
+    if isinstance(config, dict):
+        return {k: _without_auto(v) for k, v in config.items() if v != "auto"}
+    return config
+
+
+def complete_distributed_state() -> None:
+    """Make accelerate see every rank of a CPU launch. On a machine without an accelerator it finds
+    no distributed backend for DeepSpeed and leaves its state at one process (DeepSpeed itself has
+    started the process group): every rank would then train on the whole dataset. The state is
+    completed from torch.distributed, so the Trainer's data sharding and token counts span the ranks."""
+    from accelerate.state import PartialState
+
+    if not torch.distributed.is_initialized():
+        return
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    state = PartialState()
+    if state.num_processes == world:
+        return
+    if state.device.type != "cpu":
+        raise RuntimeError(f"accelerate sees {state.num_processes} process(es) on {state.device}, torch.distributed "
+                           f"{world}; launch with deepspeed, torchrun or accelerate launch")
+    PartialState._shared_state.update(backend=torch.distributed.get_backend(), num_processes=world,
+                                      process_index=rank,
+                                      local_process_index=int(os.environ.get("LOCAL_RANK", rank)))
+
+
+class TrainerLomoEngine(LomoEngine):
+    """A LomoEngine whose forward is the Trainer's compute_loss for the step being taken."""
+
+    loss_fn = None
+
+    def forward(self, batch: dict[str, Any]):
+        return super().forward(batch) if self.loss_fn is None else self.loss_fn(batch)
+
+
+class _TrainerSchedule:
+    """The engine's schedule, read from the Trainer's scheduler: the lr of the step being taken."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def lr_at(self, step: int) -> float:
+        return float(self.trainer.lr_scheduler.get_last_lr()[0])
+
+
+class LomoStepOptimizer(torch.optim.Optimizer):
+    """What the Trainer steps: no state, no gradients. The update was applied inside the window's
+    last backward; step() checks that it was, so a Trainer calling it mid-window is an error."""
+
+    def __init__(self, engine: LomoEngine, params, lr: float):
+        super().__init__(params, {"lr": lr})
+        self.engine = engine
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.engine.micro_step != 0:
+            raise RuntimeError(f"optimizer.step() after {self.engine.micro_step} micro-batch(es) of a window of "
+                               f"{self.engine.window_length}: the Trainer's accumulation and the engine's disagree")
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None  # the engine frees every gradient as it is reduced
+
+
+class LomoTrainerMixin:
+    """Mix in first: `class T(LomoTrainerMixin, Trainer)` or `(LomoTrainerMixin, SFTTrainer)`."""
+
+    def __init__(self, *args, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        check_trainer_class(type(self))
+        check_training_arguments(training_args)
+        complete_distributed_state()
+        # The DeepSpeed keys and the lomo section are checked here too, before any rank builds
+        # anything (the mapped values whose loss normalisation depends on the model are
+        # re-checked when the engine is built).
+        self._lomo_config(training_args, _without_auto(training_args.hf_deepspeed_config.config), tokens=True)
+        self.lomo_engine: TrainerLomoEngine | None = None
+        self._lomo_last: dict[str, Any] = {}
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ configuration
+    @staticmethod
+    def _lomo_config(args, ds_config: dict, tokens: bool) -> tuple[dict, Any]:
+        ds = copy.deepcopy(ds_config)
+        lomo = merge_lomo_section(ds.pop("lomo", None), lomo_section(args, tokens))
+        # The Trainer's arguments decide these (transformers checks a value the user's file gives
+        # against them; accelerate fills a missing one with its own default, not the user's).
+        ds.update(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                  train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
+                  gradient_clipping=args.max_grad_norm)
+        ds["lomo"] = lomo
+        precision = {"bf16": args.bf16, "fp16": args.fp16}
+        for name, on in precision.items():
+            section = ds.setdefault(name, {})
+            if section.get("enabled") in (None, "auto"):
+                section["enabled"] = bool(on)
+            elif bool(section["enabled"]) != bool(on):
+                raise TrainingArgumentsError(f"{name}: {on} but the DeepSpeed config's {name}.enabled is "
+                                             f"{section['enabled']}; set only one of them")
+        try:
+            return load_config(ds)
+        except ValueError as e:
+            raise TrainingArgumentsError(f"deepspeed: {e}") from None
+
+    @property
+    def _loss_by_tokens(self) -> bool:
+        """Whether the Trainer normalises the loss by num_items_in_batch (see Trainer._get_num_items_in_batch)."""
+        return bool(self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+
+    # ------------------------------------------------------------------ optimizer and scheduler
+    def create_optimizer(self, model=None):
+        """Build the LomoEngine (once) and the stand-in optimizer the Trainer's scheduler runs on.
+        Called by the Trainer's deepspeed_init, after it has filled the config's `auto` values."""
+        if self.lomo_engine is None:
+            hf_ds = self.accelerator.state.deepspeed_plugin.hf_ds_config.config
+            ds_config, lomo = self._lomo_config(self.args, hf_ds, tokens=self._loss_by_tokens)
+            self.lomo_engine = TrainerLomoEngine(self.model, ds_config, lomo, precision=Precision.of(ds_config))
+            self.lomo_engine.schedule = _TrainerSchedule(self)
+        if self.optimizer is None:
+            self.optimizer = LomoStepOptimizer(self.lomo_engine, self.lomo_engine.params, self.args.learning_rate)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if not isinstance(optimizer, LomoStepOptimizer):
+            raise RuntimeError("create_scheduler: expected the LOMO stand-in optimizer from create_optimizer")
+        return super().create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        # The LomoEngine's DeepSpeedEngine is the wrapped model: with it the Trainer skips
+        # accelerator.prepare(model), which would build a second DeepSpeed engine around the model.
+        if self.lomo_engine is not None:
+            return self.lomo_engine.ds_engine
+        if not training:
+            raise RuntimeError("LomoTrainerMixin: evaluation before train() would build a second DeepSpeed engine; "
+                               "evaluate during or after training")
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        # The Trainer would resume through DeepSpeed's checkpoint loader; LOMO's state is its own.
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        if resume_from_checkpoint is not None:
+            self._load_lomo_checkpoint(resume_from_checkpoint)
+        return model, train_dataloader
+
+    # ------------------------------------------------------------------ the step
+    def _label_count(self, inputs: dict[str, Any]) -> int:
+        """This micro-batch's label tokens as the Trainer counts them for num_items_in_batch."""
+        if "shift_labels" in inputs:
+            return int(inputs["shift_labels"].ne(-100).sum())
+        labels = inputs["labels"]
+        return int((labels[..., 1:] if self._loss_shifts_labels else labels).ne(-100).sum())
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """One micro-batch through the engine: the Trainer's loss, LOMO's backward and update."""
+        engine = self.lomo_engine
+        if engine.micro_step == 0:
+            # The Trainer's last window of an epoch may be shorter than gradient_accumulation_steps.
+            window = getattr(self, "current_gradient_accumulation_steps", engine.accumulation_steps)
+            if window != engine.accumulation_steps:
+                engine.start_window(window)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        by_tokens = engine.config.loss_normalization == "tokens"
+        scale = None
+        if by_tokens and num_items_in_batch is not None:
+            mine = self._label_count(inputs)
+            if mine != label_tokens(inputs):
+                raise ValueError(f"labels: the Trainer counts {mine} label tokens in this micro-batch, lomo_ds "
+                                 f"{label_tokens(inputs)} (a collator's shift_labels?); they must agree")
+            # The Trainer's loss: this micro-batch's token sum / the window's tokens on every rank,
+            # times the rank count when averaged over them. Back to this micro-batch's token mean:
+            # the engine weighs it by its tokens and divides by the window's.
+            averaged = self.args.average_tokens_across_devices
+            ranks = self.accelerator.num_processes // self.get_tp_size() if averaged else 1
+            scale = float(num_items_in_batch) / (ranks * mine) if mine else 1.0
+
+        def loss_fn(batch):
+            # The module itself, as the engine's own forward: DeepSpeedEngine.forward would arm
+            # DeepSpeed's backward prologue, which expects its own optimizer.
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(engine.module, dict(batch), num_items_in_batch=num_items_in_batch)
+            return loss if scale is None else loss * scale
+
+        engine.loss_fn = loss_fn
+        try:
+            out = engine.train_step(inputs)
+        finally:
+            engine.loss_fn = None
+        self._lomo_last = out
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:
+            from accelerate.utils import clear_device_cache
+
+            clear_device_cache()
+        # The Trainer sums what this returns over the window and averages it over the ranks and
+        # steps it logs: the engine's window loss (the same on every rank) once per window.
+        loss = out["loss"] if out["stepped"] else 0.0
+        return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
+
+    def _clip_grad_norm(self, model):
+        """The clipping happened in the engine (exact global norm, before the update)."""
+        return self._lomo_last.get("grad_norm")
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        norm = grad_norm if grad_norm is not None else self._lomo_last.get("grad_norm")
+        return None if norm is None or not math.isfinite(norm) else float(norm)
+
+    # ------------------------------------------------------------------ saving and loading
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Collective: a folder from_pretrained loads (the full parameters, gathered one at a time),
+        with the tokenizer / processor and the training arguments."""
+        from huggingface_hub import save_torch_state_dict
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        module = self.model
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        state = gather_full_state_dict(module, rank)
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            state = plain_state_dict(module, state)
+            tensors, seen = {}, set()
+            for name, t in state.items():  # a tied tensor once; from_pretrained ties it again
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    tensors[name] = t
+            module.config.save_pretrained(output_dir)
+            if getattr(module, "generation_config", None) is not None:
+                module.generation_config.save_pretrained(output_dir)
+            save_torch_state_dict(tensors, output_dir, max_shard_size="5GB")
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank's shard state (its shards, step and AdaLomo's statistics) and the scheduler."""
+        from transformers.trainer import SCHEDULER_NAME
+
+        engine = self.lomo_engine
+        os.makedirs(output_dir, exist_ok=True)
+        state = engine.shard_state_dict()
+        write_atomic(os.path.join(output_dir, SHARD_STATE.format(engine.rank)), lambda f: torch.save(state, f))
+        if self.args.should_save:
+            write_atomic(os.path.join(output_dir, SCHEDULER_NAME),
+                         lambda f: torch.save(self.lr_scheduler.state_dict(), f))
+        torch.distributed.barrier()
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            self._load_lomo_checkpoint(checkpoint)
+
+    def _load_lomo_checkpoint(self, checkpoint: str) -> None:
+        from transformers.trainer import SCHEDULER_NAME
+
+        engine = self.lomo_engine
+        path = os.path.join(checkpoint, SHARD_STATE.format(engine.rank))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no LOMO shard state for rank {engine.rank} (written with "
+                                    "save_only_model, or by another number of ranks?)")
+        engine.load_shard_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
