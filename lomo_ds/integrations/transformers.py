@@ -45,9 +45,8 @@ from lomo_ds.integrations.training_args import (
     lomo_section,
     merge_lomo_section,
 )
-from lomo_ds.runtime.dist import gather_full_state_dict, label_tokens
-from lomo_ds.storage.checkpoint import write_atomic
-from lomo_ds.storage.models import plain_state_dict
+from lomo_ds.runtime.dist import io_barrier, label_tokens
+from lomo_ds.storage.checkpoint import IO_TIMEOUT_S, write_atomic, write_hf_model
 
 SHARD_STATE = "lomo_rank_{:05d}.pt"
 
@@ -264,32 +263,18 @@ class LomoTrainerMixin:
 
     # ------------------------------------------------------------------ saving and loading
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Collective: a folder from_pretrained loads (the full parameters, gathered one at a time),
-        with the tokenizer / processor and the training arguments."""
-        from huggingface_hub import save_torch_state_dict
+        """Collective: a folder from_pretrained loads (lomo_ds's streamed export: parameters gathered
+        one at a time, rank 0 holding one safetensors file at most, the others waiting for its writes
+        under IO_TIMEOUT_S), with the tokenizer / processor and the training arguments."""
         from transformers.trainer import TRAINING_ARGS_NAME
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        module = self.model
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        state = gather_full_state_dict(module, rank)
+        write_hf_model(self.model, rank, output_dir, self.processing_class if self.args.should_save else None,
+                       IO_TIMEOUT_S)
         if self.args.should_save:
-            os.makedirs(output_dir, exist_ok=True)
-            state = plain_state_dict(module, state)
-            tensors, seen = {}, set()
-            for name, t in state.items():  # a tied tensor once; from_pretrained ties it again
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    tensors[name] = t
-            module.config.save_pretrained(output_dir)
-            if getattr(module, "generation_config", None) is not None:
-                module.generation_config.save_pretrained(output_dir)
-            save_torch_state_dict(tensors, output_dir, max_shard_size="5GB")
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        io_barrier(IO_TIMEOUT_S)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank's shard state (its shards, step and AdaLomo's statistics) and the scheduler."""
@@ -302,7 +287,7 @@ class LomoTrainerMixin:
         if self.args.should_save:
             write_atomic(os.path.join(output_dir, SCHEDULER_NAME),
                          lambda f: torch.save(self.lr_scheduler.state_dict(), f))
-        torch.distributed.barrier()
+        io_barrier(IO_TIMEOUT_S)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
@@ -316,5 +301,5 @@ class LomoTrainerMixin:
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: no LOMO shard state for rank {engine.rank} (written with "
                                     "save_only_model, or by another number of ranks?)")
-        engine.load_shard_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        engine.load_shard_state_dict(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))

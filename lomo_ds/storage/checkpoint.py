@@ -30,6 +30,8 @@ from lomo_ds.runtime.dist import io_barrier
 from lomo_ds.storage.models import plain_state_dict
 
 CKPT_DIR = "checkpoints"
+# Seconds ranks wait for each other's disk writes where no run config says (output.io_timeout's default).
+IO_TIMEOUT_S = 4 * 3600.0
 # The largest safetensors file export_hf writes (huggingface_hub's default): a 65B model in fp16
 # becomes ~26 files, not one of 130 GB.
 MAX_SHARD_SIZE = "5GB"
@@ -202,10 +204,25 @@ def _gathered(params: list[tuple[str, torch.nn.Parameter]], rank: int) -> dict[s
 def export_hf(engine, tokenizer, out_dir: str, io_timeout: float, max_shard_size: int | str = MAX_SHARD_SIZE,
               write_file=None) -> str | None:
     """Collective: write the full fine-tuned model as a Hugging Face directory that
-    `AutoModelForCausalLM.from_pretrained(out_dir)` loads: safetensors files of at most
-    `max_shard_size` (bytes, or "5GB"-style) with an index, or one model.safetensors when it all
-    fits in one, as `save_pretrained` writes them. The tokenizer (with its chat template) is saved
-    beside the weights; a LoRA model is written merged.
+    `AutoModelForCausalLM.from_pretrained(out_dir)` loads (write_hf_model), into a staging folder
+    renamed into place whole: an interrupted export leaves `out_dir.partial`, never a half `out_dir`."""
+    staging = f"{out_dir}.partial"
+    if engine.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    write_hf_model(engine.module, engine.rank, staging, tokenizer, io_timeout, max_shard_size, write_file)
+    if engine.rank == 0:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(staging, out_dir)
+    io_barrier(io_timeout)
+    return out_dir if engine.rank == 0 else None
+
+
+def write_hf_model(module: torch.nn.Module, rank: int, out_dir: str, tokenizer, io_timeout: float,
+                   max_shard_size: int | str = MAX_SHARD_SIZE, write_file=None) -> None:
+    """Collective: the full model into `out_dir` (made if missing) as `save_pretrained` writes it:
+    safetensors files of at most `max_shard_size` (bytes, or "5GB"-style) with an index, or one
+    model.safetensors when it all fits in one; the config, the generation config, and the tokenizer
+    (with its chat template) beside them. A LoRA model is written merged.
 
     Streamed: parameters are gathered one at a time and rank 0 holds at most one file's tensors in
     host memory (a 65B model is 130 GB; one file is 5 GB). While rank 0 writes a file the others
@@ -214,13 +231,9 @@ def export_hf(engine, tokenizer, out_dir: str, io_timeout: float, max_shard_size
     from safetensors.torch import save_file
 
     write_file = write_file or (lambda tensors, path: save_file(tensors, path, metadata={"format": "pt"}))
-    module, rank = engine.module, engine.rank
-    limit = parse_size(max_shard_size)
-    groups = export_groups(module, limit)
-    staging = f"{out_dir}.partial"
+    groups = export_groups(module, parse_size(max_shard_size))
     if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
+        os.makedirs(out_dir, exist_ok=True)
     weight_map, total_size = {}, 0
     for i, group in enumerate(groups):
         tensors = _gathered(group, rank)
@@ -228,7 +241,7 @@ def export_hf(engine, tokenizer, out_dir: str, io_timeout: float, max_shard_size
             # LoRA adapters merged: a plain model of the base architecture.
             tensors = {k: v.contiguous() for k, v in plain_state_dict(module, tensors).items()}
             fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            write_file(tensors, os.path.join(staging, fname))
+            write_file(tensors, os.path.join(out_dir, fname))
             for k, v in tensors.items():
                 weight_map[k] = fname
                 total_size += v.numel() * v.element_size()
@@ -238,15 +251,12 @@ def export_hf(engine, tokenizer, out_dir: str, io_timeout: float, max_shard_size
     if rank == 0:
         if len(groups) > 1:
             index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-            with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
+            with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
         base = getattr(module, "get_base_model", lambda: module)()
-        base.config.save_pretrained(staging)
+        base.config.save_pretrained(out_dir)
         if getattr(base, "generation_config", None) is not None:
-            base.generation_config.save_pretrained(staging)
+            base.generation_config.save_pretrained(out_dir)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(staging, out_dir)
+            tokenizer.save_pretrained(out_dir)
     io_barrier(io_timeout)
-    return out_dir if rank == 0 else None
