@@ -83,9 +83,13 @@ def live_tensor_bytes() -> int:
     seen, total = set(), 0
     for obj in gc.get_objects():
         if torch.is_tensor(obj) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+            try:
+                storage = obj.untyped_storage()
+                ptr = storage.data_ptr()
+            except RuntimeError:  # a tensor without valid storage (released or being freed): nothing held
+                continue
+            if ptr not in seen:
+                seen.add(ptr)
                 total += storage.nbytes()
     return total
 

@@ -91,15 +91,15 @@ def fake_accelerator(monkeypatch):
 
 # ----------------------------------------------------------------------------- item 1
 def test_each_rank_gets_its_own_device_before_anything_reads_it(fake_accelerator, monkeypatch):
-    """With a plain model nothing but lomo_ds sets the device: rank 1 must get device 1."""
+    """With a plain model nothing but lomo_ds sets the device: rank 1 must get device 1, once the
+    process group has started (DeepSpeed binds NCCL to LOCAL_RANK's device itself, and under an MPI
+    launcher its start is what sets LOCAL_RANK: tests/test_device.py)."""
     monkeypatch.setenv("LOCAL_RANK", "1")
     started = []
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: bool(started))
-    monkeypatch.setattr(deepspeed, "init_distributed",
-                        lambda **kw: started.append(device_module.accelerator_device()))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: started.append(True))
     dist.init_distributed(timeout_s=30)
-    assert fake_accelerator.set_calls == [1]
-    assert started == [torch.device("cuda:1")], "the process group started before the device was set"
+    assert started and fake_accelerator.set_calls == [1]
     assert device_module.accelerator_device() == torch.device("cuda:1")
 
 
