@@ -242,3 +242,27 @@ def test_head_gathered_by_its_hooks_and_its_gradient_arrives_once(rank_results, 
     assert all(is_param and full for _, is_param, full in r["seen"])
     assert r["released"] == [True]
     assert r["fired"] == 2  # once per backward pass
+
+
+def test_evaluation_loss_through_the_chunked_loss_is_the_logits_loss():
+    from lomo_ds.evaluation.scoring import evaluate_loss
+
+    model = tiny_llama(6).eval()
+    head = head_of(model, "on")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    examples = []
+    for n in (5, 9, 7, 4, 8):
+        ids = torch.randint(0, VOCAB, (n,), generator=g, device="cpu").tolist()
+        examples.append({"input_ids": ids, "labels": [-100] * 3 + ids[3:]})
+
+    def fwd(batch):
+        return model(**batch).logits
+
+    def token_loss(batch):
+        with torch.no_grad():
+            return causal_lm_loss(model, head, batch, 3, reduction="sum").loss
+
+    plain = evaluate_loss(fwd, examples, 0, 2, device=torch.device("cpu"))
+    chunked = evaluate_loss(fwd, examples, 0, 2, device=torch.device("cpu"), token_loss=token_loss)
+    assert chunked["n_tokens"] == plain["n_tokens"] == sum(len(e["input_ids"]) - 3 for e in examples)
+    assert chunked["loss"] == pytest.approx(plain["loss"], rel=1e-6)
