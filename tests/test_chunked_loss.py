@@ -48,7 +48,7 @@ def plain_and_chunked(model, batch, chunk=4):
     twin = copy.deepcopy(model)
     plain = model(**batch).loss
     plain.backward()
-    chunked = causal_lm_loss(twin, head_of(twin, "on"), batch, chunk).loss
+    chunked = causal_lm_loss(twin, head_of(twin, "on"), batch, chunk * VOCAB).loss
     chunked.backward()
     grads = {n: (p.grad, q.grad) for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(),
                                                            strict=True)}
@@ -75,12 +75,12 @@ def test_token_sum_and_an_unlabelled_batch():
     model = tiny_llama(2)
     batch = masked_batch()
     labelled = int((batch["labels"][:, 1:] != -100).sum())
-    mean = causal_lm_loss(model, head_of(model, "on"), batch, 4).loss
-    total = causal_lm_loss(model, head_of(model, "on"), batch, 4, reduction="sum").loss
+    mean = causal_lm_loss(model, head_of(model, "on"), batch, 4 * VOCAB).loss
+    total = causal_lm_loss(model, head_of(model, "on"), batch, 4 * VOCAB, reduction="sum").loss
     assert total.item() == pytest.approx(mean.item() * labelled, rel=1e-6)
     # No label: the plain loss's 0/0, and zero gradients (the engine back-propagates loss * 0).
     empty = {**batch, "labels": torch.full_like(batch["labels"], -100)}
-    loss = causal_lm_loss(model, head_of(model, "on"), empty, 4).loss
+    loss = causal_lm_loss(model, head_of(model, "on"), empty, 4 * VOCAB).loss
     assert torch.isnan(loss) and torch.isnan(model(**empty).loss)
     (loss * 0.0).backward()
     assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in model.parameters())
@@ -88,7 +88,7 @@ def test_token_sum_and_an_unlabelled_batch():
 
 def test_second_backward_over_the_retained_graph_is_the_first():
     model = tiny_llama(3)
-    loss = causal_lm_loss(model, head_of(model, "on"), masked_batch(), 4).loss
+    loss = causal_lm_loss(model, head_of(model, "on"), masked_batch(), 4 * VOCAB).loss
     loss.backward(retain_graph=True)
     first = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -134,7 +134,7 @@ def _engine(model, chunked: str, **lomo):
     import lomo_ds
     from tests.dist_engine_checks import ds_cfg
 
-    cfg = ds_cfg(chunked_loss=chunked, loss_chunk_positions=3, **lomo)
+    cfg = ds_cfg(chunked_loss=chunked, loss_chunk_logits=3 * VOCAB, **lomo)
     return lomo_ds.initialize(model, cfg)
 
 
@@ -204,7 +204,13 @@ def check_head_hooks() -> dict:
     finally:
         LinearCrossEntropy.forward, LinearCrossEntropy.backward = real_forward, real_backward
         handle.remove()
-    return {"seen": seen, "fired": len(fired), "released": released_after_forward, "grad_norm": out["grad_norm"]}
+    # The release after the head's backward is its module's hook's too: seen mid-window, where
+    # the engine releases nothing itself.
+    window = _engine(tiny_llama(4), "on", accumulation_steps=2)
+    window.train_step(global_batch(0, window.world)[window.rank])
+    head = window.module.lm_head.weight
+    return {"seen": seen, "fired": len(fired), "released": released_after_forward, "grad_norm": out["grad_norm"],
+            "released_after_backward": head.numel() == 0 and head.ds_status.name == "NOT_AVAILABLE"}
 
 
 LOSS_CHECKS = multi_rank_checks(
@@ -216,7 +222,7 @@ LOSS_CHECKS = multi_rank_checks(
     labelled_logits=lambda: engine_pair(batches=labelled_logits_batches),
     clip_retain_graph=lambda: engine_pair(clip_grad_norm=0.5),
     clip_recompute=lambda: engine_pair(clip_grad_norm=0.5, two_pass_mode="recompute"),
-    tokens=lambda: engine_pair(batches=masked_batches, loss_normalization="tokens", accumulation_steps=2),
+    tokens=lambda: engine_pair(batches=masked_batches, loss_normalization="tokens", accumulation_steps=2, steps=4),
     gemma2_softcap=lambda: engine_pair(tiny_gemma2, batches=masked_batches),
     adalomo=lambda: engine_pair(optimizer="adalomo", clip_grad_norm=0.5, lr=0.01),
 )
@@ -242,6 +248,7 @@ def test_head_gathered_by_its_hooks_and_its_gradient_arrives_once(rank_results, 
     assert all(is_param and full for _, is_param, full in r["seen"])
     assert r["released"] == [True]
     assert r["fired"] == 2  # once per backward pass
+    assert r["released_after_backward"]
 
 
 def test_evaluation_loss_through_the_chunked_loss_is_the_logits_loss():
@@ -260,7 +267,7 @@ def test_evaluation_loss_through_the_chunked_loss_is_the_logits_loss():
 
     def token_loss(batch):
         with torch.no_grad():
-            return causal_lm_loss(model, head, batch, 3, reduction="sum").loss
+            return causal_lm_loss(model, head, batch, 3 * VOCAB, reduction="sum").loss
 
     plain = evaluate_loss(fwd, examples, 0, 2, device=torch.device("cpu"))
     chunked = evaluate_loss(fwd, examples, 0, 2, device=torch.device("cpu"), token_loss=token_loss)

@@ -174,9 +174,10 @@ class LomoConfig(Section):
         "the causal LM's loss as a linear + cross-entropy over chunks of positions (lomo_ds/engine/chunked_loss.py): "
         "no fp32 logits of every position at once. auto = on for the transformers families whose output head it "
         "knows, the model's own loss for the others; on = refuse a model it does not know; off = the model's own"))
-    loss_chunk_positions: Int = Field(1024, ge=1, description=(
-        "positions whose logits the chunked loss computes at once (fp32 logits: 4 x this x vocabulary bytes, "
-        "and as much again for their gradient)"))
+    loss_chunk_logits: Int = Field(1 << 25, ge=1, description=(
+        "logits (positions x vocabulary) the chunked loss computes at once: max(1, this // vocabulary) positions "
+        "a chunk, so its memory (6 bytes a logit in bf16, 12 with Gemma-2's soft-capping) does not grow with the "
+        "vocabulary"))
     # Gradient accumulation (lomo_ds/engine/accumulation.py).
     accumulation_steps: Int = Field(1, ge=1, description=(
         "micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps maps here): each rank sums "

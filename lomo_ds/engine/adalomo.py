@@ -255,6 +255,7 @@ class AdaLomo:
                 rows, cols = s.shape
                 for a, g in self._g_chunks(updater, s):
                     _add_row_col_sums(s, g, a, sums[at:at + rows], sums[at + rows:at + rows + cols])
+                    del g  # before the next chunk is read: one chunk at a time
                 at += s.shape[0] + s.shape[1]
             if s.at is None:
                 sums[width + i] = (torch.linalg.vector_norm(s.weights).square() if s.weights is not None
@@ -300,6 +301,7 @@ class AdaLomo:
                 if s.pieces is None:
                     _ema_where(state["sq"][a:a + g.numel()], g.square().add_(cfg.eps1), beta, here)
                 total += torch.linalg.vector_norm(_u_of(s, g, a, factors[i], state, out=g)).square().to(device)
+                del g
             u_sq[i] = total
         self._all_reduce(u_sq)
         keep &= torch.isfinite(u_sq).all()

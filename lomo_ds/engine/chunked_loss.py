@@ -3,7 +3,8 @@
 transformers' causal-LM loss takes the logits of every position, upcasts them to fp32 and takes a
 log-softmax and its gradient: 4 T V bytes and more (2 GiB at 4096 positions and a 128k vocabulary,
 where the whole model update is bounded by a chunk). Here the output head and the loss are one
-autograd function over the labelled positions only, `chunk` of them at a time:
+autograd function over the labelled positions only, `chunk` of them at a time (chunk_positions:
+lomo.loss_chunk_logits over the vocabulary, so a chunk's memory does not grow with it):
 
   forward   per chunk: logits = h W^T (the model's dtype, as nn.Linear), fp32, the family's
             final soft-capping, log-sum-exp and the target's logit; only the per-position
@@ -87,11 +88,18 @@ class ChunkedLossOutput(dict):
             raise AttributeError(key) from e
 
 
-def causal_lm_loss(model: torch.nn.Module, head: Head, batch: dict[str, Any], chunk: int,
+def chunk_positions(chunk_logits: int, vocab: int) -> int:
+    """Positions a chunk of `chunk_logits` logits holds (lomo.loss_chunk_logits): at least one."""
+    return max(1, chunk_logits // vocab)
+
+
+def causal_lm_loss(model: torch.nn.Module, head: Head, batch: dict[str, Any], chunk_logits: int,
                    reduction: str = "mean") -> ChunkedLossOutput:
     """transformers' causal-LM loss of `batch` (labels shifted by one, -100 ignored, the token
-    mean; `reduction` "sum": the token sum), through the chunked head. `logits_to_keep` (an int)
-    keeps the last positions only, as the model's own forward does."""
+    mean; `reduction` "sum": the token sum), through the chunked head, about `chunk_logits`
+    logits at a time. `logits_to_keep` (an int) keeps the last positions only, as the model's own
+    forward does."""
+    chunk = chunk_positions(chunk_logits, model.lm_head.out_features)
     inputs = dict(batch)
     labels = inputs.pop("labels")
     keep = inputs.pop("logits_to_keep", 0)
@@ -105,15 +113,16 @@ def causal_lm_loss(model: torch.nn.Module, head: Head, batch: dict[str, Any], ch
             hidden = hidden[:, -keep:]
         return _head_loss(model.lm_head, head, hidden, labels, chunk, reduction)
 
-    return ChunkedLossOutput(loss=_call_as(model, forward, inputs))
+    return ChunkedLossOutput(loss=_call_as(model, forward, **inputs))
 
 
-def _call_as(module: torch.nn.Module, forward, kwargs: dict) -> Any:
-    """module(**kwargs) with `forward` in place of its own for this call: the module's hooks
-    (ZeRO-3's gathers and releases) run around it as around its own forward."""
+def _call_as(module: torch.nn.Module, forward, *args, **kwargs) -> Any:
+    """module(*args, **kwargs) with `forward` in place of its own for this call: the module's hooks
+    (ZeRO-3's gathers and releases) run around it as around its own forward. ZeRO-3 arms the
+    release after the module's backward on its positional inputs: the head's input goes by position."""
     module.forward = forward
     try:
-        return module(**kwargs)
+        return module(*args, **kwargs)
     finally:
         del module.forward
 
@@ -130,7 +139,7 @@ def _head_loss(lm_head: torch.nn.Linear, head: Head, hidden: torch.Tensor, label
     def forward(x):
         return LinearCrossEntropy.apply(x, lm_head.weight, t, chunk, head.softcap, reduction)
 
-    return _call_as(lm_head, forward, {"x": h})
+    return _call_as(lm_head, forward, h)
 
 
 class LinearCrossEntropy(torch.autograd.Function):

@@ -311,7 +311,7 @@ class LomoEngine:
         """The training forward: its outputs' "loss" is what the step reads (no logits with the
         chunked loss)."""
         if self.loss_head is not None and batch.get("labels") is not None:
-            return causal_lm_loss(self.module, self.loss_head, batch, self.config.loss_chunk_positions)
+            return causal_lm_loss(self.module, self.loss_head, batch, self.config.loss_chunk_logits)
         return self.module(**batch)
 
     def _agree_on_loss(self, loss: torch.Tensor, labelled: bool, tokens: int) -> "_Agreed":
@@ -567,7 +567,7 @@ class LomoEngine:
             return None
         self.module.eval()
         return causal_lm_loss(self.module, self.loss_head, move_batch(batch, self.device),
-                              self.config.loss_chunk_positions, reduction="sum").loss
+                              self.config.loss_chunk_logits, reduction="sum").loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full parameters by name on rank 0 (None elsewhere), one at a time."""
