@@ -215,7 +215,8 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"| {r['optimizer']} | {r['vocab']:,} | {r['param_bytes'] / mib:.1f} | {r['update'] / mib:.2f} "
               f"({r['planner_update'] / mib:.2f}) | {r['loss'] / mib:.2f} ({r['planner_loss'] / mib:.2f}) | "
-              f"{r['step_extra'] / mib:.1f} ({r['planner_step_extra'] / mib:.1f}) | {r['step_extra_over_params']:.2f} |")
+              f"{r['step_extra'] / mib:.1f} ({r['planner_step_extra'] / mib:.1f}) | "
+              f"{r['step_extra_over_params']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -98,10 +98,10 @@ context, Python, the DeepSpeed runtime) and the dataset. `lomo-ds plan --offload
 shipped configs' settings on 24 GiB GPUs:
 
   | model | micro-batch | LOMO GPUs | GiB/GPU | host RAM GiB (node) |    without offload:
-  | 7b    | 16          | 1         | 8.05    | 16.3                |    1 GPU, 20.83 GiB
-  | 13b   | 8           | 1         | 6.46    | 29.0                |    2 GPUs, 20.64 GiB
-  | 30b   | 4           | 1         | 6.13    | 66.7                |    4 GPUs, 22.81 GiB
-  | 65b   | 2           | 1         | 5.95    | 129.2               |    8 GPUs, 22.34 GiB
+  | 7b    | 16          | 1         | 7.13    | 13.9                |    1 GPU, 17.43 GiB
+  | 13b   | 8           | 1         | 6.01    | 25.9                |    2 GPUs, 18.67 GiB
+  | 30b   | 4           | 1         | 5.91    | 62.7                |    4 GPUs, 21.64 GiB
+  | 65b   | 2           | 1         | 5.84    | 124.1               |    8 GPUs, 21.67 GiB
 
 Activations (bytes autograd saves in the forward; what lomo_ds.planning.memory.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------

@@ -18,12 +18,17 @@ def model_name(path: str) -> str:
     return base[:-5] if base.endswith(".json") and base != "config.json" else os.path.basename(os.path.dirname(path))
 
 
+def _assumptions(run: planner.RunSpec) -> str:
+    """The run's assumptions less the sequence length and the offload, which each row names."""
+    return run.assumptions(batch=False).replace(f"seq {run.seq}, ", "").replace("offload_param none, ", "")
+
+
 def format_models_table(paths: list[str], seqs: list[int], gpu_mem_gib: float = 24.0,
                         gpu_counts=planner.GPU_COUNTS, **overrides) -> str:
     run = replace(planner.RunSpec(), batch=1, **overrides)
     lines = [f"# GiB per GPU on {', '.join(map(str, gpu_counts))} x {gpu_mem_gib:g} GiB GPUs (OOM: over); "
              f"with offload_param cpu, GiB per GPU / host RAM GiB of the node. "
-             f"{run.assumptions(batch=False).replace(f'seq {run.seq}, ', '')}, micro-batch {run.batch}", "",
+             f"{_assumptions(run)}, micro-batch {run.batch}", "",
              "| model | params | seq | method | " + " | ".join(f"{n} GPU{'s' if n > 1 else ''}" for n in gpu_counts)
              + " |", "|---" * (4 + len(gpu_counts)) + "|"]
     for path in paths:
