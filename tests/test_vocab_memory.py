@@ -26,3 +26,17 @@ def test_update_and_loss_terms_are_the_planners_and_flat_in_the_vocabulary(rank_
     small, large = rows
     assert large["update"] == pytest.approx(small["update"], rel=0.10)
     assert large["loss"] == pytest.approx(small["loss"], rel=0.10)
+
+
+def test_the_docs_table_is_the_planners():
+    import glob
+    import os
+
+    from lomo_ds.planning.tables import format_models_table
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    configs = sorted(glob.glob(os.path.join(root, "docs", "models", "*.json")))
+    assert len(configs) == 6
+    table = format_models_table(configs, [2048, 4096])
+    doc = open(os.path.join(root, "docs", "memory.md")).read()
+    assert table in doc, "docs/memory.md is out of date: regenerate it with lomo-ds plan --models docs/models/*.json"
