@@ -481,12 +481,18 @@ def update_temp_bytes(n: int, run: RunSpec) -> int:
     return grad32 + weights32 + rounding
 
 
-def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec) -> int:
+def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec, statistics_n: int = 0) -> int:
     """Transient bytes of AdaLomo's update of a bucket of `bucket_n` shard elements (its largest
     slice `slice_n`): each of its passes reads a slice chunk by chunk (engine/adalomo.py), so one
-    chunk's fp32 gradient (u in its place), fp32 weights and rounding: LOMO's figure. An fp32 slice
-    is updated whole, in place."""
-    return update_temp_bytes(min(bucket_n, slice_n), run)
+    chunk's fp32 gradient (u in its place), fp32 weights and rounding: LOMO's figure (an fp32 slice
+    is updated whole, in place); beside it the statistics of its largest matrix, `statistics_n`
+    rows + columns: their reduced sums, means and factors, 12 bytes each."""
+    return update_temp_bytes(min(bucket_n, slice_n), run) + 12 * statistics_n
+
+
+def adalomo_statistics_numel(m: ModelSpec) -> int:
+    """Rows + columns of the model's largest matrix (by rows + columns): AdaLomo's statistics."""
+    return max((shape[0] + shape[1] for shape in m.param_shapes() if len(shape) == 2), default=0)
 
 
 def adalomo_state_bytes(m: ModelSpec, gpus: int) -> int:
@@ -521,7 +527,7 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         staged_n = max(min(run.lomo_bucket, shard_numel), slice_n)  # a bucket, at least the largest slice
         bucket_n = max_p if n == 1 else staged_n  # one GPU applies each gradient as it arrives
         update = (update_temp_bytes(slice_n, run) if method == "lomo" else
-                  adalomo_update_temp_bytes(bucket_n, slice_n, run))
+                  adalomo_update_temp_bytes(bucket_n, slice_n, run, adalomo_statistics_numel(m)))
         accumulator = DTYPE_BYTES[run.accumulate_dtype] * shard_numel if run.accumulation > 1 else 0
         on_host = run.offload or run.accumulate_on_host  # with offloaded shards it lives beside them
         host = 0.0
@@ -539,7 +545,11 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
             host += n * accumulator  # every rank's accumulator on the node
         else:
             grads += accumulator
-        total = params + grads + masters + state + acts + recompute + update
+        # The chunked loss's logits are gone before the first gradient is updated; the update runs
+        # beside a recomputed layer (the layers' gradients arrive while it is alive).
+        loss = loss_chunk_bytes(m, run) if run.chunked_loss else 0
+        layer = (layer_activation_bytes(m, run) if run.checkpointing else 0) if run.chunked_loss else recompute
+        total = params + grads + masters + state + acts + max(layer + update, loss)
         return Estimate(method, n, float(params), float(grads), float(masters + state), float(acts), float(recompute),
                         float(update), float(total), host, float(accumulator), on_host and accumulator > 0)
     grad_buf = b * shard_numel + b * run.reduce_bucket
