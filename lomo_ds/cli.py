@@ -46,6 +46,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--accumulate-on", choices=["device", "cpu"], default=None,
                    help="lomo.accumulate_on: the accumulator on the GPU (default) or in host RAM")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--models", nargs="+", default=None, metavar="CONFIG",
+                   help="HF config.json files: one table of them side by side (micro-batch 1; LOMO and AdaLomo "
+                        "with and without offload_param, SGD and AdamW) on 1, 2, 4 and 8 GPUs at each --seqs")
+    p.add_argument("--seqs", default="2048,4096", help="sequence lengths for --models (default 2048,4096)")
     p.set_defaults(func=_run_plan)
 
 
@@ -87,6 +91,17 @@ def _run_plan(args) -> int:
     from lomo_ds.config.lomo import ConfigError
     from lomo_ds.planning import planner
 
+    if args.models:
+        from lomo_ds.planning.tables import format_models_table
+
+        extra = {k: v for k, v in _plan_overrides(args).items() if k not in ("seq", "offload")}
+        try:
+            seqs = [int(x) for x in args.seqs.split(",")]
+            print(format_models_table(args.models, seqs, args.gpu_mem, **extra))
+        except ValueError as e:
+            print(f"lomo-ds plan: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         p = _make_plan(args)
     except (ValueError, ConfigError) as e:

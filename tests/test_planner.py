@@ -31,7 +31,9 @@ from lomo_ds.planning.planner import (
     estimate,
     fetch_units,
     largest_fetch_unit,
+    layer_activation_bytes,
     leaf_module_names,
+    loss_chunk_bytes,
     model_spec_for,
     plan,
     plan_for_run,
@@ -192,11 +194,13 @@ class _NewStorageBytes(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("chunk", [1 << 22, 1000], ids=["whole", "chunked"])
 @pytest.mark.parametrize("dtype,rounding,master", [("bf16", True, False), ("bf16", False, False),
                                                    ("fp16", False, False), ("bf16", True, True),
                                                    ("fp32", True, False)])
-def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, master):
-    """The planner's count of the update's transient bytes is what ShardUpdater.apply allocates."""
+def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, master, chunk):
+    """The planner's count of the update's transient bytes is what ShardUpdater.apply allocates
+    (lomo.update_chunk_elements at a time)."""
     from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -206,23 +210,26 @@ def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, maste
     param.ds_tensor, param.ds_numel, param.ds_id = torch.randn(n).to(torch_dtype), n, 0
     grad = torch.randn(n).to(torch_dtype)
     updater = ShardUpdater(stochastic_rounding=rounding, seed=0, stats_device=torch.device("cpu"),
-                           master_params=[param] if master else ())
+                           master_params=[param] if master else (), chunk=chunk)
     stats = updater.begin_pass(UpdateRule(lr=0.1, grad_scale=0.5, weight_decay=0.01), step=0)
     updater.generator(param.ds_tensor.device)  # made once per run, not per update
     counter = _NewStorageBytes([param.ds_tensor, grad, *updater.masters.values()])
     with counter:
         updater.apply(param, grad, stats.finite)
     # Beside the per-element temporaries, a few bytes of 0-dim flags (whether to apply, on the device).
-    expected = update_temp_bytes(n, RunSpec(dtype=dtype, stochastic_rounding=rounding, lomo_fp32_master=master))
+    expected = update_temp_bytes(n, RunSpec(dtype=dtype, stochastic_rounding=rounding, lomo_fp32_master=master,
+                                            update_chunk=chunk))
     assert expected <= counter.peak <= expected + 64
 
 
+@pytest.mark.parametrize("chunk", [1 << 22, 500], ids=["whole", "chunked"])
 @pytest.mark.parametrize("dtype,rounding,master", [("bf16", True, False), ("bf16", False, False),
                                                    ("bf16", True, True), ("fp32", True, False)])
-def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, master):
+def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, master, chunk):
     """The planner's count of AdaLomo's transient bytes for a bucket is what its update allocates:
-    the whole bucket's fp32 gradient and weights together (its statistics come first), then one
-    slice's rounding; beside them, its statistics (rows + columns + a few numbers per parameter)."""
+    one chunk's fp32 gradient, fp32 weights and rounding at a time (each pass reads the slice in
+    chunks, lomo.update_chunk_elements); beside them, its statistics (rows + columns + a few numbers
+    per parameter)."""
     from lomo_ds.config.lomo import AdaLomoConfig
     from lomo_ds.engine.adalomo import AdaLomo
     from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule
@@ -240,7 +247,8 @@ def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, mas
         grads.append(torch.randn(n).to(torch_dtype))
     geometries = ShardGeometries()
     adalomo = AdaLomo(AdaLomoConfig(), module, params, None, geometries)
-    updater = ShardUpdater(rounding, 0, torch.device("cpu"), geometries, adalomo, params if master else ())
+    updater = ShardUpdater(rounding, 0, torch.device("cpu"), geometries, adalomo, params if master else (),
+                           chunk=chunk)
     stats = updater.begin_pass(UpdateRule(lr=0.01, weight_decay=0.01), step=0)
     updater.generator(torch.device("cpu"))
     counter = _NewStorageBytes([*(p.ds_tensor for p in params), *grads, *updater.masters.values(),
@@ -249,7 +257,8 @@ def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, mas
         updater.apply_bucket(list(zip(params, grads, strict=True)), stats)
     numels = [math.prod(shape) for shape in shapes]
     expected = adalomo_update_temp_bytes(sum(numels), max(numels), RunSpec(dtype=dtype, stochastic_rounding=rounding,
-                                                                           lomo_fp32_master=master))
+                                                                           lomo_fp32_master=master,
+                                                                           update_chunk=chunk))
     # its statistics: the bucket's row and column sums, the pieces' row and column norms, the factors
     # (rows + columns each, three times over), the vector's g^2 and a few numbers per parameter
     statistics = 3 * 4 * sum(shape[0] + shape[1] for shape in shapes if len(shape) == 2) + 2 * 4 * 37 + 1024
@@ -260,8 +269,13 @@ def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, mas
 def test_update_temporaries_in_the_total():
     run = shipped_run("65b")
     est = estimate(LLAMA["65b"], "lomo", 8, run)
-    assert est.update == 21 * -(-max(LLAMA["65b"].param_numels()) // 8)  # bf16 + stochastic rounding
-    assert est.total == pytest.approx(est.params + est.grads + est.activations + est.recompute + est.update)
+    # bf16 + stochastic rounding, a chunk of the largest slice at a time
+    assert est.update == 21 * min(-(-max(LLAMA["65b"].param_numels()) // 8), run.update_chunk)
+    # the update beside a recomputed layer, the chunked loss's logits before either
+    layer = layer_activation_bytes(LLAMA["65b"], run)
+    assert est.recompute == max(layer, loss_chunk_bytes(LLAMA["65b"], run))
+    assert est.total == pytest.approx(est.params + est.grads + est.activations
+                                      + max(layer + est.update, loss_chunk_bytes(LLAMA["65b"], run)))
 
 
 # ----------------------------------------------------------------------------- offloaded parameters
@@ -367,12 +381,12 @@ def test_cli_plan_prints_the_working_set_per_granularity(capsys):
     assert main(["plan", "--model", os.path.join(ROOT, "ds_configs", "llama65b.json"), "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert "fetch granularity: LOMO on 8 GPU(s), 24 GiB each (this config: leaf_module LlamaDecoderLayer)" in out
-    assert "| per decoder layer | 82 | 809,500,672 (model.layers.0) | 3.47 | 22.34 | yes |" in out
-    assert "| per module | 562 | 262,144,000 (model.embed_tokens) | 2.45 | 21.32 | yes |" in out
+    assert "| per decoder layer | 82 | 809,500,672 (model.layers.0) | 3.47 | 21.67 | yes |" in out
+    assert "| per module | 562 | 262,144,000 (model.embed_tokens) | 2.45 | 20.65 | yes |" in out
     assert "coarsest fetch that fits: per decoder layer (leaf_module LlamaDecoderLayer)" in out
     # a budget where only per-module fetch fits
     assert main(["plan", "--model", os.path.join(ROOT, "ds_configs", "llama65b.json"), "--gpus", "8",
-                 "--gpu-mem", "22"]) == 0
+                 "--gpu-mem", "21"]) == 0
     assert "coarsest fetch that fits: per module (per module)" in capsys.readouterr().out
 
 

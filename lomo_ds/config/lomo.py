@@ -166,6 +166,18 @@ class LomoConfig(Section):
         "fnmatch patterns of parameters that may get no gradient on some rank (mixture-of-experts experts): "
         "reduced at the end of the backward on every rank from the first step on (one found without a gradient "
         "in the first step is treated so from then on)"))
+    update_chunk_elements: Int = Field(1 << 22, ge=1, description=(
+        "elements of a shard slice updated at once (lomo_ds/engine/fused_update.py): the update's fp32 and "
+        "rounding temporaries are bounded by this chunk (about 21 bytes an element for bf16), whatever the "
+        "parameter's size; fp32 results are the same for every value"))
+    chunked_loss: Literal["auto", "on", "off"] = Field("auto", description=(
+        "the causal LM's loss as a linear + cross-entropy over chunks of positions (lomo_ds/engine/chunked_loss.py): "
+        "no fp32 logits of every position at once. auto = on for the transformers families whose output head it "
+        "knows, the model's own loss for the others; on = refuse a model it does not know; off = the model's own"))
+    loss_chunk_logits: Int = Field(1 << 25, ge=1, description=(
+        "logits (positions x vocabulary) the chunked loss computes at once: max(1, this // vocabulary) positions "
+        "a chunk, so its memory (6 bytes a logit in bf16, 12 with Gemma-2's soft-capping) does not grow with the "
+        "vocabulary"))
     # Gradient accumulation (lomo_ds/engine/accumulation.py).
     accumulation_steps: Int = Field(1, ge=1, description=(
         "micro-batches per optimizer step (DeepSpeed's gradient_accumulation_steps maps here): each rank sums "

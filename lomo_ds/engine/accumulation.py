@@ -132,12 +132,24 @@ class ShardAccumulator:
         self.settle()
         buf = self.buffer(param)
         total, event = read_async(buf, device)
-        if event is not None:
-            with self._lock:
-                self._reads.append(event)
+        self.note_read(event)
         if grad_shard is not None and buf.numel():
             total.add_(grad_shard[:buf.numel()].to(device, torch.float32))
         return total
+
+    def lazy_total(self, param: torch.nn.Parameter, device: torch.device, grad_shard: torch.Tensor | None = None
+                   ) -> "AccumulatedSlice":
+        """`total`, read chunk by chunk by the update (fused_update.grad_chunk): no fp32 copy of the
+        whole slice where the buffer is not fp32 on `device`."""
+        self.settle()
+        buf = self.buffer(param)
+        return AccumulatedSlice(self, buf, None if grad_shard is None else grad_shard[:buf.numel()], device)
+
+    def note_read(self, event) -> None:
+        """A copy that reads a buffer is in flight until `event`: zero() waits for it."""
+        if event is not None:
+            with self._lock:
+                self._reads.append(event)
 
     def sum_of_squares(self, params) -> torch.Tensor:
         """This rank's share of the squared global norm of the accumulated gradient (fp32 per
@@ -167,3 +179,25 @@ class ShardAccumulator:
             event.synchronize()
         for b in self.buffers.values():
             b.zero_()
+
+
+class AccumulatedSlice:
+    """A parameter's accumulated gradient slice (plus the window's last slice, when given), as
+    the chunked update reads it: `chunk(a, b, device)` is `total(...)[a:b]`, elementwise the same
+    arithmetic; `in_place` the whole of it without a copy, where the buffer is fp32 on the device."""
+
+    def __init__(self, accumulator: ShardAccumulator, buffer: torch.Tensor, extra: torch.Tensor | None,
+                 device: torch.device):
+        self.accumulator, self.buffer, self.extra, self.device = accumulator, buffer, extra, device
+
+    def chunk(self, a: int, b: int, device: torch.device) -> torch.Tensor:
+        total, event = read_async(self.buffer[a:b], device)
+        self.accumulator.note_read(event)  # the buffer is zeroed only once the copy has read it
+        if self.extra is not None:
+            total.add_(self.extra[a:b].to(device, torch.float32))
+        return total
+
+    def in_place(self, n: int, device: torch.device) -> torch.Tensor | None:
+        if self.buffer.dtype != torch.float32 or self.buffer.device != device:
+            return None
+        return self.chunk(0, n, device)  # the buffer itself (zeroed after the step), the last slice added

@@ -23,6 +23,13 @@ The row and column vectors are replicated on every rank (R + C fp32 per matrix);
 second moment of a vector parameter is kept for this rank's slice only. No gradient beyond the
 bucket and no whole parameter ever exist on a rank.
 
+Chunks (lomo.update_chunk_elements, fused_update.py): a slice whose gradient and weights are both
+fp32 in place is updated whole, as described, with no temporary. Any other (bf16 weights or
+gradient, an accumulator in another dtype) never has an fp32 copy of the whole slice: each of the
+three passes reads the gradient chunk by chunk (whole rows of a matrix in one chunk), the first
+summing rows, columns and θ^2, the second recomputing u per chunk for the sum of u^2 (and the
+vectors' second moments), the third recomputing u per chunk to update the weights chunk by chunk.
+
 Where the paper, the public `lomo-optim` code and this module differ, and which one it follows:
 - Rows/columns: the paper accumulates row and column *sums* of g^2 + eps1 and divides
   outer(r, c) by sum(r); the code keeps *means* and divides by mean(r). The two give the same v
@@ -77,7 +84,7 @@ import torch
 
 from lomo_ds.config.lomo import AdaLomoConfig
 from lomo_ds.engine import host_updates
-from lomo_ds.engine.fused_update import ShardGeometry
+from lomo_ds.engine.fused_update import ShardGeometry, chunk_bounds, grad_chunk, grad_in_place
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
 
@@ -129,10 +136,12 @@ class _Slice(NamedTuple):
     geo: ShardGeometry
     shape: torch.Size
     pieces: list | None  # row_pieces of a matrix slice; None for a parameter with a full second moment
-    g: torch.Tensor  # the real gradient elements (fp32, ours to overwrite)
-    weights: torch.Tensor | None  # fp32 weights to update here; None: updated on the host-update worker
-    u: torch.Tensor  # where u goes: `g` itself, or (worker) its place in the bucket's staged buffer
+    g: torch.Tensor | None  # the real gradient elements (fp32, ours to overwrite); None: read chunk by chunk
+    weights: torch.Tensor | None  # fp32 weights updated in place here; None: copied chunk by chunk, or
+                                  # (at set) updated on the host-update worker
+    u: torch.Tensor | None  # where u goes: `g` itself, or (worker) its place in the bucket's staged buffer
     at: int | None  # (worker) where its u starts in the staged buffer; None: updated here
+    src: object  # the reduced slice as received (a tensor, or the accumulator's sum)
 
 
 def _ema_where(state: torch.Tensor, new: torch.Tensor, beta: torch.Tensor, keep: torch.Tensor) -> None:
@@ -143,6 +152,30 @@ def _ema_where(state: torch.Tensor, new: torch.Tensor, beta: torch.Tensor, keep:
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
     """An index tensor on `device`, built on the host and copied over without blocking."""
     return torch.tensor(values, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+
+
+def _add_row_col_sums(s: "_Slice", g: torch.Tensor, a: int, row_sums: torch.Tensor, col_sums: torch.Tensor) -> None:
+    """Add the row and column sums of g^2 of elements [a, a + len(g)) of a matrix slice."""
+    pieces = s.pieces if a == 0 and g.numel() == s.geo.local else factored_pieces(s.geo.start + a, g.numel(), s.shape)
+    device = row_sums.device
+    for pos, row, col, rows, w in pieces:
+        block = g[pos:pos + rows * w].view(rows, w)
+        row_sums[row:row + rows] += torch.linalg.vector_norm(block, dim=1).square_().to(device)
+        col_sums[col:col + w] += torch.linalg.vector_norm(block, dim=0).square_().to(device)
+
+
+def _u_of(s: "_Slice", g: torch.Tensor, a: int, factors, state: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+    """u = g / sqrt(v) of elements [a, a + len(g)) of a slice, into `out` (default: in place of g)."""
+    out = g if out is None else out
+    if factors is None:
+        return torch.mul(g, state["sq"][a:a + g.numel()].rsqrt(), out=out)
+    row_factor, col_factor = factors
+    pieces = s.pieces if a == 0 and g.numel() == s.geo.local else factored_pieces(s.geo.start + a, g.numel(), s.shape)
+    for pos, row, col, n_rows, w in pieces:
+        block = g[pos:pos + n_rows * w].view(n_rows, w)
+        dst = out[pos:pos + n_rows * w].view(n_rows, w)
+        torch.mul(block, row_factor[row:row + n_rows, None], out=dst).mul_(col_factor[col:col + w])
+    return out
 
 
 class AdaLomo:
@@ -212,12 +245,19 @@ class AdaLomo:
             if ds_compat.param_id(param) in self.deferred:
                 # The slice stays where it arrived (the rank's device); the weights are the
                 # worker's. Its u goes into the bucket's staged buffer, then its coef and decay.
-                g = updater.unscale_and_clip(grad_shard[:geo.local].to(self.device_of(param), torch.float32))
-                slices.append(_Slice(param, geo, shape, pieces, g, None, g, staged_numel))
+                g = updater.unscale_and_clip(grad_chunk(grad_shard, 0, geo.local, self.device_of(param)))
+                slices.append(_Slice(param, geo, shape, pieces, g, None, g, staged_numel, grad_shard))
                 staged_numel += geo.local + 2
             else:
-                g = updater.unscale_and_clip(updater.real_grad(param, grad_shard))
-                slices.append(_Slice(param, geo, shape, pieces, g, updater.weights(param), g, None))
+                # An fp32 slice beside fp32 weights is updated whole, in place (no temporary: the
+                # unchunked arithmetic, bit for bit); otherwise g is read and the weights copied
+                # chunk by chunk in each of the three passes below (fused_update.py).
+                g = grad_in_place(grad_shard, geo.local, ds_compat.shard(param).device)
+                if g is not None and updater.weights_in_place(param):
+                    g = updater.unscale_and_clip(g)
+                    slices.append(_Slice(param, geo, shape, pieces, g, updater.weights(param), g, None, grad_shard))
+                else:
+                    slices.append(_Slice(param, geo, shape, pieces, None, None, None, None, grad_shard))
         staged = None
         if staged_numel:
             # One buffer on the rank's device for the whole bucket; the worker's slices are views of it.
@@ -228,21 +268,21 @@ class AdaLomo:
         # 1. Partial row/column sums of g^2 and partial sums of θ^2 for the whole bucket in one
         #    buffer on the group's device: [rows, cols] of each matrix, then one θ^2 per parameter.
         #    Each slice's sums are taken where its gradient is (they need not all be on one device).
-        device = group_device(self.group) if torch.distributed.is_initialized() else slices[0].g.device
+        device = group_device(self.group) if torch.distributed.is_initialized() else (
+            slices[0].g.device if slices[0].g is not None else ds_compat.shard(slices[0].param).device)
         width = sum(sum(factor_sizes(s.shape)) for s in slices if s.pieces is not None)
         sums = torch.zeros(width + len(slices), dtype=torch.float32, device=device)
         at = 0
         for i, s in enumerate(slices):
             if s.pieces is not None:
                 n_rows, n_cols = factor_sizes(s.shape)
-                cols_at = at + n_rows
-                for pos, row, col, rows, w in s.pieces:
-                    block = s.g[pos:pos + rows * w].view(rows, w)
-                    sums[at + row:at + row + rows] += torch.linalg.vector_norm(block, dim=1).square_().to(device)
-                    sums[cols_at + col:cols_at + col + w] += torch.linalg.vector_norm(block, dim=0).square_().to(device)
+                for a, g in self._g_chunks(updater, s):
+                    _add_row_col_sums(s, g, a, sums[at:at + n_rows], sums[at + n_rows:at + n_rows + n_cols])
+                    del g  # before the next chunk is read: one chunk at a time
                 at += n_rows + n_cols
             if s.at is None:
-                sums[width + i] = torch.linalg.vector_norm(s.weights).square().to(device)
+                sums[width + i] = (torch.linalg.vector_norm(s.weights).square() if s.weights is not None
+                                   else updater.weights_sum_sq(s.param)).to(device)
         deferred_at = [i for i, s in enumerate(slices) if s.at is not None]
         if deferred_at:
             # The worker's recorded sum(θ^2) of each slice, copied over without blocking.
@@ -253,9 +293,10 @@ class AdaLomo:
         # non-finite on every rank, so every rank keeps or drops this bucket alike.
         keep = finite.to(device) & torch.isfinite(sums).all()
 
-        # 2. Second moments, then u = g / sqrt(v) (in place of g, or into the staged buffer), and
-        #    partial sums of u^2.
+        # 2. Second moments, then u = g / sqrt(v) (in place of g, or into the staged buffer; a
+        #    chunked slice's u is recomputed per chunk here and in 3.), and partial sums of u^2.
         u_sq = torch.zeros(len(slices), dtype=torch.float32, device=device)
+        factors = []
         at = 0
         for i, s in enumerate(slices):
             state = self.state[ds_compat.param_id(s.param)]
@@ -272,21 +313,28 @@ class AdaLomo:
                 _ema_where(state["col"], col_mean.view_as(state["col"]), beta, here)
                 # mean(r) of each matrix (the one matrix of a 2-D tensor); both factors flat, as
                 # factored_pieces indexes them
-                row_factor = (state["row"] / state["row"].mean(dim=-1, keepdim=True)).rsqrt_().view(-1)
-                col_factor = state["col"].rsqrt().view(-1)
-                for pos, row, col, n_rows, w in s.pieces:
-                    block = s.g[pos:pos + n_rows * w].view(n_rows, w)
-                    out = s.u[pos:pos + n_rows * w].view(n_rows, w)
-                    torch.mul(block, row_factor[row:row + n_rows, None], out=out).mul_(col_factor[col:col + w])
+                factors.append(((state["row"] / state["row"].mean(dim=-1, keepdim=True)).rsqrt_().view(-1),
+                                state["col"].rsqrt().view(-1)))
             else:
-                _ema_where(state["sq"], s.g.square().add_(cfg.eps1), beta, here)
-                torch.mul(s.g, state["sq"].rsqrt(), out=s.u)
-            u_sq[i] = torch.linalg.vector_norm(s.u).square().to(device)
+                factors.append(None)
+            if s.g is not None:
+                if s.pieces is None:
+                    _ema_where(state["sq"], s.g.square().add_(cfg.eps1), beta, here)
+                _u_of(s, s.g, 0, factors[i], state, out=s.u)
+                u_sq[i] = torch.linalg.vector_norm(s.u).square().to(device)
+                continue
+            total = torch.zeros((), dtype=torch.float32, device=device)
+            for a, g in self._g_chunks(updater, s):
+                if s.pieces is None:
+                    _ema_where(state["sq"][a:a + g.numel()], g.square().add_(cfg.eps1), beta, here)
+                total += torch.linalg.vector_norm(_u_of(s, g, a, factors[i], state, out=g)).square().to(device)
+                del g
+            u_sq[i] = total
         self._all_reduce(u_sq)
         keep &= torch.isfinite(u_sq).all()
 
         # 3. θ -= lr * max(eps2, RMS(θ)) * u / max(1, RMS(u) / clip_threshold), every coefficient
-        #    a device tensor; a dropped bucket gets coefficient 0 and a zeroed u.
+        #    a device tensor; a dropped bucket gets coefficient 0 and a zeroed u. Chunk by chunk.
         numels = torch.tensor([float(max(s.geo.numel, 1)) for s in slices], dtype=torch.float32, device="cpu")
         numels = numels.to(device, non_blocking=True)
         step = sums[width:].div(numels).sqrt_().clamp_(min=cfg.eps2).mul_(updater.rule.lr)
@@ -296,14 +344,37 @@ class AdaLomo:
         for i, s in enumerate(slices):
             if s.geo.local == 0 or s.at is not None:
                 continue
-            here = keep.to(s.g.device)
-            s.g.masked_fill_(~here, 0.0)
-            if updater.rule.weight_decay:
-                s.weights.mul_(decay[i].to(s.weights.device))
-            s.weights.sub_(s.g.mul_(coef[i].to(s.g.device)))
-            updater.write_back(s.param, s.weights)
+            where = ds_compat.shard(s.param).device
+            here, coef_i, decay_i = keep.to(where), coef[i].to(where), decay[i].to(where)
+            state = self.state[ds_compat.param_id(s.param)]
+            for a, b in chunk_bounds(s.geo.local, updater.chunk):
+                if s.g is not None:
+                    u = s.g[a:b]
+                else:
+                    u = _u_of(s, self._g_chunk(updater, s, a, b), a, factors[i], state)
+                u.masked_fill_(~here, 0.0)
+                weights = s.weights[a:b] if s.weights is not None else updater.weights(s.param, a, b)
+                if updater.rule.weight_decay:
+                    weights.mul_(decay_i)
+                weights.sub_(u.mul_(coef_i))
+                updater.write_back(s.param, weights, a, b)
+                del u, weights
         if staged is not None:
             self._hand_over(updater, slices, staged, keep, coef, decay, finite)
+
+    def _g_chunk(self, updater, s: "_Slice", a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of a chunked slice's gradient, fp32, unscaled and clipped (a fresh copy)."""
+        return updater.unscale_and_clip(grad_chunk(s.src, a, b, ds_compat.shard(s.param).device))
+
+    def _g_chunks(self, updater, s: "_Slice"):
+        """(offset, g) over a slice: its whole g where it has one, else chunk by chunk, whole rows
+        of a matrix kept in one chunk."""
+        if s.g is not None:
+            yield 0, s.g
+            return
+        align = s.shape[-1] if s.pieces is not None else 1  # whole rows of the stacked matrices
+        for a, b in chunk_bounds(s.geo.local, updater.chunk, s.geo.start, align):
+            yield a, self._g_chunk(updater, s, a, b)
 
     def _weight_norms(self, updater, params: list, device: torch.device) -> torch.Tensor:
         """sum(θ^2) of each parameter's slice (all deferred), on `device` without a blocking copy."""
@@ -313,7 +384,7 @@ class AdaLomo:
                 # Not recorded since the shard was last written (the first update, or a checkpoint
                 # load): taken here from the host weights, which no one else touches now (their
                 # bucket is not handed over yet, and last pass's updates are joined).
-                self.weight_sq[row] = torch.linalg.vector_norm(updater.weights(p)).square()
+                self.weight_sq[row] = updater.weights_sum_sq(p)
                 self.weight_sq_known[row] = True
         # Gathered into a buffer of its own (pinned on an accelerator), which the worker never
         # writes: the copy reads it whenever the stream gets there.
@@ -341,15 +412,17 @@ class AdaLomo:
         Records the slice's new sum(θ^2) for its next update."""
         n = staged.numel() - 2
         u, coef, decay = staged[:n], staged[n], staged[n + 1]
-        weights = updater.weights(param)
-        if updater.rule.weight_decay:
-            weights.mul_(decay)
-        weights.sub_(u.mul_(coef))
-        updater.write_back(param, weights)
+        for a, b in chunk_bounds(n, updater.chunk):  # host RAM bounded by the chunk, not the slice
+            weights = updater.weights(param, a, b)
+            if updater.rule.weight_decay:
+                weights.mul_(decay)
+            weights.sub_(u[a:b].mul_(coef))
+            updater.write_back(param, weights, a, b)
+            del weights
         # What the next update's RMS(θ) reads: the weights as stored (after rounding into a bf16
         # shard), as updater.weights gives them then.
         row = self.deferred[ds_compat.param_id(param)]
-        self.weight_sq[row] = torch.linalg.vector_norm(updater.weights(param)).square()
+        self.weight_sq[row] = updater.weights_sum_sq(param)
         self.weight_sq_known[row] = True
 
     def _all_reduce(self, t: torch.Tensor) -> None:

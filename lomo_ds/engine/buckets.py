@@ -91,7 +91,24 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     each step, against 2.2 ms for torch.aminmax and 1.2 ms for the sum. A sum of finite elements
     that overflows fp32 (elements of 1e32 and more) reads as non-finite: the step is skipped, the
     safe side, and such a gradient is no gradient to step on."""
-    return torch.isfinite(t.sum(dtype=torch.float32))
+    return torch.isfinite(_sum32(t))
+
+
+def _sum32(t: torch.Tensor) -> torch.Tensor:
+    """The sum of `t` as a finiteness test, without an fp32 copy of `t`: torch's sum(dtype=fp32) of
+    a bf16 tensor on a CPU converts the whole tensor first (twice the largest gradient's bytes).
+    bf16 has fp32's exponent range, so its own sum (accumulated in fp32) overflows where an fp32
+    sum would; fp16's does not, so an fp16 tensor is summed in fp32 a bounded piece at a time."""
+    if t.dtype in (torch.float32, torch.bfloat16):
+        return t.sum().float()
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float32, device=t.device)
+    for a in range(0, flat.numel(), SUM_PIECE):
+        total += flat[a:a + SUM_PIECE].sum(dtype=torch.float32)
+    return total
+
+
+SUM_PIECE = 1 << 22  # elements of an fp16 tensor converted to fp32 at once by _sum32
 
 
 def nonfinite_marker(t: torch.Tensor, finite_so_far: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,7 +116,7 @@ def nonfinite_marker(t: torch.Tensor, finite_so_far: torch.Tensor | None = None)
     (inf * 0 and NaN * 0 are NaN). A device tensor, so building the flag costs no host sync. A sum
     rather than a min and a max: `t` is the packed payload, a strided view (the flag column sits
     between its rows), which aminmax reads about 3x slower than the sum does in the engine's step."""
-    marker = t.sum(dtype=torch.float32).mul_(0.0)
+    marker = _sum32(t).mul_(0.0)
     if finite_so_far is not None:
         marker = torch.where(finite_so_far, marker, math.nan)
     return marker

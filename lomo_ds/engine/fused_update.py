@@ -6,6 +6,17 @@ summed gradient of its own slice of each parameter; the rank then updates that s
 shard (`param.ds_tensor`) in fp32 arithmetic and lets the gradient go. No whole-model gradient,
 no optimizer state.
 
+Chunks (lomo.update_chunk_elements): a slice is updated `chunk` elements at a time, so the update's
+temporaries (an fp32 copy of the gradient and of the weights where they are not fp32, and the
+stochastic-rounding noise) are bounded by the chunk, not by the largest parameter. Every step of
+the SGD update is elementwise, so an fp32 result is bit for bit the unchunked one; sums over a
+slice (the clipping norm, AdaLomo's statistics) stay whole where the slice is fp32 (it needs no
+temporary), and are summed chunk by chunk otherwise. Stochastic rounding draws its noise chunk by
+chunk from the same per-device generator, in the slice's order: on a CPU the draws come from the
+generator one element after another, so the noise is the same as one draw over the slice; on an
+accelerator each draw advances the generator's offset by its own amount, so the noise differs
+from an unchunked update's, and is still independent and uniform for every element (unbiased).
+
 Shard layout (DeepSpeed ZeRO-3): with `part = ceil(numel / world)`, rank r holds flat elements
 [r*part, min((r+1)*part, numel)) of the parameter; the last ranks may carry padding, and a rank
 may hold no real element at all when numel < world.
@@ -40,6 +51,38 @@ class ShardGeometry:
     def local(self) -> int:
         """Real (unpadded) elements of the parameter on this rank."""
         return max(0, min(self.part, self.numel - self.start))
+
+
+def chunk_bounds(n: int, size: int, start: int = 0, align: int = 1) -> list[tuple[int, int]]:
+    """[a, b) pieces of a slice of n elements starting at flat element `start` of its parameter,
+    each at most `size` elements (at least `align`, rounded down to a multiple of it), their ends at
+    multiples of that size in the parameter's flat index: with `align` a matrix's row length, every
+    whole row of the slice falls in one chunk."""
+    size = max(align, size // align * align)
+    bounds, a = [], 0
+    while a < n:
+        b = min(n, ((start + a) // size + 1) * size - start)
+        bounds.append((a, b))
+        a = b
+    return bounds
+
+
+def grad_chunk(grad, a: int, b: int, device: torch.device) -> torch.Tensor:
+    """Elements [a, b) of a reduced gradient slice as fp32 on `device`, ours to overwrite: a view
+    where it is fp32 there already, else a copy. `grad` is a tensor, or an object with
+    `chunk(a, b, device)` (the accumulator's sum, accumulation.py)."""
+    if torch.is_tensor(grad):
+        return grad[a:b].to(device, torch.float32)
+    return grad.chunk(a, b, device)
+
+
+def grad_in_place(grad, n: int, device: torch.device) -> torch.Tensor | None:
+    """The slice's first n elements as one fp32 tensor on `device` without a copy, or None where
+    that needs one (then it is read chunk by chunk)."""
+    if torch.is_tensor(grad):
+        real = grad[:n]
+        return real if real.dtype == torch.float32 and real.device == device else None
+    return grad.in_place(n, device)
 
 
 def geometry(param: torch.nn.Parameter, world: int, rank: int) -> ShardGeometry:
@@ -110,8 +153,9 @@ class ShardUpdater:
     """
 
     def __init__(self, stochastic_rounding: bool, seed: int, stats_device: torch.device,
-                 geometry: ShardGeometries | None = None, adalomo=None, master_params=()):
+                 geometry: ShardGeometries | None = None, adalomo=None, master_params=(), chunk: int = 1 << 22):
         self.stochastic_rounding = stochastic_rounding
+        self.chunk = chunk  # lomo.update_chunk_elements
         self.seed = seed
         self.stats_device = stats_device
         self.geometry = geometry or ShardGeometries()
@@ -152,10 +196,7 @@ class ShardUpdater:
             for param, grad_shard in items:
                 n = self.geometry(param).local
                 if n:
-                    # fp32 norm per tensor, accumulated in fp64 across tensors (as clip_grad_norm_
-                    # does), on the bucket's device: measuring never touches the shard.
-                    norm = torch.linalg.vector_norm(grad_shard[:n], dtype=torch.float32)
-                    stats.sum_sq.add_(norm.double().square_().mul_(self.rule.grad_scale**2))
+                    stats.sum_sq.add_(self.sum_sq(grad_shard, n).mul_(self.rule.grad_scale**2))
             return
         if self.adalomo is not None:
             self.adalomo.apply_bucket(self, items, stats.finite)
@@ -193,25 +234,45 @@ class ShardUpdater:
             stats.finite_on_host = False
         return True
 
-    def apply(self, param: torch.nn.Parameter, grad_shard: torch.Tensor, finite: torch.Tensor | bool) -> None:
-        """Update this rank's slice of `param` from its reduced slice, unless `finite` (the pass's
-        device flag as of this bucket) is false; `finite=True`: known finite on the host."""
+    def sum_sq(self, grad, n: int) -> torch.Tensor:
+        """fp64 squared L2 norm of a gradient slice's first n elements, on the slice's device: one
+        fp32 norm over the slice where it is fp32 (as clip_grad_norm_ takes it per tensor), else
+        fp32 norms of its chunks, summed in fp64 (no fp32 copy of the whole slice)."""
+        device = grad.device
+        whole = grad_in_place(grad, n, device)
+        if whole is not None:
+            return torch.linalg.vector_norm(whole, dtype=torch.float32).double().square_()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for a, b in chunk_bounds(n, self.chunk):
+            total.add_(torch.linalg.vector_norm(grad_chunk(grad, a, b, device)).double().square_())
+        return total
+
+    def apply(self, param: torch.nn.Parameter, grad_shard, finite: torch.Tensor | bool) -> None:
+        """Update this rank's slice of `param` from its reduced slice (a tensor, or the accumulator's
+        sum), unless `finite` (the pass's device flag as of this bucket) is false; `finite=True`:
+        known finite on the host. Chunk by chunk (module docstring)."""
         n = self.geometry(param).local
         if n == 0:
             return
-        g = self.real_grad(param, grad_shard)
-        keep = None if finite is True else finite.to(g.device)
-        if keep is not None:
-            g.masked_fill_(~keep, 0.0)  # a skipped bucket moves nothing (NaN * 0 would still be NaN)
-        step_scale = self.rule.grad_scale
-        if self.rule.clip_value is not None:
-            g, step_scale = self.unscale_and_clip(g), 1.0
-        weights = self.weights(param)
+        device = ds_compat.shard(param).device
+        keep = None if finite is True else finite.to(device)
+        step_scale = 1.0 if self.rule.clip_value is not None else self.rule.grad_scale
+        decay = None
         if self.rule.weight_decay:
             decay = 1.0 - self.rule.lr * self.rule.weight_decay
-            weights.mul_(decay if keep is None else torch.where(keep, decay, 1.0))
-        weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
-        self.write_back(param, weights)
+            decay = decay if keep is None else torch.where(keep, decay, 1.0)
+        for a, b in chunk_bounds(n, self.chunk):
+            g = grad_chunk(grad_shard, a, b, device)
+            if keep is not None:
+                g.masked_fill_(~keep, 0.0)  # a skipped bucket moves nothing (NaN * 0 would still be NaN)
+            if self.rule.clip_value is not None:
+                g = self.unscale_and_clip(g)
+            weights = self.weights(param, a, b)
+            if decay is not None:
+                weights.mul_(decay)
+            weights.add_(g, alpha=-self.rule.lr * step_scale)  # scale folded into the axpy: one pass
+            self.write_back(param, weights, a, b)
+            del g, weights
 
     def slice_device(self, param: torch.nn.Parameter) -> torch.device:
         """Where the update wants this parameter's reduced slice: beside the shard, or, for a
@@ -236,17 +297,37 @@ class ShardUpdater:
             g.clamp_(-self.rule.clip_value, self.rule.clip_value)
         return g
 
-    def weights(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """fp32 weights of this rank's real elements to update in place: the master copy, the
-        shard itself when it is fp32, else an fp32 copy that write_back rounds into the shard."""
+    def weights_in_place(self, param: torch.nn.Parameter) -> bool:
+        """Whether `weights(param)` is the stored fp32 weights themselves (a master, or an fp32
+        shard), not a copy: then a whole-slice pass over them needs no temporary."""
+        return (ds_compat.param_id(param) in self.masters
+                or ds_compat.shard(param).dtype == torch.float32)
+
+    def weights_sum_sq(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """sum(θ^2) of this rank's real elements (fp32, on the shard's device): one norm over the
+        stored fp32 weights, or over fp32 copies of their chunks (summed in fp32)."""
+        if self.weights_in_place(param):
+            return torch.linalg.vector_norm(self.weights(param)).square()
+        total = torch.zeros((), dtype=torch.float32, device=ds_compat.shard(param).device)
+        for a, b in chunk_bounds(self.geometry(param).local, self.chunk):
+            total += torch.linalg.vector_norm(self.weights(param, a, b)).square()
+        return total
+
+    def weights(self, param: torch.nn.Parameter, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """fp32 weights of this rank's real elements [a, b) (default: all of them) to update in
+        place: the master copy, the shard itself when it is fp32, else an fp32 copy that write_back
+        rounds into the shard."""
+        b = self.geometry(param).local if b is None else b
         master = self.masters.get(ds_compat.param_id(param))
         if master is not None:
-            return master
-        return ds_compat.shard(param)[:self.geometry(param).local].float()
+            return master[a:b]
+        return ds_compat.shard(param)[a:b].float()
 
-    def write_back(self, param: torch.nn.Parameter, weights: torch.Tensor) -> None:
-        """Store updated fp32 `weights` (from `weights(param)`) into the parameter's shard."""
-        shard = ds_compat.shard(param)[:self.geometry(param).local]
+    def write_back(self, param: torch.nn.Parameter, weights: torch.Tensor, a: int = 0, b: int | None = None) -> None:
+        """Store updated fp32 `weights` (from `weights(param, a, b)`) into elements [a, b) of the
+        parameter's shard."""
+        b = self.geometry(param).local if b is None else b
+        shard = ds_compat.shard(param)[a:b]
         if weights.dtype == shard.dtype and weights.data_ptr() == shard.data_ptr():
             return  # fp32 shard updated in place
         if shard.dtype == torch.bfloat16 and self.stochastic_rounding and ds_compat.param_id(param) not in self.masters:

@@ -51,6 +51,7 @@ from lomo_ds.engine import shm_all_gather
 from lomo_ds.engine.accumulation import ACCUMULATE_DTYPES, ShardAccumulator, check_window
 from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.buckets import GradientBuckets
+from lomo_ds.engine.chunked_loss import causal_lm_loss, head_of
 from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.engine.fused_update import PassStats, ShardGeometries, ShardUpdater, UpdateRule
 from lomo_ds.engine.host_updates import HostUpdates, use_thread
@@ -100,6 +101,9 @@ class LomoEngine:
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=leaf_module.resolve(ds_config, model),
                                                   model_parameters=None, optimizer=None)
         self.module = self.ds_engine.module
+        # The training loss through the chunked linear + cross-entropy (chunked_loss.py), where the
+        # model's head is one it knows; None: the model's own loss.
+        self.loss_head = head_of(self.module, lomo.chunked_loss)
         self.offload = ds_compat.offload_of(self.ds_engine)
         # module.parameters() lists a tied tensor once: it gets one hook and one update with the
         # gradient autograd has already summed over its uses. Parameters matching
@@ -135,7 +139,8 @@ class LomoEngine:
                            host=self.host_updates, device=self.device)
                    if lomo.optimizer == "adalomo" else None)
         masters = self.params if lomo.fp32_master_weights and self.dtype != torch.float32 else ()
-        self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.seed, self.device, geometries, adalomo, masters)
+        self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.seed, self.device, geometries, adalomo, masters,
+                                   chunk=lomo.update_chunk_elements)
         self.memory: MemoryTracker | None = None
         # Each parameter is reduced over its own ds_process_group: one bucket set per group.
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
@@ -243,7 +248,7 @@ class LomoEngine:
                 self.accumulator.add(param, grad_shard)
             return
         if self.bucket_mode == "fold":
-            items = [(p, self.accumulator.total(p, self.updater.slice_device(p), g)) for p, g in items]
+            items = [(p, self.accumulator.lazy_total(p, self.updater.slice_device(p), g)) for p, g in items]
         self.updater.apply_bucket(items, stats)
 
     def _on_bucket_rows(self, items: list[tuple[torch.nn.Parameter, list[torch.Tensor]]], stats: PassStats,
@@ -260,7 +265,7 @@ class LomoEngine:
         if mode == "add":
             return lambda p, g, finite: self.accumulator.add(p, g)
         if mode == "fold":
-            return lambda p, g, finite: self.updater.apply(p, self.accumulator.total(p, g.device, g), finite)
+            return lambda p, g, finite: self.updater.apply(p, self.accumulator.lazy_total(p, g.device, g), finite)
         return lambda p, g, finite: self.updater.apply(p, g, finite)
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -305,6 +310,10 @@ class LomoEngine:
             self.host_updates.join()
 
     def forward(self, batch: dict[str, Any]):
+        """The training forward: its outputs' "loss" is what the step reads (no logits with the
+        chunked loss)."""
+        if self.loss_head is not None and batch.get("labels") is not None:
+            return causal_lm_loss(self.module, self.loss_head, batch, self.config.loss_chunk_logits)
         return self.module(**batch)
 
     def _agree_on_loss(self, loss: torch.Tensor, labelled: bool, tokens: int) -> "_Agreed":
@@ -522,7 +531,7 @@ class LomoEngine:
         with self._host_updates_joined():
             for group in groups:
                 with self.timers.span("update"):
-                    self.updater.apply_bucket([(p, self.accumulator.total(p, self.updater.slice_device(p)))
+                    self.updater.apply_bucket([(p, self.accumulator.lazy_total(p, self.updater.slice_device(p)))
                                                for p in group], stats)
 
     def _stepped(self, result: dict[str, Any]) -> dict[str, Any]:
@@ -564,8 +573,20 @@ class LomoEngine:
     # ----------------------------------------------------------------- evaluation and state
     @torch.no_grad()
     def eval_forward(self, batch: dict[str, Any]):
+        """The model's own outputs (logits included), no gradients."""
         self.module.eval()
-        return self.forward(move_batch(batch, self.device))
+        return self.module(**move_batch(batch, self.device))
+
+    @torch.no_grad()
+    def eval_token_loss(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        """The summed cross-entropy of the batch's label tokens (shifted by one, -100 ignored),
+        through the chunked loss; None where the model keeps its own loss (the caller then takes it
+        from eval_forward's logits)."""
+        if self.loss_head is None:
+            return None
+        self.module.eval()
+        return causal_lm_loss(self.module, self.loss_head, move_batch(batch, self.device),
+                              self.config.loss_chunk_logits, reduction="sum").loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full parameters by name on rank 0 (None elsewhere), one at a time."""

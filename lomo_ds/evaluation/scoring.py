@@ -138,10 +138,12 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
 
 def evaluate_loss(forward_logits: ForwardLogits, examples: Sequence[dict], pad_id: int,
                   batch_size: int, rank: int = 0, world: int = 1, device: torch.device | None = None,
-                  progress: bool = False) -> dict:
+                  progress: bool = False, token_loss=None) -> dict:
     """Mean token cross-entropy over the labelled tokens of tokenized examples ({"input_ids",
     "labels"}), for tasks without candidates (instruction). Same rank split, padding and device
-    as evaluate."""
+    as evaluate. `token_loss(batch)`, when given and not None for the model: the batch's summed
+    token loss without every position's fp32 logits (the LOMO engine's chunked loss), in place of
+    the loss from `forward_logits`."""
     device = device or accelerator_device()
     mine = sorted(examples[rank::world], key=lambda e: len(e["input_ids"]))
     batches = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
@@ -149,9 +151,17 @@ def evaluate_loss(forward_logits: ForwardLogits, examples: Sequence[dict], pad_i
     sums = torch.zeros(2, dtype=torch.float64, device="cpu")  # host-side: summed loss, token count
     for call in _calls(n_calls, progress):
         if call >= len(batches):
-            forward_logits(_dummy_batch(device))
+            dummy = _dummy_batch(device)
+            if token_loss is None or token_loss({**dummy, "labels": torch.full_like(dummy["input_ids"], -100)}) is None:
+                forward_logits(dummy)
             continue
         enc = collate(batches[call], pad_id)
+        chunked = None if token_loss is None else token_loss({**_model_inputs(enc, device),
+                                                              "labels": enc["labels"].to(device)})
+        if chunked is not None:
+            sums[0] += chunked.item()
+            sums[1] += int((enc["labels"][:, 1:] != -100).sum())
+            continue
         with torch.no_grad():
             logits = forward_logits(_model_inputs(enc, device))
             labels = enc["labels"][:, 1:].to(logits.device)

@@ -101,10 +101,10 @@ context, Python, the DeepSpeed runtime) and the dataset. `lomo-ds plan --offload
 shipped configs' settings on 24 GiB GPUs:
 
   | model | micro-batch | LOMO GPUs | GiB/GPU | host RAM GiB (node) |    without offload:
-  | 7b    | 16          | 1         | 8.05    | 16.3                |    1 GPU, 20.83 GiB
-  | 13b   | 8           | 1         | 6.46    | 29.0                |    2 GPUs, 20.64 GiB
-  | 30b   | 4           | 1         | 6.13    | 66.7                |    4 GPUs, 22.81 GiB
-  | 65b   | 2           | 1         | 5.95    | 129.2               |    8 GPUs, 22.34 GiB
+  | 7b    | 16          | 1         | 7.13    | 13.9                |    1 GPU, 17.43 GiB
+  | 13b   | 8           | 1         | 6.01    | 25.9                |    2 GPUs, 18.67 GiB
+  | 30b   | 4           | 1         | 5.91    | 62.7                |    4 GPUs, 21.64 GiB
+  | 65b   | 2           | 1         | 5.84    | 124.1               |    8 GPUs, 21.67 GiB
 
 Activations (bytes autograd saves in the forward; what lomo_ds.planning.memory.ActivationCounter counts)
 ------------------------------------------------------------------------------------------------
@@ -268,6 +268,9 @@ class RunSpec:
     accumulation: int = 1  # gradient_accumulation_steps (LOMO keeps a shard accumulator when > 1)
     accumulate_dtype: str = "fp32"  # lomo.accumulate_dtype
     accumulate_on_host: bool = False  # lomo.accumulate_on == "cpu"
+    update_chunk: int = 1 << 22  # lomo.update_chunk_elements
+    chunked_loss: bool = True  # lomo.chunked_loss (a causal LM it knows)
+    loss_chunk: int = 1 << 25  # lomo.loss_chunk_logits
 
     @property
     def b(self) -> int:
@@ -362,17 +365,18 @@ def gathered_expert_bytes(m: ModelSpec, run: RunSpec) -> int:
 def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
     """(forward-saved bytes, recompute bytes added during backward)."""
     T, b, h = run.batch * run.seq, run.b, m.hidden
-    # fp32 logits of every position: the bound for data labelled throughout (packed chat); the
-    # recipe's forward computes them only from the first labelled position on (keep_labelled_logits).
-    head = T * h * (4 + b) + 4 * T * m.vocab + 8 * T + 2 * run.seq * m.d * b
-    if m.final_softcap:
-        head += 4 * T * m.vocab  # tanh soft-capping of the fp32 logits (Gemma 2)
+    # Every position labelled: the bound for packed chat; the recipe's forward computes the head
+    # only from the first labelled position on (keep_labelled_logits).
+    head = T * h * (4 + b) + loss_saved_bytes(m, run) + 2 * run.seq * m.d * b
     layer = layer_activation_bytes(m, run)
+    # The chunked loss's logits exist one chunk at a time, in its forward and in its backward
+    # (before any layer is recomputed).
+    loss = loss_chunk_bytes(m, run) if run.chunked_loss else 0
     if run.checkpointing:
         # each checkpointed layer saves its inputs: the hidden states, and the (eager) 4-D causal mask
         # shared by all layers
-        return m.layers * T * h * b + run.batch * run.seq**2 * b + head, layer
-    return m.layers * layer + head, 0.0
+        return m.layers * T * h * b + run.batch * run.seq**2 * b + head, max(layer, loss)
+    return m.layers * layer + head, loss
 
 
 @dataclass
@@ -511,8 +515,32 @@ def largest_fetch_unit(m: ModelSpec, run: RunSpec) -> tuple[str, int]:
     return max(fetch_units(m, run), key=lambda u: u[1], default=("", 0))
 
 
+def loss_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """What the loss saves for the backward, every position labelled. transformers' loss: the fp32
+    log-softmax of every position (4 T V) and the targets. The chunked loss (engine/chunked_loss.py):
+    the labelled positions' hidden states (a copy, T h b), their log-sum-exp (4 T), the targets and
+    their positions (16 T)."""
+    T = run.batch * run.seq
+    if run.chunked_loss:
+        return T * m.hidden * run.b + 20 * T
+    # tanh soft-capping of the fp32 logits (Gemma 2) saves them once more
+    return 4 * T * m.vocab * (2 if m.final_softcap else 1) + 8 * T
+
+
+def loss_chunk_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """The chunked loss's transient bytes, in its forward and again in its backward: one chunk of
+    positions' logits (lomo.loss_chunk_logits // V positions, at least one), in the model's dtype
+    and in fp32 (6 bytes a logit in bf16, 4 in fp32), with Gemma-2's soft-capping its tanh and the
+    capped logits beside them (12)."""
+    c = min(max(1, run.loss_chunk // m.vocab), run.batch * run.seq)
+    per_logit = 12 if m.final_softcap else 4 + (run.b if run.b != 4 else 0)
+    return per_logit * c * m.vocab
+
+
 def update_temp_bytes(n: int, run: RunSpec) -> int:
-    """Transient bytes of the fused update of an n-element slice (module docstring)."""
+    """Transient bytes of the fused update of an n-element slice (module docstring), which is
+    updated lomo.update_chunk_elements at a time."""
+    n = min(n, run.update_chunk)
     if run.b == 4:
         return 0
     grad32 = weights32 = 4 * n
@@ -522,16 +550,18 @@ def update_temp_bytes(n: int, run: RunSpec) -> int:
     return grad32 + weights32 + rounding
 
 
-def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec) -> int:
+def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec, statistics_n: int = 0) -> int:
     """Transient bytes of AdaLomo's update of a bucket of `bucket_n` shard elements (its largest
-    slice `slice_n`): its statistics need the whole bucket at once, so the fp32 gradient and the fp32
-    weights of every slice in it live together (engine/adalomo.py), then one slice's rounding."""
-    if run.b == 4:
-        return 0
-    if run.lomo_fp32_master:
-        return 4 * bucket_n  # the masters are the fp32 weights
-    rounding = 13 * slice_n if run.dtype == "bf16" and run.stochastic_rounding else 0
-    return 8 * bucket_n + rounding
+    slice `slice_n`): each of its passes reads a slice chunk by chunk (engine/adalomo.py), so one
+    chunk's fp32 gradient (u in its place), fp32 weights and rounding: LOMO's figure (an fp32 slice
+    is updated whole, in place); beside it the statistics of its largest matrix, `statistics_n`
+    rows + columns: their reduced sums, means and factors, 12 bytes each."""
+    return update_temp_bytes(min(bucket_n, slice_n), run) + 12 * statistics_n
+
+
+def adalomo_statistics_numel(m: ModelSpec) -> int:
+    """Rows + columns of the model's largest matrix (by rows + columns): AdaLomo's statistics."""
+    return max((shape[0] + shape[1] for shape in m.param_shapes() if len(shape) == 2), default=0)
 
 
 def adalomo_state_bytes(m: ModelSpec, gpus: int) -> int:
@@ -573,7 +603,7 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         staged_n = max(min(run.lomo_bucket, shard_numel), slice_n)  # a bucket, at least the largest slice
         bucket_n = max_p if n == 1 else staged_n  # one GPU applies each gradient as it arrives
         update = (update_temp_bytes(slice_n, run) if method == "lomo" else
-                  adalomo_update_temp_bytes(bucket_n, slice_n, run))
+                  adalomo_update_temp_bytes(bucket_n, slice_n, run, adalomo_statistics_numel(m)))
         accumulator = DTYPE_BYTES[run.accumulate_dtype] * shard_numel if run.accumulation > 1 else 0
         on_host = run.offload or run.accumulate_on_host  # with offloaded shards it lives beside them
         host = 0.0
@@ -591,7 +621,11 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
             host += n * accumulator  # every rank's accumulator on the node
         else:
             grads += accumulator
-        total = params + grads + masters + state + acts + recompute + update
+        # The chunked loss's logits are gone before the first gradient is updated; the update runs
+        # beside a recomputed layer (the layers' gradients arrive while it is alive).
+        loss = loss_chunk_bytes(m, run) if run.chunked_loss else 0
+        layer = (layer_activation_bytes(m, run) if run.checkpointing else 0) if run.chunked_loss else recompute
+        total = params + grads + masters + state + acts + max(layer + update, loss)
         return Estimate(method, n, float(params), float(grads), float(masters + state), float(acts), float(recompute),
                         float(update), float(total), host, float(accumulator), on_host and accumulator > 0)
     grad_buf = b * shard_numel + b * run.reduce_bucket
@@ -830,7 +864,8 @@ def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
                          intermediate=int(cfg["intermediate_size"]), vocab=int(cfg.get("vocab_size", 32000)),
                          heads=int(cfg["num_attention_heads"]),
                          kv_heads=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
-                         tie=bool(cfg.get("tie_word_embeddings", False)))
+                         tie=bool(cfg.get("tie_word_embeddings", False)),
+                         final_softcap=bool(cfg.get("final_logit_softcapping")))
     except KeyError as e:
         raise ValueError(f"{name}: not a LLaMA-style config, missing {e.args[0]!r}") from None
 
@@ -859,7 +894,8 @@ def run_spec_for(cfg) -> RunSpec:
                    checkpointing=cfg.model.gradient_checkpointing, lomo_bucket=cfg.lomo.bucket_size,
                    lomo_fp32_master=cfg.lomo.fp32_master_weights, stochastic_rounding=cfg.lomo.stochastic_rounding,
                    accumulation=cfg.lomo.accumulation_steps, accumulate_dtype=cfg.lomo.accumulate_dtype,
-                   accumulate_on_host=cfg.lomo.accumulate_on == "cpu")
+                   accumulate_on_host=cfg.lomo.accumulate_on == "cpu", update_chunk=cfg.lomo.update_chunk_elements,
+                   chunked_loss=cfg.lomo.chunked_loss != "off", loss_chunk=cfg.lomo.loss_chunk_logits)
 
 
 def model_spec_for(cfg, model_size: str | None = None) -> ModelSpec:

@@ -380,8 +380,10 @@ class TrainRecipe:
             res = evaluate(forward_logits, data.eval, self.pad_id, cfg.eval.batch_size, self.rank, self.world,
                            progress=show)
         elif data.eval_lm:
+            # The LOMO engine's chunked loss where it has one: no fp32 logits of every position.
+            token_loss = getattr(getattr(self.engine, "engine", None), "eval_token_loss", None)
             res = evaluate_loss(forward_logits, data.eval_lm, self.pad_id, cfg.eval.batch_size, self.rank, self.world,
-                                progress=show)
+                                progress=show, token_loss=token_loss)
         else:
             return {}
         res = {f"eval/{k}": v for k, v in res.items()}

@@ -1,0 +1,197 @@
+"""A causal LM's loss as one linear + cross-entropy over chunks of positions (lomo.chunked_loss).
+
+transformers' causal-LM loss takes the logits of every position, upcasts them to fp32 and takes a
+log-softmax and its gradient: 4 T V bytes and more (2 GiB at 4096 positions and a 128k vocabulary,
+where the whole model update is bounded by a chunk). Here the output head and the loss are one
+autograd function over the labelled positions only, `chunk` of them at a time (chunk_positions:
+lomo.loss_chunk_logits over the vocabulary, so a chunk's memory does not grow with it):
+
+  forward   per chunk: logits = h W^T (the model's dtype, as nn.Linear), fp32, the family's
+            final soft-capping, log-sum-exp and the target's logit; only the per-position
+            log-sum-exp (4 bytes a position) is kept.
+  backward  per chunk again: the logits recomputed, softmax - one-hot, scaled by the upstream
+            gradient over the labelled count, through the soft-capping; dh of the chunk, and dW
+            summed over the chunks into one tensor in W's dtype, returned once.
+
+So neither the fp32 logits nor their gradient exist for more than `chunk` positions at once; the
+head's weight gradient (b V h) is the same tensor the plain loss makes.
+
+Why this and not a maintained function: torch's `F.linear_cross_entropy` (chunked, CPU and CUDA)
+computes the weight's gradient in the forward, which under ZeRO-3 holds a whole fp32/bf16 head
+gradient from the forward on and gives it to autograd in a second backward only with
+`allow_retain_graph`, and it has no soft-capping; TRL's chunked log-prob function serves its own
+trainers' log-probabilities (no ignore-index mean); cut-cross-entropy and liger-kernel are Triton,
+GPU only. This function is plain torch: the same on CPU and GPU, the clipping's second backward
+over the retained graph reads only what it saved, and it recomputes per chunk.
+
+ZeRO-3: the function runs inside the head module's own call (its forward replaced for that call),
+so DeepSpeed's hooks gather the head's weight before it and release it after, and gather it again
+in the backward before the function's backward reads it (the loss is the module's output). The
+weight's gradient is returned once, so its post-accumulate hook fires once (a tied embedding's
+gradient is summed by autograd into the same one call).
+
+The whole model's forward runs through the model's own call too (its forward replaced for that
+call): ZeRO-3's start-of-forward hook on the top module still runs. Supported: the transformers
+causal LMs whose head is a bias-free Linear applied to the decoder's last hidden states, with
+Gemma-2's final logit soft-capping (HEADS). Any other model is refused by name ("on"), or keeps its
+own loss ("auto").
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# transformers' causal LMs whose forward is: hidden = self.model(...); logits = self.lm_head(hidden
+# [:, -logits_to_keep:]) (then, where the config sets it, final_logit_softcapping); the loss is
+# the mean cross-entropy of the labels shifted by one, -100 ignored.
+HEADS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+         "Gemma2ForCausalLM", "Phi3ForCausalLM")
+IGNORE = -100
+
+
+class Head(NamedTuple):
+    """What the chunked loss needs to know of a model's output head."""
+
+    softcap: float | None  # config.final_logit_softcapping
+
+
+def head_of(model: torch.nn.Module, mode: str) -> Head | None:
+    """The model's head for the chunked loss, or None (its own loss). `mode`: lomo.chunked_loss."""
+    if mode == "off":
+        return None
+    name = type(model).__name__
+    lm_head = getattr(model, "lm_head", None)
+    known = (name in HEADS and isinstance(lm_head, torch.nn.Linear) and lm_head.bias is None
+             and isinstance(getattr(model, "model", None), torch.nn.Module))
+    if not known:
+        if mode == "on":
+            raise ValueError(f"lomo.chunked_loss: 'on' needs a causal LM whose output head it knows "
+                             f"({', '.join(HEADS)}); {name} is not one: set 'auto' (its own loss) or 'off'")
+        log.info("lomo_ds: %s keeps its own loss (lomo.chunked_loss knows %s)", name, ", ".join(HEADS))
+        return None
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    return Head(float(softcap) if softcap else None)
+
+
+class ChunkedLossOutput(dict):
+    """The model's outputs as far as the engines read them: `loss` (as transformers' ModelOutput,
+    by key and attribute), no logits."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError as e:
+            raise AttributeError(key) from e
+
+
+def chunk_positions(chunk_logits: int, vocab: int) -> int:
+    """Positions a chunk of `chunk_logits` logits holds (lomo.loss_chunk_logits): at least one."""
+    return max(1, chunk_logits // vocab)
+
+
+def causal_lm_loss(model: torch.nn.Module, head: Head, batch: dict[str, Any], chunk_logits: int,
+                   reduction: str = "mean") -> ChunkedLossOutput:
+    """transformers' causal-LM loss of `batch` (labels shifted by one, -100 ignored, the token
+    mean; `reduction` "sum": the token sum), through the chunked head, about `chunk_logits`
+    logits at a time. `logits_to_keep` (an int) keeps the last positions only, as the model's own
+    forward does."""
+    chunk = chunk_positions(chunk_logits, model.lm_head.out_features)
+    inputs = dict(batch)
+    labels = inputs.pop("labels")
+    keep = inputs.pop("logits_to_keep", 0)
+    if not isinstance(keep, int):
+        raise ValueError(f"logits_to_keep: the chunked loss takes an int, got {type(keep).__name__}")
+
+    def forward(**kw):
+        out = model.model(**{"use_cache": False, **kw})
+        hidden = out[0]
+        if keep:
+            hidden = hidden[:, -keep:]
+        return _head_loss(model.lm_head, head, hidden, labels, chunk, reduction)
+
+    return ChunkedLossOutput(loss=_call_as(model, forward, **inputs))
+
+
+def _call_as(module: torch.nn.Module, forward, *args, **kwargs) -> Any:
+    """module(*args, **kwargs) with `forward` in place of its own for this call: the module's hooks
+    (ZeRO-3's gathers and releases) run around it as around its own forward. ZeRO-3 arms the
+    release after the module's backward on its positional inputs: the head's input goes by position."""
+    module.forward = forward
+    try:
+        return module(*args, **kwargs)
+    finally:
+        del module.forward
+
+
+def _head_loss(lm_head: torch.nn.Linear, head: Head, hidden: torch.Tensor, labels: torch.Tensor, chunk: int,
+               reduction: str) -> torch.Tensor:
+    # Position t predicts labels[t + 1]; the last position predicts nothing (transformers pads it).
+    targets = torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE)], dim=1)
+    targets = targets.to(hidden.device).reshape(-1)
+    picked = (targets != IGNORE).nonzero().squeeze(1)
+    h = hidden.reshape(-1, hidden.size(-1)).index_select(0, picked)  # the labelled positions only
+    t = targets.index_select(0, picked)
+
+    def forward(x):
+        return LinearCrossEntropy.apply(x, lm_head.weight, t, chunk, head.softcap, reduction)
+
+    return _call_as(lm_head, forward, h)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of (h W^T, soft-capped) against targets, per chunk of rows (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                softcap: float | None, reduction: str) -> torch.Tensor:
+        n = h.size(0)
+        lse = torch.empty(n, dtype=torch.float32, device=h.device)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            z, _ = _logits(h[a:b], weight, softcap)
+            lse[a:b] = torch.logsumexp(z, dim=-1)
+            total += (lse[a:b] - z.gather(1, targets[a:b, None]).squeeze(1)).sum()
+            del z
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.chunk, ctx.softcap, ctx.reduction = chunk, softcap, reduction
+        # The token mean, as cross_entropy's: 0/0 (nan) for no labelled position.
+        return total / n if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        h, weight, targets, lse = ctx.saved_tensors
+        n, chunk = h.size(0), ctx.chunk
+        # With no labelled position the gradient is zero (as cross_entropy's), not 0 * inf.
+        scale = grad_out.float() / max(n, 1) if ctx.reduction == "mean" else grad_out.float()
+        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            z, tanh = _logits(h[a:b], weight, ctx.softcap)
+            dz = z.sub_(lse[a:b, None]).exp_()  # softmax, in place of the logits
+            dz[torch.arange(b - a, device=dz.device), targets[a:b]] -= 1.0
+            dz.mul_(scale)
+            if tanh is not None:
+                dz.mul_(1.0 - tanh.square_())  # d(c tanh(z / c)) / dz
+            dz = dz.to(h.dtype)
+            if dh is not None:
+                torch.mm(dz, weight, out=dh[a:b])
+            if dw is not None:
+                dw.addmm_(dz.t(), h[a:b])
+            del z, dz, tanh
+        return dh, dw, None, None, None, None
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, softcap: float | None):
+    """fp32 logits of a chunk (the matmul in the model's dtype, as nn.Linear), soft-capped, and
+    tanh(z / c) for the backward (None without soft-capping)."""
+    z = torch.nn.functional.linear(h, weight).float()
+    if softcap is None:
+        return z, None
+    tanh = z.div_(softcap).tanh_()
+    return tanh * softcap, tanh

@@ -1,0 +1,47 @@
+"""The planner's figures for several models side by side (`lomo-ds plan --models A.json B.json ...`):
+per-GPU memory on 1, 2, 4 and 8 GPUs at each sequence length, for LOMO and AdaLomo with and without
+`offload_param: cpu` (with it, the node's host RAM beside), and DeepSpeed's SGD and AdamW."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from lomo_ds.planning import planner
+
+VARIANTS = (("lomo", False), ("adalomo", False), ("lomo", True), ("adalomo", True), ("sgd", False),
+            ("adamw", False))
+
+
+def model_name(path: str) -> str:
+    """A config file's model name: its file name without .json (or its folder's name)."""
+    base = os.path.basename(os.path.normpath(path))
+    return base[:-5] if base.endswith(".json") and base != "config.json" else os.path.basename(os.path.dirname(path))
+
+
+def _assumptions(run: planner.RunSpec) -> str:
+    """The run's assumptions less the sequence length and the offload, which each row names."""
+    return run.assumptions(batch=False).replace(f"seq {run.seq}, ", "").replace("offload_param none, ", "")
+
+
+def format_models_table(paths: list[str], seqs: list[int], gpu_mem_gib: float = 24.0,
+                        gpu_counts=planner.GPU_COUNTS, **overrides) -> str:
+    run = replace(planner.RunSpec(), batch=1, **overrides)
+    lines = [f"# GiB per GPU on {', '.join(map(str, gpu_counts))} x {gpu_mem_gib:g} GiB GPUs (OOM: over); "
+             f"with offload_param cpu, GiB per GPU / host RAM GiB of the node. "
+             f"{_assumptions(run)}, micro-batch {run.batch}", "",
+             "| model | params | seq | method | " + " | ".join(f"{n} GPU{'s' if n > 1 else ''}" for n in gpu_counts)
+             + " |", "|---" * (4 + len(gpu_counts)) + "|"]
+    for path in paths:
+        spec = replace(planner.resolve_model(path), name=model_name(path))
+        for seq in seqs:
+            for method, offload in VARIANTS:
+                r = replace(run, seq=seq, offload=offload)
+                cells = []
+                for n in gpu_counts:
+                    e = planner.estimate(spec, method, n, r)
+                    cell = f"{e.total / planner.GIB:.1f}" + (f" / {e.host / planner.GIB:.0f}" if offload else "")
+                    cells.append(cell if e.total <= gpu_mem_gib * planner.GIB else f"{cell} OOM")
+                label = planner.METHOD_LABELS[method] + (" + offload" if offload else "")
+                lines.append(f"| {spec.name} | {spec.n_params / 1e9:.2f}B | {seq} | {label} | " + " | ".join(cells)
+                             + " |")
+    return "\n".join(lines)
