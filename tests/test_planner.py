@@ -539,3 +539,10 @@ def test_host_ram_of_checkpoints_and_export_is_planned():
     assert per_rank == 2 * -(-largest // 8)
     assert io_host_bytes(m, replace(run, offload=True), 8)[1] == 0
     assert "the export 5.14 GiB on rank 0" in format_plan(plan(m, 24.0, run), 8)
+
+
+def test_the_planners_chunked_loss_families_are_the_engines():
+    from lomo_ds.engine.chunked_loss import HEADS
+    from lomo_ds.planning.planner import CHUNKED_LOSS_FAMILIES
+
+    assert {h[:-len("ForCausalLM")].lower() for h in HEADS} == set(CHUNKED_LOSS_FAMILIES)

@@ -147,6 +147,15 @@ HOST_STAGED_BUCKETS = 4
 # The largest safetensors file the export writes (storage/checkpoint.py MAX_SHARD_SIZE; not imported:
 # planning sits below storage; tests/test_planner.py checks they agree).
 EXPORT_FILE_BYTES = 5 * 10**9
+# The model types whose output head the chunked loss knows (engine/chunked_loss.py HEADS, by
+# transformers' model_type; not imported: planning sits below the engine; tests/test_planner.py
+# checks they agree). Any other model keeps its own loss, fp32 logits of every position.
+CHUNKED_LOSS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+
+
+def chunked_loss(m: "ModelSpec", run: "RunSpec") -> bool:
+    """Whether the run's loss is the chunked one: lomo.chunked_loss not off, and a head it knows."""
+    return run.chunked_loss and m.family in CHUNKED_LOSS_FAMILIES
 
 
 @dataclass(frozen=True)
@@ -371,7 +380,7 @@ def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
     layer = layer_activation_bytes(m, run)
     # The chunked loss's logits exist one chunk at a time, in its forward and in its backward
     # (before any layer is recomputed).
-    loss = loss_chunk_bytes(m, run) if run.chunked_loss else 0
+    loss = loss_chunk_bytes(m, run) if chunked_loss(m, run) else 0
     if run.checkpointing:
         # each checkpointed layer saves its inputs: the hidden states, and the (eager) 4-D causal mask
         # shared by all layers
@@ -521,7 +530,7 @@ def loss_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
     the labelled positions' hidden states (a copy, T h b), their log-sum-exp (4 T), the targets and
     their positions (16 T)."""
     T = run.batch * run.seq
-    if run.chunked_loss:
+    if chunked_loss(m, run):
         return T * m.hidden * run.b + 20 * T
     # tanh soft-capping of the fp32 logits (Gemma 2) saves them once more
     return 4 * T * m.vocab * (2 if m.final_softcap else 1) + 8 * T
@@ -623,8 +632,8 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
             grads += accumulator
         # The chunked loss's logits are gone before the first gradient is updated; the update runs
         # beside a recomputed layer (the layers' gradients arrive while it is alive).
-        loss = loss_chunk_bytes(m, run) if run.chunked_loss else 0
-        layer = (layer_activation_bytes(m, run) if run.checkpointing else 0) if run.chunked_loss else recompute
+        loss = loss_chunk_bytes(m, run) if chunked_loss(m, run) else 0
+        layer = (layer_activation_bytes(m, run) if run.checkpointing else 0) if chunked_loss(m, run) else recompute
         total = params + grads + masters + state + acts + max(layer + update, loss)
         return Estimate(method, n, float(params), float(grads), float(masters + state), float(acts), float(recompute),
                         float(update), float(total), host, float(accumulator), on_host and accumulator > 0)
