@@ -143,7 +143,7 @@ class ShardAccumulator:
         whole slice where the buffer is not fp32 on `device`."""
         self.settle()
         buf = self.buffer(param)
-        return AccumulatedSlice(self, buf, None if grad_shard is None else grad_shard[:buf.numel()], device)
+        return AccumulatedSlice(buf, None if grad_shard is None else grad_shard[:buf.numel()], device, self)
 
     def note_read(self, event) -> None:
         """A copy that reads a buffer is in flight until `event`: zero() waits for it."""
@@ -186,13 +186,16 @@ class AccumulatedSlice:
     the chunked update reads it: `chunk(a, b, device)` is `total(...)[a:b]`, elementwise the same
     arithmetic; `in_place` the whole of it without a copy, where the buffer is fp32 on the device."""
 
-    def __init__(self, accumulator: ShardAccumulator, buffer: torch.Tensor, extra: torch.Tensor | None,
-                 device: torch.device):
-        self.accumulator, self.buffer, self.extra, self.device = accumulator, buffer, extra, device
+    def __init__(self, buffer: torch.Tensor, extra: torch.Tensor | None, device: torch.device,
+                 accumulator: ShardAccumulator | None = None):
+        """`accumulator`: the buffer's owner, told of every copy that reads the buffer (its zero()
+        waits for them)."""
+        self.buffer, self.extra, self.device, self.accumulator = buffer, extra, device, accumulator
 
     def chunk(self, a: int, b: int, device: torch.device) -> torch.Tensor:
         total, event = read_async(self.buffer[a:b], device)
-        self.accumulator.note_read(event)  # the buffer is zeroed only once the copy has read it
+        if self.accumulator is not None:
+            self.accumulator.note_read(event)  # the buffer is zeroed only once the copy has read it
         if self.extra is not None:
             total.add_(self.extra[a:b].to(device, torch.float32))
         return total
