@@ -132,7 +132,6 @@ def keep_labelled_logits(batch: dict[str, Any]) -> dict[str, Any]:
 def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
     """Collective: full parameters by name on rank 0 (None elsewhere), gathered one at a time.
     A tied tensor appears under each of its names."""
-    import deepspeed
 
     state: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
@@ -142,10 +141,18 @@ def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torc
                 state[name] = state[seen[id(p)]]
             continue
         seen[id(p)] = name
-        if ds_compat.is_zero_param(p):
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                if rank == 0:
-                    state[name] = p.data.detach().to("cpu", copy=True)
-        elif rank == 0:
-            state[name] = p.data.detach().to("cpu", copy=True)
+        full = full_on_first_rank(p, rank)
+        if rank == 0:
+            state[name] = full
     return state if rank == 0 else None
+
+
+def full_on_first_rank(p: torch.nn.Parameter, rank: int) -> torch.Tensor | None:
+    """Collective for a ZeRO-3 parameter (a plain one is read where it is): its full value, a copy
+    in rank 0's host memory; None on the other ranks."""
+    import deepspeed
+
+    if ds_compat.is_zero_param(p):
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            return p.data.detach().to("cpu", copy=True) if rank == 0 else None
+    return p.data.detach().to("cpu", copy=True) if rank == 0 else None

@@ -26,7 +26,7 @@ import torch
 
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import capture_rng, restore_rng
-from lomo_ds.runtime.dist import io_barrier
+from lomo_ds.runtime.dist import full_on_first_rank, io_barrier
 from lomo_ds.storage.models import plain_state_dict
 
 CKPT_DIR = "checkpoints"
@@ -188,16 +188,11 @@ def export_groups(module: torch.nn.Module, limit: int) -> list[list[tuple[str, t
 
 def _gathered(params: list[tuple[str, torch.nn.Parameter]], rank: int) -> dict[str, torch.Tensor]:
     """Collective: the full parameters on rank 0's host (empty elsewhere), gathered one at a time."""
-    import deepspeed
-
     out = {}
     for name, p in params:
-        if ds_compat.is_zero_param(p):
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                if rank == 0:
-                    out[name] = p.data.detach().to("cpu", copy=True)
-        elif rank == 0:
-            out[name] = p.data.detach().to("cpu", copy=True)
+        full = full_on_first_rank(p, rank)
+        if rank == 0:
+            out[name] = full
     return out
 
 
