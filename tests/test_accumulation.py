@@ -220,7 +220,7 @@ def test_host_accumulator_is_zeroed_only_after_the_device_has_read_it(monkeypatc
     for i, p in enumerate(params):
         acc.add(p, torch.arange(p.numel(), dtype=torch.float32) + i)
     device = torch.device("meta")  # anything but the buffers' device: the copy path
-    totals = [acc.total(p, device) for p in params]
+    totals = [acc.lazy_total(p, device).chunk(0, p.numel(), device) for p in params]  # as the update reads them
     acc.zero()
     for c in copies:
         c.complete()  # the device runs the copies now, if nobody waited for them

@@ -77,7 +77,7 @@ class ShardAccumulator:
         # Host copies of slices still in flight: (buffer, staged copy, event), added once done.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, object]] = []
         self._pending_bytes = 0
-        # Events after the device copies that read the buffers (total()): zero() waits for them.
+        # Events after the device copies that read the buffers (AccumulatedSlice.chunk): zero() waits for them.
         self._reads: list[object] = []
         # With offloaded shards the host-update worker adds and totals their buffers while the
         # backward's thread may stage slices of shards on the device (host_updates.py).
@@ -124,23 +124,12 @@ class ShardAccumulator:
             self._pending.pop(0)
             self._pending_bytes -= staged.numel() * staged.element_size()
 
-    def total(self, param: torch.nn.Parameter, device: torch.device, grad_shard: torch.Tensor | None = None
-              ) -> torch.Tensor:
-        """The accumulated gradient of the parameter's real elements, fp32 on `device`, plus
-        `grad_shard` (the last micro-batch's slice) when given. Ours to overwrite: the buffer itself
-        when it is fp32 and on `device`, else a copy (the buffer is zeroed after the step anyway)."""
-        self.settle()
-        buf = self.buffer(param)
-        total, event = read_async(buf, device)
-        self.note_read(event)
-        if grad_shard is not None and buf.numel():
-            total.add_(grad_shard[:buf.numel()].to(device, torch.float32))
-        return total
-
     def lazy_total(self, param: torch.nn.Parameter, device: torch.device, grad_shard: torch.Tensor | None = None
                    ) -> "AccumulatedSlice":
-        """`total`, read chunk by chunk by the update (fused_update.grad_chunk): no fp32 copy of the
-        whole slice where the buffer is not fp32 on `device`."""
+        """The accumulated gradient of the parameter's real elements, fp32 on `device`, plus
+        `grad_shard` (the last micro-batch's slice) when given, read chunk by chunk by the update
+        (fused_update.grad_chunk): no fp32 copy of the whole slice where the buffer is not fp32 on
+        `device`."""
         self.settle()
         buf = self.buffer(param)
         return AccumulatedSlice(buf, None if grad_shard is None else grad_shard[:buf.numel()], device, self)
@@ -170,7 +159,7 @@ class ShardAccumulator:
 
     def zero(self) -> None:
         """Zero every buffer for the next window, once the device has finished reading them: a
-        copy total() started may still be in flight when the host gets here (nothing else waits
+        copy the step's update started may still be in flight when the host gets here (nothing else waits
         for it on the path that applies the step after the backward)."""
         self.settle()
         with self._lock:
@@ -183,8 +172,8 @@ class ShardAccumulator:
 
 class AccumulatedSlice:
     """A parameter's accumulated gradient slice (plus the window's last slice, when given), as
-    the chunked update reads it: `chunk(a, b, device)` is `total(...)[a:b]`, elementwise the same
-    arithmetic; `in_place` the whole of it without a copy, where the buffer is fp32 on the device."""
+    the chunked update reads it: `chunk(a, b, device)` is elements [a, b) of the sum, fp32 on
+    `device`; `in_place` the whole of it without a copy, where the buffer is fp32 on the device."""
 
     def __init__(self, buffer: torch.Tensor, extra: torch.Tensor | None, device: torch.device,
                  accumulator: ShardAccumulator | None = None):
