@@ -5,8 +5,21 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import threading
 import time
+
+# Imported here, not in the probes: the multi-rank harness moves what the test modules imported out
+# of the collector's sight (gc.freeze), and the probe collects many times.
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import lomo_ds
+from lomo_ds.methods.base import load_rank_state, rank_state_file
+from lomo_ds.runtime import ds_compat
+from lomo_ds.storage.checkpoint import export_hf, write_atomic
+from tests.tiny import global_batch
 
 
 def rss_anon_bytes() -> int:
@@ -77,8 +90,6 @@ class AnonPeak:
 def live_tensor_bytes() -> int:
     """The bytes of every tensor storage Python can reach now (after a collection), each counted once:
     what a process holds, without what its allocator keeps of memory already freed."""
-    import torch
-
     gc.collect()
     seen, total = set(), 0
     for obj in gc.get_objects():
@@ -100,18 +111,6 @@ def checkpoint_and_export_host_memory(root: str) -> dict:
     ~1 MB tensors (no single tensor dominates): an export that held
     the whole model, or a save or load that copied the whole shard state, shows as a multiple of
     what a streamed one holds (one file of the export, one tensor beyond the shards)."""
-    import os
-
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import lomo_ds
-    from lomo_ds.methods.base import load_rank_state, rank_state_file
-    from lomo_ds.runtime import ds_compat
-    from lomo_ds.storage.checkpoint import export_hf, write_atomic
-    from tests.tiny import global_batch
-
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
                                          num_attention_heads=6, num_key_value_heads=6, tie_word_embeddings=False))
