@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bucket-size", type=int, default=None,
                     help="lomo.bucket_size (default: the run config's lomo section, else lomo's default)")
     common.add_run_shape_args(ap, layers=6, hidden=512, vocab=10_000, seq=128, micro=4, steps=10, warmup=2)
+    ap.add_argument("--lomo", action="append", default=[], metavar="KEY=VALUE",
+                    help="a lomo option for the lomo engines (repeatable; VALUE as JSON, else a string), "
+                         "e.g. --lomo chunked_loss=off")
     ap.add_argument("--measure-steps", type=int, default=3,
                     help="untimed steps after the timed ones: counting and hook timing, then one sampling memory")
     ap.add_argument("--json", default=None, help="also write rank 0's figures here")
@@ -242,7 +245,21 @@ def lomo_section(args) -> dict:
     from lomo_ds.config.run import load_run_config
 
     bucket = args.bucket_size or load_run_config(args.config, check_files=False).lomo.bucket_size
-    return {"lr": LR, "bucket_size": bucket}
+    return {"lr": LR, "bucket_size": bucket, **lomo_overrides(args.lomo)}
+
+
+def lomo_overrides(pairs: list[str]) -> dict:
+    """--lomo KEY=VALUE pairs as a dict (VALUE parsed as JSON where it is JSON)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--lomo: expected KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, float]:
@@ -378,10 +395,11 @@ def report(args, r: dict) -> None:
     times = r["times"]
     med = {n: statistics.median(t) for n, t in times.items()}
     fetch = ", ".join(r["leaf_modules"]) or "module (DeepSpeed's default)"
+    extra = "".join(f"; lomo.{k} {v}" for k, v in lomo_overrides(args.lomo).items())
     print(f"\n{r['params'] / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), "
           f"{r['world']} ranks, micro-batch {args.micro} x {args.seq}, fp32, {r['threads']} torch thread(s) per rank; "
           f"zero_optimization {json.dumps(r['zero_optimization'])}: fetched per {fetch}; "
-          f"lomo.bucket_size {r['bucket_size']:,}; median of {args.steps} steps")
+          f"lomo.bucket_size {r['bucket_size']:,}{extra}; median of {args.steps} steps")
     floors = {"lomo": "deepspeed floor", "fsdp2 sgd": "fsdp2 floor"}
 
     def paired(name: str) -> float:

@@ -63,4 +63,13 @@ def test_bench_fsdp_same_work_and_every_collective(rank_results, fetch):
 
 def test_bench_fsdp_help():
     out = help_text("experiments.bench_fsdp")
-    assert "--fetch" in out and "torchtune" in out, out
+    assert "--fetch" in out and "torchtune" in out and "--lomo" in out, out
+
+
+def test_bench_fsdp_lomo_options_reach_the_lomo_engines():
+    from experiments.bench_fsdp import lomo_overrides, lomo_section, parse_args
+
+    section = lomo_section(parse_args(["--lomo", "chunked_loss=off", "--lomo", "update_chunk_elements=64"]))
+    assert section["chunked_loss"] == "off" and section["update_chunk_elements"] == 64
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        lomo_overrides(["chunked_loss"])

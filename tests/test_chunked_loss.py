@@ -56,15 +56,15 @@ def plain_and_chunked(model, batch, chunk=4):
 
 
 @pytest.mark.parametrize("case", ["masked", "tied", "packed", "labelled_logits", "gemma2_softcap", "one_chunk",
-                                  "chunk_per_position"])
+                                  "gemma2_one_chunk", "chunk_per_position"])
 def test_loss_and_gradients_equal_the_plain_loss(case):
-    model = tiny_gemma2() if case == "gemma2_softcap" else tiny_llama(1, tie=case == "tied")
+    model = tiny_gemma2() if case.startswith("gemma2") else tiny_llama(1, tie=case == "tied")
     batch = packed_batch() if case == "packed" else masked_batch()
     if case == "labelled_logits":
         batch = keep_labelled_logits({**batch, "labels": torch.cat([torch.full((3, 8), -100), batch["labels"][:, 8:]],
                                                                     dim=1)})
         assert "logits_to_keep" in batch
-    chunk = {"one_chunk": 10_000, "chunk_per_position": 1}.get(case, 4)
+    chunk = {"one_chunk": 10_000, "gemma2_one_chunk": 10_000, "chunk_per_position": 1}.get(case, 4)
     plain, chunked, grads = plain_and_chunked(model, batch, chunk)
     assert chunked.item() == pytest.approx(plain.item(), rel=LOSS_TOL)
     for name, (a, b) in grads.items():
@@ -86,14 +86,33 @@ def test_token_sum_and_an_unlabelled_batch():
     assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in model.parameters())
 
 
-def test_second_backward_over_the_retained_graph_is_the_first():
+@pytest.mark.parametrize("chunk", [4, 10_000])  # several chunks (recomputed), one (kept from the forward)
+def test_second_backward_over_the_retained_graph_is_the_first(chunk):
     model = tiny_llama(3)
-    loss = causal_lm_loss(model, head_of(model, "on"), masked_batch(), 4 * VOCAB).loss
+    loss = causal_lm_loss(model, head_of(model, "on"), masked_batch(), chunk * VOCAB).loss
     loss.backward(retain_graph=True)
     first = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     loss.backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(first, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("chunk, recomputed", [(4, True), (10_000, False)])
+def test_the_logits_are_recomputed_only_where_there_are_several_chunks(monkeypatch, chunk, recomputed):
+    """One chunk: its gradient is kept from the forward, and the backward makes no logits again."""
+    from lomo_ds.engine import chunked_loss
+
+    model, calls = tiny_llama(5), []
+    real = chunked_loss._logits
+    monkeypatch.setattr(chunked_loss, "_logits", lambda *a: calls.append(1) or real(*a))
+    loss = causal_lm_loss(model, head_of(model, "on"), masked_batch(), chunk * VOCAB).loss
+    in_forward = len(calls)
+    loss.backward()
+    assert (len(calls) > in_forward) == recomputed
+    # Under no_grad (evaluation) nothing is kept: the same loss.
+    with torch.no_grad():
+        again = causal_lm_loss(model, head_of(model, "on"), masked_batch(), chunk * VOCAB).loss
+    assert again.item() == pytest.approx(loss.item(), rel=1e-7)
 
 
 def test_never_more_than_a_chunk_of_logits():

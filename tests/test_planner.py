@@ -34,6 +34,7 @@ from lomo_ds.planning.planner import (
     layer_activation_bytes,
     leaf_module_names,
     loss_chunk_bytes,
+    loss_kept_bytes,
     model_spec_for,
     plan,
     plan_for_run,
@@ -271,10 +272,13 @@ def test_update_temporaries_in_the_total():
     est = estimate(LLAMA["65b"], "lomo", 8, run)
     # bf16 + stochastic rounding, a chunk of the largest slice at a time
     assert est.update == 21 * min(-(-max(LLAMA["65b"].param_numels()) // 8), run.update_chunk)
-    # the update beside a recomputed layer, the chunked loss's logits before either
+    # the update beside a recomputed layer, the chunked loss's logits before either; all 1,024
+    # positions fit one chunk, whose gradient the loss keeps (saved) in place of its logits
     layer = layer_activation_bytes(LLAMA["65b"], run)
+    kept = loss_kept_bytes(LLAMA["65b"], run)
+    assert kept == 4 * run.batch * run.seq * LLAMA["65b"].vocab
     assert est.recompute == max(layer, loss_chunk_bytes(LLAMA["65b"], run))
-    assert est.total == pytest.approx(est.params + est.grads + est.activations
+    assert est.total == pytest.approx(est.params + est.grads + est.activations - kept
                                       + max(layer + est.update, loss_chunk_bytes(LLAMA["65b"], run)))
 
 

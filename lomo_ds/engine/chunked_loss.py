@@ -14,7 +14,11 @@ lomo.loss_chunk_logits over the vocabulary, so a chunk's memory does not grow wi
             summed over the chunks into one tensor in W's dtype, returned once.
 
 So neither the fp32 logits nor their gradient exist for more than `chunk` positions at once; the
-head's weight gradient (b V h) is the same tensor the plain loss makes.
+head's weight gradient (b V h) is the same tensor the plain loss makes. Where every labelled
+position fits in one chunk, the forward keeps that chunk's gradient of the logits (softmax -
+one-hot, through the soft-capping: 4 bytes a logit, no more than the recompute would make) and the
+backward only multiplies by it: recomputing would buy no memory there, and would cost one more
+matmul of the head (a few percent of a small model's step).
 
 Why this and not a maintained function: torch's `F.linear_cross_entropy` (chunked, CPU and CUDA)
 computes the weight's gradient in the forward, which under ZeRO-3 holds a whole fp32/bf16 head
@@ -136,8 +140,11 @@ def _head_loss(lm_head: torch.nn.Linear, head: Head, hidden: torch.Tensor, label
     h = hidden.reshape(-1, hidden.size(-1)).index_select(0, picked)  # the labelled positions only
     t = targets.index_select(0, picked)
 
+    # Under no_grad (evaluation) there is no backward to keep the one chunk's gradient for.
+    keep = torch.is_grad_enabled()
+
     def forward(x):
-        return LinearCrossEntropy.apply(x, lm_head.weight, t, chunk, head.softcap, reduction)
+        return LinearCrossEntropy.apply(x, lm_head.weight, t, chunk, head.softcap, reduction, keep)
 
     return _call_as(lm_head, forward, h)
 
@@ -147,44 +154,70 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                softcap: float | None, reduction: str) -> torch.Tensor:
+                softcap: float | None, reduction: str, keep_one_chunk: bool = False) -> torch.Tensor:
         n = h.size(0)
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        kept = None
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            z, _ = _logits(h[a:b], weight, softcap)
+            z, tanh = _logits(h[a:b], weight, softcap)
             lse[a:b] = torch.logsumexp(z, dim=-1)
             total += (lse[a:b] - z.gather(1, targets[a:b, None]).squeeze(1)).sum()
-            del z
-        ctx.save_for_backward(h, weight, targets, lse)
+            if keep_one_chunk and n <= chunk:  # the only chunk: its gradient kept (module docstring)
+                kept = _dlogits(z, tanh, lse[a:b], targets[a:b])
+            del z, tanh
+        ctx.save_for_backward(h, weight, targets, lse, kept)
         ctx.chunk, ctx.softcap, ctx.reduction = chunk, softcap, reduction
         # The token mean, as cross_entropy's: 0/0 (nan) for no labelled position.
         return total / n if reduction == "mean" else total
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        h, weight, targets, lse = ctx.saved_tensors
+        h, weight, targets, lse, kept = ctx.saved_tensors
         n, chunk = h.size(0), ctx.chunk
         # With no labelled position the gradient is zero (as cross_entropy's), not 0 * inf.
         scale = grad_out.float() / max(n, 1) if ctx.reduction == "mean" else grad_out.float()
         dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        if kept is not None:
+            # Scaled a slice of rows at a time, not in place (a retained graph, norm clipping's
+            # second backward, reads it again): beside the kept gradient, an eighth of it at once.
+            rows = max(1, -(-n // KEPT_SLICES))
+            for a in range(0, n, rows):
+                b = min(n, a + rows)
+                _backward_rows((kept[a:b] * scale).to(h.dtype), weight, h, a, b, dh, dw)
+            return dh, dw, None, None, None, None, None
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             z, tanh = _logits(h[a:b], weight, ctx.softcap)
-            dz = z.sub_(lse[a:b, None]).exp_()  # softmax, in place of the logits
-            dz[torch.arange(b - a, device=dz.device), targets[a:b]] -= 1.0
-            dz.mul_(scale)
-            if tanh is not None:
-                dz.mul_(1.0 - tanh.square_())  # d(c tanh(z / c)) / dz
-            dz = dz.to(h.dtype)
-            if dh is not None:
-                torch.mm(dz, weight, out=dh[a:b])
-            if dw is not None:
-                dw.addmm_(dz.t(), h[a:b])
-            del z, dz, tanh
-        return dh, dw, None, None, None, None
+            dz = _dlogits(z, tanh, lse[a:b], targets[a:b]).mul_(scale)
+            del z, tanh
+            _backward_rows(dz.to(h.dtype), weight, h, a, b, dh, dw)
+            del dz
+        return dh, dw, None, None, None, None, None
+
+
+KEPT_SLICES = 8  # the kept gradient is scaled in this many slices of rows in the backward
+
+
+def _backward_rows(dz: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, a: int, b: int,
+                   dh: torch.Tensor | None, dw: torch.Tensor | None) -> None:
+    """Rows [a, b)'s share of the input's and the weight's gradients, from their logits' gradient."""
+    if dh is not None:
+        torch.mm(dz, weight, out=dh[a:b])
+    if dw is not None:
+        dw.addmm_(dz.t(), h[a:b])
+
+
+def _dlogits(z: torch.Tensor, tanh: torch.Tensor | None, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The gradient of a chunk's summed cross-entropy by its logits before soft-capping: softmax -
+    one-hot, in place of the fp32 logits `z`, times the soft-capping's derivative."""
+    dz = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+    dz[torch.arange(dz.size(0), device=dz.device), targets] -= 1.0
+    if tanh is not None:
+        dz.mul_(1.0 - tanh.square_())  # d(c tanh(z / c)) / dz
+    return dz
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, softcap: float | None):

@@ -528,10 +528,11 @@ def loss_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
     """What the loss saves for the backward, every position labelled. transformers' loss: the fp32
     log-softmax of every position (4 T V) and the targets. The chunked loss (engine/chunked_loss.py):
     the labelled positions' hidden states (a copy, T h b), their log-sum-exp (4 T), the targets and
-    their positions (16 T)."""
+    their positions (16 T), and where every position fits in one chunk, that chunk's gradient of the
+    logits (4 T V: kept from the forward instead of recomputed)."""
     T = run.batch * run.seq
     if chunked_loss(m, run):
-        return T * m.hidden * run.b + 20 * T
+        return T * m.hidden * run.b + 20 * T + loss_kept_bytes(m, run)
     # tanh soft-capping of the fp32 logits (Gemma 2) saves them once more
     return 4 * T * m.vocab * (2 if m.final_softcap else 1) + 8 * T
 
@@ -544,6 +545,16 @@ def loss_chunk_bytes(m: ModelSpec, run: RunSpec) -> int:
     c = min(max(1, run.loss_chunk // m.vocab), run.batch * run.seq)
     per_logit = 12 if m.final_softcap else 4 + (run.b if run.b != 4 else 0)
     return per_logit * c * m.vocab
+
+
+def loss_kept_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """Where every position's logits fit in one chunk of the chunked loss, the chunk's fp32 gradient
+    of the logits that its forward keeps for the backward (4 T V; saved, in loss_saved_bytes): made
+    in place of the forward's fp32 logits (within loss_chunk_bytes) and freed by the loss's backward,
+    before any layer's. Its backward scales it an eighth at a time, within loss_chunk_bytes too."""
+    T = run.batch * run.seq
+    one_chunk = T <= max(1, run.loss_chunk // m.vocab)
+    return 4 * T * m.vocab if chunked_loss(m, run) and one_chunk else 0
 
 
 def update_temp_bytes(n: int, run: RunSpec) -> int:
@@ -634,7 +645,8 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         # beside a recomputed layer (the layers' gradients arrive while it is alive).
         loss = loss_chunk_bytes(m, run) if chunked_loss(m, run) else 0
         layer = (layer_activation_bytes(m, run) if run.checkpointing else 0) if chunked_loss(m, run) else recompute
-        total = params + grads + masters + state + acts + max(layer + update, loss)
+        # The kept gradient of the logits (saved) is the forward's logits, gone before the layers' backward.
+        total = params + grads + masters + state + acts - loss_kept_bytes(m, run) + max(layer + update, loss)
         return Estimate(method, n, float(params), float(grads), float(masters + state), float(acts), float(recompute),
                         float(update), float(total), host, float(accumulator), on_host and accumulator > 0)
     grad_buf = b * shard_numel + b * run.reduce_bucket
