@@ -36,9 +36,9 @@ import sys
 from dataclasses import dataclass, field
 
 from experiments import table3
-from lomo_ds.config.lomo import LomoConfig
-from lomo_ds.config.run import parse_override_args
-from lomo_ds.data.tasks import TASKS
+from lomo_ds.config.overrides import parse_override_args
+from lomo_ds.config.schema import LomoConfig
+from lomo_ds.config.tasks import TASKS
 from lomo_ds.runtime.launch import torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))

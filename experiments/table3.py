@@ -29,8 +29,8 @@ import sys
 import time
 
 from experiments import common
-from lomo_ds.data.tasks import SUPERGLUE_TASKS
-from lomo_ds.data.tasks import TASKS as TASK_REGISTRY
+from lomo_ds.config.tasks import SUPERGLUE_TASKS
+from lomo_ds.config.tasks import TASKS as TASK_REGISTRY
 from lomo_ds.runtime.launch import run_local, torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))

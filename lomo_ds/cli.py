@@ -88,7 +88,7 @@ def _run_plan(args) -> int:
     import json
     from dataclasses import asdict
 
-    from lomo_ds.config.lomo import ConfigError
+    from lomo_ds.config.errors import ConfigError
     from lomo_ds.planning import planner
 
     if args.models:

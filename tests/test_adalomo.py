@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lomo_ds.config.lomo import ConfigError, load_config
+from lomo_ds.config.errors import ConfigError
+from lomo_ds.config.lomo import load_config
 from lomo_ds.engine.adalomo import row_pieces
 from lomo_ds.planning.planner import LLAMA
 from tests import dist_adalomo_checks as A

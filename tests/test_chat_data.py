@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lomo_ds.config.lomo import ConfigError
+from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.run import load_run_config
 from lomo_ds.data import chat as C
 from lomo_ds.data.errors import DataError

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lomo_ds.config.lomo import AdaLomoConfig
+from lomo_ds.config.schema import AdaLomoConfig
 from lomo_ds.engine.accumulation import AccumulatedSlice
 from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule, chunk_bounds

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from lomo_ds.config.run import load_run_config
+from lomo_ds.config.tasks import BUILTIN_DIR, SUPERGLUE_TASKS, TASKS, Task
 from lomo_ds.data import loading as D
-from lomo_ds.data.tasks import BUILTIN_DIR, SUPERGLUE_TASKS, TASKS, Task
 from tests.helpers_data import RECORDS, boolq_records, byte_bpe_tokenizer, write_jsonl
 
 

@@ -5,7 +5,9 @@ import pytest
 from pydantic import ValidationError
 
 from lomo_ds.config import ds_options
-from lomo_ds.config.lomo import ConfigError, LomoConfig, load_config
+from lomo_ds.config.errors import ConfigError
+from lomo_ds.config.lomo import load_config
+from lomo_ds.config.schema import LomoConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -262,7 +264,8 @@ def test_deepspeed_monitors_are_refused_under_lomo_naming_lomo_ds_metrics(monito
         load_config({monitor: {"enabled": True}})
     assert "output.tensorboard" in str(e.value) and str(e.value).startswith(f"<config>: {monitor}: ")
     # The baselines run DeepSpeed's step: their monitors work.
-    from lomo_ds.config.lomo import LomoConfig, validate_deepspeed_section
+    from lomo_ds.config.lomo import validate_deepspeed_section
+    from lomo_ds.config.schema import LomoConfig
 
     validate_deepspeed_section({monitor: {"enabled": True}}, LomoConfig(), lomo_method=False)
 
@@ -358,7 +361,7 @@ def test_readme_section_is_the_table():
 
 def test_readme_lomo_options_are_the_models():
     """ds_configs/README.md's `lomo` reference is generated from LomoConfig, a description on every field."""
-    from lomo_ds.config.lomo import options_markdown
+    from lomo_ds.config.docs import options_markdown
 
     table = options_markdown()
     assert "| None |" not in table, "a lomo option has no description (Field(description=...))"
@@ -369,7 +372,7 @@ def test_readme_lomo_options_are_the_models():
 
 
 def _all_fields(cls):
-    from lomo_ds.config.lomo import submodel
+    from lomo_ds.config.errors import submodel
 
     for field in cls.model_fields.values():
         yield field

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lomo_ds.data.tasks import SUPERGLUE_TASKS
+from lomo_ds.config.tasks import SUPERGLUE_TASKS
 from tests.module_help import help_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

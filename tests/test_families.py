@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from lomo_ds.config import leaf_module
-from lomo_ds.config.lomo import ConfigError, load_config
+from lomo_ds.config.errors import ConfigError
+from lomo_ds.config.lomo import load_config
 from lomo_ds.config.run import load_run_config
 from tests import dist_adalomo_checks as A
 from tests import dist_engine_checks as E

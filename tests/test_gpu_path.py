@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from lomo_ds.config.lomo import AdaLomoConfig
+from lomo_ds.config.schema import AdaLomoConfig
 from lomo_ds.engine import host_updates, shm_all_gather, shm_reduce_scatter
 from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.comm_stats import StepTimers

@@ -230,7 +230,7 @@ def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, mas
     one chunk's fp32 gradient, fp32 weights and rounding at a time (each pass reads the slice in
     chunks, lomo.update_chunk_elements); beside them, its statistics (rows + columns + a few numbers
     per parameter)."""
-    from lomo_ds.config.lomo import AdaLomoConfig
+    from lomo_ds.config.schema import AdaLomoConfig
     from lomo_ds.engine.adalomo import AdaLomo
     from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule
     from lomo_ds.planning.planner import adalomo_update_temp_bytes

@@ -14,8 +14,8 @@ from collections import Counter, defaultdict
 import pytest
 
 from lomo_ds.config.run import load_run_config
+from lomo_ds.config.tasks import BUILTIN_DIR, QUALITY_TASKS, TASKS
 from lomo_ds.data import loading as D
-from lomo_ds.data.tasks import BUILTIN_DIR, QUALITY_TASKS, TASKS
 
 SIZES = {"train": 2000, "validation": 500, "heldout": 500}
 # The packages each generator imports (tools/make_<name>_task.py).

@@ -18,8 +18,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from lomo_ds.config.tasks import SUPERGLUE_HUB, TASKS, split_file
 from lomo_ds.data.errors import DataError
-from lomo_ds.data.tasks import SUPERGLUE_HUB, TASKS, split_file
 
 # SuperGLUE's loading script is not run by datasets >= 4: the loader falls back to the hub's
 # Parquet export of the same data.

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from lomo_ds.config.lomo import LomoConfig, Precision
 from lomo_ds.config.run import LoraConfig
+from lomo_ds.config.schema import LomoConfig, Precision
 from lomo_ds.methods.deepspeed_optim import linear_lr_factor
 from lomo_ds.methods.lomo import LomoMethodEngine
 from lomo_ds.planning.memory import optimizer_state_bytes, tensor_bytes

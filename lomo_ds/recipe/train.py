@@ -17,8 +17,9 @@ import sys
 import time
 from functools import partial
 
-from lomo_ds.config.lomo import ConfigError
-from lomo_ds.config.run import LOMO_METHODS, METHODS, check_model_on_disk, load_run_config, parse_override_args
+from lomo_ds.config.errors import ConfigError
+from lomo_ds.config.overrides import parse_override_args
+from lomo_ds.config.run import LOMO_METHODS, METHODS, check_model_on_disk, load_run_config
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -28,7 +28,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin")
+# The shipped task files are package data of lomo_ds.data.
+BUILTIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "builtin")
 SUPERGLUE_HUB = "aps/super_glue"  # super_glue's canonical copy on the hub
 YES_NO = ["Yes", "No"]
 # The splits a local task folder can hold: {split}.jsonl (or .parquet/.json); "heldout" is the
