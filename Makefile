@@ -32,11 +32,13 @@ SEED ?= 42
 demo: .installed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_default.json --set train.seed=$(SEED)
 
-# The CI's checks before the tests: no big file outside the shipped data folders, and the linter
-# (its rules: pyproject.toml).
+# The CI's checks before the tests: no big file outside the shipped data folders, the linter, and
+# the package's layers (import-linter: a module imports nothing from a layer above its own). Their
+# rules: pyproject.toml.
 lint: .installed
 	$(PYTHON) .ci/check_sizes.py
 	$(PYTHON) -m ruff check .
+	lint-imports
 
 # The chat demo: LOMO teaches the built-in model an answer format it does not use zero-shot
 # (lomo_ds/data/builtin/chat, tools/make_chat_task.py); prints exact match before and after and

@@ -60,9 +60,9 @@ from experiments import common
 from experiments.bench_step import bench_llama, start_ranks
 from lomo_ds.engine.comm_stats import StepTimers, count_comm
 from lomo_ds.planning import planner
-from lomo_ds.planning.memory import ActivationCounter
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device
+from lomo_ds.runtime.memory import ActivationCounter
 
 FETCH_KEYS = ("leaf_module", "stage3_module_granularity_threshold", "module_granularity_threshold")
 LR = 1e-3

@@ -19,10 +19,10 @@ from lomo_ds.engine import shm_all_gather
 from lomo_ds.engine.accumulation import check_window
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.methods.base import MethodEngine
-from lomo_ds.planning.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import move_batch
 from lomo_ds.runtime.dist import init_distributed, loss_of, mean_over_ranks
+from lomo_ds.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 
 DS_CHECKPOINT_TAG = "deepspeed"
 

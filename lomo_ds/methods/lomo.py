@@ -8,7 +8,7 @@ import torch
 from lomo_ds.config.schema import LomoConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
 from lomo_ds.methods.base import MethodEngine, load_rank_state, rank_state_file
-from lomo_ds.planning.memory import MemoryTracker, tensor_bytes
+from lomo_ds.runtime.memory import MemoryTracker, tensor_bytes
 
 
 class LomoMethodEngine(MethodEngine):

@@ -19,8 +19,8 @@ from lomo_ds.config.run import LoraConfig
 from lomo_ds.config.schema import LomoConfig, Precision
 from lomo_ds.methods.deepspeed_optim import linear_lr_factor
 from lomo_ds.methods.lomo import LomoMethodEngine
-from lomo_ds.planning.memory import optimizer_state_bytes, tensor_bytes
 from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.memory import optimizer_state_bytes, tensor_bytes
 
 ADAPTER_PATTERNS = ("*lora_*",)
 

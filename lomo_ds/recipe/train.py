@@ -330,8 +330,8 @@ class TrainRecipe:
         and its step is the mean over its own); its record, logged."""
         from lomo_ds.data.loading import batches_for_step, position_of_step, window_of_step
         from lomo_ds.data.packing import make_batch, padding_fraction, train_order
-        from lomo_ds.planning.memory import cuda_peak_bytes, process_peak_rss_bytes
         from lomo_ds.runtime.dist import keep_labelled_logits
+        from lomo_ds.runtime.memory import cuda_peak_bytes, process_peak_rss_bytes
 
         cfg = self.cfg
         epoch, step_in_epoch = position_of_step(step, self.steps_per_epoch)
@@ -450,9 +450,7 @@ class TrainRecipe:
         with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         method = self.cfg.train.method
-        from lomo_ds.planning.planner import method_of_run
-
-        if method_of_run(self.cfg) == "adalomo":
+        if method in LOMO_METHODS and self.cfg.lomo.optimizer == "adalomo":
             method += " with AdaLomo"  # the update rule the shipped configs default to
         for key in ("accuracy", "exact_match", "contains"):
             zs, ft = (results.get(k, {}).get(f"eval/{key}") for k in ("zero_shot", "final"))
