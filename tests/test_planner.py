@@ -305,9 +305,10 @@ def test_offload_rows(capsys):
         ada = p.estimates[("adalomo", 1)]
         assert ada.host == host and ada.optimizer_states == adalomo_state_bytes(model, 1)
         assert ada.update == 8 * max(model.param_numels())    # the table in estimate.py's docstring is these figures
-    from lomo_ds.planning import estimate, planner
+    from lomo_ds.planning import estimate as estimate_module
+    from lomo_ds.planning import planner
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:]]
-            for line in estimate.__doc__.splitlines() if line.strip().startswith("| ") and "b " in line[:12]}
+            for line in estimate_module.__doc__.splitlines() if line.strip().startswith("| ") and "b " in line[:12]}
     resident = planner.shipped_plans()
     for size, p in planner.shipped_plans(offload=True).items():
         e = p.estimates[("lomo", 1)]
