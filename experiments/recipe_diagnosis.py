@@ -14,7 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lomo_ds.config.run import load_run_config, resolve_model_source
-from lomo_ds.data.loading import build_datasets, collate, epoch_order, pad_id_of
+from lomo_ds.data.collate import collate, pad_id_of
+from lomo_ds.data.loading import build_datasets
+from lomo_ds.data.order import epoch_order
 from lomo_ds.storage.models import load_tokenizer
 
 LR = 0.03

@@ -20,15 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lomo_ds.config.run import load_run_config, resolve_model_source
-from lomo_ds.data.loading import (
-    batches_for_step,
-    build_datasets,
-    collate,
-    epoch_order,
-    pad_id_of,
-    position_of_step,
-    steps_per_epoch,
-)
+from lomo_ds.data.collate import collate, pad_id_of
+from lomo_ds.data.loading import build_datasets
+from lomo_ds.data.order import batches_for_step, epoch_order, position_of_step, steps_per_epoch
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.evaluation.scoring import evaluate
 from lomo_ds.storage.models import load_tokenizer

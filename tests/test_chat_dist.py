@@ -79,7 +79,7 @@ def generation() -> dict:
 @multi_rank(worlds=(2,))
 def packed_through_the_engine() -> dict:
     import lomo_ds
-    from lomo_ds.data.loading import collate
+    from lomo_ds.data.collate import collate
     from lomo_ds.data.packing import collate_packed, pack
 
     model = tiny_llama(4)

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from lomo_ds.data.loading import EvalExample
+from lomo_ds.data.types import EvalExample
 from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import capture_rng, move_batch, restore_rng, set_cpu_threads

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lomo_ds.data.loading import EvalExample
+from lomo_ds.data.types import EvalExample
 from lomo_ds.evaluation.scoring import evaluate, evaluate_loss, mean_logprob
 from tests.ranks import multi_rank, ok
 
@@ -95,7 +95,7 @@ def test_with_tiny_model_and_tokenizer():
     """End to end: real tokenizer seams and a real causal LM's logits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lomo_ds.data.loading import format_example, tokenize_eval_example
+    from lomo_ds.data.examples import format_example, tokenize_eval_example
     from tests.helpers_data import RECORDS, byte_bpe_tokenizer
 
     tok = byte_bpe_tokenizer(True)

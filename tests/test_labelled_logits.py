@@ -3,7 +3,7 @@ import peft
 import pytest
 import torch
 
-from lomo_ds.data.loading import collate
+from lomo_ds.data.collate import collate
 from lomo_ds.runtime.dist import accepts_logits_to_keep, keep_labelled_logits
 from tests.tiny import VOCAB, tiny_llama
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from lomo_ds.data.loading import batches_for_step, collate, epoch_order
+from lomo_ds.data.collate import collate
+from lomo_ds.data.order import batches_for_step, epoch_order
 from lomo_ds.data.packing import collate_packed, length_grouped_order, make_batch, pack, padding_fraction, train_order
 from tests.tiny import VOCAB, tiny_llama_config
 

@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from lomo_ds.data.loading import EvalExample, collate
+from lomo_ds.data.collate import collate
+from lomo_ds.data.types import EvalExample
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, group_device, move_batch
 from lomo_ds.runtime.dist import all_reduce_sum

@@ -40,7 +40,7 @@ class Talker:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from lomo_ds.data.chat import chat_format
-        from lomo_ds.data.loading import pad_id_of
+        from lomo_ds.data.collate import pad_id_of
 
         if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
             raise ValueError("--max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1 are needed")
@@ -80,7 +80,7 @@ class Talker:
 def read_prompts(path: str) -> list[list[dict]]:
     """Conversations to answer, from --file (this module's docstring)."""
     from lomo_ds.data.chat import checked_turn
-    from lomo_ds.data.loading import read_jsonl
+    from lomo_ds.data.io import read_jsonl
 
     if not path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:

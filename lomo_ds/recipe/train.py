@@ -150,7 +150,7 @@ def show_what_matters(rank: int) -> None:
 def planned_steps(cfg, n_train: int, world: int) -> tuple[int, int]:
     """(optimizer steps per epoch, optimizer steps in the whole run); a step takes
     gradient_accumulation_steps micro-batches per rank (fewer at the end of an epoch)."""
-    from lomo_ds.data.loading import steps_per_epoch
+    from lomo_ds.data.order import steps_per_epoch
 
     per_epoch = steps_per_epoch(max(1, n_train), world, cfg.micro_batch, cfg.accumulation_steps)
     total = cfg.train.epochs * per_epoch
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return stop_every_rank(rank, f"config error: {e}")
 
-    from lomo_ds.data.loading import DataError
+    from lomo_ds.data.errors import DataError
 
     recipe = TrainRecipe(cfg, resume=args.resume)
     try:
@@ -258,7 +258,8 @@ class TrainRecipe:
 
     def setup_data(self) -> None:
         """The tokenizer and the datasets (raises DataError on a bad file), and the run's step count."""
-        from lomo_ds.data.loading import build_datasets, pad_id_of
+        from lomo_ds.data.collate import pad_id_of
+        from lomo_ds.data.loading import build_datasets
         from lomo_ds.storage.models import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.cfg, self.rank, self.barrier)
@@ -328,7 +329,7 @@ class TrainRecipe:
         """Optimizer step `step` (0-based): this rank's micro-batch of each global micro-batch of the
         step's window (gradient_accumulation_steps of them; an epoch's last window may be shorter,
         and its step is the mean over its own); its record, logged."""
-        from lomo_ds.data.loading import batches_for_step, position_of_step, window_of_step
+        from lomo_ds.data.order import batches_for_step, position_of_step, window_of_step
         from lomo_ds.data.packing import make_batch, padding_fraction, train_order
         from lomo_ds.runtime.dist import keep_labelled_logits
         from lomo_ds.runtime.memory import cuda_peak_bytes, process_peak_rss_bytes

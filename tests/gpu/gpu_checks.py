@@ -246,7 +246,7 @@ def trained_engine_and_reference(seed: int = 21):
 def check_evaluation():
     """lomo_ds.evaluation.scoring on the engine after a step (candidate accuracy and the LM loss,
     the examples split over the ranks) against the same on the unpartitioned model, on one rank."""
-    from lomo_ds.data.loading import EvalExample
+    from lomo_ds.data.types import EvalExample
     from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 
     engine, reference = trained_engine_and_reference()
