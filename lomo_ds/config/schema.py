@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
@@ -231,6 +232,4 @@ class Precision(Section):
 
     @property
     def torch_dtype(self):
-        import torch  # here, not at the top: validating a config imports no torch (the CLI's start-up)
-
         return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]

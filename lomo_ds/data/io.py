@@ -39,7 +39,7 @@ def read_jsonl(path: str) -> list[tuple[dict, str]]:
 
 
 def read_parquet(path: str) -> list[tuple[dict, str]]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # start-up time: only Parquet files need it
 
     try:
         rows = pq.read_table(path).to_pylist()
@@ -68,7 +68,7 @@ def _split_file(directory: str, split: str) -> str:
 def load_hub_split(name: str, config: str | None, split: str) -> list[tuple[dict, str]]:
     """Every row of a dataset through datasets.load_dataset: a hub name or a local dataset
     directory (its data files in the hub's layout, e.g. data/train-00000-of-00001.parquet)."""
-    import datasets
+    import datasets  # start-up time, and it logs from its first import on (recipe/train.py show_what_matters)
 
     try:
         ds = datasets.load_dataset(name, config, split=split)

@@ -15,6 +15,7 @@ import math
 from typing import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from lomo_ds.data.collate import collate
 from lomo_ds.data.types import EvalExample
@@ -80,8 +81,6 @@ def mean_logprob(logits: torch.Tensor, ids: list[int], start: int) -> float:
 
 def _calls(n_calls: int, progress: bool):
     """range(n_calls), shown as a progress bar like training's when `progress` (rank 0)."""
-    from tqdm import tqdm
-
     return tqdm(range(n_calls), desc="eval", disable=not progress, dynamic_ncols=True, leave=False)
 
 

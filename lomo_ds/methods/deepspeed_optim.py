@@ -9,6 +9,9 @@ states = the fp32 masters only). Resume is DeepSpeed's own checkpointing.
 """
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import copy
 from typing import Any
 

@@ -10,6 +10,9 @@
 """
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import fnmatch
 from typing import Any
 
@@ -26,7 +29,7 @@ ADAPTER_PATTERNS = ("*lora_*",)
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    import peft
+    import peft  # optional: only LoRA runs need it (not a core requirement)
 
     wrapped = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
                                                             target_modules=list(lora.targets), lora_dropout=0.0))

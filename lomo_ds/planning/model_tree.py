@@ -15,7 +15,6 @@ lomo_ds/config/leaf_module.py).
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from lomo_ds.config import leaf_module
 from lomo_ds.planning.fetch_units import ModuleNode
@@ -24,6 +23,8 @@ from lomo_ds.planning.specs import ModelSpec
 
 def hf_config(raw: dict, name: str = "model"):
     """A transformers config object from a config.json's dict (its `model_type` picks the class)."""
+    from transformers import AutoConfig  # loaded on first use: the CLI and a LLaMA-size plan need none
+
     model_type = raw.get("model_type")
     if not model_type:
         raise ValueError(f"{name}: config.json has no model_type, so no transformers architecture to build")
@@ -36,6 +37,8 @@ def hf_config(raw: dict, name: str = "model"):
 
 def meta_model(config) -> torch.nn.Module:
     """The causal LM of `config`, built on the meta device: the real modules, no storage."""
+    from transformers import AutoModelForCausalLM  # loaded on first use, as in hf_config
+
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 

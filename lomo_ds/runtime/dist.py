@@ -2,6 +2,9 @@
 statistics over the ranks, the loss of a model's outputs, and gathering full parameters."""
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import inspect
 import os
 from datetime import timedelta

@@ -168,7 +168,7 @@ def breakdown(params: int, grads: int, optimizer_states: int, activations: int) 
 
 
 def process_peak_rss_bytes() -> int:
-    import resource
+    import resource  # Unix only: imported where it is used
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
