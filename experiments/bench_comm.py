@@ -20,7 +20,7 @@ from experiments import common
 from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.runtime.device import accelerator_device
-from lomo_ds.runtime.launch import as_deepspeed_launched
+from tools.launch_local import as_deepspeed_launched
 
 # The collective the network carries (grad_reduction "reduce_scatter"), not the shared-memory
 # path that CPU ranks on one node take by default: bytes on the wire are what is compared.

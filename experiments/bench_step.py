@@ -55,7 +55,7 @@ from experiments import common
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.runtime.host_malloc import keep_freed_memory
-from lomo_ds.runtime.launch import as_deepspeed_launched
+from tools.launch_local import as_deepspeed_launched
 
 LR = 1e-3
 BREAKDOWN = ("pack", "flag", "launch", "wait", "wait at end", "update")

@@ -150,7 +150,7 @@ def random_batches(vocab: int, batch: int, seq: int, n: int, seed: int, device=N
 def run_ranks(module: str, nproc: int, args: list[str], cpu: bool, timeout: float) -> subprocess.CompletedProcess:
     """Run experiments `module` (e.g. "experiments.table2") on `nproc` local ranks; raises
     subprocess.TimeoutExpired."""
-    from lomo_ds.runtime.launch import run_local
+    from tools.launch_local import run_local
 
     return run_local(["-m", module, *args], nproc, timeout=timeout, cpu=cpu, cwd=ROOT)
 

@@ -39,7 +39,7 @@ from experiments import table3
 from lomo_ds.config.overrides import parse_override_args
 from lomo_ds.config.schema import LomoConfig
 from lomo_ds.config.tasks import TASKS
-from lomo_ds.runtime.launch import torchrun_command
+from tools.launch_local import torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -31,7 +31,7 @@ import time
 from experiments import common
 from lomo_ds.config.tasks import SUPERGLUE_TASKS
 from lomo_ds.config.tasks import TASKS as TASK_REGISTRY
-from lomo_ds.runtime.launch import run_local, torchrun_command
+from tools.launch_local import run_local, torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

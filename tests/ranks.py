@@ -133,7 +133,7 @@ def one_launch():
 def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | None = None, cpu: bool = True):
     """Run `program` (a script, or "-m" and a module) on `nproc` ranks (CPU ranks unless `cpu` is
     False: one GPU each); fail with its log if it fails."""
-    from lomo_ds.runtime.launch import run_local
+    from tools.launch_local import run_local
 
     def run():
         with one_launch():

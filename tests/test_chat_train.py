@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lomo_ds.runtime.launch import run_local
 from tests.helpers_data import CHATML, chatml_tokenizer, conversation, write_jsonl
 from tests.ranks import ROOT
 from tests.tiny import tiny_llama_config
+from tools.launch_local import run_local
 
 
 def train(entry: list[str], config, out_dir, *extra):

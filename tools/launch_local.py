@@ -1,6 +1,7 @@
-"""Start a program on N ranks of this machine (torch.distributed.run), the way the tests and the
-experiments do: one free port, LOCAL_SIZE as DeepSpeed's launcher sets it, the cores split between
-CPU ranks, and DeepSpeed's /dev/shm all-reduce buffers removed after the launch whatever its end.
+"""Start a program on N ranks of this machine (torch.distributed.run), the way the tests, benchmarks
+and studies do (not shipped in the package: nothing in it launches this way): one free port,
+LOCAL_SIZE as DeepSpeed's launcher sets it, the cores split between CPU ranks, and DeepSpeed's
+/dev/shm all-reduce buffers removed after the launch whatever its end.
 
     proc = run_local(["launch/train.py", "--config", "c.json"], nproc=2, timeout=600)
     proc = run_local(["-m", "experiments.table2", "--worker"], nproc=2, timeout=600)   # a module
@@ -15,6 +16,8 @@ import socket
 import subprocess
 import sys
 from typing import Iterator
+
+from lomo_ds.runtime.ds_compat import shm_allreduce_path
 
 ADDR = "127.0.0.1"
 
@@ -58,8 +61,6 @@ def torchrun_command(program: list[str], nproc: int, port: int) -> list[str]:
 def remove_shm_buffers(port: int) -> None:
     """DeepSpeed's all-reduce buffers of the launch on `port`: lomo_ds.init_distributed removes their
     names once every rank has started, but a launch that failed before then leaves them behind."""
-    from lomo_ds.runtime.ds_compat import shm_allreduce_path
-
     for leftover in glob.glob(shm_allreduce_path(ADDR, port, "*", uid="*")):
         with contextlib.suppress(FileNotFoundError):
             os.remove(leftover)
