@@ -1,7 +1,7 @@
 """Per-step communication and time: lomo_ds's reduce-scatter against the all-reduce approach of
 the public LOMO code, and the cost of the second backward pass that norm clipping needs.
 
-  python -m torch.distributed.run --nproc_per_node 2 -m experiments.bench_comm [--layers 4 --hidden 256]
+  python -m torch.distributed.run --nproc_per_node 2 -m benchmarks.bench_comm [--layers 4 --hidden 256]
 
 Rank 0 prints a table: bytes each rank sends per step by collective, and the median step time
 of several steps after warm-up, with ratios against the one-pass reduce-scatter run.
@@ -16,7 +16,7 @@ import time
 import torch
 
 import lomo_ds
-from experiments import common
+from benchmarks import common
 from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.runtime.device import accelerator_device

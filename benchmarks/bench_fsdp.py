@@ -1,6 +1,6 @@
 """lomo_ds against the peer a user would pick instead: PyTorch FSDP2 with SGD applied in the backward.
 
-  python -m torch.distributed.run --nproc_per_node 2 -m experiments.bench_fsdp [--fetch config|per-module|per-layer]
+  python -m torch.distributed.run --nproc_per_node 2 -m benchmarks.bench_fsdp [--fetch config|per-module|per-layer]
 
 The peer is torchtune's optimizer-in-backward design, written here: `fully_shard` on every decoder
 layer and on the whole model, one torch.optim.SGD per (sharded) parameter, stepped and cleared in
@@ -56,8 +56,8 @@ import time
 import torch
 
 import lomo_ds
-from experiments import common
-from experiments.bench_step import bench_llama, start_ranks
+from benchmarks import common
+from benchmarks.bench_step import bench_llama, start_ranks
 from lomo_ds.engine.comm_stats import StepTimers, count_comm
 from lomo_ds.planning import planner
 from lomo_ds.runtime import ds_compat

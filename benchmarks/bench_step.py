@@ -1,8 +1,8 @@
 """Step time of LOMO against its floor and against DeepSpeed ZeRO-3 SGD, and where LOMO's extra time goes.
 
-  OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 -m experiments.bench_step [--steps 8]
-  python -m torch.distributed.run --nproc_per_node N -m experiments.bench_step --preset gpu --offload   # GPUs
-  ... -m experiments.bench_step --preset tiny          # seconds on a CPU: proves it runs (tests/test_buckets.py)
+  OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 -m benchmarks.bench_step [--steps 8]
+  python -m torch.distributed.run --nproc_per_node N -m benchmarks.bench_step --preset gpu --offload   # GPUs
+  ... -m benchmarks.bench_step --preset tiny          # seconds on a CPU: proves it runs (tests/test_buckets.py)
 
 --preset sets the model and run sizes (cpu: the default on a machine without CUDA, gpu: a 0.2B
 LLaMA in bf16, tiny); any size flag given wins over it.
@@ -51,7 +51,7 @@ import time
 import torch
 
 import lomo_ds
-from experiments import common
+from benchmarks import common
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.runtime.host_malloc import keep_freed_memory

@@ -1,7 +1,7 @@
 """What the experiment scripts share: the models they build, the DeepSpeed and lomo settings every
 method runs under, the methods' options, random batches, and launching ranks on this machine.
 
-The scripts run from the repository as modules (`python -m experiments.tableN`). Heavy imports (torch,
+The scripts run from the repository as modules (`python -m benchmarks.tableN`). Heavy imports (torch,
 transformers, DeepSpeed) happen inside the functions: a launcher that only starts workers, or prints
 --help, never loads them.
 """
@@ -148,7 +148,7 @@ def random_batches(vocab: int, batch: int, seq: int, n: int, seed: int, device=N
 
 # ----------------------------------------------------------------------------- ranks
 def run_ranks(module: str, nproc: int, args: list[str], cpu: bool, timeout: float) -> subprocess.CompletedProcess:
-    """Run experiments `module` (e.g. "experiments.table2") on `nproc` local ranks; raises
+    """Run the benchmark `module` (e.g. "benchmarks.table2") on `nproc` local ranks; raises
     subprocess.TimeoutExpired."""
     from tools.launch_local import run_local
 

@@ -7,8 +7,8 @@ resident memory once set up (the engine built; for the Trainer, at on_train_begi
 high-water mark reset there (/proc/self/clear_refs). The integration adds no optimizer state, no
 full gradient and no second copy of the model, so the two should agree within a few percent.
 
-    python -m experiments.hf_trainer_memory                 # 2 ranks, defaults below
-    python -m experiments.hf_trainer_memory --ranks 2 --hidden 512 --layers 8 --steps 6
+    python -m benchmarks.hf_trainer_memory                 # 2 ranks, defaults below
+    python -m benchmarks.hf_trainer_memory --ranks 2 --hidden 512 --layers 8 --steps 6
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for run in ("engine", "trainer"):
             out = os.path.join(tmp, f"{run}.json")
-            proc = run_local(["-m", "experiments.hf_trainer_memory", *flags, f"--rank-run={run}", f"--out={out}"],
+            proc = run_local(["-m", "benchmarks.hf_trainer_memory", *flags, f"--rank-run={run}", f"--out={out}"],
                              a.ranks, timeout=3600, env=env, cwd=ROOT)
             if proc.returncode != 0:
                 sys.exit(f"{run} run failed:\n{proc.stderr[-4000:]}")

@@ -1,8 +1,8 @@
-"""Where a step's time goes, per engine, from a py-spy profile of experiments/bench_fsdp.py.
+"""Where a step's time goes, per engine, from a py-spy profile of benchmarks/bench_fsdp.py.
 
   py-spy record --subprocesses --rate 50 --format raw -o prof.txt -- \\
-      python -m torch.distributed.run --nproc_per_node 2 -m experiments.bench_fsdp --engines "deepspeed floor,lomo"
-  python -m experiments.profile_summary prof.txt [--top 25]
+      python -m torch.distributed.run --nproc_per_node 2 -m benchmarks.bench_fsdp --engines "deepspeed floor,lomo"
+  python -m benchmarks.profile_summary prof.txt [--top 25]
 
 py-spy's raw format is one collapsed stack per line with its sample count. Each sample is given to
 the engine whose `train_step` is on its stack (lomo_ds's LomoEngine, the floor's FloorEngine, the
@@ -18,7 +18,7 @@ import re
 
 ENGINES = {  # a frame of the engine's train_step, as py-spy prints it: "function (file:line)"
     "lomo": re.compile(r"^(\w+\.)?train_step \(.*lomo_engine\.py"),
-    "deepspeed floor": re.compile(r"^(\w+\.)?train_step \(.*experiments/common\.py"),
+    "deepspeed floor": re.compile(r"^(\w+\.)?train_step \(.*benchmarks/common\.py"),
     "fsdp2": re.compile(r"^(\w+\.)?train_step \(.*bench_fsdp\.py"),
 }
 _LINE = re.compile(r":\d+\)$")

@@ -18,8 +18,8 @@ before torch loads), so the resident size follows live memory. The update and th
 chunked (lomo.update_chunk_elements, lomo.loss_chunk_logits set below the tiny model's largest
 parameter and logits), so both terms must stay flat as V grows.
 
-    python -m experiments.vocab_memory                       # V = 32k, 128k, 256k; SGD and AdaLomo
-    python -m experiments.vocab_memory --vocabs 32000 --optimizers sgd --json
+    python -m benchmarks.vocab_memory                       # V = 32k, 128k, 256k; SGD and AdaLomo
+    python -m benchmarks.vocab_memory --vocabs 32000 --optimizers sgd --json
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ MMAP_THRESHOLD = "65536"  # bytes: larger blocks are mmapped and unmapped on fre
 def _reexec_with_malloc_settings() -> None:
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "LOMO_DS_KEEP_FREED_MEMORY": "0"}
-        os.execve(sys.executable, [sys.executable, "-m", "experiments.vocab_memory", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.vocab_memory", *sys.argv[1:]], env)
 
 
 def _status_kib(key: str) -> int:

@@ -1,4 +1,4 @@
-"""The FSDP2 benchmark that ships with the project (experiments/bench_fsdp.py) end to end on a tiny
+"""The FSDP2 benchmark that ships with the project (benchmarks/bench_fsdp.py) end to end on a tiny
 model in the 2-rank launch: both engines do the same work (equal parameters after the same steps),
 every collective is counted, the memory passes are timed, and the report prints. It proves the code
 runs, not how fast it is."""
@@ -19,7 +19,7 @@ ARGS = ["--layers", "2", "--hidden", "64", "--vocab", "128", "--seq", "16", "--m
 
 @multi_rank(worlds=[2])
 def bench_fsdp_report() -> dict:
-    from experiments import bench_fsdp
+    from benchmarks import bench_fsdp
 
     out = {}
     for fetch in ("per-module", "per-layer"):
@@ -62,5 +62,5 @@ def test_bench_fsdp_same_work_and_every_collective(rank_results, fetch):
 
 
 def test_bench_fsdp_help():
-    out = help_text("experiments.bench_fsdp")
+    out = help_text("benchmarks.bench_fsdp")
     assert "--fetch" in out and "torchtune" in out, out

@@ -55,7 +55,7 @@ BENCH_ARGS = ["--preset", "tiny"]
 
 def bench_step_report(extra: tuple = ()) -> dict:
     """The benchmark's printed report on a 1-layer model (rank 0's; the other ranks print nothing)."""
-    from experiments import bench_step
+    from benchmarks import bench_step
 
     args = bench_step.parse_args(BENCH_ARGS + list(extra))
     base, times, parts, transports = bench_step.bench(args)
@@ -220,7 +220,7 @@ def test_a_group_of_another_size_is_refused(rank_results, world):
 
 
 def test_bench_step_prints_ratios_and_breakdown(rank_results):
-    """The step-time benchmark that ships with the project (experiments/bench_step.py) runs end to
+    """The step-time benchmark that ships with the project (benchmarks/bench_step.py) runs end to
     end: a tiny model on the 2-rank launch; it proves the code runs, not how fast it is."""
     out = ok(rank_results(2), bench_step)["stdout"]
     for row in ("floor", "lomo clipped", "lomo rs", "deepspeed sgd", "-> shared_memory", "-> reduce_scatter",
@@ -233,7 +233,7 @@ def test_bench_step_prints_ratios_and_breakdown(rank_results):
 def test_bench_step_flags_lomo_above_its_floor_loudly():
     """The summary's verdict: each LOMO engine of one backward against its own floor (lomo offload
     against floor offload), per-round ratios; above 1.10x, a banner naming it."""
-    from experiments import bench_step
+    from benchmarks import bench_step
 
     times = {"floor": [1.0, 2.0, 1.0], "lomo": [1.05, 2.1, 1.0], "lomo clipped": [1.8, 3.6, 1.8],
              "floor offload": [3.0, 3.0, 3.0], "lomo offload": [3.6, 3.3, 3.9]}

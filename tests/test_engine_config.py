@@ -443,7 +443,7 @@ SHIPPED = {  # config: its default rule, (LOMO's lr, clip, warm-up, schedule), (
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_configs_switch_rule_by_one_key(name):
     """The shipped configs carry both rules' recipes and switch by one key: AdaLomo by default where
-    the quality sweep put it ahead (experiments/RESULTS.md), plain LOMO one override away, each with
+    the quality sweep put it ahead (docs/results.md), plain LOMO one override away, each with
     its own lr, clipping, warm-up and schedule."""
     from lomo_ds.config.run import load_run_config
 

@@ -1,5 +1,5 @@
 """The planner's update and loss terms against what a whole engine step allocates in them
-(experiments/vocab_memory.py's counter), at two vocabulary sizes: equal within 10%, and flat in V."""
+(benchmarks/vocab_memory.py's counter), at two vocabulary sizes: equal within 10%, and flat in V."""
 import pytest
 
 from tests.ranks import multi_rank, ok
@@ -9,7 +9,7 @@ VOCABS = (1024, 8192)
 
 @multi_rank(worlds=[1])
 def vocab_terms() -> dict:
-    from experiments.vocab_memory import measure
+    from benchmarks.vocab_memory import measure
 
     # chunks below the largest slice (V x 32) and below the logits (V x 31 positions) at both sizes
     return {f"{opt}/{v}": measure(v, opt, hidden=32, layers=1, seq=32, update_chunk=4096, loss_chunk=8192)

@@ -4,7 +4,7 @@ LOCAL_SIZE as DeepSpeed's launcher sets it, the cores split between CPU ranks, a
 /dev/shm all-reduce buffers removed after the launch whatever its end.
 
     proc = run_local(["launch/train.py", "--config", "c.json"], nproc=2, timeout=600)
-    proc = run_local(["-m", "experiments.table2", "--worker"], nproc=2, timeout=600)   # a module
+    proc = run_local(["-m", "benchmarks.table2", "--worker"], nproc=2, timeout=600)   # a module
 """
 from __future__ import annotations
 

@@ -134,9 +134,9 @@ OPTIONS: tuple[DsOption, ...] = (
     DsOption("csv_monitor", REFUSED, _MONITOR, when_enabled="enabled"),
     DsOption("comet", REFUSED, _MONITOR, when_enabled="enabled"),
     DsOption("wall_clock_breakdown", REFUSED, "times DeepSpeed's step, which LOMO does not run; LOMO's breakdown is "
-             "experiments/bench_step.py; expected false", accepts=(False,)),
+             "benchmarks/bench_step.py; expected false", accepts=(False,)),
     DsOption("flops_profiler", REFUSED, "profiles through DeepSpeed's engine forward, which LOMO bypasses; time a "
-             "step with experiments/bench_step.py", when_enabled="enabled"),
+             "step with benchmarks/bench_step.py", when_enabled="enabled"),
     DsOption("amp", REFUSED, "apex AMP wraps DeepSpeed's optimizer: set fp16 or bf16", when_enabled="enabled",
              all_methods=True),
     DsOption("torch_autocast", REFUSED, "autocast inside DeepSpeed's engine forward, which LOMO bypasses: set fp16 "

@@ -154,7 +154,7 @@ def llama_size_of(path: str) -> str:
 
 def llama_model_paths(model_path_items: list[str] | None, model_root: str | None) -> dict[str, str]:
     """size -> HF folder, from `[SIZE=]PATH` items (size guessed from config.json when absent)
-    and a folder holding llama-7b, llama13b, 30b, ... (the experiments' --model-path/--model-root)."""
+    and a folder holding llama-7b, llama13b, 30b, ... (the benchmarks' --model-path/--model-root)."""
     paths = {}
     for item in model_path_items or []:
         size, sep, path = item.partition("=")

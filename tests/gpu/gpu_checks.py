@@ -37,7 +37,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lomo_ds
-from experiments.common import FloorEngine
+from benchmarks.common import FloorEngine
 from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.runtime import ds_compat
