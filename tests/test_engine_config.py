@@ -353,22 +353,22 @@ def test_table_covers_every_zero_key_of_the_installed_deepspeed():
 
 
 def test_readme_section_is_the_table():
-    readme = open(os.path.join(ROOT, "ds_configs", "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "configs.md")).read()
     section = readme.split("## DeepSpeed options\n", 1)[1].split("\n## ", 1)[0]
     assert ds_options.table_markdown() in section, \
-        "ds_configs/README.md is out of date: regenerate its section with ds_options.table_markdown()"
+        "docs/configs.md is out of date: regenerate its section with ds_options.table_markdown()"
 
 
 def test_readme_lomo_options_are_the_models():
-    """ds_configs/README.md's `lomo` reference is generated from LomoConfig, a description on every field."""
+    """docs/configs.md's `lomo` reference is generated from LomoConfig, a description on every field."""
     from lomo_ds.config.docs import options_markdown
 
     table = options_markdown()
     assert "| None |" not in table, "a lomo option has no description (Field(description=...))"
     assert table.count("\n") == 2 + sum(1 for _ in _all_fields(LomoConfig))
-    readme = open(os.path.join(ROOT, "ds_configs", "README.md")).read()
+    readme = open(os.path.join(ROOT, "docs", "configs.md")).read()
     section = readme.split("## `lomo` options\n", 1)[1].split("\n## ", 1)[0]
-    assert table in section, "ds_configs/README.md is out of date: regenerate its section with options_markdown()"
+    assert table in section, "docs/configs.md is out of date: regenerate its section with options_markdown()"
 
 
 def _all_fields(cls):

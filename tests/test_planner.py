@@ -358,7 +358,7 @@ def test_fetch_units_per_module_and_per_layer():
 @pytest.mark.parametrize("size", list(LLAMA))
 def test_shipped_configs_fetch_the_coarsest_that_fits(size):
     """Each shipped GPU config fetches one decoder layer per gather because the planner says that
-    still fits its GPUs (the reason ds_configs/README.md gives); per module where it would not."""
+    still fits its GPUs (the reason docs/configs.md gives); per module where it would not."""
     cfg = load_run_config(os.path.join(ROOT, "ds_configs", f"llama{size}.json"), check_files=False)
     run, gpus = run_spec_for(cfg), SHIPPED_GPUS[size]
     best = coarsest_fitting(LLAMA[size], run, gpus, 24.0)

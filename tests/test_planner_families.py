@@ -172,7 +172,7 @@ def test_eval_plan_counts_kv_cache_and_logits():
 @pytest.mark.parametrize("name, layer", [("llama3.1_8b_chat.json", "LlamaDecoderLayer"),
                                          ("qwen2.5_7b_chat.json", "Qwen2DecoderLayer")])
 def test_shipped_chat_configs_fit_the_gpus_they_name(name, layer, capsys):
-    """The configs name 1 x 24 GB (ds_configs/README.md): training and evaluation fit there."""
+    """The configs name 1 x 24 GB (docs/configs.md): training and evaluation fit there."""
     from lomo_ds.planning import inference
     from lomo_ds.recipe.train import print_eval_plan
 

@@ -1,5 +1,5 @@
 """The config sections' options as Markdown tables, generated from the fields' types, defaults and
-descriptions (ds_configs/README.md's "`lomo` options"; tests check the file holds the current table)."""
+descriptions (docs/configs.md's "`lomo` options"; tests check the file holds the current table)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from lomo_ds.config.schema import LomoConfig
 
 def options_markdown(cls: type[BaseModel] = None, prefix: str = "lomo") -> str:
     """Every option of a config section (default: the `lomo` section), nested sections included, as
-    the Markdown table of ds_configs/README.md's "`lomo` options"."""
+    the Markdown table of docs/configs.md's "`lomo` options"."""
     cls = cls or LomoConfig
     rows = ["| key | type | default | what it does |", "|---|---|---|---|"] if prefix == "lomo" else []
     for name, field in cls.model_fields.items():

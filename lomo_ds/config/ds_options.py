@@ -1,5 +1,5 @@
 """What LOMO does with each DeepSpeed option: one table, read by the config validator and
-printed into ds_configs/README.md ("DeepSpeed options").
+printed into docs/configs.md ("DeepSpeed options").
 
 LOMO replaces DeepSpeed's optimizer, its gradient reduction and its loss scaler; it keeps
 DeepSpeed's ZeRO-3 parameter partitioning and gathering. So every option is one of:
@@ -267,7 +267,7 @@ def option(dotted_key: str) -> DsOption | None:
 
 
 def table_markdown() -> str:
-    """The table as the Markdown of ds_configs/README.md's "DeepSpeed options" section."""
+    """The table as the Markdown of docs/configs.md's "DeepSpeed options" section."""
     rows = ["| key | LOMO | why |", "|---|---|---|"]
     for o in OPTIONS:
         key = f"`{o.key}`" + "".join(f" (`{a}`)" for a in o.aliases)

@@ -300,7 +300,7 @@ def _check_deepspeed_keys(ds: dict) -> None:
     mistakes: a misspelt section of ours, and comment keys."""
     for key in sorted(ds):
         if key.startswith("_"):
-            raise ConfigError(f"{key}: unknown key (JSON has no comments; explanations go in ds_configs/README.md)")
+            raise ConfigError(f"{key}: unknown key (JSON has no comments; explanations go in docs/configs.md)")
         near = difflib.get_close_matches(key.lower(), [*SECTIONS, "lomo"], n=1, cutoff=0.75)
         if near:
             raise ConfigError(f"{key}: unknown key; did you mean {near[0]!r}?")
