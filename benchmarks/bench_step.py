@@ -28,7 +28,7 @@ LOMO offload against its own floor.
 
 The summary flags, loudly, any LOMO engine of one backward (lomo, lomo rs; lomo offload against
 floor offload) above 1.10x its floor: the extra a fused update may cost. Above it, look for host
-syncs in the backward or an update that does not overlap with it (issue 17 items 7 and 8).
+syncs in the backward or an update that does not overlap with it.
 
 --accumulation K: every engine's step is K micro-batches (LOMO's shard accumulator, DeepSpeed's own
 accumulation) and the floor's is K floor micro-steps; the report adds clipped / unclipped per round
@@ -216,7 +216,7 @@ def summary(times: dict[str, list[float]]) -> list[str]:
         lines += [bar, f"!!! LOMO ABOVE {FLAG_ABOVE:.2f}x ITS FLOOR: " + ", ".join(
             f"{name} {ratio:.3f}x {floor}" for name, (floor, ratio) in over.items()),
             "!!! look for host syncs in the backward or an update that does not overlap with it "
-            "(issue 17 items 7 and 8; the breakdown above)", bar]
+            "(the breakdown above)", bar]
     elif held:
         lines.append(f"LOMO within {FLAG_ABOVE:.2f}x its floor: OK")
     return lines

@@ -376,7 +376,7 @@ def stage2_rows(results: dict[tuple[str, str | None], list[tuple]]) -> list[dict
 
 
 def goals(rows: list[dict]) -> list[str]:
-    """The issue's goals on the 9-run means: LOMO >= AdamW - 2, AdaLomo >= AdamW."""
+    """The benchmark's goals on the 9-run means: LOMO >= AdamW - 2, AdaLomo >= AdamW."""
     by = {r["method"]: r for r in rows if r["label"] is None and r["mean"] is not None and r["runs"] == r["planned"]}
     if "adamw" not in by:
         return ["Goals: not judged yet (AdamW's stage 2 has not finished)."]

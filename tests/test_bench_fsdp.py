@@ -49,7 +49,7 @@ def test_bench_fsdp_same_work_and_every_collective(rank_results, fetch):
     assert ops["lomo"]["reduce_scatter"]["calls"] == r["buckets"]  # the shared-memory posts
     assert ops["lomo"]["reduce_scatter"]["bytes"] == ops["lomo rs"]["reduce_scatter"]["bytes"]
     assert ops["lomo rs"]["all_gather_into_tensor"]["calls"] > 0
-    # The issue's bound: no more collectives than FSDP2's plus one per bucket.
+    # The bound: no more collectives than FSDP2's plus one per bucket.
     assert calls["lomo rs"] <= calls["fsdp2 sgd"] + r["buckets"], calls
     # The memory passes are timed (CPU ranks), with the kernels lomo itself runs.
     from lomo_ds.engine import cpu_kernels

@@ -402,7 +402,7 @@ def test_accumulator_rows(capsys, tmp_path):
         e = estimate(model, "lomo", 8, replace(shipped_run("7b"), accumulation=4, accumulate_dtype=dtype))
         assert e.accumulator == a * shard and not e.accumulator_on_host
         assert e.grads - base.grads == e.accumulator and e.total - base.total == e.accumulator
-    assert 3.0 < a * shard / 1e9 * 2 < 3.7  # the figure: 7B on 8 GPUs, about 3.5 GB of fp32 per GPU
+    assert 3.0 < a * shard / 1e9 * 2 < 3.7  # the expected figure: 7B on 8 GPUs, about 3.5 GB of fp32 per GPU
     host = estimate(model, "lomo", 8, replace(shipped_run("7b"), accumulation=4, accumulate_on_host=True))
     assert host.total == base.total and host.host == 8 * 4 * shard and host.accumulator_on_host
     off = estimate(model, "lomo", 8, replace(shipped_run("7b"), accumulation=4, offload=True))
