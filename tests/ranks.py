@@ -141,8 +141,8 @@ def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | Non
 
     proc = run()
     if proc.returncode != 0 and RANK_ABORT in proc.stderr:
-        # A rank has (rarely, not reproduced in isolation) died in C++ with this message on the
-        # 2-core CI machine; it is an open bug, so it is reported, and the launch is retried once:
+        # A rank has (rarely, not reproduced in isolation) died in C++ with this message under a
+        # loaded CI machine; it is an open bug, so it is reported, and the launch is retried once:
         # a second abort, or any other failure, fails the test.
         warnings.warn(f"{program[:2]} on {nproc} ranks: a rank aborted ({RANK_ABORT!r}); retrying once", stacklevel=2)
         proc = run()
