@@ -79,9 +79,9 @@ def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group=None, na
 def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group, name: str = "gradient bucket"):
     """Start the reduce-scatter and return its handle; `handle.wait()` before reading `output`.
 
-    On gloo (CPU ranks) the same collective is issued in its list form: gloo implements the flat
-    reduce_scatter_tensor on top of it, with an extra pass over the input. Elsewhere (NCCL) the
-    flat form is the native one: the list form would copy the input first."""
+    On gloo (CPU ranks) the same collective is issued in its list form, which gloo completes
+    sooner than its flat reduce_scatter_tensor for bucket-sized inputs. Elsewhere (NCCL) the flat
+    form is the fast one: the list form would copy the input first."""
     dist = _comm()
     device = group_device(group)
     check_device(input, device, f"{name} (reduce-scatter input)")
