@@ -7,7 +7,7 @@ beside it asserts on them.
 
 How to add a multi-rank check
 -----------------------------
-In the test module that asserts on it (tests/test_*.py; tests/test_buckets.py is an example):
+In the test module that asserts on it (tests/<package>/test_*.py; tests/engine/test_buckets.py is an example):
 
     from tests.ranks import multi_rank, ok
 
@@ -26,7 +26,7 @@ In the test module that asserts on it (tests/test_*.py; tests/test_buckets.py is
   process no check has used yet). `work_dir()` is a folder the launch may write into.
 - A check that raises is recorded with its traceback; `ok` fails the test with it, the others still run.
 - Keep each check to a few seconds: the launch records what each took under "_seconds".
-- `pytest tests/test_buckets.py` launches only that module's checks; LOMO_CHECKS=key,key (keys
+- `pytest tests/engine/test_buckets.py` launches only that module's checks; LOMO_CHECKS=key,key (keys
   "test_buckets/sgd_shared_memory", or a module "test_buckets/") narrows any launch further.
 
 The launch (`python -m tests.ranks OUT.json MODULE...`) imports the modules that declared checks

@@ -4,7 +4,7 @@ is adding one entry.
 A task is classification into candidate answers (the MeZO protocol the LOMO paper follows): its
 prompt is followed by an answer word, the loss is on the answer tokens and EOS, and evaluation
 scores every candidate by its mean token log-probability. The prompts are MeZO's (Malladi et al.
-2023), byte for byte: tests/test_data.py pins them.
+2023), byte for byte: tests/data/test_data.py pins them.
 
   SuperGLUE    rte boolq wsc (wsc.fixed) wic multirc copa: from the hub, or local JSONL/Parquet of
                the same schema

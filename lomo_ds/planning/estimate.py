@@ -40,7 +40,7 @@ Model states
   for 65B, against 0.36 GB for its largest Linear). Fewer, larger gathers cost less host time
   (fetch_units() lists them; format_plan prints W under each granularity). Not modelled: leaves
   made by the threshold go through DeepSpeed's fast leaf fetch, which was measured keeping about
-  three times the working set above gathered on a small model (tests/test_planner.py); the
+  three times the working set above gathered on a small model (tests/planning/test_planner.py); the
   shipped configs name their leaves (leaf_module.classes), where the measured peak matches W.
   LOMO grads   b max_p                        N = 1: the one gradient alive at a time (the largest
                                               parameter: the embedding / LM head)
@@ -124,8 +124,8 @@ Activations (bytes autograd saves in the forward; what lomo_ds.runtime.memory.Ac
 
 The total is a conservative peak: model states + forward activations (+ recompute) + the update's
 temporaries, all at once. `accounted` is the same without the recompute and update terms: what the
-engines' accounting (the MemoryTracker peak + the saved-tensor count) measures, and what tests/test_planner.py compares
-against measured runs.
+engines' accounting (the MemoryTracker peak + the saved-tensor count) measures, and what
+tests/planning/test_planner.py compares against measured runs.
 """
 from __future__ import annotations
 
@@ -182,7 +182,8 @@ def layer_activation_bytes(m: ModelSpec, run: RunSpec) -> float:
 
 
 def family_layer_bytes(m: ModelSpec, run: RunSpec) -> float:
-    """What a family's decoder layer saves beyond LLaMA's (measured on tiny models, tests/test_planner_families.py):
+    """What a family's decoder layer saves beyond LLaMA's (measured on tiny models,
+    tests/planning/test_planner_families.py):
       (norms - 2) T h (4 + b)     more norms per layer (Gemma 2, 3: four)
     + T (H + K) d (4 + b)         RMSNorm of each head's q and k (Qwen3, OLMo-2, Gemma 3)
     + 4 B H S^2                   tanh soft-capping of the fp32 attention scores (Gemma 2)

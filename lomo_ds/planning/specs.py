@@ -25,17 +25,17 @@ GPU_COUNTS = (1, 2, 4, 8)
 
 
 # Buckets staged ahead of the host-update worker (engine/host_updates.py MAX_STAGED; not imported:
-# the planner runs without torch's engine modules loaded). tests/test_planner.py checks they agree.
+# the planner runs without torch's engine modules loaded). tests/planning/test_planner.py checks they agree.
 HOST_STAGED_BUCKETS = 4
 
 
 # The largest safetensors file the export writes (storage/checkpoint.py MAX_SHARD_SIZE; not imported:
-# planning sits below storage; tests/test_planner.py checks they agree).
+# planning sits below storage; tests/planning/test_planner.py checks they agree).
 EXPORT_FILE_BYTES = 5 * 10**9
 
 
 # The model types whose output head the chunked loss knows (engine/chunked_loss.py HEADS, by
-# transformers' model_type; not imported: planning sits below the engine; tests/test_planner.py
+# transformers' model_type; not imported: planning sits below the engine; tests/planning/test_planner.py
 # checks they agree). Any other model keeps its own loss, fp32 logits of every position.
 CHUNKED_LOSS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 
@@ -113,7 +113,7 @@ LLAMA = {
 
 
 # Micro-batch per GPU of each shipped config (ds_configs/llama<size>.json): the paper's global batch
-# of 16 over the GPU count Table 2 gives the size. tests/test_planner.py checks these against the files.
+# of 16 over the GPU count Table 2 gives the size. tests/planning/test_planner.py checks these against the files.
 SHIPPED_MICRO_BATCH = {"7b": 16, "13b": 8, "30b": 4, "65b": 2}
 
 

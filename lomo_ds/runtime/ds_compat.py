@@ -2,7 +2,7 @@
 
 These are private names of DeepSpeed's ZeRO-3 (tested with the range pinned in pyproject.toml).
 `check_internals()` fails loudly, naming what moved, if a DeepSpeed release changes them;
-tests/test_ds_compat.py runs it.
+tests/runtime/test_ds_compat.py runs it.
 """
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ def test_family_matches_sgd_with_clipping(rank_results, check):
 
 # ----------------------------------------------------------------------------- AdaLomo on stacked experts
 def run_public_stacked(model, steps: int, **kw):
-    """lomo-optim's AdaLomo as its trainer drives it (tests/test_adalomo.py's run_public), its
+    """lomo-optim's AdaLomo as its trainer drives it (tests/engine/test_adalomo.py's run_public), its
     state of each stacked tensor allocated in the shapes its update reduces to (rows [E, R],
     columns [E, C]): lomo-optim allocates rows [E] and columns [R] for any tensor of more than
     one dimension, which its own update then cannot add into."""

@@ -12,7 +12,7 @@ import pytest
 from lomo_ds.config.tasks import SUPERGLUE_TASKS
 from tests.module_help import help_text
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TASKS = SUPERGLUE_TASKS
 
 

@@ -17,7 +17,7 @@ from lomo_ds.config.overrides import parse_override_args
 from lomo_ds.config.run import BUILTIN_MODEL_GGUF, RunConfig, load_run_config, resolve_model_source
 from lomo_ds.config.schema import LomoConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))  # every shipped config
 MIN = {"model": {"path": "m"}, "lomo": {"lr": 0.03}}
 

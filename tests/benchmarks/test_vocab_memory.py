@@ -37,7 +37,7 @@ def test_the_docs_table_is_the_planners():
 
     from lomo_ds.planning.tables import format_models_table
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     configs = sorted(glob.glob(os.path.join(root, "docs", "models", "*.json")))
     assert len(configs) == 6
     table = format_models_table(configs, [2048, 4096])

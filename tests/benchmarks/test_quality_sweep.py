@@ -15,7 +15,7 @@ import yaml
 from lomo_ds.config.run import load_run_config
 from tests.module_help import help_text
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 built on the meta device (its decoder-layer class, head_dim, tied embeddings, biases, stacked MoE
 experts), leaf_module "auto" resolved as lomo_ds resolves it, AdaLomo's factored expert state, and
 its per-GPU figure against the memory the engine measures on tiny Qwen2, Gemma 2 and Mixtral
-models (1 and 2 ranks, within 10%, as tests/test_planner.py does for LLaMA)."""
+models (1 and 2 ranks, within 10%, as tests/planning/test_planner.py does for LLaMA)."""
 from __future__ import annotations
 
 import math

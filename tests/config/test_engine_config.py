@@ -9,7 +9,7 @@ from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.lomo import load_config
 from lomo_ds.config.schema import LomoConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_defaults_and_split():

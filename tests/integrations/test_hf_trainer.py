@@ -157,5 +157,6 @@ def test_table_is_generated_and_complete():
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     assert [f.name for f in FIELDS if f.name not in names] == []
-    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "training_arguments.md")) as f:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "training_arguments.md")) as f:
         assert options_markdown() in f.read()

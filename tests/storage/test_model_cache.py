@@ -57,7 +57,8 @@ def test_the_builtin_model_loads_from_its_converted_copy(tmp_path, monkeypatch):
 
     from lomo_ds.config.run import load_run_config, resolve_model_source
 
-    cfg = load_run_config(os.path.join(os.path.dirname(os.path.dirname(__file__)), "ds_configs", "cpu_default.json"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_run_config(os.path.join(root, "ds_configs", "cpu_default.json"))
     source, gguf = resolve_model_source(cfg.model.path, cfg.model.gguf_file)
     cached = models._cache_dir("models", source, gguf)
     models._convert_once(cached, "config.json", lambda folder: models._save_gguf_model(source, gguf, folder), 0, None)

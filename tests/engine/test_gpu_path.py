@@ -27,7 +27,7 @@ from lomo_ds.runtime import dist, ds_compat
 from tests.dist_engine_checks import assert_reduction_overflow_skips, check_reduction_overflow
 from tests.ranks import multi_rank, multi_rank_checks, ok
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 class FakeEvent:
@@ -93,7 +93,7 @@ def fake_accelerator(monkeypatch):
 def test_each_rank_gets_its_own_device_before_anything_reads_it(fake_accelerator, monkeypatch):
     """With a plain model nothing but lomo_ds sets the device: rank 1 must get device 1, once the
     process group has started (DeepSpeed binds NCCL to LOCAL_RANK's device itself, and under an MPI
-    launcher its start is what sets LOCAL_RANK: tests/test_device.py)."""
+    launcher its start is what sets LOCAL_RANK: tests/runtime/test_device.py)."""
     monkeypatch.setenv("LOCAL_RANK", "1")
     started = []
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: bool(started))
