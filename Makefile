@@ -38,7 +38,7 @@ demo: .installed
 lint: .installed
 	$(PYTHON) .ci/check_sizes.py
 	$(PYTHON) -m ruff check .
-	lint-imports
+	$(PYTHON) -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
 
 # The chat demo: LOMO teaches the built-in model an answer format it does not use zero-shot
 # (lomo_ds/data/builtin/chat, tools/make_chat_task.py); prints exact match before and after and
