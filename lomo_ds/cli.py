@@ -12,8 +12,17 @@ registered in `_SUBCOMMANDS`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import asdict, replace
+
+from lomo_ds.config.errors import ConfigError
+from lomo_ds.config.run import load_run_config
+from lomo_ds.planning import planner
+from lomo_ds.planning.tables import format_models_table
+from lomo_ds.recipe import generate, train
+from lomo_ds.recipe.train import print_eval_plan
 
 
 def _add_plan(sub) -> None:
@@ -23,7 +32,7 @@ def _add_plan(sub) -> None:
                                    "smallest GPU count that fits; with --offload, LOMO with its parameters in "
                                    "host RAM and the RAM that needs. Defaults are the shipped configs' "
                                    "(ds_configs/llama*.json); every plan prints its assumptions. "
-                                   "Formulas: lomo_ds/planning/planner.py.")
+                                   "Formulas: lomo_ds/planning/estimate.py.")
     p.add_argument("--model", default=None,
                    help="7b|13b|30b|65b (LLaMA, with its shipped config's settings), an HF config.json (or its "
                         "folder), or a run config; without it, a summary for every LLaMA size")
@@ -63,11 +72,6 @@ def _plan_overrides(args) -> dict:
 
 def _make_plan(args):
     """A Plan for --model, or None for the all-sizes summary. Raises ValueError / ConfigError."""
-    from dataclasses import replace
-
-    from lomo_ds.config.run import load_run_config
-    from lomo_ds.planning import planner
-
     overrides = _plan_overrides(args)
     counts = set(planner.GPU_COUNTS) | ({args.gpus} if args.gpus else set())
     if args.model is None:
@@ -85,15 +89,7 @@ def _make_plan(args):
 
 
 def _run_plan(args) -> int:
-    import json
-    from dataclasses import asdict
-
-    from lomo_ds.config.lomo import ConfigError
-    from lomo_ds.planning import planner
-
     if args.models:
-        from lomo_ds.planning.tables import format_models_table
-
         extra = {k: v for k, v in _plan_overrides(args).items() if k not in ("seq", "offload")}
         try:
             seqs = [int(x) for x in args.seqs.split(",")]
@@ -130,9 +126,6 @@ def _run_plan(args) -> int:
         return 0
     print(planner.format_plan(p, args.gpus))
     if os.path.isfile(args.model) and planner.hf_config_path(args.model) is None:
-        from lomo_ds.config.run import load_run_config
-        from lomo_ds.recipe.train import print_eval_plan
-
         print_eval_plan(load_run_config(args.model, check_files=False), p, args.gpus)
     if args.gpus:
         print()
@@ -144,8 +137,6 @@ def _run_plan(args) -> int:
 
 
 def _add_train(sub) -> None:
-    from lomo_ds.recipe import train
-
     p = sub.add_parser("train", help="fine-tune a model as one run config describes (lomo_ds/recipe/train.py)",
                        description=train.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_arguments(p)
@@ -153,14 +144,10 @@ def _add_train(sub) -> None:
 
 
 def _add_generate(sub) -> None:
-    from lomo_ds.recipe import generate
-
     generate.add_generate(sub)
 
 
 def _add_chat(sub) -> None:
-    from lomo_ds.recipe import generate
-
     generate.add_chat(sub)
 
 

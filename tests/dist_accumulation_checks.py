@@ -1,4 +1,4 @@
-"""What the multi-rank gradient accumulation checks build and measure; tests/test_accumulation.py
+"""What the multi-rank gradient accumulation checks build and measure; tests/engine/test_accumulation.py
 declares them (tests/ranks.py runs them in one launch per world size) and asserts on rank 0's
 figures. The reference is single-process:
 torch.optim.SGD (or the reference AdaLomo) stepping once on the whole window, the K micro-batches

@@ -1,4 +1,4 @@
-"""What the multi-rank AdaLomo checks build and measure; tests/test_adalomo.py declares them
+"""What the multi-rank AdaLomo checks build and measure; tests/engine/test_adalomo.py declares them
 (tests/ranks.py runs them in one launch per world size) and asserts on rank 0's figures."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the multi-rank checks of the reduce-scatter buckets build and measure; tests/test_buckets.py
+"""What the multi-rank checks of the reduce-scatter buckets build and measure; tests/engine/test_buckets.py
 declares them (tests/ranks.py runs them in one launch per world size) and asserts on rank 0's figures."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the multi-rank engine checks build and measure; tests/test_engine_dist.py declares them
+"""What the multi-rank engine checks build and measure; tests/engine/test_engine_dist.py declares them
 (tests/ranks.py runs them in one launch per world size) and asserts on their figures. Every check
 builds a fresh engine, runs it, and rank 0's figures go to the pytest side."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the multi-rank Trainer / SFTTrainer checks build and measure; tests/test_hf_trainer.py
+"""What the multi-rank Trainer / SFTTrainer checks build and measure; tests/integrations/test_hf_trainer.py
 declares them (tests/ranks.py runs them in one launch per world size) and asserts on rank 0's figures.
 
 The references are single-process: torch.optim.SGD (or the reference AdaLomo) stepping once per

@@ -1,6 +1,6 @@
 """Every training method on this launch's ranks, through lomo_ds.methods.build_engine: the
 interface and memory breakdown, resume (k steps, save, a fresh engine loads, N-k more == N steps
-straight), and LoRA+LOMO's adapter gradients with two backward passes. tests/test_baselines.py
+straight), and LoRA+LOMO's adapter gradients with two backward passes. tests/methods/test_baselines.py
 declares them as multi-rank checks (tests/ranks.py) and asserts on the figures."""
 import os
 import tempfile

@@ -7,7 +7,7 @@ beside it asserts on them.
 
 How to add a multi-rank check
 -----------------------------
-In the test module that asserts on it (tests/test_*.py; tests/test_buckets.py is an example):
+In the test module that asserts on it (tests/<package>/test_*.py; tests/engine/test_buckets.py is an example):
 
     from tests.ranks import multi_rank, ok
 
@@ -26,7 +26,7 @@ In the test module that asserts on it (tests/test_*.py; tests/test_buckets.py is
   process no check has used yet). `work_dir()` is a folder the launch may write into.
 - A check that raises is recorded with its traceback; `ok` fails the test with it, the others still run.
 - Keep each check to a few seconds: the launch records what each took under "_seconds".
-- `pytest tests/test_buckets.py` launches only that module's checks; LOMO_CHECKS=key,key (keys
+- `pytest tests/engine/test_buckets.py` launches only that module's checks; LOMO_CHECKS=key,key (keys
   "test_buckets/sgd_shared_memory", or a module "test_buckets/") narrows any launch further.
 
 The launch (`python -m tests.ranks OUT.json MODULE...`) imports the modules that declared checks
@@ -133,7 +133,7 @@ def one_launch():
 def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | None = None, cpu: bool = True):
     """Run `program` (a script, or "-m" and a module) on `nproc` ranks (CPU ranks unless `cpu` is
     False: one GPU each); fail with its log if it fails."""
-    from lomo_ds.runtime.launch import run_local
+    from tools.launch_local import run_local
 
     def run():
         with one_launch():
@@ -141,8 +141,8 @@ def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | Non
 
     proc = run()
     if proc.returncode != 0 and RANK_ABORT in proc.stderr:
-        # A rank has (rarely, not reproduced in isolation) died in C++ with this message on the
-        # 2-core CI machine; it is an open bug, so it is reported, and the launch is retried once:
+        # A rank has (rarely, not reproduced in isolation) died in C++ with this message under a
+        # loaded CI machine; it is an open bug, so it is reported, and the launch is retried once:
         # a second abort, or any other failure, fails the test.
         warnings.warn(f"{program[:2]} on {nproc} ranks: a rank aborted ({RANK_ABORT!r}); retrying once", stacklevel=2)
         proc = run()

@@ -6,7 +6,7 @@ The ranks start under the config's lomo.collective_timeout (a loaded machine may
 apart); once every rank is up, the default group's timeout becomes TIMEOUT_SECONDS. With
 TIMEOUT_SECONDS shorter than WRITE_SECONDS the run passes only if the other ranks wait for rank 0's
 writes under output.io_timeout (lomo_ds.runtime.dist.io_barrier), not in a collective.
-tests/test_train.py runs it on 2 CPU ranks, tests/gpu on GPUs."""
+tests/recipe/test_train.py runs it on 2 CPU ranks, tests/gpu on GPUs."""
 from __future__ import annotations
 
 import os

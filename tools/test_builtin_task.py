@@ -3,7 +3,7 @@ holds out what it says."""
 import json
 import os
 
-from lomo_ds.data.tasks import BUILTIN_DIR
+from lomo_ds.config.tasks import BUILTIN_DIR
 from tools import make_builtin_task as gen
 
 HELDOUT_DIR = os.path.join(BUILTIN_DIR, "heldout")

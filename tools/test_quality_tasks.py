@@ -14,8 +14,9 @@ from collections import Counter, defaultdict
 import pytest
 
 from lomo_ds.config.run import load_run_config
-from lomo_ds.data import loading as D
-from lomo_ds.data.tasks import BUILTIN_DIR, QUALITY_TASKS, TASKS
+from lomo_ds.config.tasks import BUILTIN_DIR, QUALITY_TASKS, TASKS
+from lomo_ds.data.examples import format_example
+from lomo_ds.data.io import load_split, read_jsonl
 
 SIZES = {"train": 2000, "validation": 500, "heldout": 500}
 # The packages each generator imports (tools/make_<name>_task.py).
@@ -27,7 +28,7 @@ SHORTCUT_LIMIT = 0.56
 
 
 def _read(task: str, split: str) -> list[dict]:
-    return [r for r, _ in D.read_jsonl(os.path.join(BUILTIN_DIR, task, f"{split}.jsonl"))]
+    return [r for r, _ in read_jsonl(os.path.join(BUILTIN_DIR, task, f"{split}.jsonl"))]
 
 
 def _word(r: dict) -> str:
@@ -60,15 +61,15 @@ def test_task_loads_through_the_registry_with_boolq_prompt(task):
     for eval_split in ("validation", "heldout"):
         cfg = load_run_config({"model": {"path": "x"}, "lomo": {"lr": 0.03}, "data": {"task": task},
                                "eval": {"split": eval_split}})
-        train = D.load_split(cfg.data, "train", cfg.eval.split)
-        evaluated = D.load_split(cfg.data, "eval", cfg.eval.split)
+        train = load_split(cfg.data, "train", cfg.eval.split)
+        evaluated = load_split(cfg.data, "eval", cfg.eval.split)
         assert len(train) == SIZES["train"] and len(evaluated) == SIZES[eval_split]
         assert evaluated == _read(task, eval_split)  # the split asked for, not another one
     r = train[0]
-    ex = D.format_example(task, r)
+    ex = format_example(task, r)
     assert ex.prompt == f'{r["passage"]} {r["question"]}\n'
     assert ex.candidates == ["Yes", "No"]
-    assert [D.format_example(task, x).label for x in train[:50]] == [0 if x["label"] == 1 else 1 for x in train[:50]]
+    assert [format_example(task, x).label for x in train[:50]] == [0 if x["label"] == 1 else 1 for x in train[:50]]
 
 
 @pytest.mark.parametrize("task", sorted(QUALITY_TASKS))

@@ -1,5 +1,5 @@
 """What LOMO does with each DeepSpeed option: one table, read by the config validator and
-printed into ds_configs/README.md ("DeepSpeed options").
+printed into docs/configs.md ("DeepSpeed options").
 
 LOMO replaces DeepSpeed's optimizer, its gradient reduction and its loss scaler; it keeps
 DeepSpeed's ZeRO-3 parameter partitioning and gathering. So every option is one of:
@@ -134,9 +134,9 @@ OPTIONS: tuple[DsOption, ...] = (
     DsOption("csv_monitor", REFUSED, _MONITOR, when_enabled="enabled"),
     DsOption("comet", REFUSED, _MONITOR, when_enabled="enabled"),
     DsOption("wall_clock_breakdown", REFUSED, "times DeepSpeed's step, which LOMO does not run; LOMO's breakdown is "
-             "experiments/bench_step.py; expected false", accepts=(False,)),
+             "benchmarks/bench_step.py; expected false", accepts=(False,)),
     DsOption("flops_profiler", REFUSED, "profiles through DeepSpeed's engine forward, which LOMO bypasses; time a "
-             "step with experiments/bench_step.py", when_enabled="enabled"),
+             "step with benchmarks/bench_step.py", when_enabled="enabled"),
     DsOption("amp", REFUSED, "apex AMP wraps DeepSpeed's optimizer: set fp16 or bf16", when_enabled="enabled",
              all_methods=True),
     DsOption("torch_autocast", REFUSED, "autocast inside DeepSpeed's engine forward, which LOMO bypasses: set fp16 "
@@ -267,7 +267,7 @@ def option(dotted_key: str) -> DsOption | None:
 
 
 def table_markdown() -> str:
-    """The table as the Markdown of ds_configs/README.md's "DeepSpeed options" section."""
+    """The table as the Markdown of docs/configs.md's "DeepSpeed options" section."""
     rows = ["| key | LOMO | why |", "|---|---|---|"]
     for o in OPTIONS:
         key = f"`{o.key}`" + "".join(f" (`{a}`)" for a in o.aliases)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING
 
-from lomo_ds.config.lomo import ConfigError
+from lomo_ds.config.errors import ConfigError
 
 if TYPE_CHECKING:  # loading a config imports no torch
     import torch

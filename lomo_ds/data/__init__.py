@@ -1,2 +1,3 @@
-"""Data: the task registry (tasks.py), and loading, tokenization and order (loading.py); the
-built-in tasks' files in builtin/."""
+"""Data: a run's datasets (loading.py), from records (io.py) through tokens (examples.py, chat.py) to
+packed rows, batches and their order (packing.py, collate.py, order.py); the tasks themselves are the
+registry in lomo_ds/config/tasks.py, their shipped files in builtin/."""

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from lomo_ds.data.errors import DataError
+from lomo_ds.data.io import load_rows, sample_indices
+from lomo_ds.data.packing import finish_train_split
+from lomo_ds.data.types import Datasets, check_some_left
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -243,14 +246,12 @@ def encode_prompt(chat: ChatFormat, messages: list[dict], budget: int) -> tuple[
 # ----------------------------------------------------------------------------- a run's chat data
 
 def build_chat_datasets(run_cfg, tokenizer):
-    """The chat task's Datasets (lomo_ds.data.loading): training examples, eval examples (their
+    """The chat task's Datasets (lomo_ds.data.types): training examples, eval examples (their
     loss), and eval prompts to answer by generation (eval.generate_samples of them).
 
     stats, per split: records read, kept, truncated (earliest turns dropped) and dropped (too long
     even then), and the conversation turns dropped; nothing is left out without being counted.
     """
-    from lomo_ds.data.loading import Datasets, check_some_left, finish_train_split, load_rows, sample_indices
-
     d, t = run_cfg.data, run_cfg.tokenizer
     chat = chat_format(tokenizer, t.chat_template)
     stats: dict[str, Any] = {"task": d.task, "end_of_turn_token": tokenizer.convert_ids_to_tokens(chat.end_of_turn_id)}

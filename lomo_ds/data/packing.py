@@ -19,7 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lomo_ds.data.loading import collate, epoch_order
+from lomo_ds.data.collate import collate
+from lomo_ds.data.order import epoch_order
+from lomo_ds.data.types import Datasets
 
 # Length grouping sorts within mega-batches of this many global batches, then shuffles the batches:
 # a large window pads less, a small one keeps the epoch's order more random.
@@ -90,8 +92,20 @@ def length_grouped_order(lengths: list[int], seed: int, epoch: int, global_batch
 
 
 def train_order(data, seed: int, epoch: int, global_batch: int) -> list[int]:
-    """The epoch's order of data.train (lomo_ds.data.loading.Datasets): grouped by length for
+    """The epoch's order of data.train (lomo_ds.data.types.Datasets): grouped by length for
     chat/instruction data that is not packed, the plain permutation otherwise."""
     if data.group_by_length:
         return length_grouped_order([len(e["input_ids"]) for e in data.train], seed, epoch, global_batch)
     return epoch_order(len(data.train), seed, epoch)
+
+
+def finish_train_split(data: Datasets, run_cfg) -> None:
+    """Pack the training examples (data.packing) or else group their batches by length."""
+    if run_cfg.data.packing:
+        n = len(data.train)
+        data.train = pack(data.train, run_cfg.tokenizer.max_length, run_cfg.data.seed)
+        data.packed = True
+        data.stats["train_packed_rows"] = len(data.train)
+        data.stats["train_examples_packed"] = n
+    else:
+        data.group_by_length = True

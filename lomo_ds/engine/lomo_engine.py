@@ -58,7 +58,6 @@ from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.engine.precision import DynamicLossScaler
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.engine.shm_all_reduce import SharedMemoryAllReduce
-from lomo_ds.planning.memory import MemoryTracker
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, capture_rng, move_batch, restore_rng
 from lomo_ds.runtime.dist import (
@@ -69,6 +68,7 @@ from lomo_ds.runtime.dist import (
     loss_of,
     sum_over_ranks,
 )
+from lomo_ds.runtime.memory import MemoryTracker
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -15,8 +15,10 @@ import math
 from typing import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
-from lomo_ds.data.loading import EvalExample, collate
+from lomo_ds.data.collate import collate
+from lomo_ds.data.types import EvalExample
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, group_device, move_batch
 from lomo_ds.runtime.dist import all_reduce_sum
@@ -79,8 +81,6 @@ def mean_logprob(logits: torch.Tensor, ids: list[int], start: int) -> float:
 
 def _calls(n_calls: int, progress: bool):
     """range(n_calls), shown as a progress bar like training's when `progress` (rank 0)."""
-    from tqdm import tqdm
-
     return tqdm(range(n_calls), desc="eval", disable=not progress, dynamic_ncols=True, leave=False)
 
 

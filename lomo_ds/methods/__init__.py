@@ -17,6 +17,10 @@ import torch
 
 from lomo_ds.config.run import METHODS, RunConfig
 from lomo_ds.methods.base import Engine, MethodEngine
+from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
+from lomo_ds.methods.lomo import LomoMethodEngine
+from lomo_ds.methods.lora import LoraLomoEngine, apply_lora
+from lomo_ds.methods.zero_shot import ZeroShotEngine
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> Engine:
@@ -25,15 +29,9 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
     if method not in METHODS:
         raise ValueError(f"train.method: expected one of {list(METHODS)}, got {method!r}")
     if method == "lomo":
-        from lomo_ds.methods.lomo import LomoMethodEngine
-
         return LomoMethodEngine(model, cfg.ds, cfg.lomo, total_steps, cfg.precision)
     if method == "zero_shot":
-        from lomo_ds.methods.zero_shot import ZeroShotEngine
-
         return ZeroShotEngine(model, cfg.ds, param_gather=cfg.lomo.param_gather)
-    from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
-
     lora = cfg.train.lora
     if method in ("adamw", "sgd"):
         warmup = int(round(cfg.lomo.scheduler.warmup_ratio * total_steps))
@@ -41,8 +39,6 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
                                         clip=cfg.lomo.clip_grad_norm, total_steps=total_steps, warmup_steps=warmup,
                                         weight_decay=cfg.train.baseline_weight_decay,
                                         param_gather=cfg.lomo.param_gather)
-    from lomo_ds.methods.lora import LoraLomoEngine, apply_lora
-
     model = apply_lora(model, lora)
     warmup = int(round(lora.warmup_ratio * total_steps))
     if method == "lora":

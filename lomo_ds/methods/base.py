@@ -19,7 +19,7 @@ tensors each method holds:
 
   params            this rank's parameter shards (ZeRO-3 `ds_tensor`) + the peak of gathered full
                     parameters (persistent small parameters included), sampled at every gradient
-                    hook of the backward pass by lomo_ds.planning.memory.MemoryTracker.
+                    hook of the backward pass by lomo_ds.runtime.memory.MemoryTracker.
   grads             gradient memory held: DeepSpeed's gradient shard buffer, reduce buckets and
                     step-time fp32 copy; LOMO's `.grad` alive + the reduce-scatter bucket in flight;
                     LoRA+LOMO also the adapters' gradients.
@@ -27,7 +27,7 @@ tensors each method holds:
                     torch optimizer's `state` (AdaLomo's: its second moments and step counts). As in
                     the paper's Table 1 the fp32 masters count here.
   activations       bytes of the unique storages autograd saves during the forward pass
-                    (lomo_ds.planning.memory.ActivationCounter), parameters excluded.
+                    (lomo_ds.runtime.memory.ActivationCounter), parameters excluded.
   total             the sum of the four; peak_rss (the process's resident peak) is an upper bound beside it.
 """
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from lomo_ds.planning.memory import ActivationCounter, MemoryTracker, breakdown, tensor_bytes
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, move_batch
 from lomo_ds.runtime.dist import gather_full_state_dict, init_distributed
+from lomo_ds.runtime.memory import ActivationCounter, MemoryTracker, breakdown, tensor_bytes
 
 
 @runtime_checkable

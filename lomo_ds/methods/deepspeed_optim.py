@@ -9,6 +9,9 @@ states = the fp32 masters only). Resume is DeepSpeed's own checkpointing.
 """
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import copy
 from typing import Any
 
@@ -19,10 +22,10 @@ from lomo_ds.engine import shm_all_gather
 from lomo_ds.engine.accumulation import check_window
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.methods.base import MethodEngine
-from lomo_ds.planning.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import move_batch
 from lomo_ds.runtime.dist import init_distributed, loss_of, mean_over_ranks
+from lomo_ds.runtime.memory import MemoryTracker, optimizer_state_bytes, tensor_bytes
 
 DS_CHECKPOINT_TAG = "deepspeed"
 

@@ -5,10 +5,11 @@ from typing import Any
 
 import torch
 
-from lomo_ds.config.lomo import LomoConfig, Precision
+from lomo_ds.config.schema import LomoConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
 from lomo_ds.methods.base import MethodEngine, load_rank_state, rank_state_file
-from lomo_ds.planning.memory import MemoryTracker, tensor_bytes
+from lomo_ds.runtime.memory import MemoryTracker, tensor_bytes
+from lomo_ds.storage.checkpoint import write_atomic
 
 
 class LomoMethodEngine(MethodEngine):
@@ -51,8 +52,6 @@ class LomoMethodEngine(MethodEngine):
         self.engine.load_shard_state_dict(state["lomo"])
 
     def save_state(self, directory: str) -> None:
-        from lomo_ds.storage.checkpoint import write_atomic
-
         state = self.state_dict()
         write_atomic(rank_state_file(directory, self.rank), lambda f: torch.save(state, f))
 

@@ -10,23 +10,26 @@
 """
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import fnmatch
 from typing import Any
 
 import torch
 
-from lomo_ds.config.lomo import LomoConfig, Precision
 from lomo_ds.config.run import LoraConfig
+from lomo_ds.config.schema import LomoConfig, Precision
 from lomo_ds.methods.deepspeed_optim import linear_lr_factor
 from lomo_ds.methods.lomo import LomoMethodEngine
-from lomo_ds.planning.memory import optimizer_state_bytes, tensor_bytes
 from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime.memory import optimizer_state_bytes, tensor_bytes
 
 ADAPTER_PATTERNS = ("*lora_*",)
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    import peft
+    import peft  # optional: only LoRA runs need it (not a core requirement)
 
     wrapped = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
                                                             target_modules=list(lora.targets), lora_dropout=0.0))

@@ -2,6 +2,9 @@
 reports the loss, so the method fits the same loop and tables as the others."""
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 from typing import Any
 
 import torch

@@ -17,11 +17,13 @@ from __future__ import annotations
 import torch
 
 from lomo_ds.config import leaf_module
+from lomo_ds.planning.fetch_units import ModuleNode
+from lomo_ds.planning.specs import ModelSpec
 
 
 def hf_config(raw: dict, name: str = "model"):
     """A transformers config object from a config.json's dict (its `model_type` picks the class)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # loaded on first use: the CLI and a LLaMA-size plan need none
 
     model_type = raw.get("model_type")
     if not model_type:
@@ -35,7 +37,7 @@ def hf_config(raw: dict, name: str = "model"):
 
 def meta_model(config) -> torch.nn.Module:
     """The causal LM of `config`, built on the meta device: the real modules, no storage."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # loaded on first use, as in hf_config
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
@@ -44,7 +46,6 @@ def meta_model(config) -> torch.nn.Module:
 def tree_of(model: torch.nn.Module):
     """The planner's ModuleNode tree of a built model: each module's class, dotted name, its own
     parameters (a tied tensor under its first name, the same entry in every module that holds it)."""
-    from lomo_ds.planning.planner import ModuleNode
 
     key = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -74,9 +75,8 @@ def _first(config, *names, default=None):
 
 
 def spec_from_config(raw: dict, name: str = "model"):
-    """A ModelSpec (lomo_ds/planning/planner.py) from a config.json dict, its shapes and module tree
+    """A ModelSpec (lomo_ds/planning/specs.py) from a config.json dict, its shapes and module tree
     read from the model built on the meta device."""
-    from lomo_ds.planning.planner import ModelSpec
 
     config = hf_config(raw, name)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

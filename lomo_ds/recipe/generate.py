@@ -16,7 +16,13 @@ import argparse
 import json
 import sys
 
+import torch
+
+from lomo_ds.data.chat import chat_format, checked_turn, encode_prompt
+from lomo_ds.data.collate import pad_id_of
 from lomo_ds.data.errors import DataError
+from lomo_ds.data.io import read_jsonl
+from lomo_ds.evaluation.generation import generate_ids
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -36,11 +42,7 @@ class Talker:
     """A loaded model, its chat format and the decoding settings."""
 
     def __init__(self, args: argparse.Namespace):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from lomo_ds.data.chat import chat_format
-        from lomo_ds.data.loading import pad_id_of
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # loaded for a model only, not for --help
 
         if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
             raise ValueError("--max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1 are needed")
@@ -56,11 +58,6 @@ class Talker:
 
     def reply(self, messages: list[dict]) -> tuple[str, int]:
         """(the model's reply to `messages`, earliest turns dropped to fit)."""
-        import torch
-
-        from lomo_ds.data.chat import encode_prompt
-        from lomo_ds.evaluation.generation import generate_ids
-
         budget = self.max_length - self.args.max_new_tokens
         ids, dropped = encode_prompt(self.chat, messages, budget)
         if ids is None:
@@ -79,9 +76,6 @@ class Talker:
 
 def read_prompts(path: str) -> list[list[dict]]:
     """Conversations to answer, from --file (this module's docstring)."""
-    from lomo_ds.data.chat import checked_turn
-    from lomo_ds.data.loading import read_jsonl
-
     if not path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
             return [[{"role": "user", "content": line.strip()}] for line in f if line.strip()]

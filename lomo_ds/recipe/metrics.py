@@ -13,7 +13,7 @@ class Metrics:
         os.makedirs(out_dir, exist_ok=True)
         self.file = open(os.path.join(out_dir, file_name), "a" if append else "w")
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: the tensorboard package
 
             self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
 

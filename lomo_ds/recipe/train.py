@@ -10,15 +10,41 @@ eval, output); common fields have flags, any field has --set key=value.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import logging
 import math
 import os
 import sys
 import time
+import warnings
 from functools import partial
 
-from lomo_ds.config.lomo import ConfigError
-from lomo_ds.config.run import LOMO_METHODS, METHODS, check_model_on_disk, load_run_config, parse_override_args
+import torch
+from tqdm import tqdm
+
+from lomo_ds.config import leaf_module
+from lomo_ds.config.errors import ConfigError
+from lomo_ds.config.overrides import parse_override_args
+from lomo_ds.config.run import LOMO_METHODS, METHODS, check_model_on_disk, load_run_config
+from lomo_ds.data.chat import chat_format
+from lomo_ds.data.collate import pad_id_of
+from lomo_ds.data.errors import DataError
+from lomo_ds.data.loading import build_datasets
+from lomo_ds.data.order import batches_for_step, position_of_step, steps_per_epoch, window_of_step
+from lomo_ds.data.packing import make_batch, padding_fraction, train_order
+from lomo_ds.evaluation.generation import evaluate_generation, write_generations
+from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
+from lomo_ds.methods import build_engine
+from lomo_ds.planning import inference, planner
+from lomo_ds.planning.model_tree import hf_config, meta_model
+from lomo_ds.recipe.metrics import Metrics
+from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
+from lomo_ds.runtime.dist import accepts_logits_to_keep, init_distributed, io_barrier, keep_labelled_logits
+from lomo_ds.runtime.host_malloc import keep_freed_memory
+from lomo_ds.runtime.memory import cuda_peak_bytes, process_peak_rss_bytes
+from lomo_ds.storage import checkpoint
+from lomo_ds.storage.models import load_model, load_tokenizer
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -57,8 +83,6 @@ def overrides_from(args) -> dict:
 
 def dry_run(cfg) -> None:
     """The resolved config, then the memory planner's per-GPU prediction for it."""
-    from lomo_ds.planning import planner
-
     print(json.dumps(cfg.to_dict(), indent=2))
     world = int(os.environ.get("WORLD_SIZE", "0")) or None  # the launcher's rank count, if launched
     try:
@@ -77,8 +101,6 @@ def dry_run(cfg) -> None:
 def print_eval_plan(cfg, p, world: int | None) -> None:
     """The evaluation's and generation's memory on this launch's GPU count (else the smallest the
     run's method fits on)."""
-    from lomo_ds.planning import inference, planner
-
     method = planner.method_of_run(cfg)
     if method not in planner.FUSED:
         return
@@ -89,7 +111,7 @@ def print_eval_plan(cfg, p, world: int | None) -> None:
 
 def check_runtime(cfg) -> None:
     """Errors only the machine can tell, still before any model is allocated."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # not at the top: show_what_matters runs first
 
     if cfg.precision.dtype == "fp16" and get_accelerator().device_name() == "cpu":
         raise ConfigError(f"{cfg.source_path}: fp16.enabled: DeepSpeed refuses fp16 on a CPU; use bf16 or fp32 here")
@@ -100,9 +122,6 @@ def check_fetch_unit(cfg) -> None:
     """zero_optimization.leaf_module against the model's own module classes, from its config.json
     built on the meta device (no memory), where model.path is a folder on this machine; otherwise
     the engine checks it on the loaded model (lomo_ds/config/leaf_module.py)."""
-    from lomo_ds.config import leaf_module
-    from lomo_ds.planning.model_tree import hf_config, meta_model
-
     value = (cfg.ds.get("zero_optimization") or {}).get("leaf_module")
     config_json = os.path.join(cfg.model.path, "config.json")
     if value is None or not os.path.isfile(config_json):
@@ -123,9 +142,6 @@ def show_what_matters(rank: int) -> None:
     """Rank 0 prints progress, results, and each library warning once; the other ranks print only
     errors (every rank would otherwise repeat the same DeepSpeed/torch/transformers messages).
     Called before DeepSpeed is imported: it logs from its first import on."""
-    import logging
-    import warnings
-
     if rank == 0:
         warnings.simplefilter("once")
         return
@@ -133,15 +149,12 @@ def show_what_matters(rank: int) -> None:
     # DeepSpeed resets its logger's level when it creates it; a filter stays.
     logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
     logging.getLogger("torch").setLevel(logging.ERROR)
-    import functools
-
-    import datasets
-    import tqdm
+    import datasets  # these two after the filters above: they log from their first import on
     import transformers
 
     # Libraries draw their own bars (transformers' loading and GGUF conversion, datasets' maps): off
     # by default here, as the TQDM_DISABLE variable would do had tqdm not been imported already.
-    tqdm.tqdm.__init__ = functools.partialmethod(tqdm.tqdm.__init__, disable=True)
+    tqdm.__init__ = functools.partialmethod(tqdm.__init__, disable=True)
     transformers.utils.logging.set_verbosity_error()
     datasets.utils.logging.set_verbosity_error()
 
@@ -149,8 +162,6 @@ def show_what_matters(rank: int) -> None:
 def planned_steps(cfg, n_train: int, world: int) -> tuple[int, int]:
     """(optimizer steps per epoch, optimizer steps in the whole run); a step takes
     gradient_accumulation_steps micro-batches per rank (fewer at the end of an epoch)."""
-    from lomo_ds.data.loading import steps_per_epoch
-
     per_epoch = steps_per_epoch(max(1, n_train), world, cfg.micro_batch, cfg.accumulation_steps)
     total = cfg.train.epochs * per_epoch
     if cfg.train.max_steps is not None:
@@ -187,7 +198,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return stop_every_rank(rank, f"config error: {e}")
 
-    from lomo_ds.data.loading import DataError
 
     recipe = TrainRecipe(cfg, resume=args.resume)
     try:
@@ -223,12 +233,6 @@ class TrainRecipe:
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
-        import torch
-
-        from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
-        from lomo_ds.runtime.dist import init_distributed, io_barrier
-        from lomo_ds.runtime.host_malloc import keep_freed_memory
-
         torch.manual_seed(self.cfg.train.seed)
         init_distributed(timeout_s=self.cfg.lomo.collective_timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -249,7 +253,6 @@ class TrainRecipe:
             # not); only now, so that what loading the model freed went back to the kernel.
             self.say(f"host memory: {keep_freed_memory()}")
         self.start_step = self.resume_point()
-        from lomo_ds.recipe.metrics import Metrics
 
         out = self.cfg.output
         self.metrics = Metrics(out.dir, out.metrics_file, self.rank, append=self.resume_requested,
@@ -257,16 +260,11 @@ class TrainRecipe:
 
     def setup_data(self) -> None:
         """The tokenizer and the datasets (raises DataError on a bad file), and the run's step count."""
-        from lomo_ds.data.loading import build_datasets, pad_id_of
-        from lomo_ds.storage.models import load_tokenizer
-
         self.tokenizer = load_tokenizer(self.cfg, self.rank, self.barrier)
         self.data = build_datasets(self.cfg, self.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
         self.stop_ids = None  # chat tasks: where generation stops (the template's end of turn, EOS)
         if self.data.eval_prompts:
-            from lomo_ds.data.chat import chat_format
-
             self.stop_ids = chat_format(self.tokenizer).stop_ids  # the template the data was rendered with
         self.steps_per_epoch, self.total_steps = planned_steps(self.cfg, len(self.data.train), self.world)
         k = self.cfg.accumulation_steps
@@ -275,10 +273,6 @@ class TrainRecipe:
                  f"{self.total_steps} steps in all")
 
     def setup_engine(self) -> None:
-        from lomo_ds.methods import build_engine
-        from lomo_ds.runtime.dist import accepts_logits_to_keep
-        from lomo_ds.storage.models import load_model
-
         model = load_model(self.cfg, self.cfg.ds, self.rank, self.barrier)
         self.engine = build_engine(self.cfg, model, self.total_steps)
         self.labelled_logits_only = accepts_logits_to_keep(model)  # see keep_labelled_logits
@@ -287,8 +281,6 @@ class TrainRecipe:
 
     def resume_point(self) -> int:
         """The step to start from: the newest checkpoint's when resuming (loaded into the engine), else 0."""
-        from lomo_ds.storage import checkpoint
-
         if not (self.resume_requested and self.engine.supports_resume):
             return 0
         ckpt = checkpoint.latest_checkpoint(self.cfg.output.dir)
@@ -302,8 +294,6 @@ class TrainRecipe:
     # ---------------------------------------------------------------- train
     def train(self) -> None:
         """Zero-shot evaluation on a fresh start, then every step from the resume point on."""
-        from tqdm import tqdm
-
         cfg = self.cfg
         if cfg.train.zero_shot_eval and self.start_step == 0:
             self.results["zero_shot"] = self.evaluate("zero_shot", 0)
@@ -327,11 +317,6 @@ class TrainRecipe:
         """Optimizer step `step` (0-based): this rank's micro-batch of each global micro-batch of the
         step's window (gradient_accumulation_steps of them; an epoch's last window may be shorter,
         and its step is the mean over its own); its record, logged."""
-        from lomo_ds.data.loading import batches_for_step, position_of_step, window_of_step
-        from lomo_ds.data.packing import make_batch, padding_fraction, train_order
-        from lomo_ds.planning.memory import cuda_peak_bytes, process_peak_rss_bytes
-        from lomo_ds.runtime.dist import keep_labelled_logits
-
         cfg = self.cfg
         epoch, step_in_epoch = position_of_step(step, self.steps_per_epoch)
         # Grouped by length for chat/instruction data that is not packed; a pure function of
@@ -369,8 +354,6 @@ class TrainRecipe:
         """Candidate accuracy on the eval set (or its loss, for a language-modelling task), logged
         under `tag`; for a chat task also the exact match and containment of greedy replies
         (generate()); {} when the task has no eval set."""
-        from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
-
         def forward_logits(batch):
             return self.engine.eval_forward(batch).logits
 
@@ -398,8 +381,6 @@ class TrainRecipe:
     def generate(self, tag: str, step: int) -> dict:
         """Collective: greedy replies to the eval prompts, split over the ranks; rank 0 writes them
         to output.dir/generations/step_N.jsonl. Returns {"exact_match", "contains", "n"}."""
-        from lomo_ds.evaluation.generation import evaluate_generation, write_generations
-
         cfg = self.cfg
         scores, rows = evaluate_generation(self.engine.module, self.data.eval_prompts, self.tokenizer,
                                            stop_ids=self.stop_ids, pad_id=self.pad_id,
@@ -413,14 +394,10 @@ class TrainRecipe:
     # ---------------------------------------------------------------- save
     def save(self) -> None:
         """A checkpoint of the engine at its current step (atomic; the oldest beyond keep_last go)."""
-        from lomo_ds.storage import checkpoint
-
         checkpoint.save_checkpoint(self.cfg.output.dir, self.engine, {"config": self.cfg.to_dict()},
                                    self.cfg.output.keep_last, self.io_barrier)
 
     def export(self) -> str:
-        from lomo_ds.storage import checkpoint
-
         path = checkpoint.export_hf(self.engine, self.tokenizer, os.path.join(self.cfg.output.dir, "hf_model"),
                                     self.cfg.output.io_timeout)
         self.say(f"exported Hugging Face model to {path}")
@@ -449,9 +426,7 @@ class TrainRecipe:
         with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         method = self.cfg.train.method
-        from lomo_ds.planning.planner import method_of_run
-
-        if method_of_run(self.cfg) == "adalomo":
+        if method in LOMO_METHODS and self.cfg.lomo.optimizer == "adalomo":
             method += " with AdaLomo"  # the update rule the shipped configs default to
         for key in ("accuracy", "exact_match", "contains"):
             zs, ft = (results.get(k, {}).get(f"eval/{key}") for k in ("zero_shot", "final"))

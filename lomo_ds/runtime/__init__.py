@@ -1,2 +1,2 @@
-"""The bottom layer: DeepSpeed's internals (ds_compat, the one place that touches them), devices,
-and the process-group helpers every method shares."""
+"""Runtime, just above config: DeepSpeed's internals (ds_compat, the one place that touches them),
+devices, the process-group helpers every method shares, and memory accounting (memory.py)."""

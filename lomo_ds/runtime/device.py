@@ -7,6 +7,9 @@ device: gloo reduces CPU tensors, NCCL only accelerator ones.
 """
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import os
 from collections.abc import Mapping
 from typing import Any

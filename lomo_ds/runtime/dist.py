@@ -2,6 +2,9 @@
 statistics over the ranks, the loss of a model's outputs, and gathering full parameters."""
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import inspect
 import os
 from datetime import timedelta
@@ -112,7 +115,7 @@ def keep_labelled_logits(batch: dict[str, Any]) -> dict[str, Any]:
     position, so it is the same loss (the same target tokens, the same mean); but the output
     projection and its gradient skip the prompt: for a yes/no task nearly the whole sequence, and
     the [batch, length, vocabulary] logits are a small model's largest activation (SmolLM2-135M's
-    output projection is a fifth of its weights; a yes/no step measured 12% faster without it).
+    output projection is a fifth of its weights; figures: docs/results.md).
     Call it on the host batch; it reads the labels only."""
     labels = batch.get("labels")
     if labels is None or labels.dim() != 2 or "logits_to_keep" in batch:

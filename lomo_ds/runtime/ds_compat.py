@@ -2,10 +2,13 @@
 
 These are private names of DeepSpeed's ZeRO-3 (tested with the range pinned in pyproject.toml).
 `check_internals()` fails loudly, naming what moved, if a DeepSpeed release changes them;
-tests/test_ds_compat.py runs it.
+tests/runtime/test_ds_compat.py runs it.
 """
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import contextlib
 import os
 
@@ -76,9 +79,9 @@ def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group=None, na
 def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group, name: str = "gradient bucket"):
     """Start the reduce-scatter and return its handle; `handle.wait()` before reading `output`.
 
-    On gloo (CPU ranks) the same collective is issued in its list form: gloo's
-    reduce_scatter_tensor took 1.5-1.7x as long for a 16 MB input on 2 ranks here. Elsewhere
-    (NCCL) the flat form is the fast one: the list form would copy the input first."""
+    On gloo (CPU ranks) the same collective is issued in its list form, which gloo completes
+    sooner than its flat reduce_scatter_tensor for bucket-sized inputs. Elsewhere (NCCL) the flat
+    form is the fast one: the list form would copy the input first."""
     dist = _comm()
     device = group_device(group)
     check_device(input, device, f"{name} (reduce-scatter input)")

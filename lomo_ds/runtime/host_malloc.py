@@ -5,14 +5,14 @@ gradients, logits) and frees them again. glibc's malloc serves a block of 32 MiB
 smaller ones, until its dynamic threshold has grown) with a fresh mmap, and hands it back with
 munmap on free; the top of its heap is trimmed as soon as 128 KiB lie free there. Every step then
 page-faults its working set in again, and the kernel zeroes each page first: in a profile of the
-2-rank CPU benchmark's floor (experiments/bench_fsdp.py) the zeroing alone took 8% of the samples.
-How much of it a step pays moves with the process's other allocations (glibc's threshold adapts to
+CPU benchmark's floor (benchmarks/bench_fsdp.py) the zeroing is a visible share of a step's
+profile. How much of it a step pays moves with the process's other allocations (glibc's threshold adapts to
 the blocks freed last), so step times also jumped between runs.
 
 `keep_freed_memory` turns both off for the process (mallopt): no mmap for any block, and the heap
 trimmed only above 2 GiB free. The price is resident memory: it stays at its peak between steps,
-and the heap holds holes that a block of another size cannot reuse (`make demo`: a step 13%
-faster, a peak 15% higher; experiments/RESULTS.md). LOMO_DS_KEEP_FREED_MEMORY=0 leaves
+and the heap holds holes that a block of another size cannot reuse (`make demo`'s step time and
+peak, with and without: docs/results.md). LOMO_DS_KEEP_FREED_MEMORY=0 leaves
 malloc as it is; so does a MALLOC_* variable or a preloaded jemalloc / tcmalloc (the user chose),
 or a C library other than glibc.
 """

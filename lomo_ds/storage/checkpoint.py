@@ -16,6 +16,9 @@ for disk writes under that timeout, not the collectives'.
 """
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import gc
 import json
 import os

@@ -7,6 +7,9 @@ a 65B model loads on 8 x 24 GB.
 """
 from __future__ import annotations
 
+# DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
+# CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
+# ranks' logging before their first import.
 import os
 import shutil
 import socket
@@ -52,8 +55,8 @@ def _convert_once(cached: str, marker: str, convert, rank: int, barrier) -> None
 
 def _save_gguf_model(source: str, gguf_file: str, folder: str) -> None:
     """The GGUF file's model as a plain Hugging Face folder (fp32 safetensors and its config).
-    Reading a GGUF file costs about 30 s even for a 135M model (the reader's tensor-name mapping and
-    memory maps, in Python), and it has no sharded loading: converted once, every later load is a
+    Reading a GGUF file is slow even for a small model (the reader's tensor-name mapping and memory
+    maps run in Python), and it has no sharded loading: converted once, every later load is a
     safetensors load, partitioned under ZeRO-3 as any other checkpoint."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
@@ -70,8 +73,8 @@ def _save_gguf_model(source: str, gguf_file: str, folder: str) -> None:
 
 
 def load_tokenizer(cfg: RunConfig, rank: int = 0, barrier=None):
-    """The run's tokenizer. A GGUF tokenizer takes ~30 s to convert: rank 0 converts it once
-    into a cache folder, the other ranks (and later runs) load the converted copy."""
+    """The run's tokenizer. Converting a GGUF tokenizer is slow (it reads the whole file): rank 0
+    converts it once into a cache folder, the other ranks (and later runs) load the converted copy."""
     from transformers import AutoTokenizer
 
     path = cfg.tokenizer_path

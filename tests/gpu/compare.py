@@ -11,7 +11,7 @@ import sys
 from lomo_ds.config.run import load_run_config
 from lomo_ds.planning.planner import GIB, plan_for_run
 
-MEMORY_TOLERANCE = 0.10  # |predicted - measured| / measured, issue 7's bound
+MEMORY_TOLERANCE = 0.10  # |predicted - measured| / measured: the planner's promised bound
 STEP_TIME_ORDER = ("floor", "lomo", "deepspeed_sgd")
 
 

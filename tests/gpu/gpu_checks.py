@@ -37,7 +37,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lomo_ds
-from experiments.common import FloorEngine
+from benchmarks.common import FloorEngine
 from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.runtime import ds_compat
@@ -110,7 +110,7 @@ def check_bucket_path():
     spans = engine.timers.take()
     gather_stream = getattr(engine.offload.get_param_coordinator(),
                             "_PartitionedParameterCoordinator__allgather_stream", None)
-    # Each rank's device index, as lomo_ds set it (main() leaves it to lomo_ds: issue 17 item 1).
+    # Each rank's device index, as lomo_ds set it (main() leaves it to lomo_ds).
     devices = [int(d[0]) for d in E.on_every_rank(engine.device.index or 0)]
     return {"backend": torch.distributed.get_backend(), "world": world, "device": str(engine.device),
             "device_per_rank": devices,
@@ -130,7 +130,7 @@ def adalomo_offload_cfg(pin: bool) -> dict:
 
 def check_offload_two_devices():
     """offload_param cpu with persistent parameters: their shards stay on the GPU and the rest go
-    to host memory, so one bucket updates shards on two devices (issue 17 item 5). SGD and AdaLomo
+    to host memory, so one bucket updates shards on two devices. SGD and AdaLomo
     against their references, and bf16 with stochastic rounding (a generator per device) trains."""
     cfg = E.offload_cfg()
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 2000
@@ -152,7 +152,7 @@ def check_offload_two_devices():
 def check_host_syncs():
     """CUDA's sync debug mode over the backward passes of a step (after the first, which settles
     the layout): the synchronising calls whose innermost caller outside torch is lomo_ds code (on a
-    GPU each one drains the queue: issue 17 item 7), and, for information, the others (DeepSpeed's
+    GPU each one drains the queue), and, for information, the others (DeepSpeed's
     hooks; the backward kernels', which autograd replays at the `.backward(` call). One pass, norm
     clipping, AdaLomo on the bucket path (and with offload_param cpu: the hook's part on the GPU,
     the shards' update on the host-update thread, whose own waits for its copies are reported
@@ -246,7 +246,7 @@ def trained_engine_and_reference(seed: int = 21):
 def check_evaluation():
     """lomo_ds.evaluation.scoring on the engine after a step (candidate accuracy and the LM loss,
     the examples split over the ranks) against the same on the unpartitioned model, on one rank."""
-    from lomo_ds.data.loading import EvalExample
+    from lomo_ds.data.types import EvalExample
     from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 
     engine, reference = trained_engine_and_reference()
@@ -494,7 +494,7 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         "adalomo_offload_overlap": partial(check_offload_overlap, device, STEP_MODEL["gpu" if on_gpu else "smoke"],
                                            optimizer="adalomo"),
         "host_syncs": partial(check_host_syncs),
-        # A sum that overflows only inside the fp16 reduction (several ranks: issue 17 item 4).
+        # A sum that overflows only inside the fp16 reduction (several ranks).
         "reduction_overflow": partial(E.check_reduction_overflow, "fp16" if on_gpu else None),
         "memory": partial(check_memory, device, workdir),
         "step_time": partial(check_step_time, device, STEP_MODEL["gpu" if on_gpu else "smoke"]),

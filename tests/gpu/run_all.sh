@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check suite on every GPU of this machine (world 1, and world N when there are N > 1),
-# a summary of what it measured, then the GPU benchmark (experiments/bench_step.py --preset gpu
+# a summary of what it measured, then the GPU benchmark (benchmarks/bench_step.py --preset gpu
 # --offload: LOMO against its floor, offload against none, flagged above 1.10x the floor) on 1 GPU
 # and on all of them. Usage: tests/gpu/run_all.sh   (or: make test-gpu)
 # Figures stay in $LOMO_GPU_RESULTS (default runs/gpu_checks): results_<world>.json, train_builtin.json,
@@ -34,9 +34,9 @@ worlds="1"
 [ "$n_gpus" -gt 1 ] && worlds="1 $n_gpus"
 for world in $worlds; do
     echo
-    echo "== GPU benchmark on $world GPU(s): experiments/bench_step.py --preset gpu --offload"
+    echo "== GPU benchmark on $world GPU(s): benchmarks/bench_step.py --preset gpu --offload"
     bench_start=$(date +%s)
-    timeout 600 $PYTHON -m torch.distributed.run --nproc_per_node "$world" -m experiments.bench_step \
+    timeout 600 $PYTHON -m torch.distributed.run --nproc_per_node "$world" -m benchmarks.bench_step \
         --preset gpu --offload > "$LOMO_GPU_RESULTS/bench_$world.txt" 2>&1
     bench_status=$?
     # The report (rank 0's), without the launch's log lines.

@@ -1,4 +1,4 @@
-"""The GPU check suite (issue 7 section 5): skipped without CUDA. `make test-gpu` or
+"""The GPU check suite: skipped without CUDA. `make test-gpu` or
 tests/gpu/run_all.sh runs it on every GPU there is (world 1, and world N when N > 1).
 
 One launch per world size runs every multi-rank GPU check (tests/gpu/gpu_checks.py: one GPU per

@@ -39,7 +39,7 @@ def forced(check):
 # The checks only the GPU suite has, tiny, on the CPU ranks of the 2-rank launch (one torch thread
 # each: a 1-rank launch's two threads fight over a loaded machine's cores on ops this small), forced
 # onto the bucket path as the GPU launch is: they prove the code runs end to end, not how fast it is.
-# One rank's one-rank reduce-scatter is the CPU suite's own (tests/test_buckets.py).
+# One rank's one-rank reduce-scatter is the CPU suite's own (tests/engine/test_buckets.py).
 (gpu_step_time, gpu_offload, gpu_bucket_path, gpu_evaluation, gpu_generation, gpu_offload_two_devices,
  gpu_offload_overlap, gpu_delayed_window_tail) = multi_rank_checks(
     [2], gpu_step_time=lambda: gpu_checks.check_step_time(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),

@@ -1,0 +1,454 @@
+"""The per-GPU memory estimate for LOMO, SGD and AdamW under DeepSpeed ZeRO-3, the smallest GPU
+count that fits, and (with `offload_param: cpu`) the host RAM a LOMO run needs.
+
+    p = plan_for_run(load_run_config("ds_configs/llama7b.json"), world=1, model_size="7b")
+    print(format_plan(p))     # assumptions, per-method rows, the smallest GPU count for each
+    est = estimate(LLAMA["13b"], "lomo", gpus=2, run=shipped_run("13b"))
+    est.total                 # predicted peak bytes per GPU
+
+The model: a LLaMA size (LLAMA), or any config.json transformers knows, built on the meta device
+(model_tree.py: its real shapes and module tree, its decoder-layer class for leaf_module "auto").
+Defaults are the shipped GPU configs' (ds_configs/llama*.json): bf16 weights, sequences of 512
+tokens, activation checkpointing on, stochastic rounding on, lomo.bucket_size 25e6, and their
+ZeRO-3 settings (one gather per decoder layer included); `shipped_run(size)` adds that size's
+micro-batch (global batch 16 over the paper's GPU count). Every printed plan starts with the assumptions it made.
+
+Notation: P parameters, N GPUs (ZeRO-3 data-parallel ranks), b bytes of the model dtype (2 for
+fp16/bf16, 4 for fp32), T = batch x seq tokens per GPU, L layers, h hidden, f intermediate, V vocab,
+H / K query / key-value heads of width d, n = ceil(max_p / N) the largest local slice. All figures
+are bytes per GPU; GiB = 2^30 bytes (the paper's "GB" are GiB: 2 x 6.74e9 bytes = 12.55).
+
+Model states
+------------
+  params       b P / N                        this rank's ZeRO-3 shards
+             + b P_persist    (N > 1)         parameters of <= stage3_param_persistence_threshold
+                                              elements (the RMSNorm weights) stay gathered everywhere
+             + b W            (N > 1)         the gathered working set. DeepSpeed keeps gathered
+                                              parameters up to stage3_max_live_parameters (and keeps
+                                              those reused within stage3_max_reuse_distance), plus the
+                                              fetch unit being computed and the prefetch bucket:
+                                              W = min(P - P_persist, min(max_live, max_reuse) + largest
+                                              fetch unit + stage3_prefetch_bucket_size).
+                                              On one GPU the shard is the whole parameter: nothing is
+                                              gathered.
+  Fetch units (the fetch granularity). By default ZeRO-3 gathers each module's own parameters in
+  its own hooks: the largest unit is the largest parameter (a Linear, or the embedding). A leaf
+  module (zero_optimization.leaf_module: classes, names or name suffixes; or every module whose
+  DeepSpeed "granularity", its parameters over its modules, is at most
+  stage3_module_granularity_threshold, outermost first) is gathered whole, by one set of hooks:
+  per decoder layer, the largest unit is a whole layer (12 h^2 for LLaMA-7B's 4096, 1.6 GB in bf16
+  for 65B, against 0.36 GB for its largest Linear). Fewer, larger gathers cost less host time
+  (fetch_units() lists them; format_plan prints W under each granularity). Not modelled: leaves
+  made by the threshold go through DeepSpeed's fast leaf fetch, which was measured keeping about
+  three times the working set above gathered on a small model (tests/planning/test_planner.py); the
+  shipped configs name their leaves (leaf_module.classes), where the measured peak matches W.
+  LOMO grads   b max_p                        N = 1: the one gradient alive at a time (the largest
+                                              parameter: the embedding / LM head)
+  (2 + 1/N) b max(bucket x N, max_p)  N > 1: the gradients filling the next bucket (bucket_size
+                                              elements of shard = bucket x N full elements), the
+                                              rank-major payload of the one in flight, and its
+                                              receive buffer (1/N of it)
+  LOMO accum   a P / N  (K > 1)               gradient accumulation: this rank's accumulator of its
+                                              reduced shards, a = 4 (lomo.accumulate_dtype fp32) or 2;
+                                              on the GPU, or in host RAM (N a P / N per node) with
+                                              lomo.accumulate_on "cpu" or offload_param "cpu"
+  LOMO optim   0                              (4 P / N with fp32 master shards)
+  AdaLomo optim  4 sum(r + c) + 4 V / N + 8 p   AdaLomo's state: fp32 row and column second moments
+                                              of every r x c matrix (E (r + c) for E stacked MoE
+                                              experts [E, r, c]; whole on every rank), this
+                                              rank's slice of every vector's (V elements in all),
+                                              an fp64 step count per parameter (p of them): 10 MiB
+                                              for LLaMA-7B, 49 MiB for 65B (on 8 GPUs)
+  DeepSpeed ZeRO-3 optimizer (SGD / AdamW, mixed precision):
+  grads        b P / N                        the gradient shard buffer for the whole model
+             + b reduce_bucket_size           the contiguous reduce bucket
+             + b max_p                        the gradient alive before it is bucketed
+             + 4 min(P / N, sub_group_size)   at the step, one sub-group's gradient in fp32
+  optim        4 P / N                        fp32 master shards (a copy even for an fp32 model)
+             + 4 P / N  (SGD with momentum)   / + 8 P / N (AdamW: exp_avg, exp_avg_sq)
+  The DeepSpeed total is the larger of the backward-phase sum (states + buffers + working set +
+  activations) and the step-phase sum (states + buffers + the fp32 sub-group gradient; activations
+  and gathered parameters are gone by then).
+
+The update's transient memory (LOMO; lomo_ds/engine/fused_update.py, ShardUpdater.apply)
+-------------------------------------------------------------------------------------
+The update of one slice of n elements allocates, while the backward's other memory is alive:
+  4 n   g = grad_shard.float()           unless the gradient is fp32 already (then a view)
+  4 n   weights = shard.float()          unless the shard is fp32, or an fp32 master copy is kept
+ 13 n   stochastic_round_to_bf16         bf16 shards without masters: the int32 noise (4 n), the
+                                         isfinite mask (1 n), the rounded bits (4 n) and
+                                         torch.where's result (4 n) live together
+so 21 n bytes for bf16 with stochastic rounding, 8 n for fp16 (or bf16 without it), 0 for fp32.
+The largest slice is the largest parameter's (the embedding / LM head): n = ceil(max_p / N).
+AdaLomo (lomo_ds/engine/adalomo.py) needs a bucket's statistics before it updates any slice of it,
+so the fp32 gradient and fp32 weights of the whole bucket (B elements of shard, or the largest
+parameter on one GPU) live together: 8 B bytes, plus one slice's 13 n of rounding (bf16 without
+masters); 4 B with fp32 masters, 0 for fp32. Under offload its hook keeps the bucket's fp32
+gradient and u on the GPU (8 B, 4 B for fp32), and the worker's update is LOMO's, in host RAM.
+
+Offloaded parameters (zero_optimization.offload_param.device = "cpu", LOMO and AdaLomo only)
+------------------------------------------------------------------------------
+The shards live in host RAM, and the update runs there on a copy of the reduced gradient slice.
+  GPU     b P_persist + b W              persistent parameters and the gathered working set (on
+                                         any N: a gathered parameter is never the host shard)
+        + LOMO grads (as above) + activations; no shard, no update temporaries
+  host    b P (+ 4 P fp32 masters)       every rank's shards, for the whole node (one node)
+        + N (5 b B' + update temporaries) each rank's reduced slices staged in pinned buffers for the
+                                         host-update worker (B' = max(bucket, n): MAX_STAGED = 4
+                                         queued, one applied), and its update
+Host RAM is for the N ranks on one machine; it leaves out the processes' own footprint (CUDA
+context, Python, the DeepSpeed runtime) and the dataset. `lomo-ds plan --offload` prints, for the
+shipped configs' settings on 24 GiB GPUs:
+
+  | model | micro-batch | LOMO GPUs | GiB/GPU | host RAM GiB (node) |    without offload:
+  | 7b    | 16          | 1         | 7.13    | 13.9                |    1 GPU, 17.43 GiB
+  | 13b   | 8           | 1         | 6.01    | 25.9                |    2 GPUs, 18.67 GiB
+  | 30b   | 4           | 1         | 5.91    | 62.7                |    4 GPUs, 21.64 GiB
+  | 65b   | 2           | 1         | 5.84    | 124.1               |    8 GPUs, 21.67 GiB
+
+Activations (bytes autograd saves in the forward; what lomo_ds.runtime.memory.ActivationCounter counts)
+------------------------------------------------------------------------------------------------
+  per layer, no checkpointing (HF LLaMA, eager attention):
+      2 T h (4 + b)                 two RMSNorms: the fp32 input and the normalised output
+    + T H d b x 4                   q, rotate_half(q), rotated q, attention output (o_proj input)
+    + T K d b x 2                   k, rotate_half(k)
+    + T H' d b x 2                  repeated k and v (H' = H when K < H, else K)
+    + B H S^2 (4 + b[b != 4])       fp32 softmax + its cast to the model dtype
+    + 4 T f b                       gate, silu(gate), up, silu x up
+  with (reentrant) checkpointing: T h b per layer (the layer input) + B S^2 b (the eager 4-D causal
+  mask, one tensor every layer's checkpoint saves), and the backward recomputes one
+  layer at a time: one layer's figure above is added to the peak ("recompute"), not to the
+  forward-saved count.
+  head: T h (4 + b) (final norm) + 4 T V (fp32 log-softmax of the loss) + 8 T (targets)
+        + 2 S d b (rotary cos/sin, shared by all layers).
+
+The total is a conservative peak: model states + forward activations (+ recompute) + the update's
+temporaries, all at once. `accounted` is the same without the recompute and update terms: what the
+engines' accounting (the MemoryTracker peak + the saved-tensor count) measures, and what
+tests/planning/test_planner.py compares against measured runs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from lomo_ds.planning.fetch_units import _working_set, fetch_units, largest_fetch_unit
+from lomo_ds.planning.specs import (
+    AUTO,
+    DTYPE_BYTES,
+    EXPORT_FILE_BYTES,
+    FUSED,
+    GIB,
+    GPU_COUNTS,
+    HOST_STAGED_BUCKETS,
+    METHODS,
+    ModelSpec,
+    RunSpec,
+    chunked_loss,
+    resolve_auto,
+)
+
+
+@dataclass
+class Estimate:
+    method: str
+    gpus: int
+    params: float
+    grads: float
+    optimizer_states: float
+    activations: float
+    recompute: float
+    update: float  # the update's transient fp32 memory on the GPU (LOMO)
+    total: float
+    host: float = 0.0  # host RAM for the whole node (all `gpus` ranks) with offloaded parameters
+    accumulator: float = 0.0  # LOMO's shard accumulator (K > 1) of one rank: in `grads`, or (x gpus) in `host`
+    accumulator_on_host: bool = False
+
+    @property
+    def accounted(self) -> float:
+        return self.params + self.grads + self.optimizer_states + self.activations
+
+    def gib(self) -> dict:
+        return {k: (v / GIB if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def layer_activation_bytes(m: ModelSpec, run: RunSpec) -> float:
+    """Bytes one decoder layer saves in the forward without checkpointing (see module docstring)."""
+    T, b, h, f, d = run.batch * run.seq, run.b, m.hidden, m.intermediate, m.d
+    rep = m.heads if m.k < m.heads else m.k
+    attn = run.batch * m.heads * run.seq**2 * (4 + (b if b != 4 else 0))
+    return (2 * T * h * (4 + b) + 4 * T * m.heads * d * b + 2 * T * m.k * d * b + 2 * T * rep * d * b
+            + attn + (4 * T * f * b if not m.experts else 0) + family_layer_bytes(m, run))
+
+
+def family_layer_bytes(m: ModelSpec, run: RunSpec) -> float:
+    """What a family's decoder layer saves beyond LLaMA's (measured on tiny models,
+    tests/planning/test_planner_families.py):
+      (norms - 2) T h (4 + b)     more norms per layer (Gemma 2, 3: four)
+    + T (H + K) d (4 + b)         RMSNorm of each head's q and k (Qwen3, OLMo-2, Gemma 3)
+    + 4 B H S^2                   tanh soft-capping of the fp32 attention scores (Gemma 2)
+    MoE, in place of the dense MLP's 4 T f b, each token routed to k of E experts of width f_e:
+      T k (3 h + 4 f_e + 2) b     each token-expert pair's input, gate/up, activation and output
+    + 4 T E + 12 T k + 4 T        the router's fp32 probabilities, the top-k indices and weights
+    + 4 T f_s b + 2 T h b         a shared expert of width f_s and its gate (Qwen2-MoE)"""
+    T, b, h = run.batch * run.seq, run.b, m.hidden
+    out = (m.norms_per_layer - 2) * T * h * (4 + b)
+    if m.qk_norm:
+        out += T * (m.heads + m.k) * m.d * (4 + b)
+    if m.softcap:
+        out += 4 * run.batch * m.heads * run.seq**2
+    if m.experts:
+        k = m.experts_per_tok
+        out += T * k * (3 * h + 4 * m.expert_intermediate + 2) * b + 4 * T * m.experts + 12 * T * k + 4 * T
+        if m.shared_intermediate:
+            out += 4 * T * m.shared_intermediate * b + 2 * T * h * b
+    return out
+
+
+def gathered_expert_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """Bytes of one decoder layer's stacked expert tensors in the model dtype. Under ZeRO-3 on N > 1
+    ranks the experts' matmuls save views of the gathered [E, R, C] tensors, which keep the
+    gathered storage alive until the backward: every layer's experts stay gathered through the
+    forward (without checkpointing), or the recomputed layer's (with it)."""
+    per_layer = sum(math.prod(s) for s in m.param_shapes() if len(s) >= 3) // max(m.layers, 1)
+    return run.b * per_layer
+
+
+def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
+    """(forward-saved bytes, recompute bytes added during backward)."""
+    T, b, h = run.batch * run.seq, run.b, m.hidden
+    # Every position labelled: the bound for packed chat; the recipe's forward computes the head
+    # only from the first labelled position on (keep_labelled_logits).
+    head = T * h * (4 + b) + loss_saved_bytes(m, run) + 2 * run.seq * m.d * b
+    layer = layer_activation_bytes(m, run)
+    # The chunked loss's logits exist one chunk at a time, in its forward and in its backward
+    # (before any layer is recomputed).
+    loss = loss_chunk_bytes(m, run) if chunked_loss(m, run) else 0
+    if run.checkpointing:
+        # each checkpointed layer saves its inputs: the hidden states, and the (eager) 4-D causal mask
+        # shared by all layers
+        return m.layers * T * h * b + run.batch * run.seq**2 * b + head, max(layer, loss)
+    return m.layers * layer + head, loss
+
+
+def loss_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """What the loss saves for the backward, every position labelled. transformers' loss: the fp32
+    log-softmax of every position (4 T V) and the targets. The chunked loss (engine/chunked_loss.py):
+    the labelled positions' hidden states (a copy, T h b), their log-sum-exp (4 T), the targets and
+    their positions (16 T), and where every position fits in one chunk, that chunk's gradient of the
+    logits (4 T V: kept from the forward instead of recomputed, loss_kept_bytes)."""
+    T = run.batch * run.seq
+    if chunked_loss(m, run):
+        return T * m.hidden * run.b + 20 * T + loss_kept_bytes(m, run)
+    # tanh soft-capping of the fp32 logits (Gemma 2) saves them once more
+    return 4 * T * m.vocab * (2 if m.final_softcap else 1) + 8 * T
+
+
+def loss_chunk_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """The chunked loss's transient bytes, in its forward and again in its backward: one chunk of
+    positions' logits (lomo.loss_chunk_logits // V positions, at least one), in the model's dtype
+    and in fp32 (6 bytes a logit in bf16, 4 in fp32), with Gemma-2's soft-capping its tanh and the
+    capped logits beside them (12)."""
+    c = min(max(1, run.loss_chunk // m.vocab), run.batch * run.seq)
+    per_logit = 12 if m.final_softcap else 4 + (run.b if run.b != 4 else 0)
+    return per_logit * c * m.vocab
+
+
+def loss_kept_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """Where every position's logits fit in one chunk of the chunked loss, the chunk's fp32 gradient
+    of the logits that its forward keeps for the backward (4 T V; saved, in loss_saved_bytes): made
+    in place of the forward's fp32 logits (within loss_chunk_bytes) and freed by the loss's backward,
+    before any layer's. Its backward scales it an eighth at a time, within loss_chunk_bytes too."""
+    T = run.batch * run.seq
+    one_chunk = T <= max(1, run.loss_chunk // m.vocab)
+    return 4 * T * m.vocab if chunked_loss(m, run) and one_chunk else 0
+
+
+def update_temp_bytes(n: int, run: RunSpec) -> int:
+    """Transient bytes of the fused update of an n-element slice (module docstring), which is
+    updated lomo.update_chunk_elements at a time."""
+    n = min(n, run.update_chunk)
+    if run.b == 4:
+        return 0
+    grad32 = weights32 = 4 * n
+    if run.lomo_fp32_master:
+        return grad32  # the master is the fp32 weight: updated in place, then cast
+    rounding = 13 * n if run.dtype == "bf16" and run.stochastic_rounding else 0
+    return grad32 + weights32 + rounding
+
+
+def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec, statistics_n: int = 0) -> int:
+    """Transient bytes of AdaLomo's update of a bucket of `bucket_n` shard elements (its largest
+    slice `slice_n`): each of its passes reads a slice chunk by chunk (engine/adalomo.py), so one
+    chunk's fp32 gradient (u in its place), fp32 weights and rounding: LOMO's figure (an fp32 slice
+    is updated whole, in place); beside it the statistics of its largest matrix, `statistics_n`
+    rows + columns: their reduced sums, means and factors, 12 bytes each."""
+    return update_temp_bytes(min(bucket_n, slice_n), run) + 12 * statistics_n
+
+
+def adalomo_statistics_numel(m: ModelSpec) -> int:
+    """Rows + columns of the model's largest matrix (by rows + columns): AdaLomo's statistics."""
+    return max((shape[0] + shape[1] for shape in m.param_shapes() if len(shape) == 2), default=0)
+
+
+def adalomo_state_bytes(m: ModelSpec, gpus: int) -> int:
+    """AdaLomo's optimizer state on each rank: fp32 row and column second moments of every matrix
+    (of each matrix of a stacked [E, R, C] tensor: E (R + C)), whole on every rank (their sums are
+    all-reduced), this rank's slice of the second moment of every vector, and an fp64 step count
+    per parameter."""
+    return sum(4 * math.prod(shape[:-2]) * (shape[-2] + shape[-1]) if len(shape) >= 2
+               else 4 * math.ceil(math.prod(shape) / gpus) for shape in m.param_shapes()) + 8 * len(m.param_shapes())
+
+
+def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> Estimate:
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    run = resolve_auto(m, run)
+    if run.offload and method not in FUSED:
+        raise ValueError(f"offload_param: the planner models parameter offload for LOMO and AdaLomo only, "
+                         f"not {method!r}")
+    numels = m.param_numels()
+    P, n, b = sum(numels), gpus, run.b
+    max_p = max(numels)
+    shard_numel = sum(math.ceil(x / n) for x in numels)
+    persist, work = _working_set(m, run)
+    gathered = b * (persist + work) if n > 1 or run.offload else 0  # on one GPU the shard is the parameter
+    shard = 0 if run.offload else b * shard_numel
+    params = shard + gathered
+    acts, recompute = activation_bytes(m, run)
+    if n > 1 and m.experts:  # gathered experts held by the forward's saved views (gathered_expert_bytes)
+        if run.checkpointing:
+            recompute += gathered_expert_bytes(m, run)
+        else:
+            acts += m.layers * gathered_expert_bytes(m, run)
+    if method in FUSED:
+        grads = b * max_p if n == 1 else (2 + 1 / n) * b * min(P, max(run.lomo_bucket * n, max_p))
+        masters = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
+        # AdaLomo's state stays on the rank's device, offloaded shards or not (engine/adalomo.py)
+        state = adalomo_state_bytes(m, n) if method == "adalomo" else 0
+        slice_n = math.ceil(max_p / n)
+        staged_n = max(min(run.lomo_bucket, shard_numel), slice_n)  # a bucket, at least the largest slice
+        bucket_n = max_p if n == 1 else staged_n  # one GPU applies each gradient as it arrives
+        update = (update_temp_bytes(slice_n, run) if method == "lomo" else
+                  adalomo_update_temp_bytes(bucket_n, slice_n, run, adalomo_statistics_numel(m)))
+        accumulator = DTYPE_BYTES[run.accumulate_dtype] * shard_numel if run.accumulation > 1 else 0
+        on_host = run.offload or run.accumulate_on_host  # with offloaded shards it lives beside them
+        host = 0.0
+        if run.offload:
+            # the masters live with the shards: in host RAM, like the update; the reduced slices
+            # wait for the host-update worker in pinned staging buffers, a bucket each (at least
+            # the largest slice), MAX_STAGED queued and one being applied
+            staging = (HOST_STAGED_BUCKETS + 1) * b * staged_n
+            host = float(n * (b * shard_numel + masters + staging + update_temp_bytes(slice_n, run)))
+            masters = 0
+            # AdaLomo's hook keeps its statistics on the device: the bucket's fp32 gradient (a copy
+            # unless it is fp32) and u, staged for the worker; the worker's update is LOMO's.
+            update = (4 * bucket_n * (1 if b == 4 else 2)) if method == "adalomo" else 0
+        if on_host:
+            host += n * accumulator  # every rank's accumulator on the node
+        else:
+            grads += accumulator
+        # The chunked loss's logits are gone before the first gradient is updated; the update runs
+        # beside a recomputed layer (the layers' gradients arrive while it is alive).
+        loss = loss_chunk_bytes(m, run) if chunked_loss(m, run) else 0
+        layer = (layer_activation_bytes(m, run) if run.checkpointing else 0) if chunked_loss(m, run) else recompute
+        # The kept gradient of the logits (saved) is the forward's logits, gone before the layers' backward.
+        total = params + grads + masters + state + acts - loss_kept_bytes(m, run) + max(layer + update, loss)
+        return Estimate(method, n, float(params), float(grads), float(masters + state), float(acts), float(recompute),
+                        float(update), float(total), host, float(accumulator), on_host and accumulator > 0)
+    grad_buf = b * shard_numel + b * run.reduce_bucket
+    fp32_grad = 4 * min(shard_numel, run.sub_group)
+    optim = 4 * shard_numel
+    if method == "adamw":
+        optim += 8 * shard_numel
+    elif run.sgd_momentum:
+        optim += 4 * shard_numel
+    backward = params + grad_buf + b * max_p + optim + acts + recompute
+    step = params - (b * work if n > 1 else 0) + grad_buf + fp32_grad + optim  # gathered layers are released
+    grads = grad_buf + b * max_p + fp32_grad
+    total = max(backward, step)
+    return Estimate(method, n, float(params), float(grads), float(optim), float(acts), float(recompute), 0.0,
+                    float(total))
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    run: RunSpec
+    gpu_mem_gib: float
+    source: str = "planner defaults"  # where the run's figures came from, printed with the assumptions
+    estimates: dict = field(default_factory=dict)  # (method, gpus) -> Estimate
+    min_gpus: dict = field(default_factory=dict)  # method -> smallest count that fits, or None
+
+    def fits(self, method: str, gpus: int) -> bool:
+        return self.estimates[(method, gpus)].total <= self.gpu_mem_gib * GIB
+
+
+def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_counts=GPU_COUNTS,
+         methods=None, source: str = "planner defaults") -> Plan:
+    """Every method x GPU count, and the smallest count that fits. Offloaded runs plan LOMO and AdaLomo only."""
+    methods = methods or (FUSED if run.offload else METHODS)
+    run = resolve_auto(m, run)
+    p = Plan(m, run, gpu_mem_gib, source)
+    for method in methods:
+        p.min_gpus[method] = None
+        for n in sorted(gpu_counts):
+            est = estimate(m, method, n, run)
+            p.estimates[(method, n)] = est
+            if p.min_gpus[method] is None and est.total <= gpu_mem_gib * GIB:
+                p.min_gpus[method] = n
+    return p
+
+
+# The fetch granularities the planner weighs, coarsest first: one decoder layer per gather (as
+# PyTorch FSDP2 wraps a layer), then DeepSpeed's default of one module's own parameters.
+GRANULARITIES = {"per decoder layer": {"leaf_classes": AUTO, "granularity_threshold": 0},
+                 "per module": {"leaf_classes": (), "granularity_threshold": 0}}
+
+
+@dataclass(frozen=True)
+class GranularityRow:
+    name: str
+    run: RunSpec
+    units: int  # gathers per pass over the model
+    largest: tuple[str, int]  # (module, elements) of the largest unit
+    gathered: float  # bytes per GPU: persistent + the working set W (0 on one GPU)
+    estimate: Estimate
+    fits: bool
+
+
+def granularity_rows(m: ModelSpec, run: RunSpec, gpus: int, gpu_mem_gib: float, method: str = "lomo"
+                     ) -> list[GranularityRow]:
+    """`method` on `gpus` GPUs under each fetch granularity, coarsest first; the run's own
+    granularity is added when it is neither."""
+    run = resolve_auto(m, run)
+    options = {name: resolve_auto(m, replace(run, **fields)) for name, fields in GRANULARITIES.items()}
+    if all(o.fetch_label != run.fetch_label for o in options.values()):
+        options = {f"this config: {run.fetch_label}": run, **options}
+    rows = []
+    for name, r in options.items():
+        est = estimate(m, method, gpus, r)
+        persist, work = _working_set(m, r)
+        gathered = r.b * (persist + work) if gpus > 1 or r.offload else 0
+        rows.append(GranularityRow(name, r, len(fetch_units(m, r)), largest_fetch_unit(m, r), float(gathered), est,
+                                   est.total <= gpu_mem_gib * GIB))
+    return rows
+
+
+def coarsest_fitting(m: ModelSpec, run: RunSpec, gpus: int, gpu_mem_gib: float) -> GranularityRow | None:
+    """The coarsest of GRANULARITIES under which LOMO fits on `gpus` GPUs (None: not even per module)."""
+    return next((row for row in granularity_rows(m, run, gpus, gpu_mem_gib)
+                 if row.name in GRANULARITIES and row.fits), None)
+
+
+def io_host_bytes(m: ModelSpec, run: RunSpec, gpus: int) -> tuple[float, float]:
+    """Host RAM that saving and exporting add to a run's (not in the GPU totals, nor in `host`):
+    (the export's, on rank 0: one file of at most EXPORT_FILE_BYTES plus the tensor being gathered;
+    a checkpoint save's or resume's, per rank: one shard tensor on its way to or from disk, in the
+    parameters' dtype and, with fp32 masters, the master's; nothing more: resume reads its file
+    memory-mapped). With offload_param the shards are in host memory already: a save copies nothing."""
+    b, max_p = run.b, max(m.param_numels())
+    export = min(EXPORT_FILE_BYTES, b * m.n_params) + b * max_p
+    slice_n = math.ceil(max_p / gpus)
+    per_rank = 0 if run.offload else b * slice_n + (4 * slice_n if run.lomo_fp32_master and b != 4 else 0)
+    return float(export), float(per_rank)

@@ -1,0 +1,206 @@
+"""What the planner sizes: a model's architecture (ModelSpec; the LLaMA-1 sizes in LLAMA) and what a
+run does that memory depends on (RunSpec; defaults: the shipped GPU configs'), with the constants
+the estimates share."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+GIB = 2**30
+
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+METHODS = ("lomo", "adalomo", "sgd", "adamw")
+
+
+FUSED = ("lomo", "adalomo")  # the methods whose update is fused into the backward (lomo_ds's engine)
+
+
+METHOD_LABELS = {"lomo": "LOMO", "adalomo": "AdaLomo", "sgd": "SGD", "adamw": "AdamW"}
+
+
+GPU_COUNTS = (1, 2, 4, 8)
+
+
+# Buckets staged ahead of the host-update worker (engine/host_updates.py MAX_STAGED; not imported:
+# the planner runs without torch's engine modules loaded). tests/planning/test_planner.py checks they agree.
+HOST_STAGED_BUCKETS = 4
+
+
+# The largest safetensors file the export writes (storage/checkpoint.py MAX_SHARD_SIZE; not imported:
+# planning sits below storage; tests/planning/test_planner.py checks they agree).
+EXPORT_FILE_BYTES = 5 * 10**9
+
+
+# The model types whose output head the chunked loss knows (engine/chunked_loss.py HEADS, by
+# transformers' model_type; not imported: planning sits below the engine; tests/planning/test_planner.py
+# checks they agree). Any other model keeps its own loss, fp32 logits of every position.
+CHUNKED_LOSS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+
+
+def chunked_loss(m: "ModelSpec", run: "RunSpec") -> bool:
+    """Whether the run's loss is the chunked one: lomo.chunked_loss not off, and a head it knows."""
+    return run.chunked_loss and m.family in CHUNKED_LOSS_FAMILIES
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int = 32000
+    heads: int = 32
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    tie: bool = False
+    # From the model built on the meta device (planning/model_tree.py; the LLaMA sizes above need
+    # none): every parameter's shape, the module tree, the decoder layer's class, the classes the
+    # model names as unsplittable (leaf_module "auto"), and what the activation terms read.
+    shapes: tuple | None = field(default=None, compare=False, repr=False)
+    tree: object = field(default=None, compare=False, repr=False)
+    family: str = "llama"
+    layer_class: str = "LlamaDecoderLayer"
+    no_split: tuple[str, ...] = ("LlamaDecoderLayer",)
+    norms_per_layer: int = 2
+    qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3, OLMo-2, Gemma 3)
+    experts: int = 0  # MoE: routed experts per layer (stacked [E, R, C] tensors), 0 for a dense MLP
+    experts_per_tok: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # a shared expert's MLP width (Qwen2-MoE)
+    softcap: bool = False  # tanh soft-capping of the attention scores (Gemma 2)
+    final_softcap: bool = False  # ... and of the logits
+
+    @property
+    def d(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def k(self) -> int:
+        return self.kv_heads or self.heads
+
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        """Every parameter's shape (nn.Linear: [out, in]): the built model's, else LLaMA's."""
+        if self.shapes is not None:
+            return list(self.shapes)
+        h, f, d = self.hidden, self.intermediate, self.d
+        out = [(self.vocab, h)]
+        if not self.tie:
+            out.append((self.vocab, h))
+        for _ in range(self.layers):
+            out += [(self.heads * d, h), (self.k * d, h), (self.k * d, h), (h, self.heads * d),
+                    (f, h), (f, h), (h, f), (h,), (h,)]
+        out.append((h,))
+        return out
+
+    def param_numels(self) -> list[int]:
+        return [math.prod(shape) for shape in self.param_shapes()]
+
+    @property
+    def n_params(self) -> int:
+        return sum(self.param_numels())
+
+
+# The real LLaMA-1 configurations (Touvron et al. 2023; their HF config.json files).
+LLAMA = {
+    "7b": ModelSpec("llama-7b", 4096, 32, 11008, 32000, 32),
+    "13b": ModelSpec("llama-13b", 5120, 40, 13824, 32000, 40),
+    "30b": ModelSpec("llama-30b", 6656, 60, 17920, 32000, 52),
+    "65b": ModelSpec("llama-65b", 8192, 80, 22016, 32000, 64),
+}
+
+
+# Micro-batch per GPU of each shipped config (ds_configs/llama<size>.json): the paper's global batch
+# of 16 over the GPU count Table 2 gives the size. tests/planning/test_planner.py checks these against the files.
+SHIPPED_MICRO_BATCH = {"7b": 16, "13b": 8, "30b": 4, "65b": 2}
+
+
+# DeepSpeed's own defaults for the zero_optimization keys the planner reads, for configs that leave
+# them out (RunSpec's defaults are the shipped configs' values instead).
+DEEPSPEED_ZERO_DEFAULTS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                           "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+                           "stage3_param_persistence_threshold": 100_000, "sub_group_size": 1_000_000_000}
+
+
+ZERO_FIELDS = {"reduce_bucket_size": "reduce_bucket", "stage3_prefetch_bucket_size": "prefetch",
+                "stage3_max_live_parameters": "max_live", "stage3_max_reuse_distance": "max_reuse",
+                "stage3_param_persistence_threshold": "persistence", "sub_group_size": "sub_group"}
+
+
+# zero_optimization.leaf_module.classes for one gather per decoder layer (the shipped configs').
+PER_LAYER = ("LlamaDecoderLayer",)
+
+
+# zero_optimization.leaf_module "auto": the classes the model names in _no_split_modules
+# (ModelSpec.no_split), resolved by resolve_auto as lomo_ds resolves it for DeepSpeed.
+AUTO = ("auto",)
+
+
+def resolve_auto(m: ModelSpec, run: RunSpec) -> RunSpec:
+    """`run` with leaf_module "auto" replaced by the model's own unsplittable classes."""
+    return replace(run, leaf_classes=tuple(m.no_split)) if run.leaf_classes == AUTO else run
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run does that the memory depends on. Defaults: the shipped GPU configs'."""
+
+    seq: int = 512  # tokenizer.max_length
+    batch: int = 1  # train_micro_batch_size_per_gpu (shipped_run(size) sets the shipped one)
+    dtype: str = "bf16"
+    checkpointing: bool = True  # model.gradient_checkpointing
+    offload: bool = False  # zero_optimization.offload_param.device == "cpu"
+    lomo_bucket: int = 25_000_000  # lomo.bucket_size (shard elements)
+    lomo_fp32_master: bool = False
+    stochastic_rounding: bool = True  # lomo.stochastic_rounding (bf16 shards without masters)
+    reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size
+    prefetch: int = 50_000_000  # stage3_prefetch_bucket_size
+    max_live: int = 1_000_000_000  # stage3_max_live_parameters
+    max_reuse: int = 1_000_000_000  # stage3_max_reuse_distance
+    persistence: int = 10_000  # stage3_param_persistence_threshold
+    sub_group: int = 1_000_000_000  # sub_group_size
+    sgd_momentum: bool = False  # the paper's SGD has none (Table 1: optimizer states = fp32 master only)
+    # The fetch granularity (zero_optimization.leaf_module and stage3_module_granularity_threshold).
+    # class names, or modules' dotted names / name suffixes; AUTO: the model's own (resolve_auto)
+    leaf_classes: tuple[str, ...] = AUTO
+    granularity_threshold: int = 0
+    accumulation: int = 1  # gradient_accumulation_steps (LOMO keeps a shard accumulator when > 1)
+    accumulate_dtype: str = "fp32"  # lomo.accumulate_dtype
+    accumulate_on_host: bool = False  # lomo.accumulate_on == "cpu"
+    update_chunk: int = 1 << 22  # lomo.update_chunk_elements
+    chunked_loss: bool = True  # lomo.chunked_loss (a causal LM it knows)
+    loss_chunk: int = 1 << 25  # lomo.loss_chunk_logits
+
+    @property
+    def b(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def assumptions(self, batch: bool = True) -> str:
+        per_gpu = [f"micro-batch {self.batch} per GPU"] if batch else []
+        return ", ".join([f"{self.dtype} weights", f"seq {self.seq}"] + per_gpu + [
+            f"activation checkpointing {'on' if self.checkpointing else 'off'}",
+            f"offload_param {'cpu' if self.offload else 'none'}", f"lomo.bucket_size {self.lomo_bucket:,}",
+            f"stochastic rounding {'on' if self.stochastic_rounding else 'off'}",
+            f"fp32 masters {'on' if self.lomo_fp32_master else 'off'}",
+            f"persistence threshold {self.persistence:,}", f"max live parameters {self.max_live:,}",
+            f"fetch {self.fetch_label}",
+            f"gradient accumulation {self.accumulation}" + (
+                f" ({self.accumulate_dtype} accumulator on the {'host' if self.accumulate_on_host else 'GPU'})"
+                if self.accumulation > 1 else "")])
+
+    @property
+    def fetch_label(self) -> str:
+        """The fetch granularity in words."""
+        parts = [f"leaf_module {', '.join(self.leaf_classes)}"] if self.leaf_classes else []
+        if self.granularity_threshold:
+            parts.append(f"stage3_module_granularity_threshold {self.granularity_threshold:,}")
+        return " + ".join(parts) if parts else "per module"
+
+
+def llama_spec(size: str) -> ModelSpec:
+    key = size.lower().removeprefix("llama-").removeprefix("llama")
+    if key not in LLAMA:
+        raise ValueError(f"model size {size!r}: expected one of {list(LLAMA)}, an HF config.json or a run config")
+    return LLAMA[key]

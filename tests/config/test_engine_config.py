@@ -1,0 +1,471 @@
+import json
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from lomo_ds.config import ds_options
+from lomo_ds.config.errors import ConfigError
+from lomo_ds.config.lomo import load_config
+from lomo_ds.config.schema import LomoConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_defaults_and_split():
+    ds, lomo = load_config({"train_micro_batch_size_per_gpu": 2, "lomo": {
+        "lr": 0.03, "clip_grad_norm": 1.0, "scheduler": {"type": "linear", "warmup_ratio": 0.05}}})
+    assert ds["zero_optimization"]["stage"] == 3 and "lomo" not in ds
+    assert lomo.lr == 0.03 and lomo.clip_grad_norm == 1.0 and lomo.scheduler.type == "linear"
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"lomo": {"lr": -1}}, "lomo.lr"),
+    ({"lomo": {"learning_rate": 1}}, "lomo.learning_rate: unknown key"),
+    ({"lomo": {"lr": "fast"}}, "lomo.lr: expected a number"),
+    ({"lomo": {"clip_grad_norm": 0}}, "lomo.clip_grad_norm"),
+    ({"lomo": {"scheduler": {"type": "step"}}}, "lomo.scheduler.type"),
+    ({"lomo": {"scheduler": {"warmup_ratio": 1.5}}}, "lomo.scheduler.warmup_ratio"),
+    ({"lomo": {"loss_scale": {"window": 0}}}, "lomo.loss_scale.window"),
+    ({"lomo": {"two_pass_mode": "twice"}}, "lomo.two_pass_mode"),
+    ({"lomo": {"stochastic_rounding": "yes"}}, "lomo.stochastic_rounding: expected true or false"),
+    ({"optimizer": {"type": "AdamW"}}, "optimizer: LOMO is the optimizer"),
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps (LOMO's lomo.accumulation_steps): expected an "
+                                         "integer >= 1, got 0"),
+    ({"gradient_accumulation_steps": 4, "lomo": {"accumulation_steps": 2}},
+     "gradient_accumulation_steps (4) and lomo.accumulation_steps (2) disagree"),
+    ({"lomo": {"accumulate_dtype": "fp64"}}, "lomo.accumulate_dtype: expected one of ['fp32', 'bf16', 'fp16']"),
+    ({"lomo": {"accumulate_on": "nvme"}}, "lomo.accumulate_on: expected one of ['device', 'cpu']"),
+    ({"lomo": {"loss_normalization": "sum"}}, "lomo.loss_normalization: expected one of ['mean', 'tokens']"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "choose one precision"),
+])
+def test_bad_values_name_the_key(cfg, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    assert needle in str(e.value)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
+        load_config(bad)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"lomo": {"lr": 0.01}}))
+    assert load_config(good)[1].lr == 0.01
+
+
+# ----------------------------------------------------------------------------- new lomo fields
+
+def test_new_lomo_fields_defaults():
+    lomo = load_config({})[1]
+    assert lomo.optimizer == "sgd" and lomo.max_consecutive_skips == 20
+    assert (lomo.adalomo.clip_threshold, lomo.adalomo.eps1, lomo.adalomo.eps2, lomo.adalomo.decay_rate) == \
+        (1.0, 1e-30, 1e-3, -0.8)
+    lomo = load_config({"lomo": {"optimizer": "adalomo", "adalomo": {"eps2": 0.01}, "max_consecutive_skips": 3}})[1]
+    assert lomo.optimizer == "adalomo" and lomo.adalomo.eps2 == 0.01 and lomo.max_consecutive_skips == 3
+
+
+@pytest.mark.parametrize("lomo, match", [
+    ({"optimizer": "adam"}, r"lomo\.optimizer: expected one of \['sgd', 'adalomo'\], got 'adam'"),
+    ({"adalomo": {"decay_rate": 0.8}}, r"lomo\.adalomo\.decay_rate: expected a number < 0"),
+    ({"adalomo": {"eps1": 0}}, r"lomo\.adalomo\.eps1: expected a number > 0"),
+    ({"adalomo": {"clip_threshold": -1}}, r"lomo\.adalomo\.clip_threshold: expected a number > 0"),
+    ({"adalomo": {"beta1": 0.9}}, r"lomo\.adalomo\.beta1: unknown key"),
+    ({"max_consecutive_skips": 0}, r"lomo\.max_consecutive_skips: expected an integer >= 1, got 0"),
+    ({"max_consecutive_skips": 2.5}, r"lomo\.max_consecutive_skips: expected an integer, got 2\.5"),
+])
+def test_new_lomo_fields_validated(lomo, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({"lomo": lomo})
+
+
+def test_validated_config_is_frozen():
+    lomo = load_config({"lomo": {"exclude_params": ["lora_*"]}})[1]
+    for change in (lambda: setattr(lomo, "lr", 1.0), lambda: setattr(lomo.scheduler, "total_steps", 5)):
+        with pytest.raises(ValidationError, match="frozen"):
+            change()
+    assert lomo.exclude_params == ("lora_*",)  # a tuple: not even the list can change
+
+
+def test_whole_floats_count_as_integers():
+    assert load_config({"lomo": {"bucket_size": 2.5e7}})[1].bucket_size == 25_000_000
+
+
+# ----------------------------------------------------------------------------- DeepSpeed options
+
+@pytest.mark.parametrize("ds, lomo_key, expected", [
+    ({"gradient_clipping": 1.0}, "clip_grad_norm", 1.0),
+    ({"gradient_clipping": 0}, "clip_grad_norm", None),  # DeepSpeed's "off"
+    ({"communication_data_type": "BF16"}, "reduce_dtype", "bf16"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 12}}, "loss_scale.initial_scale_power", 12),
+    ({"fp16": {"enabled": True, "loss_scale_window": 50}}, "loss_scale.window", 50),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0.5}}, "loss_scale.min_scale", 0.5),
+    ({"fp16": {"enabled": True, "loss_scale": 0}}, "loss_scale.initial_scale_power", 16),  # 0: dynamic, as LOMO's
+    ({"gradient_accumulation_steps": 8}, "accumulation_steps", 8),
+])
+def test_mapped_deepspeed_keys_reach_the_lomo_section(ds, lomo_key, expected):
+    lomo = load_config(ds)[1]
+    value = lomo
+    for part in lomo_key.split("."):
+        value = getattr(value, part)
+    assert value == expected
+
+
+def test_every_mapped_row_is_tested():
+    tested = {"gradient_clipping", "communication_data_type", "fp16.initial_scale_power", "fp16.loss_scale_window",
+              "fp16.min_loss_scale", "gradient_accumulation_steps"}
+    assert {o.key for o in ds_options.OPTIONS if o.status == ds_options.MAPPED} == tested
+
+
+@pytest.mark.parametrize("ds, lomo, names", [
+    ({"gradient_clipping": 1.0}, {"clip_grad_norm": 2.0}, ("gradient_clipping", "lomo.clip_grad_norm")),
+    ({"gradient_clipping": 0}, {"clip_grad_norm": 1.0}, ("gradient_clipping", "lomo.clip_grad_norm")),
+    ({"communication_data_type": "fp16"}, {"reduce_dtype": "bf16"}, ("communication_data_type", "lomo.reduce_dtype")),
+    ({"fp16": {"initial_scale_power": 8}}, {"loss_scale": {"initial_scale_power": 10}},
+     ("fp16.initial_scale_power", "lomo.loss_scale.initial_scale_power")),
+    ({"fp16": {"loss_scale_window": 8}}, {"loss_scale": {"window": 10}},
+     ("fp16.loss_scale_window", "lomo.loss_scale.window")),
+    ({"fp16": {"min_loss_scale": 2}}, {"loss_scale": {"min_scale": 1}},
+     ("fp16.min_loss_scale", "lomo.loss_scale.min_scale")),
+    ({"gradient_accumulation_steps": 4}, {"accumulation_steps": 1}, ("gradient_accumulation_steps",
+                                                                    "lomo.accumulation_steps")),
+])
+def test_conflicting_deepspeed_and_lomo_keys_name_both(ds, lomo, names):
+    with pytest.raises(ConfigError, match="disagree") as e:
+        load_config({**ds, "lomo": lomo})
+    assert all(name in str(e.value) for name in names)
+
+
+def test_agreeing_deepspeed_and_lomo_keys_are_fine():
+    lomo = load_config({"gradient_clipping": 1, "fp16": {"loss_scale_window": 10},
+                        "lomo": {"clip_grad_norm": 1.0, "loss_scale": {"window": 10}}})[1]
+    assert lomo.clip_grad_norm == 1.0 and lomo.loss_scale.window == 10
+
+
+def test_gradient_accumulation_steps_maps_both_ways():
+    """DeepSpeed's key sets lomo.accumulation_steps; the lomo key alone sets DeepSpeed's (which the
+    baselines' DeepSpeed optimizer reads); agreeing values are fine; the default is 1 on both."""
+    ds, lomo = load_config({"gradient_accumulation_steps": 4})
+    assert lomo.accumulation_steps == 4 and ds["gradient_accumulation_steps"] == 4
+    ds, lomo = load_config({"lomo": {"accumulation_steps": 3}})
+    assert lomo.accumulation_steps == 3 and ds["gradient_accumulation_steps"] == 3
+    ds, lomo = load_config({"gradient_accumulation_steps": 2, "lomo": {"accumulation_steps": 2}})
+    assert lomo.accumulation_steps == 2 and ds["gradient_accumulation_steps"] == 2
+    ds, lomo = load_config({})
+    assert (lomo.accumulation_steps, lomo.accumulate_dtype, lomo.accumulate_on, lomo.loss_normalization) == \
+        (1, "fp32", "device", "mean") and ds["gradient_accumulation_steps"] == 1
+
+
+def test_bad_mapped_value_names_the_deepspeed_key():
+    with pytest.raises(ConfigError, match=r"gradient_clipping \(LOMO's lomo\.clip_grad_norm\): expected a positive"):
+        load_config({"gradient_clipping": -1.0})
+    with pytest.raises(ConfigError, match=r"communication_data_type \(LOMO's lomo\.reduce_dtype\): expected one of"):
+        load_config({"communication_data_type": "int8"})
+
+
+# A value LOMO refuses, for every refused row of the table (a new row without one fails below).
+REFUSED_VALUES = {
+    "optimizer": {"type": "AdamW"},
+    "scheduler": {"type": "WarmupLR"},
+    "prescale_gradients": True,
+    "gradient_predivide_factor": 2.0,
+    "bfloat16": {"enabled": True},
+    "fp16.loss_scale": 128,
+    "fp16.hysteresis": 2,
+    "fp16.consecutive_hysteresis": True,
+    "fp16.fp16_master_weights_and_grads": True,
+    "bf16.bf16_master_weights_and_grads": True,
+    "zero_optimization.stage": 2,
+    "tensorboard": {"enabled": True, "output_path": "tb"},
+    "wandb": {"enabled": True},
+    "csv_monitor": {"enabled": True},
+    "comet": {"enabled": True},
+    "wall_clock_breakdown": True,
+    "flops_profiler": {"enabled": True},
+    "amp": {"enabled": True},
+    "torch_autocast": {"enabled": True},
+    "autotuning": {"enabled": True},
+    "compile": {"deepcompile": True},
+    "curriculum_learning": {"enabled": True},
+    "data_efficiency": {"enabled": True},
+    "progressive_layer_drop": {"enabled": True},
+    "quantize_training": {"enabled": True},
+    "eigenvalue": {"enabled": True},
+    "elasticity": {"enabled": True},
+    "hybrid_engine": {"enabled": True},
+    "nebula": {"enabled": True},
+    "checkpoint": {"tag_validation": "FAIL"},
+    "datastates_ckpt": {"host_cache_size": 8},
+    "compression_training": {"weight_quantization": {}},
+    "weight_quantization": {"post_init_quant": {}},
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "dataloader_drop_last": True,
+    "sparse_gradients": True,
+    "gradient_allreduce_op": "sum",
+    "managed_gradient_accumulation": True,
+    "pipeline": {"stages": 2},
+    "tensor_parallel": {"autotp_size": 2},
+    "expert_parallel": {"enabled": True},
+    "use_data_before_expert_parallelism": True,
+    "zero_optimization.reduce_bucket_size": 5e8,
+    "zero_optimization.offload_optimizer": {"device": "cpu"},
+    "zero_optimization.cpu_offload": True,
+    "zero_optimization.zenflow": {"topk_ratio": 0.1},
+    "zero_optimization.offload_param.device": "nvme",
+    "zero_optimization.zero_hpz_partition_size": 8,
+    "zero_optimization.zero_quantized_weights": True,
+    "zero_optimization.zero_quantized_nontrainable_weights": True,
+    "zero_optimization.zero_quantized_gradients": True,
+    "zero_optimization.mics_shard_size": 8,
+    "zero_optimization.mics_hierarchical_params_gather": True,
+    "zero_optimization.zeropp_loco_param": {"err_beta": 0.8},
+}
+
+
+def _nested(dotted: str, value) -> dict:
+    *parents, name = dotted.split(".")
+    out = node = {}
+    for part in parents:
+        node[part] = node = {}
+    node[name] = value
+    return out
+
+
+def test_every_refused_row_is_tested():
+    assert {o.key for o in ds_options.OPTIONS if o.status == ds_options.REFUSED} == set(REFUSED_VALUES)
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED_VALUES))
+def test_refused_deepspeed_keys_name_the_key_and_the_reason(key):
+    with pytest.raises(ConfigError) as e:
+        load_config(_nested(key, REFUSED_VALUES[key]))
+    assert f"{key}: {ds_options.option(key).reason}" in str(e.value)
+
+
+@pytest.mark.parametrize("key", sorted(k for k in REFUSED_VALUES if ds_options.option(k).accepts))
+def test_refused_rows_accept_their_default(key):
+    load_config(_nested(key, ds_options.option(key).accepts[0]))
+
+
+@pytest.mark.parametrize("key", sorted(o.key for o in ds_options.OPTIONS if o.when_enabled))
+def test_sections_refused_when_enabled_are_fine_while_off(key):
+    row = ds_options.option(key)
+    load_config({key: {row.when_enabled: False}})
+
+
+@pytest.mark.parametrize("monitor", ["tensorboard", "wandb", "csv_monitor", "comet"])
+def test_deepspeed_monitors_are_refused_under_lomo_naming_lomo_ds_metrics(monitor):
+    """LOMO never runs DeepSpeed's step, from which the monitors write: they would log nothing."""
+    with pytest.raises(ConfigError, match="output.metrics_file") as e:
+        load_config({monitor: {"enabled": True}})
+    assert "output.tensorboard" in str(e.value) and str(e.value).startswith(f"<config>: {monitor}: ")
+    # The baselines run DeepSpeed's step: their monitors work.
+    from lomo_ds.config.lomo import validate_deepspeed_section
+    from lomo_ds.config.schema import LomoConfig
+
+    validate_deepspeed_section({monitor: {"enabled": True}}, LomoConfig(), lomo_method=False)
+
+
+def test_unknown_top_level_deepspeed_key_is_refused():
+    with pytest.raises(ConfigError, match=r"steps_per_prnt: unknown key; did you mean 'steps_per_print'\?"):
+        load_config({"steps_per_prnt": 10})
+
+
+def test_table_covers_every_top_level_key_of_the_installed_deepspeed():
+    """The keys the installed DeepSpeed's config reads, recorded as it reads them, are the table's."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    read = set()
+
+    class Keys:
+        def __init__(self, d):
+            self.d = d
+
+        def __contains__(self, k):
+            read.add(k)
+            return k in self.d
+
+        def __iter__(self):
+            return iter(list(self.d))
+
+    class Recording(dict):
+        def get(self, k, default=None):
+            read.add(k)
+            return super().get(k, default)
+
+        def __contains__(self, k):
+            read.add(k)
+            return super().__contains__(k)
+
+        def __getitem__(self, k):
+            read.add(k)
+            return super().__getitem__(k)
+
+        def keys(self):
+            return Keys(dict(self))
+
+    DeepSpeedConfig(Recording({"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1,
+                               "gradient_accumulation_steps": 1}))
+    top = {name for o in ds_options.OPTIONS if "." not in o.key for name in (o.key, *o.aliases)}
+    assert len(read) > 40, "recording DeepSpeed's reads found too few keys"
+    assert top == read, f"lomo_ds/config/ds_options.py differs from DeepSpeed's top-level keys: " \
+                        f"missing {sorted(read - top)}, not DeepSpeed's {sorted(top - read)}"
+
+
+def test_supported_options_pass_through_to_deepspeed():
+    zero = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}, "stage3_prefetch_bucket_size": 0,
+            "prefetch_bucket_size": 0, "stage3_max_live_parameters": 1e9, "overlap_comm": True,
+            "stage3_gather_fp16_weights_on_model_save": True, "leaf_module": {"names": ["experts"]}}
+    ds, _ = load_config({"zero_optimization": zero, "gradient_clipping": 1.0, "steps_per_print": 5})
+    assert ds["zero_optimization"] == zero and ds["gradient_clipping"] == 1.0 and ds["steps_per_print"] == 5
+
+
+@pytest.mark.parametrize("zero, match", [
+    ({"stage3_prefetch_bucket_sise": 1}, r"zero_optimization\.stage3_prefetch_bucket_sise: unknown key; "
+                                         r"did you mean 'stage3_prefetch_bucket_size'\?"),
+    ({"offload_param": {"devices": "cpu"}}, r"zero_optimization\.offload_param\.devices: unknown key"),
+    ({"offload_param": "cpu"}, r"zero_optimization\.offload_param: expected an object"),
+])
+def test_unknown_zero_keys_are_refused(zero, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({"zero_optimization": zero})
+
+
+def test_table_covers_every_zero_key_of_the_installed_deepspeed():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
+
+    def names(model):
+        return {n for name, f in model.model_fields.items() for n in (name, f.alias) if n}
+
+    zero = {name for o in ds_options.OPTIONS if o.key.count(".") == 1 and o.key.startswith("zero_optimization.")
+            for name in (o.key.split(".", 1)[1], *o.aliases)}
+    removed = {"mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param"}  # DeepSpeed refuses them
+    assert zero - removed == names(DeepSpeedZeroConfig), \
+        "lomo_ds/config/ds_options.py differs from DeepSpeed's ZeRO keys"
+    prefix = "zero_optimization.offload_param."
+    offload = {o.key.rsplit(".", 1)[1] for o in ds_options.OPTIONS if o.key.startswith(prefix)}
+    assert names(DeepSpeedZeroOffloadParamConfig) == offload
+
+
+def test_readme_section_is_the_table():
+    readme = open(os.path.join(ROOT, "docs", "configs.md")).read()
+    section = readme.split("## DeepSpeed options\n", 1)[1].split("\n## ", 1)[0]
+    assert ds_options.table_markdown() in section, \
+        "docs/configs.md is out of date: regenerate its section with ds_options.table_markdown()"
+
+
+def test_readme_lomo_options_are_the_models():
+    """docs/configs.md's `lomo` reference is generated from LomoConfig, a description on every field."""
+    from lomo_ds.config.docs import options_markdown
+
+    table = options_markdown()
+    assert "| None |" not in table, "a lomo option has no description (Field(description=...))"
+    assert table.count("\n") == 2 + sum(1 for _ in _all_fields(LomoConfig))
+    readme = open(os.path.join(ROOT, "docs", "configs.md")).read()
+    section = readme.split("## `lomo` options\n", 1)[1].split("\n## ", 1)[0]
+    assert table in section, "docs/configs.md is out of date: regenerate its section with options_markdown()"
+
+
+def _all_fields(cls):
+    from lomo_ds.config.errors import submodel
+
+    for field in cls.model_fields.values():
+        yield field
+        if submodel(field.annotation) is not None:
+            yield from _all_fields(submodel(field.annotation))
+
+
+# ----------------------------------------------------------------------------- per-rule recipes
+RECIPES = {"sgd": {"lr": 0.3, "clip_grad_norm": 1.0, "clip_grad_value": 1e-4, "scheduler": {"warmup_ratio": 0.0}},
+           "adalomo": {"lr": 1e-3, "clip_grad_norm": 1.0, "clip_grad_value": None, "scheduler": {"warmup_ratio": 0.1}}}
+
+
+def test_the_chosen_rules_recipe_fills_the_keys_left_out():
+    """One key (lomo.optimizer) switches the update rule and, with it, the learning rate, clipping
+    and warm-up the config's recipe gives that rule; keys the section sets itself win."""
+    section = {"recipes": RECIPES, "scheduler": {"type": "linear"}}
+    ada = load_config({"lomo": {**section, "optimizer": "adalomo"}})[1]
+    assert (ada.lr, ada.clip_grad_norm, ada.clip_grad_value) == (1e-3, 1.0, None)
+    assert (ada.scheduler.type, ada.scheduler.warmup_ratio) == ("linear", 0.1)
+    sgd = load_config({"lomo": {**section, "optimizer": "sgd"}})[1]
+    assert (sgd.lr, sgd.clip_grad_norm, sgd.clip_grad_value) == (0.3, 1.0, 1e-4)
+    assert (sgd.scheduler.type, sgd.scheduler.warmup_ratio) == ("linear", 0.0)
+    mine = load_config({"lomo": {**section, "optimizer": "sgd", "lr": 0.1, "scheduler": {"warmup_ratio": 0.2}}})[1]
+    assert (mine.lr, mine.clip_grad_value, mine.scheduler.warmup_ratio, mine.scheduler.type) == (0.1, 1e-4, 0.2,
+                                                                                                "constant")
+    # A DeepSpeed key mapped onto the section is the author's too: it wins over the recipe.
+    assert load_config({"gradient_clipping": 0.5, "lomo": {**section, "optimizer": "sgd"}})[1].clip_grad_norm == 0.5
+    # Without a recipe for the chosen rule, nothing changes.
+    assert load_config({"lomo": {"recipes": {"sgd": RECIPES["sgd"]}, "optimizer": "adalomo"}})[1].lr == 1e-3
+    plain = load_config({"lomo": {"recipes": {"adalomo": {"lr": 5e-4}}, "lr": 0.05}})[1]
+    assert plain.lr == 0.05 and plain.optimizer == "sgd"
+
+
+def test_a_run_config_switches_rule_by_one_override(tmp_path):
+    from lomo_ds.config.run import load_run_config
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"model": {"path": "tiny-llama-in-memory"}, "train": {"method": "lomo"},
+                                "lomo": {"optimizer": "adalomo", "recipes": RECIPES}}))
+    ada = load_run_config(str(path), check_files=False)
+    sgd = load_run_config(str(path), {"lomo.optimizer": "sgd"}, check_files=False)
+    assert (ada.lomo.optimizer, ada.lomo.lr, ada.lomo.clip_grad_value) == ("adalomo", 1e-3, None)
+    assert (sgd.lomo.optimizer, sgd.lomo.lr, sgd.lomo.clip_grad_value) == ("sgd", 0.3, 1e-4)
+
+
+@pytest.mark.parametrize("recipes, needle", [
+    ({"sgd": {"lr": -1}}, "lomo.recipes.sgd.lr: expected a positive learning rate, got -1"),
+    ({"sgd": {"learning_rate": 1}}, "lomo.recipes.sgd.learning_rate: unknown key"),
+    ({"adam": {"lr": 1}}, "lomo.recipes.adam: unknown key; expected some of ['adalomo', 'sgd']"),
+    ({"adalomo": {"scheduler": {"warmup_ratio": 2}}}, "lomo.recipes.adalomo.scheduler.warmup_ratio"),
+    ({"sgd": {"clip_grad_value": 0}}, "lomo.recipes.sgd.clip_grad_value: expected a positive number or null"),
+])
+def test_bad_recipes_name_the_key(recipes, needle):
+    """Both rules' recipes are checked on load, the one not chosen too (a switch later must not fail)."""
+    with pytest.raises(ConfigError) as e:
+        load_config({"lomo": {"recipes": recipes, "optimizer": "adalomo"}})
+    assert needle in str(e.value)
+
+
+SHIPPED = {  # config: its default rule, (LOMO's lr, clip, warm-up, schedule), (AdaLomo's)
+    "cpu_default.json": ("adalomo", (0.2, 1.0, 0.1, "cosine"), (1e-3, 1.0, 0.1, "cosine")),
+    "cpu_chat.json": ("sgd", (0.05, 1.0, 0.1, "linear"), (1e-3, 1.0, 0.1, "linear")),
+    **{f"llama{size}.json": ("adalomo", (0.03, 1.0, 0.05, "linear"), (5e-4, None, 0.03, "linear"))
+       for size in ("7b", "13b", "30b", "65b", "7b_chat")},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_configs_switch_rule_by_one_key(name):
+    """The shipped configs carry both rules' recipes and switch by one key: AdaLomo by default where
+    the quality sweep put it ahead (docs/results.md), plain LOMO one override away, each with
+    its own lr, clipping, warm-up and schedule."""
+    from lomo_ds.config.run import load_run_config
+
+    path = os.path.join(ROOT, "ds_configs", name)
+    default, want_lomo, want_ada = SHIPPED[name]
+    assert load_run_config(path, {}, check_files=False).lomo.optimizer == default
+    lomo, ada = (load_run_config(path, {"lomo.optimizer": rule}, check_files=False).lomo for rule in ("sgd", "adalomo"))
+    assert (lomo.optimizer, ada.optimizer) == ("sgd", "adalomo")
+    for cfg, want in zip((lomo, ada), (want_lomo, want_ada), strict=True):
+        assert (cfg.lr, cfg.clip_grad_norm, cfg.scheduler.warmup_ratio, cfg.scheduler.type) == want
+
+
+def test_the_run_says_which_update_and_what_its_recipe_filled():
+    from lomo_ds.config.run import load_run_config
+
+    path = os.path.join(ROOT, "ds_configs", "llama7b.json")
+    lomo = load_run_config(path, {"lomo.optimizer": "sgd"}, check_files=False).lomo
+    ada = load_run_config(path, {"lomo.lr": 2e-3}, check_files=False).lomo  # AdaLomo: the config's default
+    assert lomo.describe_update() == ("LOMO (SGD), lr 0.03, clip_grad_norm 1, clip_grad_value none, linear schedule, "
+                                      "warm-up 0.05 (clip_grad_norm, lr, scheduler.warmup_ratio from lomo.recipes.sgd)")
+    assert ada.describe_update() == ("AdaLomo, lr 0.002, clip_grad_norm none, clip_grad_value none, linear schedule, "
+                                     "warm-up 0.03 (clip_grad_norm, scheduler.warmup_ratio from lomo.recipes.adalomo)")
+    plain = load_config({"lomo": {"lr": 0.1, "scheduler": {"warmup_steps": 3}}})[1]
+    assert plain.describe_update() == "LOMO (SGD), lr 0.1, clip_grad_norm none, clip_grad_value none, constant " \
+                                      "schedule, warm-up 3 steps"

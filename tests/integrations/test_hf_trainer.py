@@ -1,0 +1,162 @@
+"""LOMO and AdaLomo inside Hugging Face's Trainer and TRL's SFTTrainer (lomo_ds.integrations).
+
+The multi-rank checks (tests/dist_hf_checks.py) train through a real Trainer on real DeepSpeed
+ZeRO-3 ranks: K = 2 micro-batches, label counts that differ per micro-batch and rank, a linear
+schedule with warm-up, and norm clipping that is active on some steps and not on others. After the
+run the parameters must equal a single-process reference (torch.optim.SGD, or the reference
+AdaLomo, on each window's whole batch with the Trainer's token-mean loss and schedule) and
+lomo_ds's own engine with lomo.loss_normalization "tokens".
+
+Revert checked: without the mixin turning the Trainer's loss (token sum / the window's tokens x
+ranks) back into the micro-batch's token mean, so that the normalisation is applied twice,
+trainer_lomo on 2 ranks differs from the reference by 2.1e-3 and sft by 4.3e-3 (and their losses
+by half).
+"""
+import pytest
+
+from tests import dist_hf_checks as H
+from tests.ranks import multi_rank_checks, ok
+
+TOL = 1e-5
+WORLDS = [1, 2]
+EQUIVALENCE = multi_rank_checks(
+    WORLDS,
+    trainer_lomo=lambda: H.check_equivalence("lomo"),
+    trainer_adalomo=lambda: H.check_equivalence("adalomo"),
+)
+# SFTTrainer, resume and trackers: on 2 ranks (the Trainer's own equivalence covers 1 and 2).
+sft, resume, trackers = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume, trackers=H.check_trackers)
+
+
+@pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
+@pytest.mark.parametrize("world", WORLDS)
+def test_trainer_matches_reference(rank_results, world, check):
+    r = ok(rank_results(world), check)
+    print(f"{check} on {world}: max |Trainer - reference| = {r['max_abs_diff']:.2e}, "
+          f"|Trainer - engine| = {r['engine_vs_trainer']:.2e}")
+    assert r["wrapped"] == "DeepSpeedEngine"  # the LomoEngine's, no second one built by accelerate
+    assert r["max_abs_diff"] <= TOL
+    assert r["engine_vs_trainer"] <= TOL
+    assert r["lr"] == pytest.approx(r["ref_lr"], abs=1e-12)  # the Trainer's schedule, warm-up from 0
+    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)  # the window's token mean, every step
+    assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
+    clipped = [n > H.CLIP[world] for n in r["ref_grad_norm"]]
+    assert any(clipped) and not all(clipped), r["ref_grad_norm"]  # the clip acts on some steps only
+
+
+def test_sft_trainer_matches_reference(rank_results):
+    """SFTTrainer's own loss (the fused LM head's log-probs) trains as the token-mean SGD reference."""
+    r = ok(rank_results(2), sft)
+    print(f"SFTTrainer on 2 ranks: max |SFTTrainer - reference| = {r['max_abs_diff']:.2e}, "
+          f"label tokens per micro-batch {r['label_counts']}")
+    assert r["max_abs_diff"] <= TOL
+    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+    assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
+    assert all(a is not None for a in r["token_accuracy"])  # TRL's metrics, from its fused outputs
+    assert len({c for window in r["label_counts"] for c in window}) > 1  # micro-batches differ in label count
+
+
+def test_resume_and_save_model(rank_results):
+    """Stopped after the step-2 checkpoint and resumed (AdaLomo: its statistics are in the shard
+    state) = uninterrupted; save_model() loads with from_pretrained."""
+    r = ok(rank_results(2), resume)
+    print(f"resumed vs uninterrupted: {r['resumed_vs_whole']:.2e}; checkpoint: {r['checkpoint_files']}")
+    assert r["resumed_vs_whole"] == 0.0
+    assert r["stopped_vs_whole"] > 1e-4  # the stopped run is really behind: the resume did the rest
+    assert r["from_pretrained_vs_trained"] == 0.0
+    assert {"lomo_rank_00000.pt", "lomo_rank_00001.pt", "scheduler.pt", "trainer_state.json",
+            "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
+
+
+def test_trackers_read_back(rank_results):
+    """loss, learning_rate and grad_norm reach TensorBoard and W&B (offline), as the Trainer logged them."""
+    r = ok(rank_results(2), trackers)
+    for tracker in ("tensorboard", "wandb"):
+        for key, values in r["trainer"].items():
+            assert r[tracker][key] == pytest.approx(values, rel=1e-6), (tracker, key)
+    assert len(r["trainer"]["loss"]) == H.STEPS and all(v is not None for v in r["trainer"]["grad_norm"])
+
+
+# ----------------------------------------------------------------------------- single process: refusals
+@pytest.fixture
+def hf_args(monkeypatch):
+    """TrainingArguments(deepspeed=...) registers its config with transformers and sets accelerate's
+    environment: both undone after the test, so this worker's other tests see neither."""
+    import os
+
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    saved = dict(os.environ)
+    made = []
+
+    def make(**kw):
+        base = dict(output_dir="/tmp/unused", optim="lomo", deepspeed=H.ds_config(), report_to=[])
+        args = H.TrainingArgumentsFor(**{**base, **kw})
+        made.append(args)
+        return args
+
+    yield make
+    unset_hf_deepspeed_config()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+REFUSED = [
+    ({"optim": "adamw_torch"}, r"^optim: expected 'lomo' or 'adalomo', got 'adamw_torch'$"),
+    ({"weight_decay": 0.1}, r"^weight_decay: the Trainer decays all but biases and norms.*\(got 0.1\)$"),
+    ({"average_tokens_across_devices": False}, r"^average_tokens_across_devices: .*\(got False\)$"),
+    ({"eval_on_start": True, "eval_strategy": "steps", "eval_steps": 1}, r"^eval_on_start: "),
+    ({"adam_beta2": 0.95}, r"^adam_beta2: an AdamW setting"),
+    ({"auto_find_batch_size": True}, r"^auto_find_batch_size: "),
+    ({"deepspeed": H.ds_config(lr=0.1)}, r"^learning_rate: gives lomo.lr 0.05, the config's lomo section says 0.1; "),
+    ({"deepspeed": H.ds_config(scheduler={"type": "cosine"})}, r"^deepspeed: lomo.scheduler is set, but under the "),
+    ({"deepspeed": {**H.ds_config(), "optimizer": {"type": "AdamW"}}}, r"^deepspeed: <config>: optimizer: LOMO is"),
+]
+
+
+@pytest.mark.parametrize("fields,message", REFUSED, ids=lambda v: str(v)[:40])
+def test_refused_in_constructor_before_deepspeed(hf_args, fields, message):
+    """One line naming the field, from check_training_arguments and from the trainer's constructor,
+    before any DeepSpeed engine exists (the model is still a plain module)."""
+    import torch
+
+    from lomo_ds.integrations.training_args import TrainingArgumentsError, check_training_arguments
+    from lomo_ds.runtime import ds_compat
+    from tests.tiny import tiny_llama
+
+    args = hf_args(learning_rate=0.05, **fields)
+    if "deepspeed" not in fields:
+        with pytest.raises(TrainingArgumentsError, match=message):
+            check_training_arguments(args)
+    model = tiny_llama(0)
+    with pytest.raises(TrainingArgumentsError, match=message) as e:
+        H.lomo_trainer_class()(model=model, args=args)
+    assert "\n" not in str(e.value)
+    assert not ds_compat.is_zero_param(next(model.parameters())) and not torch.distributed.is_initialized()
+
+
+def test_other_trainers_refused_by_name():
+    from trl import DPOTrainer
+
+    from lomo_ds.integrations.training_args import TrainingArgumentsError, check_trainer_class
+
+    with pytest.raises(TrainingArgumentsError, match=r"^DPOTrainer: LomoTrainerMixin is tested with"):
+        check_trainer_class(H.lomo_trainer_class(DPOTrainer))
+    check_trainer_class(H.lomo_trainer_class())  # Trainer
+    check_trainer_class(type("Mine", (H.lomo_trainer_class(),), {}))  # a user's subclass of a tested one
+
+
+def test_table_is_generated_and_complete():
+    """docs/training_arguments.md holds the generated table; every row names a real field."""
+    import dataclasses
+    import os
+
+    from transformers import TrainingArguments
+
+    from lomo_ds.integrations.training_args import FIELDS, options_markdown
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert [f.name for f in FIELDS if f.name not in names] == []
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "training_arguments.md")) as f:
+        assert options_markdown() in f.read()

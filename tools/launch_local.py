@@ -1,0 +1,103 @@
+"""Start a program on N ranks of this machine (torch.distributed.run), the way the tests, benchmarks
+and studies do (not shipped in the package: nothing in it launches this way): one free port,
+LOCAL_SIZE as DeepSpeed's launcher sets it, the cores split between CPU ranks, and DeepSpeed's
+/dev/shm all-reduce buffers removed after the launch whatever its end.
+
+    proc = run_local(["launch/train.py", "--config", "c.json"], nproc=2, timeout=600)
+    proc = run_local(["-m", "benchmarks.table2", "--worker"], nproc=2, timeout=600)   # a module
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Iterator
+
+from lomo_ds.runtime.ds_compat import shm_allreduce_path
+
+ADDR = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (the launch's rendezvous)."""
+    with socket.socket() as s:
+        s.bind((ADDR, 0))
+        return s.getsockname()[1]
+
+
+def rank_env(nproc: int, cpu: bool = True, env: dict | None = None) -> dict[str, str]:
+    """The environment of `nproc` local ranks: os.environ, then `env`, then what the launch needs."""
+    out = {**os.environ, **(env or {})}
+    # LOCAL_SIZE as DeepSpeed's own launcher sets it (torch.distributed.run sets only LOCAL_WORLD_SIZE):
+    # without it DeepSpeed's CPU accelerator runs `numactl --hardware` in a subprocess on every
+    # device_count() call, i.e. on every reduce-scatter bucket of its ZeRO-3 optimizer; with it the
+    # launch starts as a `deepspeed` one does (DeepSpeed's /dev/shm all-reduce, lomo's shared_memory
+    # transport under "auto").
+    out["LOCAL_SIZE"] = str(nproc)
+    out.setdefault("PYTHONUNBUFFERED", "1")
+    if cpu:
+        # Ranks on a few cores: the cores split between them, or they fight over every core.
+        out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        out.setdefault("CUDA_VISIBLE_DEVICES", "")
+    return out
+
+
+def as_deepspeed_launched() -> None:
+    """In a rank started by plain torch.distributed.run: LOCAL_SIZE as DeepSpeed's launcher would set
+    it (see rank_env), before DeepSpeed starts."""
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def torchrun_command(program: list[str], nproc: int, port: int) -> list[str]:
+    """`program` (a script and its arguments, or "-m", a module and its arguments) on `nproc` ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", ADDR,
+            "--master_port", str(port), *program]
+
+
+def remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's all-reduce buffers of the launch on `port`: lomo_ds.init_distributed removes their
+    names once every rank has started, but a launch that failed before then leaves them behind."""
+    for leftover in glob.glob(shm_allreduce_path(ADDR, port, "*", uid="*")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(leftover)
+
+
+@contextlib.contextmanager
+def local_ranks(program: list[str], nproc: int, cpu: bool = True, env: dict | None = None,
+                cwd: str | None = None, **popen) -> Iterator[subprocess.Popen]:
+    """The running launch (a Popen of torch.distributed.run); its /dev/shm leftovers go on exit."""
+    port = free_port()
+    # Its own process group, so that ending it early (a timeout, an error in the caller) ends the ranks too.
+    proc = subprocess.Popen(torchrun_command(program, nproc, port), env=rank_env(nproc, cpu, env), cwd=cwd,
+                            start_new_session=True, **popen)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream:
+                stream.close()
+        remove_shm_buffers(port)
+
+
+def run_local(program: list[str], nproc: int, timeout: float, cpu: bool = True, env: dict | None = None,
+              cwd: str | None = None, capture: bool = True, **popen) -> subprocess.CompletedProcess:
+    """Run the launch to its end, as subprocess.run does (text output captured unless `capture` is
+    False; raises subprocess.TimeoutExpired after killing it)."""
+    if capture:
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with local_ranks(program, nproc, cpu, env, cwd, **popen) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
