@@ -50,6 +50,27 @@ def _spec(a, vocab: int):
     return planner.ModelSpec("dpo-memory", a.hidden, a.layers, int(2.75 * a.hidden), vocab, 8, 4, a.hidden // 8)
 
 
+def head_saved_bytes(loss) -> int:
+    """Bytes TRL's fused LM head saved for its backward (its autograd node's saved tensors, the
+    LM-head weight, a parameter, left out)."""
+    seen, stack, total, storages = set(), [loss.grad_fn], 0, set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if "ChunkedLogProb" in type(node).__name__:
+            for t in node.saved_tensors:
+                if t is None or hasattr(t, "ds_id") or isinstance(t, __import__("torch").nn.Parameter):
+                    continue
+                st = t.untyped_storage()
+                if st.data_ptr() not in storages:
+                    storages.add(st.data_ptr())
+                    total += st.nbytes()
+        stack.extend(n for n, _ in node.next_functions)
+    return total
+
+
 def rank_main(a) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainerCallback
@@ -87,14 +108,28 @@ def rank_main(a) -> None:
     trainer = LomoDPOTrainer(model=LlamaForCausalLM(cfg), args=args, train_dataset=data, processing_class=tok)
     engine = trainer.lomo_engine
     tracker = engine.enable_memory_tracking()
-    acts = ActivationCounter(engine.module)
+    # The backbone's saved tensors (the decoder layers and the final norm); TRL's fused LM head runs
+    # after it in the top module's forward, and its saved tensors are read off its autograd node
+    # (saved-tensor hooks around the head would hand its backward a plain tensor for the ZeRO-3
+    # LM-head weight, which it gathers by its ZeRO attributes).
+    acts = ActivationCounter(engine.module.model)
+    head = {"peak": 0}
     lengths = []
+    compute_loss = trainer.compute_loss
+
+    def measured_loss(model, inputs, *args, **kw):
+        loss = compute_loss(model, inputs, *args, **kw)
+        head["peak"] = max(head["peak"], head_saved_bytes(loss))
+        return loss
+
+    trainer.compute_loss = measured_loss
 
     class AfterFirst(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             if state.global_step == 1:
                 tracker.reset()
                 acts.reset()
+                head["peak"] = 0
 
     trainer.add_callback(AfterFirst())
     original = trainer.training_step
@@ -107,7 +142,8 @@ def rank_main(a) -> None:
     trainer.train()
     measured = {"params": tracker.peak_param_bytes - tracker.master_bytes,
                 "grads": tracker.peak.grad_bytes + tracker.peak.bucket_bytes,
-                "optimizer_states": tracker.state_bytes, "activations": acts.peak, "batch_shapes": lengths,
+                "optimizer_states": tracker.state_bytes, "activations": acts.peak + head["peak"],
+                "head_saved": head["peak"], "batch_shapes": lengths,
                 "vocab": len(tok)}
     every = [None] * world
     torch.distributed.all_gather_object(every, measured)

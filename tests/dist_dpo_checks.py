@@ -99,7 +99,12 @@ def check_equivalence(optim: str = "lomo") -> dict:
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, seen)
 
-        # The reference, on every rank alike (TRL's loss gathers its metrics over the ranks).
+        # The reference, on every rank alike (TRL's loss gathers its metrics over the ranks), on a
+        # plain module: TRL's fused head gathers the LM-head weight itself while a ZeRO-3 config is
+        # registered with transformers.
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
         ref = copy.deepcopy(start)
         add_fused_lm_head(ref, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
         ref.train()

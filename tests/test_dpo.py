@@ -200,3 +200,42 @@ def test_hard_pairs_differ_in_one_part_only():
         kinds["count" if gi == bi else "item"] += 1
     assert min(kinds.values()) > 20, kinds
     assert hard_pairs(conv, seed=0) == pairs and hard_pairs(conv, seed=1) != pairs
+
+
+# ----------------------------------------------------------------------------- the planner's DPO rows
+@pytest.mark.parametrize("name,fits", [("Llama-3.1-8B", True), ("Qwen2.5-7B", True), ("Mistral-7B-v0.3", True),
+                                       ("Gemma-2-9B", True)])
+@pytest.mark.parametrize("seq", [1024, 2048])
+def test_dpo_rows_of_the_docs(name, fits, seq):
+    """docs/dpo.md's table: each 7-9B model on one 24 GiB GPU for DPO (1 pair, precomputed
+    reference) at its figure; with a second reference model none fits."""
+    import os
+    from dataclasses import replace
+
+    from lomo_ds.planning import planner
+    from lomo_ds.planning.dpo import dpo_estimate
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = planner.resolve_model(os.path.join(root, "docs", "models", f"{name}.json"))
+    run = replace(planner.RunSpec(), seq=seq)
+    est = {m: dpo_estimate(spec, m, 1, run, pairs=1) for m in ("lomo", "adalomo")}
+    with open(os.path.join(root, "docs", "dpo.md")) as f:
+        row = next(line for line in f if line.startswith(f"| {name} |"))
+    col = 1 if seq == 1024 else 2
+    assert row.split("|")[col + 1].strip() == " / ".join(f"{est[m].total / planner.GIB:.2f}" for m in est)
+    assert (est["lomo"].total <= 24 * planner.GIB) == fits
+    assert dpo_estimate(spec, "lomo", 1, run, pairs=1, reference="ref_model").total > 24 * planner.GIB
+    # the policy's forward runs chosen and rejected: 2 sequences a pair
+    assert est["lomo"].policy.activations == planner.estimate(spec, "lomo", 1, replace(run, batch=2)).activations
+    assert dpo_estimate(spec, "lomo", 1, run, pairs=2).policy.activations == pytest.approx(
+        planner.estimate(spec, "lomo", 1, replace(run, batch=4)).activations)
+
+
+def test_plan_cli_dpo_rows(capsys):
+    from lomo_ds.cli import main
+
+    assert main(["plan", "--model", "7b", "--dpo-pairs", "1", "--seq", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "| LOMO | precomputed (shipped) |" in out and "ref_model (refused)" in out
+    assert main(["plan", "--model", "7b", "--dpo-pairs", "1", "--batch", "2"]) == 2
+    assert "--batch: with --dpo-pairs" in capsys.readouterr().err

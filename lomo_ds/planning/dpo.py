@@ -11,11 +11,11 @@ planner.estimate's at micro-batch 2B, with one change: the loss is TRL's fused L
   saved       N h b                     the hidden states the head projects (a copy of the slice)
             + 24 N                      targets (int64), log Z and entropy, and the fp32 per-token
                                         outputs the metrics read (log-probs, mean logits, top-1)
-            + b V h   (N > 1 GPUs)      the gathered LM-head weight, which the head saves for its
-                                        backward: it stays gathered from the forward to the backward
   transient   in the backward, at once: the fp32 gradient of the whole LM-head weight (4 V h), the
-              fp32 gradient of the hidden states (4 N h) and one projection tile
-              (min(N, 4096) x 32768 in the compute dtype); the forward's tile is smaller.
+              fp32 gradient of the hidden states (4 N h), one projection tile (min(N, 4096) x 32768
+              in the compute dtype), and on N > 1 GPUs the LM-head weight gathered again (b V h:
+              the head gathers it itself, in its forward and in its backward, and saves only the
+              ZeRO-3 parameter).
   The transient is taken instead of the chunked loss's chunk, where it is larger than a recomputed
   layer with the update (planner.estimate's last term).
 
@@ -67,9 +67,10 @@ def _sequences(run: planner.RunSpec, pairs: int) -> planner.RunSpec:
 def trl_head_bytes(m: planner.ModelSpec, run: planner.RunSpec, gpus: int) -> tuple[float, float]:
     """(saved, backward transient) bytes of TRL's fused LM head on `run`'s sequences (module docstring)."""
     n = run.batch * max(run.seq - 1, 1)
-    saved = n * m.hidden * run.b + 24 * n + (run.b * m.vocab * m.hidden if gpus > 1 else 0)
+    saved = n * m.hidden * run.b + 24 * n
     tile = min(n, TRL_TOKEN_TILE) * min(TRL_VOCAB_TILE, m.vocab) * run.b
-    return float(saved), float(4 * m.vocab * m.hidden + 4 * n * m.hidden + tile)
+    gathered = run.b * m.vocab * m.hidden if gpus > 1 else 0
+    return float(saved), float(4 * m.vocab * m.hidden + 4 * n * m.hidden + tile + gathered)
 
 
 def reference_bytes(m: planner.ModelSpec, run: planner.RunSpec, gpus: int, reference: str) -> float:
