@@ -32,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=128, help="every sequence padded to this length")
     ap.add_argument("--pairs", type=int, default=2, help="pairs per rank and micro-batch")
     ap.add_argument("--optim", choices=["lomo", "adalomo"], default="lomo")
+    ap.add_argument("--save", help="write the ranks' measured figures to this JSON file")
+    ap.add_argument("--measured", help="print the comparison for figures an earlier --save wrote (no run)")
     ap.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -162,19 +164,28 @@ def main(argv=None) -> None:
     from lomo_ds.planning.dpo import dpo_estimate
     from lomo_ds.runtime.launch import run_local
 
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("rank_run", "out")]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+             if k not in ("rank_run", "out", "save", "measured")]
     env = {"LOMO_DS_KEEP_FREED_MEMORY": "0", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "measured.json")
-        proc = run_local(["-m", "experiments.dpo_memory", *flags, "--rank-run", f"--out={out}"], a.ranks,
-                         timeout=3600, env=env, cwd=ROOT)
-        if proc.returncode != 0:
-            sys.exit(f"the DPO run failed:\n{proc.stderr[-6000:]}")
-        with open(out) as f:
+    if a.measured:  # the figures of an earlier run (its --save)
+        with open(a.measured) as f:
             ranks = json.load(f)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "measured.json")
+            proc = run_local(["-m", "experiments.dpo_memory", *flags, "--rank-run", f"--out={out}"], a.ranks,
+                             timeout=3600, env=env, cwd=ROOT)
+            if proc.returncode != 0:
+                sys.exit(f"the DPO run failed:\n{proc.stderr[-6000:]}")
+            with open(out) as f:
+                ranks = json.load(f)
+        if a.save:
+            with open(a.save, "w") as f:
+                json.dump(ranks, f)
     ds = _ds(a)["zero_optimization"]
-    run = planner.run_spec(**planner.run_overrides_from_ds({"zero_optimization": ds}), seq=a.seq, dtype="fp32",
-                           checkpointing=False, lomo_bucket=25_000_000)
+    overrides = {**planner.run_overrides_from_ds({"zero_optimization": ds}), "seq": a.seq, "dtype": "fp32",
+                 "checkpointing": False, "lomo_bucket": 25_000_000}
+    run = planner.run_spec(**overrides)
     spec = _spec(a, ranks[0]["vocab"])
     est = dpo_estimate(spec, a.optim, a.ranks, replace(run, leaf_classes=()), pairs=a.pairs)
     predicted = {"params": est.policy.params, "grads": est.policy.grads,

@@ -27,6 +27,7 @@ K = 2
 STEPS = 4
 LR = {"lomo": 0.05, "adalomo": 0.01}
 BETA = 0.5
+MAX_LENGTH = 160  # the longest pair of the checks' conversations is 150 tokens with the test tokenizer
 # Pre-clip global norms of the reference's windows sit on both sides of these (the test asserts it).
 CLIP = {1: 1.0, 2: 1.0}
 
@@ -53,7 +54,9 @@ def tiny_policy(vocab: int, seed: int = 3):
     from tests.tiny import tiny_llama_config
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_llama_config(vocab=vocab))
+    cfg = tiny_llama_config(vocab=vocab)
+    cfg.max_position_embeddings = MAX_LENGTH  # the chat task's conversations, byte-level tokens
+    return LlamaForCausalLM(cfg)
 
 
 def dpo_config(out_dir: str, optim: str, clip: float, **kw):
@@ -62,7 +65,7 @@ def dpo_config(out_dir: str, optim: str, clip: float, **kw):
     base = dict(output_dir=out_dir, optim=optim, deepspeed=ds_config(), learning_rate=LR[optim],
                 per_device_train_batch_size=BATCH, gradient_accumulation_steps=K, max_steps=STEPS,
                 lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=clip, logging_steps=1, report_to=[],
-                save_strategy="no", seed=0, max_length=64, disable_tqdm=True, dataset_num_proc=None, bf16=False,
+                save_strategy="no", seed=0, max_length=MAX_LENGTH, disable_tqdm=True, dataset_num_proc=None, bf16=False,
                 beta=BETA, precompute_ref_log_probs=True, activation_checkpointing=False,
                 train_sampling_strategy="sequential")
     return DPOConfig(**{**base, **kw})
