@@ -88,6 +88,13 @@ class LomoDPOTrainer(LomoTrainerMixin, DPOTrainer):
         check_dpo_arguments(args, ref_model, kwargs.get("peft_config"))
         super().__init__(model=model, ref_model=None, args=args, **kwargs)
 
+    @property
+    def _loss_by_tokens(self) -> bool:
+        """TRL's DPO loss is a mean over the micro-batch's pairs and takes no num_items_in_batch
+        (a DPO batch has no `labels` to count), whatever the model's forward accepts: the window
+        is the mean of its micro-batches (lomo.loss_normalization `mean`)."""
+        return False
+
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
         if self._precompute_engine is None:
             # deepspeed_init fills the model-dependent `auto` values before it builds an optimizer;
