@@ -16,6 +16,9 @@ validation prompts the exact match of greedy replies.
 
     deepspeed --num_gpus 2 examples/dpo_lomo.py                   # 2 CPU ranks here (no GPU found)
     torchrun --nproc_per_node 2 examples/dpo_lomo.py --optim adalomo --lr 0.001 --seed 43
+    deepspeed --num_gpus 8 examples/dpo_lomo.py --bf16 --model HuggingFaceTB/SmolLM2-1.7B-Instruct
+    deepspeed --num_gpus 1 examples/dpo_lomo.py --bf16 --checkpointing --batch 1 \
+        --model meta-llama/Llama-3.1-8B-Instruct                  # a LLaMA: the config gathers LlamaDecoderLayer
 """
 from __future__ import annotations
 
@@ -58,6 +61,8 @@ def main() -> None:
     ap.add_argument("--eval-pairs", type=int, default=40, help="held-out pairs (the validation split)")
     ap.add_argument("--eval-prompts", type=int, default=20, help="validation prompts for exact match")
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (7-8B on one GPU)")
+    ap.add_argument("--max-length", type=int, default=128, help="prompt + reply tokens (TRL's max_length)")
     ap.add_argument("--output-dir", default="runs/dpo_lomo")
     ap.add_argument("--report-to", default="none")
     ap.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
@@ -101,7 +106,7 @@ def main() -> None:
         learning_rate=a.lr or (0.05 if a.optim == "lomo" else 0.001),
         lr_scheduler_type="linear", warmup_steps=0.1, max_grad_norm=1.0,
         per_device_train_batch_size=a.batch, gradient_accumulation_steps=a.accumulation, max_steps=a.max_steps,
-        bf16=a.bf16, activation_checkpointing=False, max_length=128, beta=a.beta,
+        bf16=a.bf16, activation_checkpointing=a.checkpointing, max_length=a.max_length, beta=a.beta,
         loss_type=["sigmoid", "sft"] if a.sft_weight else ["sigmoid"],
         loss_weights=[1.0, a.sft_weight] if a.sft_weight else None,
         precompute_ref_log_probs=True, precompute_ref_batch_size=8, per_device_eval_batch_size=8,
