@@ -63,7 +63,7 @@ def tiny_policy(vocab: int, seed: int = 3):
 def dpo_config(out_dir: str, optim: str, clip: float, **kw):
     from trl import DPOConfig
 
-    base = dict(output_dir=out_dir, optim=optim, deepspeed=ds_config(), learning_rate=LR[optim],
+    base = dict(output_dir=out_dir, optim=optim, deepspeed=ds_config(), learning_rate=LR.get(optim, LR["lomo"]),
                 per_device_train_batch_size=BATCH, gradient_accumulation_steps=K, max_steps=STEPS,
                 lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=clip, logging_steps=1, report_to=[],
                 save_strategy="no", seed=0, max_length=MAX_LENGTH, disable_tqdm=True, dataset_num_proc=None, bf16=False,

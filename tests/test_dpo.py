@@ -153,6 +153,7 @@ BAD = [
     ({"prompt": "a", "chosen": "b"}, r"p.jsonl:3: missing rejected"),
     ({"prompt": "a", "chosen": "b", "rejected": "b"}, r"p.jsonl:3: chosen and rejected are the same"),
     ({"prompt": "a", "chosen": "", "rejected": "b"}, r"p.jsonl:3: chosen: expected a non-empty string"),
+    ({**CONV, "rejected": CONV["chosen"]}, r"p.jsonl:3: chosen and rejected are the same"),
     ({**CONV, "chosen": [{"role": "robot", "content": "x"}]}, r"p.jsonl:3: chosen\[0\]: unknown role 'robot'"),
     ({**CONV, "prompt": [{"role": "assistant", "content": "x"}]}, r"p.jsonl:3: prompt: the last turn is the assis"),
     ({**CONV, "rejected": [{"role": "user", "content": "x"}]}, r"p.jsonl:3: rejected: a completion holds assistant"),
@@ -168,7 +169,10 @@ def test_bad_record_names_file_and_line(tmp_path, bad, message):
     from lomo_ds.data.errors import DataError
     from lomo_ds.data.preference import load_preference
 
-    path = _write(tmp_path / "p.jsonl", [CONV, CONV, bad])
+    # the first records in the bad one's own format, unless the test is about a format that changes
+    plain = isinstance(bad, dict) and isinstance(bad.get("chosen"), str) and "a plain" not in message
+    first = GOOD["plain"] if plain else CONV
+    path = _write(tmp_path / "p.jsonl", [first, first, bad])
     with pytest.raises(DataError, match=message):
         load_preference(path)
 
