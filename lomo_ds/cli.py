@@ -59,6 +59,9 @@ def _add_plan(sub) -> None:
                    help="HF config.json files: one table of them side by side (micro-batch 1; LOMO and AdaLomo "
                         "with and without offload_param, SGD and AdamW) on 1, 2, 4 and 8 GPUs at each --seqs")
     p.add_argument("--seqs", default="2048,4096", help="sequence lengths for --models (default 2048,4096)")
+    p.add_argument("--dpo-pairs", type=int, default=None, metavar="B",
+                   help="plan DPO (TRL's DPOTrainer, lomo_ds.planning.dpo) with B preference pairs per micro-batch "
+                        "(2B sequences of --seq tokens) for --model, each reference route")
     p.set_defaults(func=_run_plan)
 
 
@@ -95,6 +98,15 @@ def _run_plan(args) -> int:
             seqs = [int(x) for x in args.seqs.split(",")]
             print(format_models_table(args.models, seqs, args.gpu_mem, **extra))
         except ValueError as e:
+            print(f"lomo-ds plan: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if args.dpo_pairs is not None:
+        from lomo_ds.planning.dpo import format_dpo_for_args
+
+        try:
+            print(format_dpo_for_args(args.model, args.dpo_pairs, args.gpu_mem, _plan_overrides(args)))
+        except (ValueError, ConfigError) as e:
             print(f"lomo-ds plan: {e}", file=sys.stderr)
             return 2
         return 0

@@ -17,6 +17,8 @@ SUPPORTED, MAPPED, REFUSED = "supported", "mapped", "refused"
 
 # The Trainer classes the mixin has been tested with (by class name and defining package).
 TESTED_TRAINERS = {("transformers", "Trainer"), ("trl", "SFTTrainer")}
+# Library trainers that need more than the mixin: tested through lomo_ds's own subclass only.
+THROUGH_SUBCLASS = {("trl", "DPOTrainer"): "lomo_ds.integrations.dpo.LomoDPOTrainer"}
 OPTIMIZERS = {"lomo": "sgd", "adalomo": "adalomo"}
 
 
@@ -158,6 +160,13 @@ def check_trainer_class(cls: type) -> None:
     for base in cls.__mro__:
         package = base.__module__.split(".", 1)[0]
         if package in ("transformers", "trl") and base.__name__.endswith("Trainer"):
+            through = THROUGH_SUBCLASS.get((package, base.__name__))
+            if through is not None:
+                if any(f"{c.__module__}.{c.__qualname__}" == through for c in cls.__mro__):
+                    return
+                raise TrainingArgumentsError(
+                    f"{base.__name__}: LomoTrainerMixin is tested with {package}'s {base.__name__} only through "
+                    f"{through} (mix that in, or subclass it)")
             if (package, base.__name__) not in TESTED_TRAINERS:
                 raise TrainingArgumentsError(
                     f"{base.__name__}: LomoTrainerMixin is tested with transformers' Trainer and TRL's SFTTrainer "

@@ -167,14 +167,21 @@ class LomoTrainerMixin:
     def create_optimizer(self, model=None):
         """Build the LomoEngine (once) and the stand-in optimizer the Trainer's scheduler runs on.
         Called by the Trainer's deepspeed_init, after it has filled the config's `auto` values."""
+        self._build_lomo_engine()
+        if self.optimizer is None:
+            self.optimizer = LomoStepOptimizer(self.lomo_engine, self.lomo_engine.params, self.args.learning_rate)
+        return self.optimizer
+
+    def _build_lomo_engine(self) -> TrainerLomoEngine:
+        """The LomoEngine on the Trainer's model (once), from the DeepSpeed config with its `auto`
+        values filled (deepspeed_init fills them before create_optimizer; a trainer that needs the
+        engine earlier fills the model-dependent ones itself, as DPO's reference pass does)."""
         if self.lomo_engine is None:
             hf_ds = self.accelerator.state.deepspeed_plugin.hf_ds_config.config
             ds_config, lomo = self._lomo_config(self.args, hf_ds, tokens=self._loss_by_tokens)
             self.lomo_engine = TrainerLomoEngine(self.model, ds_config, lomo, precision=Precision.of(ds_config))
             self.lomo_engine.schedule = _TrainerSchedule(self)
-        if self.optimizer is None:
-            self.optimizer = LomoStepOptimizer(self.lomo_engine, self.lomo_engine.params, self.args.learning_rate)
-        return self.optimizer
+        return self.lomo_engine
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         optimizer = optimizer if optimizer is not None else self.optimizer

@@ -132,7 +132,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from lomo_ds.planning.fetch_units import _working_set, fetch_units, largest_fetch_unit
+from lomo_ds.planning.fetch_units import fetch_units, largest_fetch_unit, working_set
 from lomo_ds.planning.specs import (
     AUTO,
     DTYPE_BYTES,
@@ -311,7 +311,7 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     P, n, b = sum(numels), gpus, run.b
     max_p = max(numels)
     shard_numel = sum(math.ceil(x / n) for x in numels)
-    persist, work = _working_set(m, run)
+    persist, work = working_set(m, run)
     gathered = b * (persist + work) if n > 1 or run.offload else 0  # on one GPU the shard is the parameter
     shard = 0 if run.offload else b * shard_numel
     params = shard + gathered
@@ -428,7 +428,7 @@ def granularity_rows(m: ModelSpec, run: RunSpec, gpus: int, gpu_mem_gib: float, 
     rows = []
     for name, r in options.items():
         est = estimate(m, method, gpus, r)
-        persist, work = _working_set(m, r)
+        persist, work = working_set(m, r)
         gathered = r.b * (persist + work) if gpus > 1 or r.offload else 0
         rows.append(GranularityRow(name, r, len(fetch_units(m, r)), largest_fetch_unit(m, r), float(gathered), est,
                                    est.total <= gpu_mem_gib * GIB))

@@ -131,7 +131,7 @@ def _fetch_plan(m: ModelSpec, run: RunSpec) -> tuple[list[tuple[str, int]], list
     return units, leaves
 
 
-def _working_set(m: ModelSpec, run: RunSpec) -> tuple[int, int]:
+def working_set(m: ModelSpec, run: RunSpec) -> tuple[int, int]:
     """(persistent elements, elements of the gathered working set W)."""
     numels = m.param_numels()
     persist = sum(x for x in numels if x <= run.persistence)

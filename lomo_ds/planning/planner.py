@@ -38,11 +38,11 @@ from lomo_ds.planning.fetch_units import (
     _fetch_plan,
     _granularity,
     _is_leaf_by_config,
-    _working_set,
     fetch_units,
     largest_fetch_unit,
     leaf_module_names,
     module_tree,
+    working_set,
 )
 from lomo_ds.planning.inputs import (
     hf_config_path,
@@ -94,7 +94,7 @@ __all__ = [
     "EXPORT_FILE_BYTES", "Estimate", "FUSED", "GIB", "GPU_COUNTS", "GRANULARITIES", "GranularityRow",
     "HOST_STAGED_BUCKETS", "LLAMA", "METHODS", "METHOD_LABELS", "ModelSpec", "ModuleNode", "PER_LAYER", "Plan",
     "RunSpec", "SHIPPED_MICRO_BATCH", "_MAX_LEAF", "ZERO_FIELDS", "_fetch_plan", "_granularity",
-    "_is_leaf_by_config", "_working_set", "activation_bytes", "adalomo_state_bytes", "adalomo_statistics_numel",
+    "_is_leaf_by_config", "working_set", "activation_bytes", "adalomo_state_bytes", "adalomo_statistics_numel",
     "adalomo_update_temp_bytes", "chunked_loss", "coarsest_fitting", "estimate", "family_layer_bytes",
     "fetch_units", "format_accumulation_summary", "format_granularity", "format_plan", "format_summary",
     "gathered_expert_bytes", "granularity_rows", "hf_config_path", "io_host_bytes", "largest_fetch_unit",
