@@ -25,7 +25,7 @@ Rank 0 prints, per engine: the median step time (a step is timed until its slowe
 its ratio to FSDP2 with SGD and to its own floor (the ratio of the medians, and "paired": the median
 of each round's ratio, the two steps of a round run back to back), and from extra untimed steps
 after the timed ones: the collectives issued per step and the bytes sent
-(lomo_ds.engine.comm_stats.count_comm, which also sees DeepSpeed's and lomo_ds's shared-memory
+(lomo_ds.profiling.count_comm, which also sees DeepSpeed's and lomo_ds's shared-memory
 transports), the host time in the engine's own update hooks and in the framework's parameter
 fetch/release hooks, and for lomo and FSDP2 the accounted peak bytes per rank (this rank's shards,
 the gathered parameters and gradients alive, sampled at every gradient hook, plus the activations
@@ -58,9 +58,9 @@ import torch
 import lomo_ds
 from experiments import common
 from experiments.bench_step import bench_llama, start_ranks
-from lomo_ds.engine.comm_stats import StepTimers, count_comm
 from lomo_ds.planning import planner
 from lomo_ds.planning.memory import ActivationCounter
+from lomo_ds.profiling import StepTimers, attach_timers, count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device
 
@@ -193,8 +193,7 @@ def hooks_of(name: str, engine):
     """(the engine's timers, a context timing its framework's fetch hooks)."""
     if name.startswith("fsdp2"):
         return engine.timers, engine.timed_fetch_hooks()
-    timers = engine.timers if hasattr(engine, "timers") else StepTimers()
-    engine.timers = timers
+    timers = attach_timers(engine, enabled=False)  # a LomoEngine's spans, or the floor's
     return timers, ds_compat.timed_fetch_hooks(ds_compat.offload_of(engine.ds_engine), timers)
 
 
@@ -251,8 +250,8 @@ def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, floa
     whole gradient into a payload and sums its |elements| (the non-finite flag), "step" steps this
     rank's shard by the sum of `world` rows of its slice. With the fused kernels, as lomo runs them;
     else torch's ops, as lomo's fallback does (copy then flag; rows added into one slice, then the step)."""
-    from lomo_ds.engine import cpu_kernels
-    from lomo_ds.engine.buckets import nonfinite_marker
+    from lomo_ds.comm import cpu_kernels
+    from lomo_ds.comm.payload import nonfinite_marker
 
     kernels = cpu_kernels.load()
     shard = -(-n_params // world)

@@ -52,7 +52,7 @@ def test_bench_fsdp_same_work_and_every_collective(rank_results, fetch):
     # The issue's bound: no more collectives than FSDP2's plus one per bucket.
     assert calls["lomo rs"] <= calls["fsdp2 sgd"] + r["buckets"], calls
     # The memory passes are timed (CPU ranks), with the kernels lomo itself runs.
-    from lomo_ds.engine import cpu_kernels
+    from lomo_ds.comm import cpu_kernels
 
     passes = r["passes"]
     assert passes["pack"] > 0 and passes["step"] > 0 and passes["kernels"] == (cpu_kernels.load() is not None), passes

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from lomo_ds.engine import cpu_kernels
+from lomo_ds.comm import cpu_kernels
 
 needs_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 SIZES = [0, 1, 15, 16, 17, 33, 4099, 100_003]

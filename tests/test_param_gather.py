@@ -9,8 +9,8 @@ from unittest import mock
 import pytest
 import torch
 
-from lomo_ds.engine import shm_all_gather
-from lomo_ds.engine.comm_stats import count_comm
+from lomo_ds.comm import shm_all_gather
+from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from tests import dist_engine_checks as E
 from tests.ranks import multi_rank_checks, ok

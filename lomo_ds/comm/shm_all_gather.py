@@ -25,8 +25,8 @@ from collections import deque
 
 import torch
 
+from lomo_ds.comm.shm_transport import MIN_SLOTS, SharedMemorySlots, available
 from lomo_ds.config.lomo import ParamGather
-from lomo_ds.engine.shm_transport import MIN_SLOTS, SharedMemorySlots, available
 from lomo_ds.runtime import ds_compat
 
 CHOICES = typing.get_args(ParamGather)

@@ -1,5 +1,5 @@
 """Reduce-scatter between CPU ranks on one node, through shared memory: the `shared_memory`
-transport of the gradient buckets (buckets.py).
+route of the gradient buckets (grad.py).
 
 Neither library has a fast one for this case. gloo's reduce-scatter goes through TCP loopback:
 copies through the kernel, and threads that compete with the backward for the cores. DeepSpeed's
@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from lomo_ds.engine import comm_stats, cpu_kernels
-from lomo_ds.engine.shm_transport import ALIGN, MIN_SLOTS, SharedMemorySlots, available
+from lomo_ds.comm import cpu_kernels, observe
+from lomo_ds.comm.shm_transport import ALIGN, MIN_SLOTS, SharedMemorySlots, available
 from lomo_ds.runtime import ds_compat
 
 __all__ = ["ALIGN", "MIN_SLOTS", "SharedMemoryReduceScatter", "available"]
@@ -37,10 +37,12 @@ class _Pending:
         self.done = False
         self.finite: bool | None = None
 
-    def wait(self) -> None:
+    def wait(self) -> bool:
+        """The reduced slice into `out`; whether it is all finite (flag included)."""
         if not self.done:
             self.finite = self.owner.reduce_into(self.out, self.seq)
             self.done = True
+        return self.finite
 
     def rows(self) -> list[torch.Tensor]:
         """Instead of `wait()`: row `rank` of every rank's payload, once all are posted, to read in
@@ -99,8 +101,8 @@ class SharedMemoryReduceScatter(SharedMemorySlots):
         self._next = None
         self.seq += 1
         self._publish(self.seq)
-        # Counted as the reduce-scatter it replaces (by an open comm_stats.count_comm, else free).
-        comm_stats.record("reduce_scatter", width * dtype.itemsize * (self.world - 1))
+        # Reported as the reduce-scatter it replaces (to whoever observes, lomo_ds.profiling.count_comm).
+        observe.record("reduce_scatter", width * dtype.itemsize * (self.world - 1))
         return _Pending(self, self.seq, out)
 
     def rows(self, out: torch.Tensor, seq: int) -> list[torch.Tensor]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from lomo_ds.engine import comm_stats
-from lomo_ds.engine.shm_transport import SharedMemorySlots
+from lomo_ds.comm import observe
+from lomo_ds.comm.shm_transport import SharedMemorySlots
 
 MAX_VALUES = 64  # the step's agreements send at most 5 numbers
 
@@ -47,7 +47,7 @@ class SharedMemoryAllReduce(SharedMemorySlots):
         self._row(self.rank, seq, n, dtype).copy_(values.reshape(-1))
         self.seq = seq
         self._publish(seq)
-        comm_stats.record("all_reduce", n * dtype.itemsize)  # counted as the all-reduce it replaces
+        observe.record("all_reduce", n * dtype.itemsize)  # counted as the all-reduce it replaces
         self._wait_posted(seq)
         out = self._row(0, seq, n, dtype).clone()
         for r in range(1, self.world):
