@@ -248,12 +248,10 @@ def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, floa
     """Seconds (median of `repeats`, every rank at once) of the two passes over memory that the
     shared-memory transport makes per step, on buffers of the step's sizes: "pack" copies this rank's
     whole gradient into a payload and sums its |elements| (the non-finite flag), "step" steps this
-    rank's shard by the sum of `world` rows of its slice. With the fused kernels, as lomo runs them;
-    else torch's ops, as lomo's fallback does (copy then flag; rows added into one slice, then the step)."""
-    from lomo_ds.comm import cpu_kernels
+    rank's shard by the sum of `world` rows of its slice. With torch's ops, as lomo runs them (copy
+    then flag; rows added into one slice, then the step)."""
     from lomo_ds.comm.payload import nonfinite_marker
 
-    kernels = cpu_kernels.load()
     shard = -(-n_params // world)
     g = torch.Generator(device="cpu").manual_seed(torch.distributed.get_rank())
     grad = torch.randn(n_params, generator=g, device="cpu")
@@ -263,20 +261,14 @@ def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, floa
     summed = torch.empty(shard, device="cpu")  # the fallback's reduced slice
 
     def pack():
-        if kernels:
-            kernels.copy_abs_sum(payload, grad)
-        else:
-            payload.copy_(grad)
-            float(nonfinite_marker(payload))
+        payload.copy_(grad)
+        float(nonfinite_marker(payload))
 
     def step():
-        if kernels:
-            kernels.sgd_rows(weights, rows, LR, 1.0, None, 0.0)
-        else:
-            summed.copy_(rows[0])
-            for row in rows[1:]:
-                summed.add_(row)
-            weights.add_(summed, alpha=-LR)
+        summed.copy_(rows[0])
+        for row in rows[1:]:
+            summed.add_(row)
+        weights.add_(summed, alpha=-LR)
 
     out = {}
     for name, fn in (("pack", pack), ("step", step)):
@@ -287,7 +279,6 @@ def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, floa
             fn()
             spent.append(time.perf_counter() - t0)
         out[name] = statistics.median(spent)
-    out["kernels"] = kernels is not None
     return out
 
 
@@ -420,8 +411,7 @@ def report(args, r: dict) -> None:
     passes = r.get("memory_passes")
     if passes and "deepspeed floor" in med:
         floor = med["deepspeed floor"]
-        how = "the fused CPU kernels" if passes["kernels"] else "torch ops"
-        print(f"memory passes per step, every rank at once ({how}): stepping the shard from the ranks' rows "
+        print(f"memory passes per step, every rank at once: stepping the shard from the ranks' rows "
               f"{1e3 * passes['step']:.1f} ms, the pass any fused update of fp32 shards makes: lomo / floor >= "
               f"{1 + passes['step'] / floor:.3f} on this machine; packing the gradient for the peers "
               f"{1e3 * passes['pack']:.1f} ms; the two: {1 + (passes['step'] + passes['pack']) / floor:.3f}")

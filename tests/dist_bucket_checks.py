@@ -10,7 +10,6 @@ import torch
 from transformers import LlamaForCausalLM
 
 import lomo_ds
-from lomo_ds.comm import cpu_kernels
 from lomo_ds.comm.grad import resolve_grad_route
 from lomo_ds.engine.fused_update import geometry
 from lomo_ds.profiling import count_comm
@@ -262,13 +261,6 @@ def check_apply_points(transport: str = "auto"):
 
     engine.buckets.add = counted_add
     engine.buckets.on_bucket = lambda items, stats: (applied_at.append(arrived[0]), apply_bucket(items, stats))[-1]
-    apply_rows = engine.updater.apply_rows  # shared memory: the SGD step applies a bucket from its rows
-
-    def counted_rows(items, stats, clean, row_steps):
-        applied_at.append(arrived[0])
-        apply_rows(items, stats, clean, row_steps)
-
-    engine.updater.apply_rows = counted_rows
     engine.train_step(global_batch(1, world)[rank])
     return {"n_buckets": len(engine.buckets.layout), "applied_at": on_every_rank(*applied_at)}
 
@@ -295,37 +287,7 @@ def check_transport():
                  or (f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f)]
     return {"auto": engine.buckets.route, "local_size": os.environ.get("LOCAL_SIZE"), "refused": error,
             "rng_untouched": rng_untouched,
-            "shm_bytes": engine.buckets.transport.nbytes, "shm_files_left": leftovers,
-            "cpu_kernels": float(engine.buckets.row_steps is not None)}
-
-
-def torch_ops_only(check, **kwargs):
-    """`check(**kwargs)` with the fused CPU kernels off (LOMO_DS_CPU_KERNELS=0): the shared-memory
-    transport then packs, flags and reduces with torch ops, the path of hosts without a compiler."""
-    with mock.patch.dict(os.environ, {cpu_kernels.ENV: "0"}):
-        return check(**kwargs)
-
-
-def check_rows_path(**lomo):
-    """Which passes of one step apply their buckets straight from the shared-memory rows (the
-    fused SGD step) and which from reduced slices: counted by wrapping the updater's two doors."""
-    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, grad_reduction="shared_memory", **lomo))
-    world, rank = engine.world, engine.rank
-    engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
-    counts = {"from_rows": 0, "reduced_updates": 0, "reduced_measures": 0}
-    rows, reduced = engine.updater.apply_rows, engine.updater.apply_bucket
-
-    def counted_rows(items, stats, clean, row_steps):
-        counts["from_rows"] += 1
-        rows(items, stats, clean, row_steps)
-
-    def counted_reduced(items, stats):
-        counts["reduced_measures" if engine.updater.measuring else "reduced_updates"] += 1
-        return reduced(items, stats)
-
-    engine.updater.apply_rows, engine.updater.apply_bucket = counted_rows, counted_reduced
-    engine.train_step(global_batch(1, world)[rank])
-    return {"n_buckets": len(engine.buckets.layout), **counts}
+            "shm_bytes": engine.buckets.transport.nbytes, "shm_files_left": leftovers}
 
 
 def check_sgd(transport: str = "auto", clip_norm: float | None = None):

@@ -7,7 +7,6 @@ import contextlib
 import functools
 import io
 import math
-import shutil
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from tests import dist_bucket_checks as B
 from tests.ranks import multi_rank_checks, ok
 
 WORLDS = [1, 2, 3]
-needs_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 TOL = 1e-6  # fp32, as the engine's equivalence tests
 TRANSPORTS = list(B.TRANSPORTS)
 
@@ -40,13 +38,6 @@ APPLY_POINTS = by_transport("apply_points", B.check_apply_points, worlds=[2, 3])
 STEP_SUMS = by_transport("step_sums", B.check_step_sums, worlds=[2, 3])
 nonfinite_bf16, two_groups, transport = multi_rank_checks(
     WORLDS, nonfinite_bf16=lambda: B.check_nonfinite(True), two_groups=B.check_two_groups, transport=B.check_transport)
-# The shared-memory transport's torch-op path (no C compiler on the host, or LOMO_DS_CPU_KERNELS=0).
-sgd_torch_ops, nonfinite_torch_ops = multi_rank_checks(
-    [2, 3], sgd_torch_ops=lambda: B.torch_ops_only(B.check_sgd, transport="shared_memory"),
-    nonfinite_torch_ops=lambda: B.torch_ops_only(B.check_nonfinite, bf16=False, transport="shared_memory"))
-rows_sgd, rows_clip_norm, rows_adalomo = multi_rank_checks(
-    [2, 3], rows_sgd=B.check_rows_path, rows_clip_norm=lambda: B.check_rows_path(clip_grad_norm=0.5),
-    rows_adalomo=lambda: B.check_rows_path(optimizer="adalomo"))
 overlap, other_partitioning = multi_rank_checks(
     [2, 3], overlap=B.check_overlap, other_partitioning=B.check_other_partitioning_refused)
 
@@ -94,8 +85,6 @@ def test_auto_transport_and_refusal(rank_results, world):
         return
     # Here (gloo, every rank on this x86-64 node, LOCAL_SIZE set as DeepSpeed's launcher does).
     assert r["auto"] == "shared_memory" and r["shm_bytes"] > 0
-    # The fused CPU kernels built (this host has a C compiler): the shared-memory checks run them.
-    assert r["cpu_kernels"] == (1.0 if shutil.which("cc") or shutil.which("gcc") else 0.0)
     assert r["refused"] is not None and "lomo.grad_reduction" in r["refused"] and "LOCAL_SIZE" in r["refused"]
 
 
@@ -109,9 +98,8 @@ def test_nonfinite_gradient_on_one_rank_stops_every_rank_at_that_bucket(rank_res
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_sum_that_overflows_in_the_reduction_is_dropped(rank_results, world):
     """Finite gradients on every rank whose sum is not: rank 0, the one rank that receives it,
-    drops that bucket at once, and its next flag stops every rank at the next bucket (with the
-    fused CPU kernels every rank drops it at once: each packed element over FLT_MAX / world flags
-    the bucket). Either way no rank applies anything from it on."""
+    drops that bucket at once, and its next flag stops every rank at the next bucket: no rank
+    applies anything from it on."""
     for name in OVERFLOW(world):
         r = ok(rank_results(world), name)
         bad, every = r["bad_bucket"], r["changed_by_bucket"]
@@ -121,27 +109,6 @@ def test_a_sum_that_overflows_in_the_reduction_is_dropped(rank_results, world):
         for rank, changed in enumerate(every):
             assert all(c != 0.0 for bucket in changed[:bad] for c in bucket), f"rank {rank}: buckets before it"
             assert all(c != 1.0 for bucket in changed[bad + 1:] for c in bucket), f"rank {rank}: buckets after it"
-
-
-@pytest.mark.parametrize("world", [2, 3])
-@needs_compiler
-def test_which_passes_step_straight_from_the_rows(rank_results, world):
-    """Plain LOMO's update pass steps every bucket from the ranks' rows (the fused SGD step); the
-    norm-measuring pass and AdaLomo (its statistics need the summed slice) reduce first."""
-    sgd, clipped, adalomo = (ok(rank_results(world), c) for c in (rows_sgd, rows_clip_norm, rows_adalomo))
-    n = sgd["n_buckets"]
-    print(f"{world} ranks, {n} buckets: sgd {sgd}, clipped {clipped}, adalomo {adalomo}")
-    assert (sgd["from_rows"], sgd["reduced_updates"], sgd["reduced_measures"]) == (n, 0, 0)
-    assert (clipped["from_rows"], clipped["reduced_updates"], clipped["reduced_measures"]) == (n, 0, n)
-    assert (adalomo["from_rows"], adalomo["reduced_updates"], adalomo["reduced_measures"]) == (0, n, 0)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_shared_memory_without_cpu_kernels(rank_results, world):
-    """The torch ops that stand in for the fused CPU kernels: the same SGD step, the same verdicts."""
-    r = ok(rank_results(world), sgd_torch_ops)
-    assert r["max_abs_diff"] <= TOL and r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
-    check_nonfinite_verdict(ok(rank_results(world), nonfinite_torch_ops), world, "fp32")
 
 
 def check_nonfinite_verdict(r: dict, world: int, dtype: str) -> None:

@@ -10,7 +10,6 @@ methods reach transports only through what this package exports.
   param_gather.py    ZeRO-3's parameter all-gather route of every engine (lomo.param_gather)
   observe.py         where transports that bypass torch.distributed report what they carry
   shm_*.py           the shared-memory transports between CPU ranks of one node
-  cpu_kernels.{py,c} fused passes over fp32 host memory for the shared-memory route
 """
 from lomo_ds.comm.grad import GradReduction, GradRoute, GradTransport, open_grad_transport, resolve_grad_route
 from lomo_ds.comm.param_gather import ParamRoute, abandon_param_gather, configure_param_gather

@@ -20,18 +20,10 @@ Routes:
                   experiments/bench_comm.py only. Not bucketed: `reduce_one` per parameter.
   direct          one rank, nothing to reduce: each gradient is applied as it arrives (one
                   gradient alive, no payload copy). Not bucketed.
-
-Capability `row_steps`: a route whose handles can also hand over every rank's row of a bucket
-(`handle.rows()`, in place until `handle.release()`), with kernels (`row_steps`) that step a shard
-from them in one pass, the summed slice never stored. Only the shared-memory route with the fused
-CPU kernels (cpu_kernels.py) on every rank has it; None elsewhere. Its packing bounds every
-payload's sum of |elements| by FLT_MAX / world (the flag is NaN above it), so a bucket whose
-flags are all 0 cannot overflow when summed and may be stepped on as it is summed.
 """
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
 
@@ -87,7 +79,6 @@ class GradTransport:
 
     route = GradRoute.REDUCE_SCATTER
     bucketed = True  # gradients travel in buckets of payloads (else one at a time: reduce_one)
-    row_steps = None  # the capability above: kernels stepping a shard from every rank's row
 
     def __init__(self, world: int, rank: int, device: torch.device):
         self.world, self.rank, self.device = world, rank, device
@@ -108,20 +99,13 @@ class GradTransport:
         """This rank's [world, width] send matrix for the next post."""
         return torch.empty(self.world, width, dtype=dtype, device=self.device)
 
-    def pack(self, send: torch.Tensor, spans: list[slice], grads: list) -> float | None:
-        """Fill the gradient columns (payload.pack); the sum of |elements| where it came free."""
-        return pack_payload(send, spans, grads, self.world)
+    def pack(self, send: torch.Tensor, spans: list[slice], grads: list) -> None:
+        """Fill the gradient columns (payload.pack)."""
+        pack_payload(send, spans, grads, self.world)
 
-    def flag(self, send: torch.Tensor, width: int, packed_l1: float | None, finite_so_far: torch.Tensor) -> None:
+    def flag(self, send: torch.Tensor, width: int, finite_so_far: torch.Tensor) -> None:
         """Set the flag column: 0 while this rank's payload and pass are finite, else NaN."""
-        if packed_l1 is None:
-            send[:, width] = nonfinite_marker(send[:, :width], finite_so_far)
-            return
-        # Summed while packing, in host memory. Within FLT_MAX / world (NaN compares false), every
-        # element is: no sum over the ranks can overflow, so a bucket whose flags are all 0 stays
-        # finite once summed, and can be stepped on as it is summed (row_steps).
-        clean = packed_l1 <= torch.finfo(torch.float32).max / self.world and bool(finite_so_far)
-        send[:, width] = 0.0 if clean else math.nan
+        send[:, width] = nonfinite_marker(send[:, :width], finite_so_far)
 
     def post(self, received: torch.Tensor, send: torch.Tensor, group) -> "_Collective":
         return _Collective(ds_compat.reduce_scatter_async(received, send.view(-1), group), received)
@@ -140,8 +124,7 @@ class _Collective:
 
 
 class SharedMemoryTransport(GradTransport):
-    """CPU ranks of one node (shm_reduce_scatter.py); with the fused kernels on every rank, the
-    payload is packed and summed for its flag in one read, and `row_steps` is set."""
+    """CPU ranks of one node (shm_reduce_scatter.py)."""
 
     route = GradRoute.SHARED_MEMORY
 
@@ -155,10 +138,6 @@ class SharedMemoryTransport(GradTransport):
     def nbytes(self) -> int:
         return self.shm.nbytes
 
-    @property
-    def row_steps(self):
-        return self.shm.kernels  # agreed over the ranks at the first reserve()
-
     def reserve(self, nbytes: int) -> None:
         self.shm.reserve(nbytes)
 
@@ -167,12 +146,6 @@ class SharedMemoryTransport(GradTransport):
 
     def payload(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         return self.shm.payload(width, dtype)
-
-    def pack(self, send: torch.Tensor, spans: list[slice], grads: list) -> float | None:
-        kernels = self.shm.kernels
-        if kernels is None or not kernels.usable(send):
-            return super().pack(send, spans, grads)
-        return pack_payload(send, spans, grads, self.world, copy_row=kernels.copy_abs_sum)
 
     def post(self, received: torch.Tensor, send: torch.Tensor, group):
         # Its verdict, read while reducing, is in host memory: wait() returns a host bool.

@@ -49,31 +49,19 @@ def nonfinite_marker(t: torch.Tensor, finite_so_far: torch.Tensor | None = None)
     return marker
 
 
-def pack(send: torch.Tensor, spans: list[slice], grads: list[torch.Tensor | None], world: int,
-         copy_row=None) -> float | None:
+def pack(send: torch.Tensor, spans: list[slice], grads: list[torch.Tensor | None], world: int) -> None:
     """Fill the gradient columns of the rank-major payload `send` (its flag column is the caller's):
     each gradient's flat elements [r*part, (r+1)*part) go to row r of its columns `spans`, zeros
-    where a gradient is None or runs short. `copy_row(dst, src)`, when given, copies one contiguous
-    run and returns the sum of its |elements| (a fused copy-and-sum); the total is returned then,
-    else None (the caller reads the payload again for the flag)."""
-    total = 0.0 if copy_row is not None else None
+    where a gradient is None or runs short."""
     for cols, g in zip(spans, grads, strict=True):
         if g is None:
             send[:, cols].zero_()  # no gradient on this rank: it contributes zeros
             continue
         flat, part = g.reshape(-1), cols.stop - cols.start
         full_rows = g.numel() // part
-        if copy_row is not None:
-            flat = flat.to(torch.float32)  # a bf16 gradient into an fp32 payload (lomo.reduce_dtype)
-            for r in range(full_rows):  # row by row: each row of a parameter is contiguous on both sides
-                total += copy_row(send[r, cols], flat[r * part:(r + 1) * part])
-        else:  # one copy for every full row (one kernel launch on an accelerator)
-            send[:full_rows, cols].copy_(flat[:full_rows * part].view(full_rows, part))
+        send[:full_rows, cols].copy_(flat[:full_rows * part].view(full_rows, part))  # one copy (one kernel launch)
         if full_rows < world:
             send[full_rows:, cols].zero_()
-            tail, run = g.numel() - full_rows * part, flat[full_rows * part:]
-            if tail and copy_row is not None:
-                total += copy_row(send[full_rows, cols.start:cols.start + tail], run)
-            elif tail:
-                send[full_rows, cols.start:cols.start + tail].copy_(run)
-    return total
+            tail = g.numel() - full_rows * part
+            if tail:
+                send[full_rows, cols.start:cols.start + tail].copy_(flat[full_rows * part:])

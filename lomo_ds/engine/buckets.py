@@ -38,14 +38,11 @@ never "as soon as it happens to be done", because an update may itself be a coll
 How the bytes move (`lomo.grad_reduction`) is the transport's (lomo_ds/comm/grad.py): the buckets
 fill its payload, post it, and wait on its handle for the reduced slices and the verdict. A
 transport that carries gradients one at a time (one rank's direct path, the all-reduce baseline)
-gets no buckets. Where the transport offers `row_steps` and the pass's consumer takes rows
-(`reset(..., on_rows=)`), a bucket is handed over as every rank's row of it instead of a reduced
-slice, to be stepped on as it is summed.
+gets no buckets.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -59,9 +56,6 @@ from lomo_ds.runtime.device import group_device
 from lomo_ds.runtime.dist import all_reduce_sum
 
 OnBucket = Callable[[list[tuple[torch.nn.Parameter, torch.Tensor]], PassStats], None]
-# A bucket as every rank's row of it, the pass's stats, whether its flags were all clean, and the
-# transport's row kernels to step with.
-OnRows = Callable[[list[tuple[torch.nn.Parameter, list[torch.Tensor]]], PassStats, bool, object], None]
 
 _OFF = contextlib.nullcontext()
 
@@ -104,7 +98,6 @@ class GradientBuckets:
         # Called once per reduced bucket with every parameter of the bucket at once, so an update
         # rule that needs a collective per bucket (AdaLomo's row/column statistics) can batch it.
         self.on_bucket = on_bucket
-        self.on_rows: OnRows | None = None  # the pass's taker of rows (reset()), where the transport has them
         self.device = device
         self.tracker = None  # a MemoryTracker, once track_memory() is called
         if max_in_flight < 1:
@@ -130,11 +123,6 @@ class GradientBuckets:
     def route(self):
         """Where the bytes go (lomo_ds.comm.GradRoute)."""
         return self.transport.route
-
-    @property
-    def row_steps(self):
-        """The transport's kernels stepping a shard from every rank's row of a bucket, or None."""
-        return self.transport.row_steps
 
     def abandon(self) -> None:
         """This rank's backward raised: peers waiting on it fail at once where the transport can
@@ -227,14 +215,12 @@ class GradientBuckets:
         self._relayout_pending = False
 
     # ----------------------------------------------------------------- one backward
-    def reset(self, stats: PassStats, on_rows: OnRows | None = None) -> None:
+    def reset(self, stats: PassStats) -> None:
         """Start a backward: no bucket sent, no gradient in; `stats` (the updater's, for this pass)
-        collects whether everything stayed finite. `on_rows`: this pass takes each bucket as every
-        rank's row of it, where the transport can hand them over (`row_steps`)."""
+        collects whether everything stayed finite."""
         while self.in_flight:  # left by a backward that raised: finish it, apply nothing
             self.in_flight.popleft().work.wait()
         self.stats = stats
-        self.on_rows = on_rows if self.transport.row_steps is not None else None
         self.slots: list[list[torch.Tensor | None]] = [[None] * len(b) for b in self.layout]
         self.missing = [len(b) for b in self.layout]
         self.next_bucket = 0  # the next bucket to send, in layout order
@@ -299,9 +285,9 @@ class GradientBuckets:
         with self.accelerator.stream(self.stream):
             with self.timers.span("pack"):
                 send = self.transport.payload(width + 1, dtype)
-                packed_l1 = self.transport.pack(send, [cols for _, cols in self._columns(params)], grads)
+                self.transport.pack(send, [cols for _, cols in self._columns(params)], grads)
             with self.timers.span("flag"):
-                self.transport.flag(send, width, packed_l1, self.stats.finite)
+                self.transport.flag(send, width, self.stats.finite)
             if self.tracker is not None:
                 self.tracker.note_bucket(self._held_bytes() + send.numel() * send.element_size())
             # The gradients are packed: let them go before the receive buffer exists.
@@ -318,9 +304,6 @@ class GradientBuckets:
 
     def _complete_oldest(self, timer: str = "wait") -> None:
         done = self.in_flight.popleft()
-        if self.on_rows is not None:
-            self._apply_rows(done, timer)
-            return
         with self.timers.span(timer):
             finite = done.work.wait()
         if self.stream is not None:
@@ -333,21 +316,6 @@ class GradientBuckets:
         items = [(p, done.received[cols]) for p, cols in self._columns(done.params)]
         with self.timers.span("update"):
             self.on_bucket(items, self.stats)
-
-    def _apply_rows(self, done: _InFlight, timer: str) -> None:
-        """Hand `on_rows` every rank's row of the bucket, to step on as it sums them (no reduced
-        slice stored, no second read of it). The flags decide first: all 0 means every payload
-        was finite and within the transport's bound, so the sum is finite too."""
-        with self.timers.span(timer):
-            rows = done.work.rows()
-        width = done.received.numel() - 1
-        clean = math.isfinite(sum(float(row[width]) for row in rows))  # flags: 0, or NaN from some rank
-        items = [(p, [row[cols] for row in rows]) for p, cols in self._columns(done.params)]
-        with self.timers.span("update"):
-            self.on_rows(items, self.stats, clean, self.transport.row_steps)
-        if not clean:
-            self.stats.finite.fill_(False)
-        done.work.release()
 
     def _columns(self, params: list[torch.nn.Parameter]) -> list[tuple[torch.nn.Parameter, slice]]:
         """Each parameter of a bucket with its columns in the payload's rows and the received slice."""

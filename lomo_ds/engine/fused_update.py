@@ -207,30 +207,6 @@ class ShardUpdater:
         for param, grad_shard in items:
             self.apply(param, grad_shard, finite)
 
-    def takes_rows(self, row_steps, params: list[torch.nn.Parameter]) -> bool:
-        """Whether this pass can step every shard straight from the ranks' rows with `row_steps`
-        (a transport's capability, lomo_ds/comm/grad.py): the plain SGD update of shards the
-        kernels can write (no measuring pass, no AdaLomo, no fp32 master copy)."""
-        if row_steps is None or self.measuring or self.adalomo is not None or self.masters:
-            return False
-        return all(row_steps.usable(ds_compat.shard(p)) for p in params)
-
-    def apply_rows(self, items: list[tuple[torch.nn.Parameter, list[torch.Tensor]]], stats: PassStats,
-                   clean: bool, row_steps) -> None:
-        """The SGD step of a bucket straight from every rank's row of it (a pass `takes_rows`): the
-        rows summed and the shard stepped in one pass, the summed slice never stored. `clean`: the
-        bucket's flags said every payload was finite and within the transport's bound."""
-        if not (clean and bool(stats.finite)):  # this bucket, or an earlier one, was not finite: nothing moves
-            return
-        rule, left = self.rule, 0
-        for param, rows in items:
-            n = self.geometry(param).local
-            if n:
-                left += row_steps.sgd_rows(ds_compat.shard(param)[:n], [row[:n] for row in rows], rule.lr,
-                                           rule.grad_scale, rule.clip_value, rule.weight_decay)
-        if left:  # sums that overflowed (the flags rule it out; kept as a guard): left unchanged, stop here
-            stats.finite.fill_(False)
-
     def sum_sq(self, grad, n: int) -> torch.Tensor:
         """fp64 squared L2 norm of a gradient slice's first n elements, on the slice's device: one
         fp32 norm over the slice where it is fp32 (as clip_grad_norm_ takes it per tensor), else

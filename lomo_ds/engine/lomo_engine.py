@@ -285,11 +285,7 @@ class LomoEngine:
         statistics stay on the device (the buckets fold every bucket's verdict into them, and from
         the first non-finite bucket on apply nothing more)."""
         stats = self.updater.begin_pass(rule, measure=measure, step=self.global_step)
-        # A plain update pass steps straight from the ranks' rows where the transport can hand
-        # them over: the reduced slice is never stored, one pass over its bytes less.
-        rows = (mode is BucketMode.UPDATE and self.host_updates is None
-                and self.updater.takes_rows(self.buckets.row_steps, self.params))
-        self.buckets.reset(stats, on_rows=self.updater.apply_rows if rows else None)
+        self.buckets.reset(stats)
         self.bucket_mode = mode
         # on an error, peers waiting on this rank's next bucket or parameter gather fail too
         abandon = (self.buckets.abandon, abandon_param_gather, self.step_sums.abandon)
