@@ -17,8 +17,8 @@ import torch
 
 import lomo_ds
 from benchmarks import common
-from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.planning.planner import ModelSpec
+from lomo_ds.profiling import count_comm
 from lomo_ds.runtime.device import accelerator_device
 from tools.launch_local import as_deepspeed_launched
 

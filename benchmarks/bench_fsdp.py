@@ -25,7 +25,7 @@ Rank 0 prints, per engine: the median step time (a step is timed until its slowe
 its ratio to FSDP2 with SGD and to its own floor (the ratio of the medians, and "paired": the median
 of each round's ratio, the two steps of a round run back to back), and from extra untimed steps
 after the timed ones: the collectives issued per step and the bytes sent
-(lomo_ds.engine.comm_stats.count_comm, which also sees DeepSpeed's and lomo_ds's shared-memory
+(lomo_ds.profiling.count_comm, which also sees DeepSpeed's and lomo_ds's shared-memory
 transports), the host time in the engine's own update hooks and in the framework's parameter
 fetch/release hooks, and for lomo and FSDP2 the accounted peak bytes per rank (this rank's shards,
 the gathered parameters and gradients alive, sampled at every gradient hook, plus the activations
@@ -58,8 +58,8 @@ import torch
 import lomo_ds
 from benchmarks import common
 from benchmarks.bench_step import bench_llama, start_ranks
-from lomo_ds.engine.comm_stats import StepTimers, count_comm
 from lomo_ds.planning import planner
+from lomo_ds.profiling import StepTimers, attach_timers, count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device
 from lomo_ds.runtime.memory import ActivationCounter
@@ -196,8 +196,7 @@ def hooks_of(name: str, engine):
     """(the engine's timers, a context timing its framework's fetch hooks)."""
     if name.startswith("fsdp2"):
         return engine.timers, engine.timed_fetch_hooks()
-    timers = engine.timers if hasattr(engine, "timers") else StepTimers()
-    engine.timers = timers
+    timers = attach_timers(engine, enabled=False)  # a LomoEngine's spans, or the floor's
     return timers, ds_compat.timed_fetch_hooks(ds_compat.offload_of(engine.ds_engine), timers)
 
 
@@ -266,12 +265,10 @@ def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, floa
     """Seconds (median of `repeats`, every rank at once) of the two passes over memory that the
     shared-memory transport makes per step, on buffers of the step's sizes: "pack" copies this rank's
     whole gradient into a payload and sums its |elements| (the non-finite flag), "step" steps this
-    rank's shard by the sum of `world` rows of its slice. With the fused kernels, as lomo runs them;
-    else torch's ops, as lomo's fallback does (copy then flag; rows added into one slice, then the step)."""
-    from lomo_ds.engine import cpu_kernels
-    from lomo_ds.engine.buckets import nonfinite_marker
+    rank's shard by the sum of `world` rows of its slice. With torch's ops, as lomo runs them (copy
+    then flag; rows added into one slice, then the step)."""
+    from lomo_ds.comm.payload import nonfinite_marker
 
-    kernels = cpu_kernels.load()
     shard = -(-n_params // world)
     g = torch.Generator(device="cpu").manual_seed(torch.distributed.get_rank())
     grad = torch.randn(n_params, generator=g, device="cpu")
@@ -281,20 +278,14 @@ def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, floa
     summed = torch.empty(shard, device="cpu")  # the fallback's reduced slice
 
     def pack():
-        if kernels:
-            kernels.copy_abs_sum(payload, grad)
-        else:
-            payload.copy_(grad)
-            float(nonfinite_marker(payload))
+        payload.copy_(grad)
+        float(nonfinite_marker(payload))
 
     def step():
-        if kernels:
-            kernels.sgd_rows(weights, rows, LR, 1.0, None, 0.0)
-        else:
-            summed.copy_(rows[0])
-            for row in rows[1:]:
-                summed.add_(row)
-            weights.add_(summed, alpha=-LR)
+        summed.copy_(rows[0])
+        for row in rows[1:]:
+            summed.add_(row)
+        weights.add_(summed, alpha=-LR)
 
     out = {}
     for name, fn in (("pack", pack), ("step", step)):
@@ -305,7 +296,6 @@ def memory_passes(n_params: int, world: int, repeats: int = 9) -> dict[str, floa
             fn()
             spent.append(time.perf_counter() - t0)
         out[name] = statistics.median(spent)
-    out["kernels"] = kernels is not None
     return out
 
 
@@ -439,8 +429,7 @@ def report(args, r: dict) -> None:
     passes = r.get("memory_passes")
     if passes and "deepspeed floor" in med:
         floor = med["deepspeed floor"]
-        how = "the fused CPU kernels" if passes["kernels"] else "torch ops"
-        print(f"memory passes per step, every rank at once ({how}): stepping the shard from the ranks' rows "
+        print(f"memory passes per step, every rank at once: stepping the shard from the ranks' rows "
               f"{1e3 * passes['step']:.1f} ms, the pass any fused update of fp32 shards makes: lomo / floor >= "
               f"{1 + passes['step'] / floor:.3f} on this machine; packing the gradient for the peers "
               f"{1e3 * passes['pack']:.1f} ms; the two: {1 + (passes['step'] + passes['pack']) / floor:.3f}")

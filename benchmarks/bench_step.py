@@ -54,6 +54,7 @@ import lomo_ds
 from benchmarks import common
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planning.planner import ModelSpec
+from lomo_ds.profiling import attach_timers
 from lomo_ds.runtime.host_malloc import keep_freed_memory
 from tools.launch_local import as_deepspeed_launched
 
@@ -147,7 +148,7 @@ def bench(args: argparse.Namespace):
     engines.update({name: make(copy.deepcopy(base)) for name, make in makers.items() if name in wanted})
     timed = {name: e for name, e in engines.items() if name.startswith("lomo")}
     for e in timed.values():
-        e.timers.enable()
+        attach_timers(e)
 
     g = torch.Generator(device="cpu").manual_seed(torch.distributed.get_rank())
     times = {name: [] for name in engines}
@@ -182,7 +183,7 @@ def bench(args: argparse.Namespace):
                 if name in timed:
                     parts[name].append(taken)
     torch.distributed.barrier()
-    return base, times, parts, {name: e.buckets.transport for name, e in timed.items()}
+    return base, times, parts, {name: e.buckets.route.value for name, e in timed.items()}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -204,13 +204,13 @@ class FloorEngine:
     def __init__(self, model, ds_config: dict, param_gather: str = "auto"):
         import deepspeed
 
+        from lomo_ds.comm import configure_param_gather
         from lomo_ds.config import leaf_module
-        from lomo_ds.engine import shm_all_gather
         from lomo_ds.runtime import ds_compat
         from lomo_ds.runtime.device import accelerator_device
 
         # The parameter fetch LOMO's engines get by default (lomo.param_gather): a fair floor.
-        self.param_gather = shm_all_gather.configure(param_gather)
+        self.param_gather = configure_param_gather(param_gather)
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=leaf_module.resolve(ds_config, model),
                                                   model_parameters=None, optimizer=None)
         self.module = self.ds_engine.module
@@ -224,7 +224,7 @@ class FloorEngine:
         param.grad = None
 
     def train_step(self, batch: dict) -> dict:
-        from lomo_ds.engine.comm_stats import StepTimers
+        from lomo_ds.profiling import StepTimers
         from lomo_ds.runtime import ds_compat
         from lomo_ds.runtime.dist import loss_of
 

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lomo_ds
-from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.engine.fused_update import geometry
+from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.dist_engine_checks import bf16_movement, ds_cfg, host_updates_applied, inline_and_thread, max_diff

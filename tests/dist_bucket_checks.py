@@ -10,10 +10,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 import lomo_ds
-from lomo_ds.engine import cpu_kernels
-from lomo_ds.engine.buckets import resolve_transport
-from lomo_ds.engine.comm_stats import count_comm
+from lomo_ds.comm.grad import resolve_grad_route
 from lomo_ds.engine.fused_update import geometry
+from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from tests.dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, on_every_rank, reference_step
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
@@ -262,15 +261,6 @@ def check_apply_points(transport: str = "auto"):
 
     engine.buckets.add = counted_add
     engine.buckets.on_bucket = lambda items, stats: (applied_at.append(arrived[0]), apply_bucket(items, stats))[-1]
-    apply_rows = engine.buckets.on_rows  # shared memory: the SGD step applies a bucket from its rows
-
-    def counted_rows(items, stats, kernels):
-        taken = apply_rows(items, stats, kernels)
-        if taken:
-            applied_at.append(arrived[0])
-        return taken
-
-    engine.buckets.on_rows = counted_rows
     engine.train_step(global_batch(1, world)[rank])
     return {"n_buckets": len(engine.buckets.layout), "applied_at": on_every_rank(*applied_at)}
 
@@ -287,7 +277,7 @@ def check_transport():
     error = None
     with mock.patch.dict(os.environ, {"LOCAL_SIZE": str(10 * engine.world)}):  # ranks that share no memory
         try:
-            resolve_transport("shared_memory", engine.params, engine.world)
+            resolve_grad_route("shared_memory", engine.buckets.bucket_groups, engine.world)
         except ValueError as e:
             error = str(e)
     torch.distributed.barrier()  # every rank past its engine's set-up
@@ -295,40 +285,9 @@ def check_transport():
     port = os.environ.get("MASTER_PORT")
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("lomo_ds_")
                  or (f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f)]
-    return {"auto": engine.buckets.transport, "local_size": os.environ.get("LOCAL_SIZE"), "refused": error,
+    return {"auto": engine.buckets.route, "local_size": os.environ.get("LOCAL_SIZE"), "refused": error,
             "rng_untouched": rng_untouched,
-            "shm_bytes": engine.buckets.shm.nbytes if engine.buckets.shm else 0, "shm_files_left": leftovers,
-            "cpu_kernels": float(engine.buckets.kernels is not None)}
-
-
-def torch_ops_only(check, **kwargs):
-    """`check(**kwargs)` with the fused CPU kernels off (LOMO_DS_CPU_KERNELS=0): the shared-memory
-    transport then packs, flags and reduces with torch ops, the path of hosts without a compiler."""
-    with mock.patch.dict(os.environ, {cpu_kernels.ENV: "0"}):
-        return check(**kwargs)
-
-
-def check_rows_path(**lomo):
-    """Which passes of one step apply their buckets straight from the shared-memory rows (the
-    fused SGD step) and which from reduced slices: counted by wrapping the updater's two doors."""
-    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, grad_reduction="shared_memory", **lomo))
-    world, rank = engine.world, engine.rank
-    engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
-    counts = {"from_rows": 0, "declined": 0, "reduced_updates": 0, "reduced_measures": 0}
-    rows, reduced = engine.updater.apply_rows, engine.updater.apply_bucket
-
-    def counted_rows(items, stats, kernels):
-        taken = rows(items, stats, kernels)
-        counts["from_rows" if taken else "declined"] += 1
-        return taken
-
-    def counted_reduced(items, stats):
-        counts["reduced_measures" if engine.updater.measuring else "reduced_updates"] += 1
-        return reduced(items, stats)
-
-    engine.updater.apply_rows, engine.updater.apply_bucket = counted_rows, counted_reduced
-    engine.train_step(global_batch(1, world)[rank])
-    return {"n_buckets": len(engine.buckets.layout), **counts}
+            "shm_bytes": engine.buckets.transport.nbytes, "shm_files_left": leftovers}
 
 
 def check_sgd(transport: str = "auto", clip_norm: float | None = None):
@@ -364,6 +323,8 @@ def check_step_sums(transport: str):
     return {"equal": float(sums == expected.tolist()), "wide": wide_sum[0],
             "wide_expected": sum(1.0 / 3.0 * (r + 1) for r in range(world)),
             "same_on_every_rank": float(all(row == same_bits[0] for row in same_bits)),
-            "process_group_agreements": len(agreements), "step_sums": float(engine.step_sums is not None),
-            # the last bucket's verdict, read on the host where it lives there (the update then skips masking)
-            "finite_on_host": float(engine.buckets.stats.finite_on_host)}
+            "process_group_agreements": len(agreements),
+            "step_sums": float(engine.step_sums.through_shared_memory),
+            # the last bucket's verdict as the update reads it: on CPU ranks it lives in host memory
+            # whatever the transport, so it is read there (the update then skips masking)
+            "finite_on_host": float(engine.buckets.stats.finite_now() is True)}

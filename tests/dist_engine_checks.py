@@ -10,7 +10,7 @@ import deepspeed
 import torch
 
 import lomo_ds
-from lomo_ds.engine.comm_stats import count_comm
+from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
 from tests.tiny import global_batch, tiny_llama

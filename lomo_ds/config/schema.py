@@ -91,9 +91,9 @@ class RecipesConfig(Section):
     adalomo: RecipeConfig | None = Field(None, description="AdaLomo's values")
 
 
-# How gradient buckets are summed over ranks: the transports of lomo_ds/engine/buckets.py.
+# How gradient buckets are summed over ranks: the transports of lomo_ds/comm/grad.py.
 GradReduction = Literal["auto", "reduce_scatter", "shared_memory", "all_reduce"]
-# How ZeRO-3's parameter all-gathers are carried: lomo_ds/engine/shm_all_gather.py.
+# How ZeRO-3's parameter all-gathers are carried: lomo_ds/comm/param_gather.py.
 ParamGather = Literal["auto", "shared_memory", "torch"]
 
 

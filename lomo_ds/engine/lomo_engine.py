@@ -14,8 +14,8 @@ in place (see fused_update.py). One step = one forward and one or two backward p
              second forward, unless two_pass_mode is "recompute".
 
 Before any backward, one all-reduce of three numbers agrees on the loss: a non-finite loss on
-any rank skips the step on every rank with no weight touched. (The step's agreements go through
-shared memory where the buckets do, between CPU ranks of one node: shm_all_reduce.py.) A
+any rank skips the step on every rank with no weight touched. (The step's agreements go where
+the buckets' bytes go: lomo_ds/comm/step_sums.py.) A
 gradient that turns non-finite only in a backward is flagged by the buckets on every rank at
 once; the step is then skipped from that bucket on. After lomo.max_consecutive_skips skipped
 steps in a row the run stops.
@@ -37,6 +37,7 @@ statistics and collectives stay in the hook, on the device; the worker applies t
 from __future__ import annotations
 
 import contextlib
+import enum
 import fnmatch
 import math
 import os
@@ -45,32 +46,32 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lomo_ds.comm import abandon_param_gather, configure_param_gather, open_step_sums
 from lomo_ds.config import leaf_module
 from lomo_ds.config.lomo import LomoConfig, Precision, load_config
-from lomo_ds.engine import shm_all_gather
+from lomo_ds.engine import checkpoint
 from lomo_ds.engine.accumulation import ACCUMULATE_DTYPES, ShardAccumulator, check_window
 from lomo_ds.engine.adalomo import AdaLomo
-from lomo_ds.engine.buckets import GradientBuckets
+from lomo_ds.engine.buckets import GradientBuckets, NoSpans
 from lomo_ds.engine.chunked_loss import causal_lm_loss, head_of
-from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.engine.fused_update import PassStats, ShardGeometries, ShardUpdater, UpdateRule
 from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.engine.precision import DynamicLossScaler
 from lomo_ds.engine.schedule import Schedule
-from lomo_ds.engine.shm_all_reduce import SharedMemoryAllReduce
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, capture_rng, move_batch, restore_rng
-from lomo_ds.runtime.dist import (
-    gather_full_state_dict,
-    has_labelled_tokens,
-    init_distributed,
-    label_tokens,
-    loss_of,
-    sum_over_ranks,
-)
+from lomo_ds.runtime.dist import gather_full_state_dict, has_labelled_tokens, init_distributed, label_tokens, loss_of
 from lomo_ds.runtime.memory import MemoryTracker
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class BucketMode(enum.Enum):
+    """What the buckets' reduced slices are for in a backward."""
+
+    UPDATE = "update"  # apply them
+    ADD = "add"  # into the accumulator (micro-batches 1..K-1 of a window)
+    FOLD = "fold"  # add, then apply the accumulated sum (the fused K-th micro-batch)
 
 
 def initialize(model: torch.nn.Module, config: dict | str | os.PathLike,
@@ -90,7 +91,7 @@ class LomoEngine:
 
         init_distributed(timeout_s=lomo.collective_timeout)
         # Before DeepSpeed partitions the model: every ZeRO-3 gather from here on takes this route.
-        self.param_gather = shm_all_gather.configure(lomo.param_gather, lomo.collective_timeout)
+        self.param_gather = configure_param_gather(lomo.param_gather, lomo.collective_timeout)
         self.config = lomo
         self.ds_config = ds_config
         self.dtype = (precision or Precision.of(ds_config)).torch_dtype
@@ -144,22 +145,19 @@ class LomoEngine:
         self.memory: MemoryTracker | None = None
         # Each parameter is reduced over its own ds_process_group: one bucket set per group.
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
-        # Off by default (costs nothing); experiments/bench_step.py turns it on for the breakdown.
-        self.timers = StepTimers(device=self.device)
         # One object for every parameter: it splits them by their own ds_process_group and refuses
         # a group that does not span every rank.
         self.buckets = GradientBuckets(self.params, self.group, self.world, self.rank, lomo.bucket_size,
                                        reduce_dtype, self._on_bucket, device=self.device,
                                        transport=lomo.grad_reduction, max_in_flight=lomo.max_in_flight,
-                                       timers=self.timers, timeout_s=lomo.collective_timeout,
+                                       timeout_s=lomo.collective_timeout,
                                        sparse=[p for n, p in self.module.named_parameters() if p.requires_grad
-                                               and any(fnmatch.fnmatch(n, pat) for pat in lomo.sparse_params)],
-                                       on_rows=self._on_bucket_rows)
+                                               and any(fnmatch.fnmatch(n, pat) for pat in lomo.sparse_params)])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
-        # The step's agreements (loss, norm, verdict) go where the buckets go: through shared
-        # memory between CPU ranks of one node (about 1 ms each through gloo), else one all-reduce.
-        self.step_sums = (SharedMemoryAllReduce(self.group, self.world, self.rank, lomo.collective_timeout)
-                          if self.buckets.transport == "shared_memory" else None)
+        # The step's agreements (loss, norm, verdict) go where the buckets' bytes go: a process
+        # group's all-reduce per agreement would cost a step as much as a small bucket's.
+        self.step_sums = open_step_sums(self.buckets.route, self.group, self.world, self.rank,
+                                        lomo.collective_timeout)
 
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
         self.loss_scaler = DynamicLossScaler(scale=2.0**lomo.loss_scale.initial_scale_power,
@@ -177,10 +175,17 @@ class LomoEngine:
         self.micro_step = 0  # micro-batches of the current window already taken
         self.window_length = self.accumulation_steps  # micro-batches of the current window
         self.window = _Window()
-        # What the buckets do with a reduced slice in this backward: "update" (apply it), "add"
-        # (into the accumulator), "fold" (add, then apply the accumulated sum: the fused K-th).
-        self.bucket_mode = "update"
+        self.bucket_mode = BucketMode.UPDATE  # what the buckets' reduced slices are for in this backward
 
+    @property
+    def timers(self):
+        """Spans of the step's parts: free no-ops unless a profiler attached its own
+        (lomo_ds.profiling.attach_timers)."""
+        return self.buckets.timers
+
+    @timers.setter
+    def timers(self, timers) -> None:
+        self.buckets.timers = timers if timers is not None else NoSpans()
 
     # ----------------------------------------------------------------- configuration
     @staticmethod
@@ -228,43 +233,40 @@ class LomoEngine:
     # ----------------------------------------------------------------- the step
     def _on_bucket(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]], stats: PassStats) -> None:
         """A reduced bucket: this rank's summed slice of each of its parameters."""
-        host = self.host_updates
-        # AdaLomo's updating passes take the bucket whole, host-memory shards too: it hands their
-        # host part to the worker itself, after its collectives (adalomo.py).
-        whole = self.updater.adalomo is not None and self.bucket_mode != "add"
-        if (host is not None and not self.updater.measuring and not whole
-                and any(host.holds(p) for p, _ in items)):
-            # Shards in host memory: their slices are staged and the worker applies them; the
-            # measuring pass touches no shard and sums its squares on the device, here.
-            staged = [(p, g[:self.updater.geometry(p).local]) for p, g in items if host.holds(p)]
-            staged = [(p, g) for p, g in staged if g.numel()]  # a rank may hold no real element of one
-            if staged:
-                host.submit(staged, stats.finite, self._host_apply(self.bucket_mode))
-            items = [(p, g) for p, g in items if not host.holds(p)]
-            if not items:
-                return
-        if self.bucket_mode == "add":
+        items = self._stage_host_shards(items, stats)
+        if self.bucket_mode is BucketMode.ADD:
             for param, grad_shard in items:
                 self.accumulator.add(param, grad_shard)
-            return
-        if self.bucket_mode == "fold":
-            items = [(p, self.accumulator.lazy_total(p, self.updater.slice_device(p), g)) for p, g in items]
-        self.updater.apply_bucket(items, stats)
+        elif items:
+            self.updater.apply_bucket([(p, self._update_grad(p, g)) for p, g in items], stats)
 
-    def _on_bucket_rows(self, items: list[tuple[torch.nn.Parameter, list[torch.Tensor]]], stats: PassStats,
-                        kernels) -> bool:
-        """A bucket as every rank's row of it (CPU ranks through shared memory): the plain update
-        pass steps on it as it sums the rows (ShardUpdater.apply_rows); False: reduce it first."""
-        if self.bucket_mode != "update" or self.host_updates is not None:
-            return False
-        return self.updater.apply_rows(items, stats, kernels)
+    def _update_grad(self, param: torch.nn.Parameter, grad_shard: torch.Tensor):
+        """What the update steps by: the reduced slice, or in a FOLD pass the window's sum with it."""
+        if self.bucket_mode is BucketMode.FOLD:
+            return self.accumulator.lazy_total(param, self.updater.slice_device(param), grad_shard)
+        return grad_shard
 
-    def _host_apply(self, mode: str):
+    def _stage_host_shards(self, items, stats: PassStats):
+        """Hand the slices of shards in host memory to the host-update worker (which applies them
+        as this pass's mode says); returns the rest. AdaLomo's updating passes keep the bucket
+        whole (it hands the host part over itself, after its collectives: adalomo.py); the
+        measuring pass touches no shard and sums its squares on the device, here."""
+        host = self.host_updates
+        whole = self.updater.adalomo is not None and self.bucket_mode is not BucketMode.ADD
+        if host is None or self.updater.measuring or whole or not any(host.holds(p) for p, _ in items):
+            return items
+        staged = [(p, g[:self.updater.geometry(p).local]) for p, g in items if host.holds(p)]
+        staged = [(p, g) for p, g in staged if g.numel()]  # a rank may hold no real element of one
+        if staged:
+            host.submit(staged, stats.finite, self._host_apply(self.bucket_mode))
+        return [(p, g) for p, g in items if not host.holds(p)]
+
+    def _host_apply(self, mode: BucketMode):
         """What the host-update worker does with one staged slice (a parameter's real elements in
         host memory) and the pass's finite flag as of its bucket, in the bucket mode of its pass."""
-        if mode == "add":
+        if mode is BucketMode.ADD:
             return lambda p, g, finite: self.accumulator.add(p, g)
-        if mode == "fold":
+        if mode is BucketMode.FOLD:
             return lambda p, g, finite: self.updater.apply(p, self.accumulator.lazy_total(p, g.device, g), finite)
         return lambda p, g, finite: self.updater.apply(p, g, finite)
 
@@ -277,18 +279,23 @@ class LomoEngine:
             self.buckets.add(param, grad)
             del grad
 
-    def _backward(self, loss: torch.Tensor, rule: UpdateRule, measure: bool, retain_graph: bool) -> PassStats:
-        """One backward pass (measuring, or updating by `rule`); its statistics stay on the device
-        (the buckets fold every bucket's verdict into them, and from the first non-finite bucket
-        on apply nothing more)."""
+    def _backward(self, loss: torch.Tensor, rule: UpdateRule, measure: bool = False, retain_graph: bool = False,
+                  mode: BucketMode = BucketMode.UPDATE) -> PassStats:
+        """One backward pass (measuring, or updating by `rule`, or accumulating by `mode`); its
+        statistics stay on the device (the buckets fold every bucket's verdict into them, and from
+        the first non-finite bucket on apply nothing more)."""
         stats = self.updater.begin_pass(rule, measure=measure, step=self.global_step)
         self.buckets.reset(stats)
+        self.bucket_mode = mode
         # on an error, peers waiting on this rank's next bucket or parameter gather fail too
-        abandon = (self.buckets.abandon, shm_all_gather.abandon) + ((self.step_sums.abandon,) if self.step_sums else ())
-        with self._host_updates_joined(on_error=abandon):
-            loss.backward(retain_graph=retain_graph)
-            with self.timers.span("flush"):
-                self.buckets.flush()
+        abandon = (self.buckets.abandon, abandon_param_gather, self.step_sums.abandon)
+        try:
+            with self._host_updates_joined(on_error=abandon):
+                loss.backward(retain_graph=retain_graph)
+                with self.timers.span("flush"):
+                    self.buckets.flush()
+        finally:
+            self.bucket_mode = BucketMode.UPDATE
         return stats
 
     @contextlib.contextmanager
@@ -358,98 +365,22 @@ class LomoEngine:
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
         """One micro-batch of this rank: a forward and a backward. With accumulation_steps K > 1,
         every K-th call (see is_gradient_accumulation_boundary) also applies the update from the
-        window's accumulated gradient; the result's "stepped" says whether this call did."""
-        if self.micro_step == 0 and self.window_length == 1:
-            return self._single_step(batch)
-        return self._micro_step(batch)
+        window's accumulated gradient; the result's "stepped" says whether this call did.
 
-    def _single_step(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """One optimizer step on this rank's micro-batch alone (a window of one)."""
-        self.module.train()
-        self.window_length = self.accumulation_steps  # a shortened window of one is over
-        batch = move_batch(batch, self.device)
-        lr = self.schedule.lr_at(self.global_step)
-        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        result = {"lr": lr, "loss_scale": loss_scale, "grad_norm": None, "skipped": False, "stepped": True,
-                  "micro_batches": 1}
-        recompute = self.two_passes and self.config.two_pass_mode == "recompute"
-        rng = capture_rng(self.device) if recompute else None
-
-        labelled = has_labelled_tokens(batch)
-        tokens = label_tokens(batch) if self.config.loss_normalization == "tokens" else 1
-        raw_loss = loss_of(self.forward(batch))
-        agreed = self._agree_on_loss(raw_loss, labelled, tokens)
-        result["loss"] = agreed.report(self.config.loss_normalization)
-        if agreed.nonfinite or agreed.unlabelled:
-            # A non-finite loss on some rank (or nothing to learn anywhere): known before the
-            # backward, so no rank starts one.
-            del raw_loss
-            return self._skip(result, overflow=agreed.nonfinite)
-        per_token = self._token_weight(agreed.tokens)
-        # What the summed gradient is divided by: the seed's per-token weight included.
-        result["normalizer"] = self._normalizer(1, agreed.tokens) * per_token
-        grad_scale = 1.0 / (result["normalizer"] * loss_scale)  # averaged, unscaled
-        loss = self._backward_loss(raw_loss, labelled, tokens, 1.0, per_token)
-        del raw_loss
-        if self.two_passes:
-            retain = not recompute
-            counters = ds_compat.snapshot_backward_counters(self.module) if retain else None
-            stats = self._backward(loss * loss_scale, UpdateRule(lr=lr, grad_scale=grad_scale), measure=True,
-                                   retain_graph=retain)
-            # fp64, and a non-finite sum stays non-finite through the sum: 8 bytes carry both, and
-            # reading the reduced sum is the pass's one host sync.
-            (total,) = self._sum_over_ranks(stats.norm_sq_or_inf().reshape(1), "squared norm")
-            norm = math.sqrt(total) if math.isfinite(total) else math.inf
-            result["grad_norm"] = norm
-            if not math.isfinite(norm):
-                # Overflow somewhere on some rank: every rank skips, no parameter is touched.
-                del loss
-                return self._skip(result, overflow=True)
-            coef = 1.0
-            if self.config.clip_grad_norm is not None:
-                coef = min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
-            if retain:
-                ds_compat.restore_backward_counters(counters)
-            else:
-                # The same random draws (dropout) as the measured forward: the same graph.
-                restore_rng(rng, self.device)
-                loss = self._backward_loss(loss_of(self.forward(batch)), labelled, tokens, 1.0, per_token)
-            grad_scale *= coef
-        rule = UpdateRule(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
-                          weight_decay=self.config.weight_decay)
-        stats = self._backward(loss * loss_scale, rule, measure=False, retain_graph=False)
-        # The pass's one read, agreed over the ranks (a slice that overflowed only in the last
-        # bucket's reduction is known to its own rank alone until now).
-        (nonfinite_ranks,) = self._sum_over_ranks((~stats.finite).to(torch.float32).reshape(1), "non-finite flag")
-        if nonfinite_ranks:
-            # Non-finite in the updating pass: the buckets before it were applied, none after.
-            return self._skip(result, overflow=True)
-        return self._stepped(result)
-
-    def _sum_over_ranks(self, values, name: str) -> list[float]:
-        """Element-wise sums over the ranks of a few numbers (fp32) or a short 1-D tensor (its
-        dtype), read on the host: one of the step's agreements."""
-        if self.step_sums is None:
-            return sum_over_ranks(values, self.world, self.group, name=name)
-        t = values if torch.is_tensor(values) else torch.tensor(values, dtype=torch.float32, device="cpu")
-        return self.step_sums.sum(t).tolist()
-
-    def _normalizer(self, micro_batches: int, tokens: float) -> float:
-        """What the summed gradient of a step is divided by: its micro-batches x ranks ("mean"),
-        or its label tokens over every rank and micro-batch ("tokens")."""
-        return tokens if self.config.loss_normalization == "tokens" else micro_batches * self.world
-
-    def _micro_step(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """One micro-batch of a window of several: its reduced slices go into the accumulator; the
-        window's last also applies the step (fused into its backward, or one pass after it)."""
+        One skeleton for windows of one and of K: the forward, the loss agreed before any backward,
+        then the backward. A window of one applies the update in its backward (after a measuring
+        backward where the norm or the overflow verdict is needed first); micro-batches 1..K-1 add
+        into the accumulator, and the K-th applies the step fused into its backward or after it."""
         self.module.train()
         batch = move_batch(batch, self.device)
-        window = self.window
+        window, one = self.window, self.micro_step == 0 and self.window_length == 1
         last = self.is_gradient_accumulation_boundary()
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0  # fixed over a window
         lr = self.schedule.lr_at(self.global_step)
         result = {"lr": lr, "loss_scale": loss_scale, "grad_norm": None, "skipped": False, "stepped": last,
                   "micro_batches": self.micro_step + 1}
+        measure = one and self.two_passes
+        rng = capture_rng(self.device) if measure and self.config.two_pass_mode == "recompute" else None
 
         labelled = has_labelled_tokens(batch)
         tokens = label_tokens(batch) if self.config.loss_normalization == "tokens" else 1
@@ -460,50 +391,94 @@ class LomoEngine:
             # One weight for the whole window (its micro-batches' gradients are summed), chosen
             # from the first micro-batch with labels.
             window.per_token = self._token_weight(agreed.tokens)
-        per_token = window.per_token or 1.0
-        fused = last and self.fused_accumulation
+        # Whether this backward applies the update (else it only accumulates).
+        applies = one or (last and self.fused_accumulation)
         if window.nonfinite or agreed.unlabelled:
             # Known on every rank before the backward (a non-finite loss here, or something
             # non-finite earlier in the window, or no labels anywhere): no rank starts one.
             del raw_loss
             ds_compat.release_all(self.offload)
         else:
-            # Fused: the update rides on this backward, with the window's normalisation.
-            rule = (UpdateRule(lr=lr, grad_scale=1.0 / (self._normalizer(self.window_length, window.tokens)
-                                                         * per_token * loss_scale),
-                               clip_value=self.config.clip_grad_value, weight_decay=self.config.weight_decay)
-                    if fused else UpdateRule())
-            self.bucket_mode = "fold" if fused else "add"
-            try:
-                loss = self._backward_loss(raw_loss, labelled, tokens, loss_scale, per_token)
-                del raw_loss
-                stats = self._backward(loss, rule, measure=False, retain_graph=False)
-            finally:
-                self.bucket_mode = "update"
-            # The pass's one read, agreed over the ranks (a slice that overflowed only in the last
-            # bucket's reduction is known to its own rank alone until now).
-            (nonfinite_ranks,) = self._sum_over_ranks((~stats.finite).to(torch.float32).reshape(1),
-                                                       "non-finite flag")
-            window.nonfinite |= nonfinite_ranks > 0
-            window.backwards += 1
+            per_token = window.per_token or 1.0
+            loss = self._backward_loss(raw_loss, labelled, tokens, 1.0, per_token)
+            del raw_loss
+            # What the summed gradient is divided by: the seed's per-token weight included; unscaled.
+            grad_scale = (1.0 / (self._normalizer(self.micro_step + 1, window.tokens) * per_token * loss_scale)
+                          if applies else 1.0)
+            if measure:
+                loss, grad_scale = self._measuring_pass(batch, loss, grad_scale, rng, result,
+                                                        (labelled, tokens, per_token, loss_scale))
+            if loss is None:  # overflow in the measuring pass, on some rank
+                window.nonfinite = True
+            else:
+                rule = (UpdateRule(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
+                                   weight_decay=self.config.weight_decay) if applies else UpdateRule())
+                mode = BucketMode.UPDATE if one else BucketMode.FOLD if applies else BucketMode.ADD
+                stats = self._backward(loss * loss_scale, rule, mode=mode)
+                del loss
+                # The pass's one read, agreed over the ranks (a slice that overflowed only in the last
+                # bucket's reduction is known to its own rank alone until now).
+                (nonfinite_ranks,) = self._sum_over_ranks((~stats.finite).to(torch.float32).reshape(1),
+                                                           "non-finite flag")
+                window.nonfinite |= nonfinite_ranks > 0
+                window.backwards += 1
         result["loss"] = window.report(self.config.loss_normalization)
         self.micro_step += 1
         if not last:
             return result
-        return self._end_window(result, fused)
+        return self._end_window(result, applies)
 
-    def _end_window(self, result: dict[str, Any], fused: bool) -> dict[str, Any]:
+    def _measuring_pass(self, batch, loss: torch.Tensor, grad_scale: float, rng, result: dict[str, Any],
+                        seed: tuple) -> tuple[torch.Tensor | None, float]:
+        """A window of one that needs the global norm or the overflow verdict before updating: a
+        first backward that only measures. Returns the loss to back-propagate again (the same
+        graph, retained, or recomputed with the same random draws where `rng` was captured) and the
+        clipped grad_scale; None for the loss when something overflowed on some rank."""
+        labelled, tokens, per_token, loss_scale = seed
+        retain = rng is None
+        counters = ds_compat.snapshot_backward_counters(self.module) if retain else None
+        stats = self._backward(loss * loss_scale, UpdateRule(lr=result["lr"], grad_scale=grad_scale), measure=True,
+                               retain_graph=retain)
+        # fp64, and a non-finite sum stays non-finite through the sum: 8 bytes carry both, and
+        # reading the reduced sum is the pass's one host sync.
+        (total,) = self._sum_over_ranks(stats.norm_sq_or_inf().reshape(1), "squared norm")
+        norm = math.sqrt(total) if math.isfinite(total) else math.inf
+        result["grad_norm"] = norm
+        if not math.isfinite(norm):
+            return None, grad_scale  # every rank skips, no parameter is touched
+        if self.config.clip_grad_norm is not None:
+            grad_scale *= min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
+        if retain:
+            ds_compat.restore_backward_counters(counters)
+            return loss, grad_scale
+        del loss
+        # The same random draws (dropout) as the measured forward: the same graph.
+        restore_rng(rng, self.device)
+        return self._backward_loss(loss_of(self.forward(batch)), labelled, tokens, 1.0, per_token), grad_scale
+
+    def _sum_over_ranks(self, values, name: str) -> list[float]:
+        """Element-wise sums over the ranks of a few numbers (fp32) or a short 1-D tensor (its
+        dtype), read on the host: one of the step's agreements."""
+        return self.step_sums.sum(values, name)
+
+    def _normalizer(self, micro_batches: int, tokens: float) -> float:
+        """What the summed gradient of a step is divided by: its micro-batches x ranks ("mean"),
+        or its label tokens over every rank and micro-batch ("tokens")."""
+        return tokens if self.config.loss_normalization == "tokens" else micro_batches * self.world
+
+    def _end_window(self, result: dict[str, Any], applied: bool) -> dict[str, Any]:
         """The window's last micro-batch is in: apply the step from the accumulated gradient (or,
-        fused, it is applied already), or skip it on every rank; then start the next window."""
+        `applied` in its backward, it is applied already), or skip it on every rank; then start
+        the next window."""
         window, length = self.window, self.window_length
         self.micro_step, self.window_length, self.window = 0, self.accumulation_steps, _Window()
         if window.nonfinite or not window.backwards:
             # A non-finite loss or gradient in any micro-batch (or no labels in the whole window):
             # the whole step is skipped on every rank, once.
-            self.accumulator.zero()
+            self._zero_accumulator()
             return self._skip(result, overflow=window.nonfinite)
         result["normalizer"] = self._normalizer(length, window.tokens) * (window.per_token or 1.0)
-        if not fused:
+        if not applied:
             grad_scale = 1.0 / (result["normalizer"] * result["loss_scale"])
             # Exact global norm of the accumulated gradient: per-rank sums of squares, one all-reduce.
             norm_sq = (self.accumulator.sum_of_squares(self.params) * grad_scale**2).reshape(1)
@@ -518,8 +493,12 @@ class LomoEngine:
             self._apply_accumulated(UpdateRule(lr=result["lr"], grad_scale=grad_scale,
                                                clip_value=self.config.clip_grad_value,
                                                weight_decay=self.config.weight_decay))
-        self.accumulator.zero()
+        self._zero_accumulator()
         return self._stepped(result)
+
+    def _zero_accumulator(self) -> None:
+        if self.accumulator is not None:  # a window of one accumulates nothing
+            self.accumulator.zero()
 
     def _apply_accumulated(self, rule: UpdateRule) -> None:
         """The update as one pass over this rank's accumulated shards, bucket by bucket in the
@@ -593,66 +572,12 @@ class LomoEngine:
         return gather_full_state_dict(self.module, self.rank)
 
     def shard_state_dict(self) -> dict[str, Any]:
-        """This rank's part of a resumable checkpoint: its shards, masters and the step state.
-        Only at a step boundary: the accumulator is then empty, so it is not part of the state.
-        The tensors are the live shards themselves, not copies (a node's ranks would otherwise
-        hold the whole model twice in host memory): write them out before the next step.
-        torch.save copies a device tensor to the host one at a time as it writes it."""
-        if self.micro_step:
-            raise RuntimeError(f"shard_state_dict: {self.micro_step} micro-batch(es) of a window of "
-                               f"{self.window_length} are accumulated; checkpoint at a step boundary")
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return {
-            "world": self.world,
-            "rank": self.rank,
-            "shards": {names[id(p)]: ds_compat.shard(p).detach() for p in self.params},
-            "masters": {names[id(p)]: self.updater.masters[ds_compat.param_id(p)].detach()
-                        for p in self.params if ds_compat.param_id(p) in self.updater.masters},
-            "global_step": self.global_step,
-            "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self.consecutive_skips,
-            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
-            "adalomo": self.updater.adalomo.state_dict() if self.updater.adalomo else None,
-        }
+        """This rank's part of a resumable checkpoint (checkpoint.py): only at a step boundary; the
+        tensors are the live shards: write them out before the next step."""
+        return checkpoint.shard_state_dict(self)
 
     def load_shard_state_dict(self, state: dict[str, Any]) -> None:
-        if state["world"] != self.world or state["rank"] != self.rank:
-            raise ValueError(f"checkpoint shard was written by rank {state['rank']} of {state['world']}, "
-                             f"this is rank {self.rank} of {self.world}")
-        by_name = dict(self.module.named_parameters())
-        for name in state["shards"]:
-            if name not in by_name:
-                raise ValueError(f"checkpoint has parameter {name!r}, the model does not")
-        names = {id(p): n for n, p in by_name.items()}
-        for p in self.params:
-            name = names[id(p)]
-            if name not in state["shards"]:
-                raise ValueError(f"checkpoint has no shard of {name!r}, which this run trains")
-            if ds_compat.param_id(p) in self.updater.masters and name not in state["masters"]:
-                # Left at its pretrained value, the master would overwrite the trained shard at
-                # the first update.
-                raise ValueError(f"checkpoint has no fp32 master of {name!r}: it was written without "
-                                 f"lomo.fp32_master_weights; resume with the setting it was written with")
-        for name, tensor in state["shards"].items():
-            ds_compat.shard(by_name[name]).copy_(tensor)
-        for name in state["masters"]:
-            master = self.updater.masters.get(ds_compat.param_id(by_name[name]))
-            if master is not None:
-                master.copy_(state["masters"][name])
-        if self.updater.adalomo is not None:
-            if not state.get("adalomo"):
-                raise ValueError("checkpoint shard has no AdaLomo state (written with lomo.optimizer 'sgd'); "
-                                 "resume with the optimizer it was written with")
-            self.updater.adalomo.load_state_dict(state["adalomo"])
-            # The shards were just written: the sums of squares recorded by the host-update worker
-            # describe the weights before the load.
-            self.updater.adalomo.forget_weight_norms()
-        self.global_step = state["global_step"]
-        self.skipped_steps = state["skipped_steps"]
-        self.consecutive_skips = state.get("consecutive_skips", 0)
-        if self.loss_scaler is not None and state["loss_scaler"] is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-        ds_compat.release_all(self.offload)
+        checkpoint.load_shard_state_dict(self, state)
 
 
 class _Agreed(NamedTuple):

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from lomo_ds.comm import configure_param_gather
 from lomo_ds.config import leaf_module
-from lomo_ds.engine import shm_all_gather
 from lomo_ds.engine.accumulation import check_window
 from lomo_ds.engine.schedule import Schedule
 from lomo_ds.methods.base import MethodEngine
@@ -56,7 +56,7 @@ class DeepSpeedOptimizerEngine(MethodEngine):
         super().__init__()
         init_distributed()
         # The same parameter fetch as LOMO's (lomo.param_gather): the comparison stays fair.
-        self.param_gather = shm_all_gather.configure(param_gather)
+        self.param_gather = configure_param_gather(param_gather)
         self.method = method
         self.ds_config = baseline_ds_config(ds_config, clip)
         trainable = [p for p in model.parameters() if p.requires_grad]

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from lomo_ds.comm import configure_param_gather
 from lomo_ds.config import leaf_module
-from lomo_ds.engine import shm_all_gather
 from lomo_ds.methods.base import MethodEngine
 from lomo_ds.methods.deepspeed_optim import baseline_ds_config
 from lomo_ds.runtime import ds_compat
@@ -27,7 +27,7 @@ class ZeroShotEngine(MethodEngine):
 
         super().__init__()
         init_distributed()
-        self.param_gather = shm_all_gather.configure(param_gather)  # lomo.param_gather, as every engine
+        self.param_gather = configure_param_gather(param_gather)  # lomo.param_gather, as every engine
         for p in model.parameters():
             p.requires_grad_(False)
         # No step to accumulate for: gradient_accumulation_steps is ignored.

@@ -58,7 +58,7 @@ def check_device(tensor: torch.Tensor, device: torch.device, name: str) -> None:
 
 
 def _comm():
-    """deepspeed.comm once DeepSpeed started it (its collectives are the ones comm_stats counts);
+    """deepspeed.comm once DeepSpeed started it (its collectives are the ones lomo_ds.profiling.count_comm counts);
     torch.distributed for code that runs without DeepSpeed (evaluation in a plain process group)."""
     import deepspeed.comm as dist
 

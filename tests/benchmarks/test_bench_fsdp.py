@@ -51,11 +51,9 @@ def test_bench_fsdp_same_work_and_every_collective(rank_results, fetch):
     assert ops["lomo rs"]["all_gather_into_tensor"]["calls"] > 0
     # The bound: no more collectives than FSDP2's plus one per bucket.
     assert calls["lomo rs"] <= calls["fsdp2 sgd"] + r["buckets"], calls
-    # The memory passes are timed (CPU ranks), with the kernels lomo itself runs.
-    from lomo_ds.engine import cpu_kernels
-
+    # The memory passes are timed (CPU ranks).
     passes = r["passes"]
-    assert passes["pack"] > 0 and passes["step"] > 0 and passes["kernels"] == (cpu_kernels.load() is not None), passes
+    assert passes["pack"] > 0 and passes["step"] > 0, passes
     for row in ("deepspeed floor", "fsdp2 floor", "fsdp2 sgd", "lomo rs", "max abs difference", "planner",
                 "memory passes per step", "lomo / floor >="):
         assert row in r["stdout"], r["stdout"]

@@ -7,7 +7,6 @@ import contextlib
 import functools
 import io
 import math
-import shutil
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from tests import dist_bucket_checks as B
 from tests.ranks import multi_rank_checks, ok
 
 WORLDS = [1, 2, 3]
-needs_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 TOL = 1e-6  # fp32, as the engine's equivalence tests
 TRANSPORTS = list(B.TRANSPORTS)
 
@@ -40,13 +38,6 @@ APPLY_POINTS = by_transport("apply_points", B.check_apply_points, worlds=[2, 3])
 STEP_SUMS = by_transport("step_sums", B.check_step_sums, worlds=[2, 3])
 nonfinite_bf16, two_groups, transport = multi_rank_checks(
     WORLDS, nonfinite_bf16=lambda: B.check_nonfinite(True), two_groups=B.check_two_groups, transport=B.check_transport)
-# The shared-memory transport's torch-op path (no C compiler on the host, or LOMO_DS_CPU_KERNELS=0).
-sgd_torch_ops, nonfinite_torch_ops = multi_rank_checks(
-    [2, 3], sgd_torch_ops=lambda: B.torch_ops_only(B.check_sgd, transport="shared_memory"),
-    nonfinite_torch_ops=lambda: B.torch_ops_only(B.check_nonfinite, bf16=False, transport="shared_memory"))
-rows_sgd, rows_clip_norm, rows_adalomo = multi_rank_checks(
-    [2, 3], rows_sgd=B.check_rows_path, rows_clip_norm=lambda: B.check_rows_path(clip_grad_norm=0.5),
-    rows_adalomo=lambda: B.check_rows_path(optimizer="adalomo"))
 overlap, other_partitioning = multi_rank_checks(
     [2, 3], overlap=B.check_overlap, other_partitioning=B.check_other_partitioning_refused)
 
@@ -94,8 +85,6 @@ def test_auto_transport_and_refusal(rank_results, world):
         return
     # Here (gloo, every rank on this x86-64 node, LOCAL_SIZE set as DeepSpeed's launcher does).
     assert r["auto"] == "shared_memory" and r["shm_bytes"] > 0
-    # The fused CPU kernels built (this host has a C compiler): the shared-memory checks run them.
-    assert r["cpu_kernels"] == (1.0 if shutil.which("cc") or shutil.which("gcc") else 0.0)
     assert r["refused"] is not None and "lomo.grad_reduction" in r["refused"] and "LOCAL_SIZE" in r["refused"]
 
 
@@ -109,9 +98,8 @@ def test_nonfinite_gradient_on_one_rank_stops_every_rank_at_that_bucket(rank_res
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_sum_that_overflows_in_the_reduction_is_dropped(rank_results, world):
     """Finite gradients on every rank whose sum is not: rank 0, the one rank that receives it,
-    drops that bucket at once, and its next flag stops every rank at the next bucket (with the
-    fused CPU kernels every rank drops it at once: each packed element over FLT_MAX / world flags
-    the bucket). Either way no rank applies anything from it on."""
+    drops that bucket at once, and its next flag stops every rank at the next bucket: no rank
+    applies anything from it on."""
     for name in OVERFLOW(world):
         r = ok(rank_results(world), name)
         bad, every = r["bad_bucket"], r["changed_by_bucket"]
@@ -121,27 +109,6 @@ def test_a_sum_that_overflows_in_the_reduction_is_dropped(rank_results, world):
         for rank, changed in enumerate(every):
             assert all(c != 0.0 for bucket in changed[:bad] for c in bucket), f"rank {rank}: buckets before it"
             assert all(c != 1.0 for bucket in changed[bad + 1:] for c in bucket), f"rank {rank}: buckets after it"
-
-
-@pytest.mark.parametrize("world", [2, 3])
-@needs_compiler
-def test_which_passes_step_straight_from_the_rows(rank_results, world):
-    """Plain LOMO's update pass steps every bucket from the ranks' rows (the fused SGD step); the
-    norm-measuring pass and AdaLomo (its statistics need the summed slice) reduce first."""
-    sgd, clipped, adalomo = (ok(rank_results(world), c) for c in (rows_sgd, rows_clip_norm, rows_adalomo))
-    n = sgd["n_buckets"]
-    print(f"{world} ranks, {n} buckets: sgd {sgd}, clipped {clipped}, adalomo {adalomo}")
-    assert (sgd["from_rows"], sgd["reduced_updates"], sgd["reduced_measures"]) == (n, 0, 0)
-    assert (clipped["from_rows"], clipped["reduced_updates"], clipped["reduced_measures"]) == (n, 0, n)
-    assert (adalomo["from_rows"], adalomo["declined"], adalomo["reduced_updates"]) == (0, n, n)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_shared_memory_without_cpu_kernels(rank_results, world):
-    """The torch ops that stand in for the fused CPU kernels: the same SGD step, the same verdicts."""
-    r = ok(rank_results(world), sgd_torch_ops)
-    assert r["max_abs_diff"] <= TOL and r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
-    check_nonfinite_verdict(ok(rank_results(world), nonfinite_torch_ops), world, "fp32")
 
 
 def check_nonfinite_verdict(r: dict, world: int, dtype: str) -> None:
@@ -261,7 +228,7 @@ def test_bench_step_with_accumulation(rank_results):
 @pytest.mark.parametrize("at", [0, 7, 12])
 def test_finite_checks_agree_with_isfinite(dtype, bad, at):
     """all_finite and nonfinite_marker decide from a sum what torch.isfinite(t).all() decides."""
-    from lomo_ds.engine.buckets import all_finite, nonfinite_marker
+    from lomo_ds.comm.payload import all_finite, nonfinite_marker
 
     t = torch.randn(13, device="cpu").mul_(100).to(dtype)
     if bad is not None:
@@ -277,7 +244,7 @@ def test_finite_checks_agree_with_isfinite(dtype, bad, at):
 def test_finite_checks_see_opposite_infinities_and_pass_the_largest_finite_values(dtype):
     """+inf and -inf together sum to NaN (still non-finite); fp16's largest values, and 1e30 in the
     wider dtypes, summed in fp32, stay finite."""
-    from lomo_ds.engine.buckets import all_finite, nonfinite_marker
+    from lomo_ds.comm.payload import all_finite, nonfinite_marker
 
     t = torch.zeros(13, dtype=dtype, device="cpu")
     t[2], t[9] = math.inf, -math.inf
@@ -288,7 +255,7 @@ def test_finite_checks_see_opposite_infinities_and_pass_the_largest_finite_value
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_update_known_finite_on_the_host_skips_the_masking_and_equals_the_masked_one(weight_decay, monkeypatch):
-    """A bucket known finite on the host (the shared-memory transport's verdict) is applied without
+    """A bucket known finite on the host (a flag in host memory: CPU ranks) is applied without
     the masking pass, to the same weights as with the device flag; a bucket whose device flag is
     false moves nothing, NaN gradients included."""
     from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
@@ -309,9 +276,12 @@ def test_update_known_finite_on_the_host_skips_the_masking_and_equals_the_masked
     for on_host in (False, True):
         ps, updater = params(), ShardUpdater(False, 0, torch.device("cpu"))
         stats = updater.begin_pass(UpdateRule(lr=0.1, grad_scale=0.5, weight_decay=weight_decay), step=0)
-        stats.finite_on_host = on_host
         masks.clear()
-        updater.apply_bucket([(p, g.clone()) for p, g in zip(ps, grads, strict=True)], stats)
+        if on_host:  # the flag lives in host memory here: the update reads it
+            updater.apply_bucket([(p, g.clone()) for p, g in zip(ps, grads, strict=True)], stats)
+        else:  # the device flag, as on an accelerator
+            for p, g in zip(ps, grads, strict=True):
+                updater.apply(p, g.clone(), stats.finite)
         results[on_host] = ([p.ds_tensor.clone() for p in ps], len(masks))
     assert results[False][1] == 2 and results[True][1] == 0
     for a, b, p0 in zip(results[False][0], results[True][0], params(), strict=True):
@@ -328,12 +298,12 @@ def test_update_known_finite_on_the_host_skips_the_masking_and_equals_the_masked
 def test_step_agreements_go_where_the_buckets_go(rank_results, world):
     """The loss, norm and verdict sums: through shared memory where the buckets reduce there (no
     all-reduce of the process group in a step: about 1 ms each through gloo), else through it;
-    equal to gloo's sums, and the same bits on every rank. The buckets' verdict is read on the host
-    there too (its flag is host memory), never through the process group."""
+    equal to gloo's sums, and the same bits on every rank. On CPU ranks the buckets' verdict is
+    read on the host whatever the transport (its flag is host memory)."""
     for name in STEP_SUMS(world):
         r = ok(rank_results(world), name)
         shm = str(name).endswith("@shared_memory")
-        assert r["step_sums"] == float(shm) and r["finite_on_host"] == float(shm)
+        assert r["step_sums"] == float(shm) and r["finite_on_host"] == 1.0
         assert r["equal"] == 1.0 and r["same_on_every_rank"] == 1.0
         assert r["wide"] == pytest.approx(r["wide_expected"], rel=1e-15)
         # Two one-pass steps: the loss before each backward, the verdict after it.
@@ -345,15 +315,15 @@ def test_shared_memory_named_where_ranks_cannot_use_it_is_refused_on_any_world(m
     """lomo.grad_reduction "shared_memory" on ranks that cannot share memory (one GPU, NCCL) is the
     config's error, naming CPU (gloo) ranks, on one rank as on several: not a device error from the
     transport's first use."""
-    from lomo_ds.engine import buckets, shm_reduce_scatter
-    from lomo_ds.runtime import ds_compat
+    from lomo_ds.comm import grad, shm_reduce_scatter
 
     monkeypatch.setattr(shm_reduce_scatter, "available", lambda group: False)  # NCCL ranks
-    monkeypatch.setattr(ds_compat, "process_group", lambda p: None)
-    params = [torch.nn.Parameter(torch.zeros(3))]
+    groups = [None]
     with pytest.raises(ValueError, match=r"lomo.grad_reduction: 'shared_memory' needs CPU \(gloo\) ranks"):
-        buckets.resolve_transport("shared_memory", params, world)
-    assert buckets.resolve_transport("auto", params, world) == ("direct" if world == 1 else "reduce_scatter")
-    assert buckets.resolve_transport("reduce_scatter", params, world) == "reduce_scatter"
+        grad.resolve_grad_route("shared_memory", groups, world)
+    assert grad.resolve_grad_route("auto", groups, world) == ("direct" if world == 1 else "reduce_scatter")
+    assert grad.resolve_grad_route("reduce_scatter", groups, world) is grad.GradRoute.REDUCE_SCATTER
     monkeypatch.setattr(shm_reduce_scatter, "available", lambda group: True)  # CPU ranks of one node
-    assert buckets.resolve_transport("shared_memory", params, world) == "shared_memory"
+    assert grad.resolve_grad_route("shared_memory", groups, world) is grad.GradRoute.SHARED_MEMORY
+    with pytest.raises(ValueError, match="lomo.grad_reduction: expected one of"):
+        grad.resolve_grad_route("shm", groups, world)

@@ -92,8 +92,8 @@ def test_shipped_configs_fetch_auto(name):
 def count_fetches(fetch: str, layers: int = 3, steps: int = 2) -> list[dict]:
     """A Qwen2 model trained under ds_configs/cpu_default.json's settings, its leaf_module "auto" or
     removed (DeepSpeed's default): per step, ZeRO-3's all-gathers and the modules it fetched."""
-    from lomo_ds.engine.comm_stats import count_comm
     from lomo_ds.methods import build_engine
+    from lomo_ds.profiling import count_comm
     from lomo_ds.runtime import ds_compat
 
     cfg = load_run_config(os.path.join(ROOT, "ds_configs", "cpu_default.json"), {"model.path": "tiny"},

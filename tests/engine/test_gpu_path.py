@@ -16,12 +16,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lomo_ds.comm import shm_all_gather, shm_reduce_scatter
 from lomo_ds.config.schema import AdaLomoConfig
-from lomo_ds.engine import host_updates, shm_all_gather, shm_reduce_scatter
+from lomo_ds.engine import host_updates
 from lomo_ds.engine.adalomo import AdaLomo
-from lomo_ds.engine.comm_stats import StepTimers
 from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule
 from lomo_ds.engine.host_updates import HostUpdates, use_thread
+from lomo_ds.profiling import StepTimers
 from lomo_ds.runtime import device as device_module
 from lomo_ds.runtime import dist, ds_compat
 from tests.dist_engine_checks import assert_reduction_overflow_skips, check_reduction_overflow
@@ -438,7 +439,7 @@ def test_a_waiting_rank_spins_briefly_then_sleeps(cores, monkeypatch):
     """A yielding rank gets its core straight back from Linux's scheduler: a rank that waits long
     must sleep, or it keeps the rank it waits for (or another job) off the cores; with more ranks
     than cores (2 ranks, 1 core) it sleeps from the start."""
-    from lomo_ds.engine import shm_transport
+    from lomo_ds.comm import shm_transport
 
     monkeypatch.setattr(shm_transport.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     calls = {"sleep": 0, "yield": 0}

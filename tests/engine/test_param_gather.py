@@ -1,4 +1,4 @@
-"""ZeRO-3's parameter all-gather through shared memory (lomo.param_gather, lomo_ds/engine/shm_all_gather.py)
+"""ZeRO-3's parameter all-gather through shared memory (lomo.param_gather, lomo_ds/comm/shm_all_gather.py)
 on 1, 2 and 3 ranks (3: uneven shards): LOMO and the DeepSpeed floor give the same bits through it
 as through gloo, with fp32 and with bf16 + fp32 parameters fetched together; every gather of a
 step goes through it, and is counted (the count fails when the route is not installed)."""
@@ -9,8 +9,8 @@ from unittest import mock
 import pytest
 import torch
 
-from lomo_ds.engine import shm_all_gather
-from lomo_ds.engine.comm_stats import count_comm
+from lomo_ds.comm import shm_all_gather
+from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from tests import dist_engine_checks as E
 from tests.ranks import multi_rank_checks, ok

@@ -38,8 +38,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import lomo_ds
 from benchmarks.common import FloorEngine
-from lomo_ds.engine.comm_stats import count_comm
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
+from lomo_ds.profiling import attach_timers, count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device
 from tests import dist_accumulation_checks as A
@@ -102,7 +102,7 @@ def check_bucket_path():
     ZeRO-3 gather stream that the step's last update is ordered before (None: nothing to order)."""
     engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=700))
     world, rank = engine.world, engine.rank
-    engine.timers.enable()
+    attach_timers(engine)
     engine.train_step(global_batch(0, world)[rank])  # the first step settles the layout
     engine.timers.take()
     with count_comm() as counts:
@@ -114,7 +114,7 @@ def check_bucket_path():
     devices = [int(d[0]) for d in E.on_every_rank(engine.device.index or 0)]
     return {"backend": torch.distributed.get_backend(), "world": world, "device": str(engine.device),
             "device_per_rank": devices,
-            "transport": engine.buckets.transport, "side_stream": engine.buckets.stream is not None,
+            "transport": engine.buckets.route.value, "side_stream": engine.buckets.stream is not None,
             "timers_on_accelerator": engine.timers.on_accelerator, "spans": spans,
             "buckets": len(engine.buckets.layout), "reduce_scatters": counts.calls_by_op["reduce_scatter"],
             "gather_stream": None if gather_stream is None else type(gather_stream).__name__,

@@ -3,11 +3,9 @@
 
 DeepSpeed fetches parameters with deepspeed.comm's all_gather_into_tensor, on CPU ranks through
 gloo: TCP loopback, copies through the kernel, and gloo's threads competing with the forward for
-the cores. In the shipped benchmark (experiments/bench_fsdp.py, 2 CPU ranks, 29M LLaMA, the
-shipped fetch granularity) the whole model is fetched by one such call per step, 58 MB per rank,
-which took 12% of the DeepSpeed floor's step. Here each rank copies its shard into its own
-shared buffer (shm_transport.py: the reduce-scatter's segments, slots, flags and dead-peer
-detection), posts it and goes on; the handle's `wait()` copies every peer's shard into the
+the cores; the whole model passes through such calls every forward and backward. Here each rank
+copies its shard into its own shared buffer (shm_transport.py: the reduce-scatter's segments,
+slots, flags and dead-peer detection), posts it and goes on; the handle's `wait()` copies every peer's shard into the
 output, by which time the peers have usually posted.
 
 The route is process-wide (DeepSpeed's fetch is process-wide code): `configure()`, called by every
@@ -25,8 +23,8 @@ from collections import deque
 
 import torch
 
+from lomo_ds.comm.shm_transport import MIN_SLOTS, SharedMemorySlots, available
 from lomo_ds.config.lomo import ParamGather
-from lomo_ds.engine.shm_transport import MIN_SLOTS, SharedMemorySlots, available
 from lomo_ds.runtime import ds_compat
 
 CHOICES = typing.get_args(ParamGather)

@@ -1,15 +1,17 @@
-"""Counts the collectives each rank issues and the bytes it sends, and times the parts of a LOMO
-step (StepTimers, for experiments/bench_step.py).
+"""Instrumentation that hooks into a run from the outside: counts the collectives each rank issues
+and the bytes it sends (count_comm), and times the parts of a LOMO step (StepTimers, attached to
+an engine by `attach_timers`, for benchmarks/bench_step.py and bench_fsdp.py). Nothing in the
+engine or the transports depends on it.
 
 Three paths carry collectives, and `count_comm` sees all of them, each call once:
   deepspeed.comm's backend object: ZeRO-3's parameter all-gathers (through lomo_ds's shared-memory
-      all-gather, shm_all_gather.py, when lomo.param_gather routes them there: the route sits on
+      all-gather, lomo_ds/comm/shm_all_gather.py, when lomo.param_gather routes them there: the route sits on
       that object, so each is counted here as the all-gather it replaces), lomo_ds's reduce-scatters
       and all-reduces, and DeepSpeed's CPU all-reduce, which goes through shared memory and never
       reaches torch.distributed;
-  torch.distributed itself: what calls it directly (PyTorch FSDP2 in experiments/bench_fsdp.py);
+  torch.distributed itself: what calls it directly (PyTorch FSDP2 in benchmarks/bench_fsdp.py);
       a call made from inside a DeepSpeed one is that one, not a second;
-  lomo_ds's shared-memory reduce-scatter (shm_reduce_scatter.py), which reports each post here.
+  lomo_ds's shared-memory transports (lomo_ds/comm), which report each send through comm.observe.
 Bytes are counted as a ring algorithm sends them per rank, the usual cost model:
 all-gather and reduce-scatter of an n-element result/input: (w-1)/w * n elements;
 all-reduce of n elements: 2 (w-1)/w * n; broadcast: n from the root.
@@ -41,17 +43,6 @@ def _world(group):
     return dist.get_world_size(group=group)
 
 
-_ACTIVE: list[CommCounts] = []  # the counts of every count_comm block now open
-
-
-def record(op: str, nbytes: int) -> None:
-    """One collective issued outside deepspeed.comm and torch.distributed (the shared-memory
-    reduce-scatter): counted by every open count_comm block, free when none is."""
-    for counts in _ACTIVE:
-        counts.bytes_by_op[op] += int(nbytes)
-        counts.calls_by_op[op] += 1
-
-
 def ring_part(tensor, group) -> int:
     """Bytes a rank sends in a ring all-gather (of `tensor`, the output) or reduce-scatter (the input)."""
     w = _world(group)
@@ -63,6 +54,8 @@ def count_comm():
     """Within the block, count every collective this rank issues and the bytes it sends."""
     import deepspeed.comm.comm as dscomm
     import torch.distributed as tdist
+
+    from lomo_ds.comm import observe
 
     counts = CommCounts()
     restore = []
@@ -126,11 +119,15 @@ def count_comm():
     wrap(tdist, "barrier", lambda *a, **k: 0)
     # DeepSpeed's CPU all-reduce through shared memory, which never reaches torch.distributed.
     wrap(dscomm.cdb, "inference_all_reduce", ring(0, ("tensor",), 2, factor=2), op="all_reduce")
-    _ACTIVE.append(counts)
+    def reported(op: str, nbytes: int) -> None:  # a shared-memory transport's send
+        counts.bytes_by_op[op] += int(nbytes)
+        counts.calls_by_op[op] += 1
+
+    observe.subscribe(reported)
     try:
         yield counts
     finally:
-        _ACTIVE.remove(counts)
+        observe.unsubscribe(reported)
         for owner, name, fn in reversed(restore):
             setattr(owner, name, fn)
 
@@ -193,3 +190,11 @@ class StepTimers:
         self._events.clear()
         out, self.seconds = dict(self.seconds), defaultdict(float)
         return out
+
+
+def attach_timers(engine, enabled: bool = True) -> StepTimers:
+    """Time the parts of `engine`'s steps (a LomoEngine: its spans are no-ops until this is
+    called) from now on; returns the timers (`take()` reads them)."""
+    timers = StepTimers(enabled=enabled, device=getattr(engine, "device", None))
+    engine.timers = timers
+    return timers

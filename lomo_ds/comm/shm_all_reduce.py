@@ -2,11 +2,9 @@
 
 A LOMO step agrees on a few numbers at fixed points: the loss (and whether any rank's is
 non-finite) before the backward, the global norm between the two passes of norm clipping, and the
-non-finite verdict after the updating pass. gloo sends each through TCP loopback: about 1 ms for
-three fp32 numbers between 2 idle ranks, 2 ms between ranks that compute in between (its threads
-compete for the cores). In experiments/bench_step.py (2 CPU ranks, 29M LLaMA) a one-pass step's two
-took 4-5 ms each, waiting for the slower rank included; through shared memory the loss agreement
-takes 3-4 ms, nearly all of it that wait, and the verdict well under 1 ms.
+non-finite verdict after the updating pass. gloo sends each through TCP loopback, with threads that
+compete with the step for the cores: a fixed cost per agreement, paid every step, for a payload of
+a few bytes. Shared memory makes each one a store, a flag and a read.
 
 Here each rank writes its values into its own slot of the shared-memory transport
 (shm_transport.py: the same segments, slots, flags and dead-peer detection as the gradient
@@ -18,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from lomo_ds.engine import comm_stats
-from lomo_ds.engine.shm_transport import SharedMemorySlots
+from lomo_ds.comm import observe
+from lomo_ds.comm.shm_transport import SharedMemorySlots
 
 MAX_VALUES = 64  # the step's agreements send at most 5 numbers
 
@@ -47,7 +45,7 @@ class SharedMemoryAllReduce(SharedMemorySlots):
         self._row(self.rank, seq, n, dtype).copy_(values.reshape(-1))
         self.seq = seq
         self._publish(seq)
-        comm_stats.record("all_reduce", n * dtype.itemsize)  # counted as the all-reduce it replaces
+        observe.record("all_reduce", n * dtype.itemsize)  # counted as the all-reduce it replaces
         self._wait_posted(seq)
         out = self._row(0, seq, n, dtype).clone()
         for r in range(1, self.world):

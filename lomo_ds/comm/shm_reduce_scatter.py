@@ -1,5 +1,5 @@
 """Reduce-scatter between CPU ranks on one node, through shared memory: the `shared_memory`
-transport of the gradient buckets (buckets.py).
+route of the gradient buckets (grad.py).
 
 Neither library has a fast one for this case. gloo's reduce-scatter goes through TCP loopback:
 copies through the kernel, and threads that compete with the backward for the cores. DeepSpeed's
@@ -21,9 +21,8 @@ import math
 
 import torch
 
-from lomo_ds.engine import comm_stats, cpu_kernels
-from lomo_ds.engine.shm_transport import ALIGN, MIN_SLOTS, SharedMemorySlots, available
-from lomo_ds.runtime import ds_compat
+from lomo_ds.comm import observe
+from lomo_ds.comm.shm_transport import ALIGN, MIN_SLOTS, SharedMemorySlots, available
 
 __all__ = ["ALIGN", "MIN_SLOTS", "SharedMemoryReduceScatter", "available"]
 
@@ -37,19 +36,12 @@ class _Pending:
         self.done = False
         self.finite: bool | None = None
 
-    def wait(self) -> None:
+    def wait(self) -> bool:
+        """The reduced slice into `out`; whether it is all finite (flag included)."""
         if not self.done:
             self.finite = self.owner.reduce_into(self.out, self.seq)
             self.done = True
-
-    def rows(self) -> list[torch.Tensor]:
-        """Instead of `wait()`: row `rank` of every rank's payload, once all are posted, to read in
-        place until `release()` (the peers reuse the slot only after it)."""
-        return self.owner.rows(self.out, self.seq)
-
-    def release(self) -> None:
-        self.owner._mark_read(self.seq)
-        self.done = True
+        return self.finite
 
 
 class SharedMemoryReduceScatter(SharedMemorySlots):
@@ -65,24 +57,12 @@ class SharedMemoryReduceScatter(SharedMemorySlots):
     def __init__(self, group, world: int, rank: int, in_flight: int = 1, timeout_s: float | None = None):
         super().__init__(group, world, rank, slots=in_flight, timeout_s=timeout_s)
         self._next: tuple[int, torch.dtype] | None = None  # (width, dtype) of the payload handed out
-        # The fused passes where every rank has them (they bound what they pack: see buckets._pack);
-        # None: torch ops (no compiler, or LOMO_DS_CPU_KERNELS=0, on some rank). Agreed in reserve().
-        self.kernels = cpu_kernels.load()
-        self._kernels_agreed = False
 
     def _slot(self, rank: int, seq: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         n = self.world * width * dtype.itemsize
         if n > self.slot_bytes:
             raise ValueError(f"a {self.world} x {width} {dtype} payload does not fit a {self.slot_bytes}-byte slot")
         return self.region(rank, seq, n).view(dtype).view(self.world, width)
-
-    def reserve(self, slot_bytes: int) -> None:
-        super().reserve(slot_bytes)
-        if not self._kernels_agreed:  # collective, as reserve() is: every rank, at the same moment
-            have = torch.tensor([float(self.kernels is not None)], device="cpu")
-            ds_compat.all_reduce(have, group=self.group, name="fused CPU kernels on every rank", op="min")
-            self.kernels = self.kernels if float(have) == 1.0 else None
-            self._kernels_agreed = True
 
     def payload(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's send matrix for the next post, once every peer has read what it replaces."""
@@ -99,8 +79,8 @@ class SharedMemoryReduceScatter(SharedMemorySlots):
         self._next = None
         self.seq += 1
         self._publish(self.seq)
-        # Counted as the reduce-scatter it replaces (by an open comm_stats.count_comm, else free).
-        comm_stats.record("reduce_scatter", width * dtype.itemsize * (self.world - 1))
+        # Reported as the reduce-scatter it replaces (to whoever observes, lomo_ds.profiling.count_comm).
+        observe.record("reduce_scatter", width * dtype.itemsize * (self.world - 1))
         return _Pending(self, self.seq, out)
 
     def rows(self, out: torch.Tensor, seq: int) -> list[torch.Tensor]:
@@ -110,17 +90,14 @@ class SharedMemoryReduceScatter(SharedMemorySlots):
 
     def reduce_into(self, out: torch.Tensor, seq: int) -> bool:
         """Sum row `rank` of every rank's payload `seq` into `out`; whether the sum is all finite
-        (read in the same pass by the fused kernel, else by a sum over `out`)."""
+        (from a sum over `out`)."""
         rows = self.rows(out, seq)
-        if self.kernels is not None and self.kernels.usable(out):  # rows: slices of aligned slots
-            total = self.kernels.sum_rows(out, rows)
+        if self.world == 1:
+            out.copy_(rows[0])
         else:
-            if self.world == 1:
-                out.copy_(rows[0])
-            else:
-                torch.add(rows[0], rows[1], out=out)
-            for row in rows[2:]:
-                out.add_(row)
-            total = float(out.sum(dtype=torch.float32))
+            torch.add(rows[0], rows[1], out=out)
+        for row in rows[2:]:
+            out.add_(row)
+        total = float(out.sum(dtype=torch.float32))
         self._mark_read(seq)
         return math.isfinite(total)
