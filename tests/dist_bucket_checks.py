@@ -325,6 +325,7 @@ def check_step_sums(transport: str):
             "same_on_every_rank": float(all(row == same_bits[0] for row in same_bits)),
             "process_group_agreements": len(agreements),
             "step_sums": float(engine.step_sums.through_shared_memory),
-            # the last bucket's verdict as the update reads it: on CPU ranks it lives in host memory
-            # whatever the transport, so it is read there (the update then skips masking)
+            # the pass's verdict as the update reads it: known on the host where every bucket's came
+            # from host memory (the shared-memory transport; the update then skips masking), else the
+            # device flag, never read inside the pass (a collective's, as on an accelerator)
             "finite_on_host": float(engine.buckets.stats.finite_now() is True)}

@@ -29,6 +29,7 @@ import random
 from typing import Any
 
 from lomo_ds.data.errors import DataError
+from lomo_ds.data.io import read_jsonl
 
 ROLES = ("system", "user", "assistant")
 KINDS = ("plain", "conversational")
@@ -123,21 +124,7 @@ def _records(path: str) -> list[tuple[Any, str]]:
         return [({k: v for k, v in r.items() if v is not None}, f"{path}:row {i}") for i, r in enumerate(rows, 1)]
     if not path.endswith((".jsonl", ".json")):
         raise DataError(f"{path}: unknown data file type; expected .jsonl or .parquet")
-    out = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    out.append((json.loads(line), f"{path}:{i}"))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e})") from None
-    return out
+    return read_jsonl(path)
 
 
 def check_file(path: str) -> tuple[int, tuple[str, bool]]:

@@ -231,7 +231,7 @@ class GradientBuckets:
         if not self.transport.bucketed:  # one gradient at a time, reduced as it arrives
             self.arrived.append(param)
             reduced, finite = self.transport.reduce_one(param, grad, part_of(param, self.world))
-            self.stats.finite.logical_and_(finite)  # on the device: no host sync
+            self.stats.fold(finite)  # on the device: no host sync
             with self.timers.span("update"):
                 self.on_bucket([(param, reduced)], self.stats)
             return
@@ -309,10 +309,7 @@ class GradientBuckets:
         if self.stream is not None:
             done.received.record_stream(self.accelerator.current_stream())
         # From the first non-finite bucket on, nothing is applied (the updater reads the flag).
-        if torch.is_tensor(finite):
-            self.stats.finite.logical_and_(finite)
-        elif not finite:
-            self.stats.finite.fill_(False)
+        self.stats.fold(finite)
         items = [(p, done.received[cols]) for p, cols in self._columns(done.params)]
         with self.timers.span("update"):
             self.on_bucket(items, self.stats)

@@ -107,14 +107,26 @@ class PassStats:
     def __init__(self, device: torch.device):
         self.sum_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.finite = torch.ones((), dtype=torch.bool, device=device)
+        # The flag's value where every verdict so far was a Python bool (a transport that reads its
+        # flags in host memory); None once a device verdict was folded in (reading it would sync).
+        self._known: bool | None = True
+
+    def fold(self, verdict: torch.Tensor | bool) -> None:
+        """Fold a bucket's verdict into the pass's flag: a device tensor stays on the device (no
+        host sync), a bool is known already."""
+        if torch.is_tensor(verdict):
+            self.finite.logical_and_(verdict)
+            self._known = None
+        elif not verdict:
+            self.finite.fill_(False)
+            if self._known is not None:
+                self._known = False
 
     def finite_now(self) -> torch.Tensor | bool:
-        """The flag as the update reads it: True where it lives in host memory (reading it is free)
-        and holds, so the update needs no masking pass over the slice; else the device flag (no
-        host sync on an accelerator)."""
-        if self.finite.device.type == "cpu" and bool(self.finite):
-            return True
-        return self.finite
+        """The flag as the update reads it: True where every verdict so far was known in host
+        memory and held, so the update needs no masking pass over the slice; else the device flag,
+        never read here (no host sync on an accelerator)."""
+        return True if self._known else self.finite
 
     def norm_sq_or_inf(self) -> torch.Tensor:
         """This rank's squared norm, or inf once anything was non-finite: one fp64 number carries both."""

@@ -286,12 +286,18 @@ def test_update_known_finite_on_the_host_skips_the_masking_and_equals_the_masked
     assert results[False][1] == 2 and results[True][1] == 0
     for a, b, p0 in zip(results[False][0], results[True][0], params(), strict=True):
         assert torch.equal(a, b) and not torch.equal(a, p0.ds_tensor)
-    ps, updater = params(), ShardUpdater(False, 0, torch.device("cpu"))
-    stats = updater.begin_pass(UpdateRule(lr=0.1, weight_decay=weight_decay), step=0)
-    stats.finite.fill_(False)
-    updater.apply_bucket([(p, torch.full((6,), math.nan, device="cpu")) for p in ps], stats)
-    for p, p0 in zip(ps, params(), strict=True):
-        assert torch.equal(p.ds_tensor, p0.ds_tensor)
+    # A non-finite verdict, known on the host or only on the device, moves nothing, NaNs included;
+    # after a device verdict the update takes the device flag (never reads it) even where it is true.
+    for verdict in (False, torch.tensor(False), torch.tensor(True)):
+        ps, updater = params(), ShardUpdater(False, 0, torch.device("cpu"))
+        stats = updater.begin_pass(UpdateRule(lr=0.1, weight_decay=weight_decay), step=0)
+        stats.fold(verdict)
+        assert (stats.finite_now() is True) is False
+        if torch.is_tensor(verdict) and verdict:
+            continue
+        updater.apply_bucket([(p, torch.full((6,), math.nan, device="cpu")) for p in ps], stats)
+        for p, p0 in zip(ps, params(), strict=True):
+            assert torch.equal(p.ds_tensor, p0.ds_tensor)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -303,7 +309,7 @@ def test_step_agreements_go_where_the_buckets_go(rank_results, world):
     for name in STEP_SUMS(world):
         r = ok(rank_results(world), name)
         shm = str(name).endswith("@shared_memory")
-        assert r["step_sums"] == float(shm) and r["finite_on_host"] == 1.0
+        assert r["step_sums"] == float(shm) and r["finite_on_host"] == float(shm)
         assert r["equal"] == 1.0 and r["same_on_every_rank"] == 1.0
         assert r["wide"] == pytest.approx(r["wide_expected"], rel=1e-15)
         # Two one-pass steps: the loss before each backward, the verdict after it.

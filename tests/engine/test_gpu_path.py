@@ -725,7 +725,7 @@ def adalomo_host_update_order():
     bucket, buckets in layout order; the worker applies each slice's host part after the hook that
     handed it over returned; the pass is read once every handed slice is applied."""
     import lomo_ds
-    from lomo_ds.engine import lomo_engine
+    from lomo_ds.comm import step_sums
     from tests.dist_engine_checks import offload_cfg
     from tests.tiny import global_batch, tiny_llama
 
@@ -734,7 +734,7 @@ def adalomo_host_update_order():
     engine = lomo_ds.initialize(tiny_llama(0), cfg)
     world, rank = engine.world, engine.rank
     adalomo = engine.updater.adalomo
-    hand, apply_host, read, all_reduce = (engine.buckets.on_bucket, adalomo.apply_host, lomo_engine.sum_over_ranks,
+    hand, apply_host, read, all_reduce = (engine.buckets.on_bucket, adalomo.apply_host, step_sums.sum_over_ranks,
                                           ds_compat.all_reduce)
     returned, events = {}, []
     rec = {"handed": 0, "applied": 0, "early": 0, "threads": set(), "pending_at_read": []}
@@ -772,12 +772,12 @@ def adalomo_host_update_order():
         return read(values, *args, name=name, **kwargs)
 
     engine.buckets.on_bucket, adalomo.apply_host = handing, applying
-    lomo_engine.sum_over_ranks, ds_compat.all_reduce = reading, reducing
+    step_sums.sum_over_ranks, ds_compat.all_reduce = reading, reducing
     try:
         for step in range(2):
             engine.train_step(global_batch(step, world)[rank])
     finally:
-        lomo_engine.sum_over_ranks, ds_compat.all_reduce = read, all_reduce
+        step_sums.sum_over_ranks, ds_compat.all_reduce = read, all_reduce
     return {**rec, "threads": sorted(rec["threads"]), "events": events, "worker_applied": engine.host_updates.applied,
             "shard_devices": sorted({ds_compat.shard(p).device.type for p in engine.params})}
 
