@@ -178,16 +178,28 @@ class LinearCrossEntropy(torch.autograd.Function):
         n, chunk = h.size(0), ctx.chunk
         # With no labelled position the gradient is zero (as cross_entropy's), not 0 * inf.
         scale = grad_out.float() / max(n, 1) if ctx.reduction == "mean" else grad_out.float()
-        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        if kept is not None and kept.dtype == h.dtype == weight.dtype:
+            # The kept gradient as it is, one product each, scaled after: the kept tensor is not
+            # touched (a retained graph, norm clipping's second backward, reads it again) and no
+            # copy of it is made. Row slices here would rewrite the whole head gradient once per
+            # slice (a memory-bound pass over b V h for each).
+            dh = torch.mm(kept, weight).mul_(scale) if ctx.needs_input_grad[0] else None
+            dw = torch.mm(kept.t(), h).mul_(scale) if ctx.needs_input_grad[1] else None
+            return dh, dw, None, None, None, None, None
         if kept is not None:
-            # Scaled a slice of rows at a time, not in place (a retained graph, norm clipping's
-            # second backward, reads it again): beside the kept gradient, an eighth of it at once.
+            # In the model's lower dtype for its matmuls, as nn.Linear's backward: scaled and cast
+            # into one buffer a slice of rows at a time (not in place, as above; 2 bytes a logit
+            # and an eighth of the fp32 gradient at once), then one product each.
+            low = torch.empty(kept.shape, dtype=h.dtype, device=h.device)
             rows = max(1, -(-n // KEPT_SLICES))
             for a in range(0, n, rows):
                 b = min(n, a + rows)
-                _backward_rows((kept[a:b] * scale).to(h.dtype), weight, h, a, b, dh, dw)
+                low[a:b].copy_(kept[a:b] * scale)
+            dh = torch.mm(low, weight) if ctx.needs_input_grad[0] else None
+            dw = torch.mm(low.t(), h) if ctx.needs_input_grad[1] else None
             return dh, dw, None, None, None, None, None
+        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             z, tanh = _logits(h[a:b], weight, ctx.softcap)
@@ -198,7 +210,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, None, None, None, None, None
 
 
-KEPT_SLICES = 8  # the kept gradient is scaled in this many slices of rows in the backward
+KEPT_SLICES = 8  # in a lower dtype, the kept gradient is scaled and cast this many slices of rows at a time
 
 
 def _backward_rows(dz: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, a: int, b: int,

@@ -258,7 +258,8 @@ def loss_kept_bytes(m: ModelSpec, run: RunSpec) -> int:
     """Where every position's logits fit in one chunk of the chunked loss, the chunk's fp32 gradient
     of the logits that its forward keeps for the backward (4 T V; saved, in loss_saved_bytes): made
     in place of the forward's fp32 logits (within loss_chunk_bytes) and freed by the loss's backward,
-    before any layer's. Its backward scales it an eighth at a time, within loss_chunk_bytes too."""
+    before any layer's. In fp32 its backward multiplies by it as it is; in a lower dtype it casts it
+    into one buffer (2 bytes a logit) an eighth at a time, within loss_chunk_bytes too."""
     T = run.batch * run.seq
     one_chunk = T <= max(1, run.loss_chunk // m.vocab)
     return 4 * T * m.vocab if chunked_loss(m, run) and one_chunk else 0

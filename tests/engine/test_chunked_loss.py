@@ -71,6 +71,19 @@ def test_loss_and_gradients_equal_the_plain_loss(case):
         torch.testing.assert_close(b, a, rtol=GRAD_TOL, atol=GRAD_TOL, msg=name)
 
 
+@pytest.mark.parametrize("chunk", [4, 10_000])  # several chunks (recomputed), one (kept, cast into bf16)
+def test_bf16_gradients_equal_the_plain_loss(chunk):
+    """In bf16 the head's matmuls run in bf16 (as nn.Linear's), fed the fp32 logits' gradient cast:
+    within bf16 rounding of the plain loss's (relative to each gradient's norm)."""
+    model = tiny_llama(1).to(torch.bfloat16)
+    plain, chunked, grads = plain_and_chunked(model, masked_batch(), chunk)
+    assert chunked.item() == pytest.approx(plain.item(), rel=1e-2)
+    for name, (a, b) in grads.items():
+        assert b.dtype == torch.bfloat16
+        err = float((b.float() - a.float()).norm() / a.float().norm().clamp_min(1e-12))
+        assert err <= 2e-2, (name, err)
+
+
 def test_token_sum_and_an_unlabelled_batch():
     model = tiny_llama(2)
     batch = masked_batch()
