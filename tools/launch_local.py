@@ -66,6 +66,34 @@ def remove_shm_buffers(port: int) -> None:
             os.remove(leftover)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` now (Linux /proc; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL the launch and its ranks: torch.distributed.run starts each rank in a session of its
+    own, so killing the launcher's process group alone would leave the ranks running, holding the
+    output pipes open (communicate() would then wait forever)."""
+    ranks = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @contextlib.contextmanager
 def local_ranks(program: list[str], nproc: int, cpu: bool = True, env: dict | None = None,
                 cwd: str | None = None, **popen) -> Iterator[subprocess.Popen]:
@@ -78,8 +106,7 @@ def local_ranks(program: list[str], nproc: int, cpu: bool = True, env: dict | No
         yield proc
     finally:
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_launch(proc)
         proc.wait()
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             if stream:
@@ -97,7 +124,7 @@ def run_local(program: list[str], nproc: int, timeout: float, cpu: bool = True, 
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_launch(proc)
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
