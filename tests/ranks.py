@@ -25,7 +25,11 @@ In the test module that asserts on it (tests/<package>/test_*.py; tests/engine/t
 - `first=True` runs a check before the others of its launch (the planner's memory is measured in a
   process no check has used yet). `work_dir()` is a folder the launch may write into.
 - A check that raises is recorded with its traceback; `ok` fails the test with it, the others still run.
-- Keep each check to a few seconds: the launch records what each took under "_seconds".
+- Keep each check to a few seconds: the launch records what each took under "_seconds" (wall) and
+  "_cpu_seconds" (rank 0's CPU: the figure to compare on a busy machine).
+- A test that needs a run of the training program (or another program's main) runs it inside the
+  launch with `run_here(main, argv)` from a check, unless the test is about the command line or
+  the launcher themselves: a launch of its own costs every rank's start-up again.
 - `pytest tests/engine/test_buckets.py` launches only that module's checks; LOMO_CHECKS=key,key (keys
   "test_buckets/sgd_shared_memory", or a module "test_buckets/") narrows any launch further.
 
