@@ -23,6 +23,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("ranks"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_worker():
+    """Under pytest-xdist (make test) each worker computes on one thread: the workers and the
+    multi-rank launches beside them share the cores, and torch's default (a thread per core) in
+    every process makes threads wait on each other across cores that are busy."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def shared_tmp(tmp_path_factory):
     """A folder every pytest-xdist worker of this session shares (the session's own without xdist)."""

@@ -210,7 +210,11 @@ def run_world(world: int, out_dir: str) -> dict:
     if not modules:
         return {}
     out = os.path.join(out_dir, "results.json")
-    launch(["-m", "tests.ranks", out, *modules], world)
+    # One thread per rank, whatever the world size: the checks' models are tiny (a second thread
+    # only adds its synchronisation), and while the 1-rank launch runs, the other pytest-xdist
+    # worker runs single-process tests on the other core; two threads then wait on each other
+    # across a core that is not theirs.
+    launch(["-m", "tests.ranks", out, *modules], world, env={"OMP_NUM_THREADS": "1"})
     with open(out) as f:
         return json.load(f)
 

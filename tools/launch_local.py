@@ -40,8 +40,9 @@ def rank_env(nproc: int, cpu: bool = True, env: dict | None = None) -> dict[str,
     out["LOCAL_SIZE"] = str(nproc)
     out.setdefault("PYTHONUNBUFFERED", "1")
     if cpu:
-        # Ranks on a few cores: the cores split between them, or they fight over every core.
-        out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        # Ranks on a few cores: the cores split between them, or they fight over every core (a
+        # caller's own figure in `env` wins).
+        out["OMP_NUM_THREADS"] = (env or {}).get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
         out.setdefault("CUDA_VISIBLE_DEVICES", "")
     return out
 
