@@ -16,11 +16,15 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     # Under `pytest -n N --dist loadgroup` (make test) the tests that start ranks go to one worker
-    # when pytest-xdist honours the group; the lock below keeps the launches one at a time and one
-    # per world size whatever worker runs them.
+    # when pytest-xdist honours the group; the lock below keeps the launches of several ranks one at
+    # a time and one per world size whatever worker runs them. The tests of the 1-rank launch (a
+    # test parametrized with world 1) are a group of their own: that launch takes one core, like a
+    # single-process test, and runs beside the launches of several ranks (which leave a core idle
+    # while a rank waits on another) instead of after them.
     for item in items:
         if "rank_results" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ranks"):
-            item.add_marker(pytest.mark.xdist_group("ranks"))
+            one_rank = getattr(item, "callspec", None) is not None and item.callspec.params.get("world") == 1
+            item.add_marker(pytest.mark.xdist_group("rank1" if one_rank else "ranks"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,7 +53,7 @@ def shared_tmp(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def one_launch_at_a_time(shared_tmp):
     """Every launch of several ranks in this session (tests.ranks.launch) takes this lock: on a few
-    cores two launches side by side only fight over them."""
+    cores two such launches side by side only fight over them (a 1-rank launch does not take it)."""
     ranks.LAUNCH_LOCK = FileLock(str(shared_tmp / "launch.lock"))
     yield
     ranks.LAUNCH_LOCK = None

@@ -177,9 +177,10 @@ def assert_matches_reference(r: dict, tol: float, label: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the pytest side
-def one_launch():
-    """Hold this while ranks run: one launch at a time in a pytest session (a no-op outside one)."""
-    return LAUNCH_LOCK or contextlib.nullcontext()
+def one_launch(nproc: int = 2):
+    """Hold this while `nproc` ranks run: one launch of several ranks at a time in a pytest session
+    (a no-op outside one, and for a single rank: it takes one core, as a single-process test does)."""
+    return LAUNCH_LOCK if LAUNCH_LOCK is not None and nproc > 1 else contextlib.nullcontext()
 
 
 def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | None = None, cpu: bool = True):
@@ -188,7 +189,7 @@ def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | Non
     from tools.launch_local import run_local
 
     def run():
-        with one_launch():
+        with one_launch(nproc):
             return run_local(program, nproc, timeout=timeout, env=env, cwd=ROOT, cpu=cpu)
 
     proc = run()
