@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK_ABORT = "terminate called without an active exception"
+LAUNCH_ERROR = "_launch_error"  # a world size's results when its launch failed: why
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ def run_here(main: Callable[[list[str]], int], argv: list[str], env: dict | None
 def ok(results: dict, check: Check | str) -> Any:
     """One check's figures, failing with its traceback if it raised on the ranks."""
     key = check.key if isinstance(check, Check) else check
+    assert LAUNCH_ERROR not in results, f"the launch failed: {results[LAUNCH_ERROR]}"
     assert key in results, f"multi-rank check {key} did not run in this launch (LOMO_CHECKS?)"
     r = results[key]
     assert not (isinstance(r, dict) and "error" in r), r["error"]
@@ -215,7 +217,8 @@ def run_world(world: int, out_dir: str) -> dict:
     # only adds its synchronisation), and while the 1-rank launch runs, the other pytest-xdist
     # worker runs single-process tests on the other core; two threads then wait on each other
     # across a core that is not theirs.
-    launch(["-m", "tests.ranks", out, *modules], world, env={"OMP_NUM_THREADS": "1"})
+    # The timeout: several times what the launch of every check takes on 2 idle cores.
+    launch(["-m", "tests.ranks", out, *modules], world, timeout=1800, env={"OMP_NUM_THREADS": "1"})
     with open(out) as f:
         return json.load(f)
 
