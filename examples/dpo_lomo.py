@@ -48,12 +48,24 @@ def conversations(path: str) -> list[list[dict]]:
         return [json.loads(line)["messages"] for line in f if line.strip()]
 
 
+def scored_by_shards(trainer, dataset, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trained policy's (chosen, rejected) log-probs of every pair, each rank scoring an equal
+    share (the last pair repeated to fill it: under ZeRO-3 every rank must run as many forwards)."""
+    n = len(dataset)
+    share = -(-n // world)
+    rows = list(range(n)) + [n - 1] * (share * world - n)
+    mine = trainer.pair_log_probs(dataset.select(rows[rank * share:(rank + 1) * share]), batch_size=8)
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, mine)
+    return tuple(torch.cat([g[i] for g in gathered])[:n] for i in (0, 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:smollm2-135m", help="a hub name, a folder, or lomo_ds's built-in")
     ap.add_argument("--optim", choices=["lomo", "adalomo"], default="lomo")
     ap.add_argument("--lr", type=float, help="default: 0.05 for LOMO, 0.001 for AdaLomo")
-    ap.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
+    ap.add_argument("--beta", type=float, default=1.0, help="DPO's beta")
     ap.add_argument("--sft-weight", type=float, default=1.0, help="weight of the sft term (0: DPO alone)")
     ap.add_argument("--max-steps", type=int, default=16)
     ap.add_argument("--batch", type=int, default=2, help="pairs per rank and micro-batch")
@@ -141,7 +153,7 @@ def main() -> None:
 
     before_em, _ = exact_match()
     trainer.train()
-    chosen, rejected = trainer.pair_log_probs(trainer.eval_dataset, batch_size=8)
+    chosen, rejected = scored_by_shards(trainer, trainer.eval_dataset, rank, world)
     after_right = chosen > rejected
 
     def accuracy(right: torch.Tensor) -> dict:
