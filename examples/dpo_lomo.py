@@ -3,16 +3,22 @@
 Starts from the built-in model (SmolLM2-135M-Instruct), not from the SFT example's output, and
 trains on HARD preference pairs built from the built-in chat task (lomo_ds/data/preference.py,
 hard_pairs): both replies are in the `item=count` format the task asks for; the rejected one has
-the count wrong (off by one to three, or its digits swapped) or the item wrong (another item of the
-task, or the singular). The loss is TRL's DPO sigmoid loss plus its `sft` term on the chosen reply
-(loss_type ["sigmoid", "sft"], RPO): the DPO term separates right from wrong copies, the sft term
-keeps the chosen reply's likelihood rising, which DPO alone does not promise. The reference is
+the count wrong (off by one to three, or its digits swapped), another item of the task, or the item
+without its final s; the three kinds equally often. The loss is TRL's DPO sigmoid loss plus its
+`sft` term on the chosen reply (loss_type ["sigmoid", "sft"], RPO): the DPO term separates right
+from wrong copies, the sft term teaches the format and keeps the chosen reply's likelihood rising,
+which DPO alone does not promise. beta is 1, not TRL's 0.1: every step's gradient is clipped to norm
+1, so the two terms share a step in proportion to their gradients, and the DPO term's is beta / 2
+times the log-ratio's at the start, small at 0.1 beside the sft term's on replies the starting model
+finds unlikely (it answers in prose). The reference is
 TRL's precomputed one (the starting model scores each pair once; no second model is held).
 
-Before and after training it prints, on the held-out pairs (from the chat task's validation split,
-whose names, items and numbers training never sees) the preference accuracy: the share of pairs in
-which the model gives the chosen reply a higher log-probability than the rejected one; and on the
-validation prompts the exact match of greedy replies.
+Before and after training it prints, on held-out pairs from the chat task's validation split (whose
+names, items and numbers training never sees; every prompt once with each kind of wrong reply) the
+preference accuracy, overall and by kind: the share of pairs in which the model gives the chosen
+reply a higher log-probability than the rejected one; and on the same prompts the exact match of
+greedy replies. The split's first 30 records (`--eval-split dev`) are for choosing a recipe; the
+other 70 (`report`, the default) are the reported ones.
 
     deepspeed --num_gpus 2 examples/dpo_lomo.py                   # 2 CPU ranks here (no GPU found)
     torchrun --nproc_per_node 2 examples/dpo_lomo.py --optim adalomo --lr 0.001 --seed 43
