@@ -3,16 +3,22 @@
 Starts from the built-in model (SmolLM2-135M-Instruct), not from the SFT example's output, and
 trains on HARD preference pairs built from the built-in chat task (lomo_ds/data/preference.py,
 hard_pairs): both replies are in the `item=count` format the task asks for; the rejected one has
-the count wrong (off by one to three, or its digits swapped) or the item wrong (another item of the
-task, or the singular). The loss is TRL's DPO sigmoid loss plus its `sft` term on the chosen reply
-(loss_type ["sigmoid", "sft"], RPO): the DPO term separates right from wrong copies, the sft term
-keeps the chosen reply's likelihood rising, which DPO alone does not promise. The reference is
+the count wrong (off by one to three, or its digits swapped), another item of the task, or the item
+without its final s; the three kinds equally often. The loss is TRL's DPO sigmoid loss plus its
+`sft` term on the chosen reply (loss_type ["sigmoid", "sft"], RPO): the DPO term separates right
+from wrong copies, the sft term teaches the format and keeps the chosen reply's likelihood rising,
+which DPO alone does not promise. beta is 1, not TRL's 0.1: every step's gradient is clipped to norm
+1, so the two terms share a step in proportion to their gradients, and the DPO term's is beta / 2
+times the log-ratio's at the start, small at 0.1 beside the sft term's on replies the starting model
+finds unlikely (it answers in prose). The reference is
 TRL's precomputed one (the starting model scores each pair once; no second model is held).
 
-Before and after training it prints, on the held-out pairs (from the chat task's validation split,
-whose names, items and numbers training never sees) the preference accuracy: the share of pairs in
-which the model gives the chosen reply a higher log-probability than the rejected one; and on the
-validation prompts the exact match of greedy replies.
+Before and after training it prints, on held-out pairs from the chat task's validation split (whose
+names, items and numbers training never sees; every prompt once with each kind of wrong reply) the
+preference accuracy, overall and by kind: the share of pairs in which the model gives the chosen
+reply a higher log-probability than the rejected one; and on the same prompts the exact match of
+greedy replies. The split's first 30 records (`--eval-split dev`) are for choosing a recipe; the
+other 70 (`report`, the default) are the reported ones.
 
     deepspeed --num_gpus 2 examples/dpo_lomo.py                   # 2 CPU ranks here (no GPU found)
     torchrun --nproc_per_node 2 examples/dpo_lomo.py --optim adalomo --lr 0.001 --seed 43
@@ -30,6 +36,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = os.path.join(ROOT, "lomo_ds", "data", "builtin", "chat")
+DEV_ROWS = 30  # validation records kept for choosing the recipe; the rest are the reported ones
 
 DEEPSPEED = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -47,19 +54,32 @@ def conversations(path: str) -> list[list[dict]]:
         return [json.loads(line)["messages"] for line in f if line.strip()]
 
 
+def scored_by_shards(trainer, dataset, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trained policy's (chosen, rejected) log-probs of every pair, each rank scoring an equal
+    share (the last pair repeated to fill it: under ZeRO-3 every rank must run as many forwards)."""
+    n = len(dataset)
+    share = -(-n // world)
+    rows = list(range(n)) + [n - 1] * (share * world - n)
+    mine = trainer.pair_log_probs(dataset.select(rows[rank * share:(rank + 1) * share]), batch_size=8)
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, mine)
+    return tuple(torch.cat([g[i] for g in gathered])[:n] for i in (0, 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:smollm2-135m", help="a hub name, a folder, or lomo_ds's built-in")
     ap.add_argument("--optim", choices=["lomo", "adalomo"], default="lomo")
     ap.add_argument("--lr", type=float, help="default: 0.05 for LOMO, 0.001 for AdaLomo")
-    ap.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
+    ap.add_argument("--beta", type=float, default=1.0, help="DPO's beta")
     ap.add_argument("--sft-weight", type=float, default=1.0, help="weight of the sft term (0: DPO alone)")
     ap.add_argument("--max-steps", type=int, default=16)
     ap.add_argument("--batch", type=int, default=2, help="pairs per rank and micro-batch")
     ap.add_argument("--accumulation", type=int, default=1)
     ap.add_argument("--seed", type=int, default=42, help="training seed and the train pairs' draw")
-    ap.add_argument("--eval-pairs", type=int, default=40, help="held-out pairs (the validation split)")
-    ap.add_argument("--eval-prompts", type=int, default=20, help="validation prompts for exact match")
+    ap.add_argument("--eval-split", choices=["report", "dev"], default="report",
+                    help=f"the validation split's first {DEV_ROWS} records (dev: for choosing a recipe) or the "
+                         f"rest (report)")
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (7-8B on one GPU)")
     ap.add_argument("--max-length", type=int, default=128, help="prompt + reply tokens (TRL's max_length)")
@@ -73,7 +93,7 @@ def main() -> None:
 
     import lomo_ds
     from lomo_ds.data.chat import chat_format
-    from lomo_ds.data.preference import hard_pairs, load_preference, write_jsonl
+    from lomo_ds.data.preference import HARD_KINDS, hard_pair_kind, hard_pairs, load_preference, write_jsonl
     from lomo_ds.evaluation.generation import evaluate_generation
     from lomo_ds.integrations.dpo import LomoDPOTrainer
     from lomo_ds.integrations.models import pretrained_folders
@@ -88,6 +108,7 @@ def main() -> None:
     n_train = a.max_steps * a.batch * a.accumulation * world
     train_conv = conversations(os.path.join(CHAT, "train.jsonl"))
     valid_conv = conversations(os.path.join(CHAT, "validation.jsonl"))
+    valid_conv = valid_conv[:DEV_ROWS] if a.eval_split == "dev" else valid_conv[DEV_ROWS:]
     pairs_dir = os.path.join(a.output_dir, "pairs")
     if rank == 0:
         import random
@@ -96,10 +117,14 @@ def main() -> None:
         random.Random(a.seed).shuffle(order)
         chosen_rows = [train_conv[i] for i in (order * (n_train // len(order) + 1))[:n_train]]
         write_jsonl(os.path.join(pairs_dir, f"train_seed{a.seed}.jsonl"), hard_pairs(chosen_rows, a.seed))
-        write_jsonl(os.path.join(pairs_dir, "heldout.jsonl"), hard_pairs(valid_conv[:a.eval_pairs], 0))
+        # Every held-out prompt with each kind of wrong reply: the kinds differ in how far the starting
+        # model already separates them, so the mix is fixed, not drawn.
+        write_jsonl(os.path.join(pairs_dir, f"heldout_{a.eval_split}.jsonl"),
+                    hard_pairs(valid_conv, 0, per_conversation=len(HARD_KINDS)))
     torch.distributed.barrier()
     train_pairs = load_preference(os.path.join(pairs_dir, f"train_seed{a.seed}.jsonl"))
-    heldout = load_preference(os.path.join(pairs_dir, "heldout.jsonl"))
+    heldout = load_preference(os.path.join(pairs_dir, f"heldout_{a.eval_split}.jsonl"))
+    kinds = [hard_pair_kind(p) for p in heldout]
 
     args = DPOConfig(
         output_dir=a.output_dir, optim=a.optim, deepspeed=DEEPSPEED,
@@ -120,11 +145,11 @@ def main() -> None:
 
     # The starting model's scores: its log-probs are the precomputed reference.
     ref = trainer.eval_dataset
-    before_acc = float((torch.tensor(ref["ref_chosen_logps"]) > torch.tensor(ref["ref_rejected_logps"])).float().mean())
+    before_right = torch.tensor(ref["ref_chosen_logps"]) > torch.tensor(ref["ref_rejected_logps"])
     chat = chat_format(tokenizer)
     engine = trainer.lomo_engine
     prompts = [{"prompt_ids": chat.ids(m[:-1], generation_prompt=True), "messages": m[:-1],
-                "reference": m[-1]["content"]} for m in valid_conv[:a.eval_prompts]]
+                "reference": m[-1]["content"]} for m in valid_conv]
 
     def exact_match() -> tuple[float, list]:
         metrics, rows = evaluate_generation(engine.module, prompts, tokenizer, stop_ids=chat.stop_ids,
@@ -134,18 +159,28 @@ def main() -> None:
 
     before_em, _ = exact_match()
     trainer.train()
-    chosen, rejected = trainer.pair_log_probs(trainer.eval_dataset, batch_size=8)
-    after_acc = float((chosen > rejected).float().mean())
+    chosen, rejected = scored_by_shards(trainer, trainer.eval_dataset, rank, world)
+    after_right = chosen > rejected
+
+    def accuracy(right: torch.Tensor) -> dict:
+        by_kind = {k: round(float(right[[i for i, x in enumerate(kinds) if x == k]].float().mean()), 4)
+                   for k in HARD_KINDS if k in kinds}
+        return {"all": round(float(right.float().mean()), 4), **by_kind}
+
+    before_acc, after_acc = accuracy(before_right), accuracy(after_right)
     after_em, rows = exact_match()
     trainer.save_model(os.path.join(a.output_dir, "final"))
     if rank == 0:
-        result = {"seed": a.seed, "optim": a.optim, "steps": a.max_steps, "pairs": n_train,
+        result = {"seed": a.seed, "optim": a.optim, "lr": args.learning_rate, "beta": a.beta,
+                  "sft_weight": a.sft_weight, "steps": a.max_steps, "pairs": n_train, "eval_split": a.eval_split,
                   "heldout_pairs": len(heldout), "prompts": len(prompts),
-                  "preference_accuracy": [round(before_acc, 4), round(after_acc, 4)],
+                  "preference_accuracy": [before_acc["all"], after_acc["all"]],
+                  "preference_accuracy_by_kind": {k: [before_acc[k], after_acc[k]] for k in before_acc if k != "all"},
                   "exact_match": [round(before_em, 4), round(after_em, 4)]}
         with open(os.path.join(a.output_dir, "result.json"), "w") as f:
             json.dump({**result, "replies": rows[:10]}, f, indent=1)
-        print(f"held-out preference accuracy {before_acc:.3f} -> {after_acc:.3f}; "
+        print(f"held-out preference accuracy {before_acc['all']:.3f} -> {after_acc['all']:.3f} "
+              f"({len(heldout)} pairs; by kind {result['preference_accuracy_by_kind']}); "
               f"exact match {before_em:.3f} -> {after_em:.3f} ({len(prompts)} validation prompts)")
         for r in rows[:3]:
             print(f"  {r['messages'][-1]['content']!r} -> {r['reply']!r} (reference {r['reference']!r})")

@@ -19,6 +19,18 @@ def test_help(script, flags):
     assert all(f in out for f in flags), out
 
 
+def test_dpo_pair_kinds_wrong_replies():
+    """Each wrong reply keeps the format and gets exactly one part wrong, named by its kind."""
+    pk = _load("dpo_pair_kinds")
+    replies = pk.wrong_replies("spoons=17", ["cups", "forks", "plates", "spoons"])
+    assert dict((r, k) for k, r in replies) == {
+        "spoons=14": "count-3", "spoons=15": "count-2", "spoons=16": "count-1", "spoons=18": "count+1",
+        "spoons=19": "count+2", "spoons=20": "count+3", "spoons=71": "count_swap", "spoon=17": "item_singular",
+        "cups=17": "item_other", "forks=17": "item_other", "plates=17": "item_other"}
+    assert [k for k, _ in pk.wrong_replies("eggs=2", ["eggs", "rings"])] == [
+        "count+1", "count+2", "count+3", "item_singular", "item_other"]  # the one other item
+
+
 def test_accumulation_quality_runs_validate_and_report():
     """Each run of the accumulation comparison is a valid run config (K through DeepSpeed's key, every
     validation example), and the table gives mean and minimum per K over the seeds done."""

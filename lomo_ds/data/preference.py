@@ -16,10 +16,11 @@ The file is read twice: line by line (so a bad line is named, with JSON's own er
 `datasets.load_dataset` ("json" / "parquet"), which is what DPOTrainer is given.
 
 `hard_pairs(messages_records, seed)` builds pairs from the built-in chat task (item=count answers):
-the chosen reply is the reference, the rejected one has the same format with one part wrong: the
-count (off by one to three, or its digits swapped) or the item (a neighbouring item of the task, or
-the same item in the singular). Both replies are in the format the task asks for, so no pair is
-told apart by format alone; only copying the right words from the prompt separates them.
+the chosen reply is the reference, the rejected one has the same format with one part wrong, one of
+three kinds: the count (off by one to three, or its digits swapped), another item of the task, or
+the same item without its final s (`spoon=17` for `spoons=17`). Both replies are in the format the
+task asks for, so no pair is told apart by format alone; only copying the right words from the
+prompt separates them.
 """
 from __future__ import annotations
 
@@ -159,29 +160,53 @@ def _wrong_count(n: int, rng: random.Random) -> int:
     return rng.choice(choices)
 
 
+HARD_KINDS = ("count", "item_other", "item_singular")
+
+
 def hard_pair(messages: list[dict], items: list[str], rng: random.Random, kind: str) -> dict:
     """One conversational pair from a chat record whose last assistant turn is `item=count`:
-    prompt = every turn before it; chosen = the reference; rejected = the same format, with the
-    count (`kind` "count") or the item ("item") wrong."""
+    prompt = every turn before it; chosen = the reference; rejected = the same format with one part
+    wrong: the count (`kind` "count"), another item of the task ("item_other") or the item without
+    its final s ("item_singular")."""
     answer = messages[-1]["content"]
     item, count = answer.split("=")
     if kind == "count":
         wrong = f"{item}={_wrong_count(int(count), rng)}"
-    elif kind == "item":
-        others = [i for i in items if i != item]
-        wrong = f"{item[:-1] if item.endswith('s') and rng.random() < 0.5 else rng.choice(others)}={count}"
+    elif kind == "item_other":
+        wrong = f"{rng.choice([i for i in items if i != item])}={count}"
+    elif kind == "item_singular":
+        if not item.endswith("s") or len(item) < 2:
+            raise ValueError(f"item_singular: {item!r} does not end with an s")
+        wrong = f"{item[:-1]}={count}"
     else:
-        raise ValueError(f"kind: expected 'count' or 'item', got {kind!r}")
+        raise ValueError(f"kind: expected one of {', '.join(HARD_KINDS)}, got {kind!r}")
     return {"prompt": messages[:-1], "chosen": [{"role": "assistant", "content": answer}],
             "rejected": [{"role": "assistant", "content": wrong}]}
 
 
-def hard_pairs(conversations: list[list[dict]], seed: int, count_share: float = 0.5) -> list[dict]:
-    """Hard pairs (module docstring) for every conversation of the chat task; a wrong count for a
-    `count_share` of them, a wrong item for the rest, drawn with `seed`."""
+def hard_pairs(conversations: list[list[dict]], seed: int, kinds: tuple[str, ...] = HARD_KINDS,
+               per_conversation: int = 1) -> list[dict]:
+    """Hard pairs (module docstring) from the chat task's conversations: for each conversation,
+    `per_conversation` different kinds of wrong reply drawn with `seed` from `kinds` (every kind
+    equally likely; "item_singular" only where the item ends with an s), one pair each."""
+    unknown = sorted(set(kinds) - set(HARD_KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"kinds: expected some of {', '.join(HARD_KINDS)}, got {list(kinds)}")
     rng = random.Random(seed)
     items = sorted({m[-1]["content"].split("=")[0] for m in conversations})
-    return [hard_pair(m, items, rng, "count" if rng.random() < count_share else "item") for m in conversations]
+    out = []
+    for m in conversations:
+        usable = [k for k in kinds if k != "item_singular" or m[-1]["content"].split("=")[0].endswith("s")]
+        out += [hard_pair(m, items, rng, k) for k in rng.sample(usable, min(per_conversation, len(usable)))]
+    return out
+
+
+def hard_pair_kind(pair: dict) -> str:
+    """Which of HARD_KINDS a pair from hard_pair is, read from its two replies."""
+    (item, count), (wrong_item, wrong_count) = (p[0]["content"].split("=") for p in (pair["chosen"], pair["rejected"]))
+    if item == wrong_item:
+        return "count"
+    return "item_singular" if wrong_item == item[:-1] else "item_other"
 
 
 def write_jsonl(path: str, records: list[dict]) -> str:

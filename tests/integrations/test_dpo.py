@@ -188,26 +188,51 @@ def test_implicit_prompt_must_share_the_turns(tmp_path):
 
 
 def test_hard_pairs_differ_in_one_part_only():
-    """Both replies item=count; the rejected one has the count or the item wrong, never both, never the format."""
+    """Both replies item=count; the rejected one has the count or the item wrong, never both, never the format;
+    each of the three kinds drawn, and named back by hard_pair_kind."""
     import os
     import re
 
-    from lomo_ds.data.preference import check_pair, hard_pairs
+    from lomo_ds.data.preference import HARD_KINDS, check_pair, hard_pair_kind, hard_pairs
 
     root = os.path.join(ROOT, "lomo_ds", "data", "builtin")
     with open(os.path.join(root, "chat", "validation.jsonl")) as f:
         conv = [json.loads(line)["messages"] for line in f]
     pairs = hard_pairs(conv, seed=0)
-    kinds = {"count": 0, "item": 0}
+    assert len(pairs) == len(conv)
+    kinds = {k: 0 for k in HARD_KINDS}
     for i, p in enumerate(pairs):
         check_pair(p, f"pair {i}")
         good, bad = p["chosen"][0]["content"], p["rejected"][0]["content"]
         assert re.fullmatch(r"[a-z]+=\d+", good) and re.fullmatch(r"[a-z]+=\d+", bad), (good, bad)
         (gi, gc), (bi, bc) = good.split("="), bad.split("=")
         assert (gi == bi) != (gc == bc), (good, bad)
-        kinds["count" if gi == bi else "item"] += 1
+        kind = "count" if gi == bi else "item_singular" if bi + "s" == gi else "item_other"
+        assert hard_pair_kind(p) == kind, (good, bad)
+        kinds[kind] += 1
     assert min(kinds.values()) > 20, kinds
     assert hard_pairs(conv, seed=0) == pairs and hard_pairs(conv, seed=1) != pairs
+
+
+def test_hard_pairs_every_kind_per_conversation():
+    """per_conversation=3: each conversation once with each kind of wrong reply; a kind list restricts them."""
+    import os
+
+    from lomo_ds.data.preference import HARD_KINDS, hard_pair_kind, hard_pairs
+
+    with open(os.path.join(ROOT, "lomo_ds", "data", "builtin", "chat", "validation.jsonl")) as f:
+        conv = [json.loads(line)["messages"] for line in f][:10]
+    pairs = hard_pairs(conv, seed=3, per_conversation=3)
+    assert len(pairs) == 30
+    for i, m in enumerate(conv):
+        group = pairs[3 * i:3 * i + 3]
+        assert all(p["prompt"] == m[:-1] and p["chosen"][0]["content"] == m[-1]["content"] for p in group)
+        assert sorted(hard_pair_kind(p) for p in group) == sorted(HARD_KINDS)
+    only = hard_pairs(conv, seed=3, kinds=("item_singular",))
+    assert [p["rejected"][0]["content"] for p in only] == [
+        m[-1]["content"].replace("s=", "=") for m in conv]
+    with pytest.raises(ValueError, match="kinds"):
+        hard_pairs(conv, seed=3, kinds=("prose",))
 
 
 # ----------------------------------------------------------------------------- the planner's DPO rows
