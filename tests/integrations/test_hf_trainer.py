@@ -12,6 +12,8 @@ ranks) back into the micro-batch's token mean, so that the normalisation is appl
 trainer_lomo on 2 ranks differs from the reference by 2.1e-3 and sft by 4.3e-3 (and their losses
 by half).
 """
+import importlib.util
+
 import pytest
 
 from tests import dist_hf_checks as H
@@ -25,7 +27,11 @@ EQUIVALENCE = multi_rank_checks(
     trainer_adalomo=lambda: H.check_equivalence("adalomo"),
 )
 # SFTTrainer, resume and trackers: on 2 ranks (the Trainer's own equivalence covers 1 and 2).
-sft, resume, trackers = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume, trackers=H.check_trackers)
+sft, resume = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume)
+# The trackers are the `trackers` extra's (CI installs it; `make install` does not): their check is
+# declared only where they are, so that a launch without them does not fail it.
+NO_TRACKERS = [m for m in ("tensorboard", "wandb") if importlib.util.find_spec(m) is None]
+trackers = None if NO_TRACKERS else multi_rank_checks([2], trackers=H.check_trackers)[0]
 
 
 @pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
@@ -68,6 +74,7 @@ def test_resume_and_save_model(rank_results):
             "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
 
 
+@pytest.mark.skipif(bool(NO_TRACKERS), reason=f"{' and '.join(NO_TRACKERS)} not installed (the trackers extra)")
 def test_trackers_read_back(rank_results):
     """loss, learning_rate and grad_norm reach TensorBoard and W&B (offline), as the Trainer logged them."""
     r = ok(rank_results(2), trackers)

@@ -1,30 +1,24 @@
 """A chat fine-tune end to end on a tiny LLaMA with a ChatML tokenizer, two ranks: length-grouped
 batches, eval loss and greedy generation before and after (generations/step_N.jsonl), the padding
-fraction in the metrics, an exact resume, and an export that `lomo-ds generate` answers from."""
+fraction in the metrics, an exact resume, and an export that `lomo-ds generate` answers from.
+
+The runs are the training program's, in the 2-rank launch of the multi-rank checks (tests/ranks.py
+run_here): its command line, launcher and a resume in a fresh process are tests/recipe/test_train.py's."""
 import json
 import os
+import pathlib
 import shutil
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.helpers_data import CHATML, chatml_tokenizer, conversation, write_jsonl
-from tests.ranks import ROOT
+from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
 from tests.tiny import tiny_llama_config
-from tools.launch_local import run_local
 
 
-def train(entry: list[str], config, out_dir, *extra):
-    """A 2-rank run of the training program (entry: launch/train.py, or the lomo-ds console command's module)."""
-    proc = run_local([*entry, "--config", str(config), "--output-dir", str(out_dir), *extra], 2, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
-
-
-@pytest.fixture(scope="module")
-def chat_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat_run")
+def write_chat_run(root: pathlib.Path) -> pathlib.Path:
+    """The tiny model and its tokenizer, the chat data and the run config, under `root` (rank 0)."""
     tok = chatml_tokenizer()
     from transformers import LlamaForCausalLM
 
@@ -45,15 +39,38 @@ def chat_run(tmp_path_factory):
     cfg["output"].update({"checkpoint_every": 2, "export_hf": True, "keep_last": 2})
     path = root / "run.json"
     path.write_text(json.dumps(cfg))
-    return root, path
+    return path
 
 
-def test_chat_run_evaluates_by_generation_resumes_exactly_and_exports(chat_run, capsys):
-    root, config = chat_run
-    straight = root / "straight"
-    out = train([os.path.join(ROOT, "launch", "train.py")], config, straight)
-    assert '"train": {"read": 24, "sampled": 24, "kept": 24' in out.stdout  # every record, counted
-    assert "exact match: zero-shot" in out.stdout and "--- prompt 1:" in out.stdout
+@multi_rank(worlds=[2])
+def chat_run() -> dict:
+    """A straight run, then a second one resumed from the straight run's step-2 checkpoint alone
+    (through the console command's entry point)."""
+    from lomo_ds import cli
+    from lomo_ds.recipe.train import main
+
+    root = pathlib.Path(work_dir()) / "chat_run"
+    config, straight, resumed = root / "run.json", root / "straight", root / "resumed"
+    if torch.distributed.get_rank() == 0:
+        write_chat_run(root)
+    torch.distributed.barrier()
+    out = {"root": str(root), "straight": run_here(main, ["--config", str(config), "--output-dir", str(straight)])}
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(resumed / "checkpoints")
+        shutil.copytree(straight / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+        (resumed / "checkpoints" / "latest").write_text("step_00000002")
+    torch.distributed.barrier()
+    out["resumed"] = run_here(cli.main, ["train", "--config", str(config), "--output-dir", str(resumed), "--resume"])
+    return out
+
+
+def test_chat_run_evaluates_by_generation_resumes_exactly_and_exports(rank_results, capsys):
+    r = ok(rank_results(2), chat_run)
+    root = pathlib.Path(r["root"])
+    straight, out = root / "straight", r["straight"]
+    assert out["rc"] == 0
+    assert '"train": {"read": 24, "sampled": 24, "kept": 24' in out["stdout"]  # every record, counted
+    assert "exact match: zero-shot" in out["stdout"] and "--- prompt 1:" in out["stdout"]
     rows = [json.loads(line) for line in open(straight / "generations" / "step_4.jsonl")]
     assert len(rows) == 5 and {"messages", "reference", "reply", "exact_match", "contains"} <= set(rows[0])
     assert (straight / "generations" / "step_0.jsonl").exists()
@@ -64,12 +81,8 @@ def test_chat_run_evaluates_by_generation_resumes_exactly_and_exports(chat_run, 
     assert {"eval/loss", "eval/exact_match", "eval/contains"} <= set(final)
 
     # Resume from the step-2 checkpoint alone: the same length-grouped batches, the same weights.
-    resumed = root / "resumed"
-    os.makedirs(resumed / "checkpoints")
-    shutil.copytree(straight / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
-    (resumed / "checkpoints" / "latest").write_text("step_00000002")
-    out = train(["-m", "lomo_ds.cli", "train"], config, resumed, "--resume")
-    assert "at step 2" in out.stdout
+    resumed, out = root / "resumed", r["resumed"]
+    assert out["rc"] == 0 and "at step 2" in out["stdout"]
     a, b = (load_file(d / "hf_model" / "model.safetensors") for d in (straight, resumed))
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
 

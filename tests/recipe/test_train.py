@@ -16,17 +16,15 @@ import lomo_ds
 from lomo_ds.storage.checkpoint import export_hf
 from tests.helpers_data import byte_bpe_tokenizer
 from tests.host_memory import assert_checkpoint_and_export_host_memory, checkpoint_and_export_host_memory
-from tests.ranks import ROOT, multi_rank, multi_rank_checks, ok, one_launch, work_dir
+from tests.ranks import ROOT, multi_rank, multi_rank_checks, ok, one_launch, run_here, work_dir
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 from tools.launch_local import local_ranks, run_local
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A tiny LLaMA + tokenizer saved as a Hugging Face directory, and a run config for it."""
-    root = tmp_path_factory.mktemp("tiny_run")
+def write_tiny_run(root: pathlib.Path) -> pathlib.Path:
+    """A tiny LLaMA + tokenizer saved as a Hugging Face directory under `root`, and a run config for it."""
     tok = byte_bpe_tokenizer()
     from transformers import LlamaForCausalLM
 
@@ -42,7 +40,14 @@ def tiny_run(tmp_path_factory):
     cfg["output"].update({"checkpoint_every": 2, "export_hf": True, "keep_last": 2})
     path = root / "run.json"
     path.write_text(json.dumps(cfg))
-    return root, path
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny LLaMA + tokenizer saved as a Hugging Face directory, and a run config for it."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    return root, write_tiny_run(root)
 
 
 TRAIN_SCRIPT = [TRAIN]  # deepspeed launch/train.py ...
@@ -404,19 +409,32 @@ SLOW_WRITE_S = 12  # each of rank 0's export files and checkpoint seals takes th
 SHORT_TIMEOUT_S = 8  # the collectives' timeout once the ranks are up: shorter than one write
 
 
-def test_slow_checkpoint_and_export_writes_outlast_the_collective_timeout(tiny_run, tmp_path):
+@multi_rank(worlds=[2])
+def slow_io_run() -> dict:
+    """The training program on the 2-rank launch, its collectives timing out after 8 s while each of
+    rank 0's export files and checkpoint seals takes 12 s to write (tests/slow_io_run.py)."""
+    from lomo_ds.recipe.train import main
+    from tests.slow_io_run import slow_io
+
+    root = pathlib.Path(work_dir()) / "slow_io"
+    if torch.distributed.get_rank() == 0:
+        write_tiny_run(root)
+    torch.distributed.barrier()
+    out = root / "run"
+    with slow_io(SLOW_WRITE_S, SHORT_TIMEOUT_S):
+        run = run_here(main, ["--config", str(root / "run.json"), "--output-dir", str(out), "--max-steps", "2",
+                              "--set", "eval.at_end=false", "--set", "train.zero_shot_eval=false"])
+    return {"rc": run["rc"], "out": str(out)}
+
+
+def test_slow_checkpoint_and_export_writes_outlast_the_collective_timeout(rank_results):
     """A 2-rank run whose collectives time out after 8 s, while each of rank 0's export files and
     checkpoint seals takes 12 s to write (a slow disk; a 65B export at 200 MB/s is 11 minutes): the
     other rank waits under output.io_timeout, the run finishes, and the export loads."""
     from transformers import AutoModelForCausalLM
 
-    _, config = tiny_run
-    out = tmp_path / "slow"
-    with one_launch():
-        proc = run_local(["-m", "tests.slow_io_run", str(SLOW_WRITE_S), str(SHORT_TIMEOUT_S), "--config", str(config),
-                          "--output-dir", str(out), "--max-steps", "2", "--set", "eval.at_end=false",
-                          "--set", "train.zero_shot_eval=false"],
-                         2, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    r = ok(rank_results(2), slow_io_run)
+    out = pathlib.Path(r["out"])
+    assert r["rc"] == 0
     assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
     assert AutoModelForCausalLM.from_pretrained(out / "hf_model") is not None
