@@ -141,18 +141,22 @@ def _measure_checkpoint_and_export(root: str) -> dict:
     file_limit = model_bytes // 16
     out = {"model_bytes": model_bytes, "shard_bytes": shard_bytes, "largest_tensor": largest, "file_limit": file_limit}
     # The first export warms what the gathers keep for the next (the all-gather's buffers); the
-    # second shows what the export itself holds: resident memory, and the tensors alive while each
-    # file is written (exact, where resident memory also counts what the allocator kept).
-    export_hf(engine, None, os.path.join(root, "rss_export"), 600.0, max_shard_size=file_limit)
+    # second shows the export's resident memory, and the third the tensors alive while each file is
+    # written (exact, where resident memory also counts what the allocator kept). Apart, because
+    # counting the live tensors walks every object the collector tracks: its list of them would
+    # count in the resident peak, and it grows with whatever the process did before.
+    export_dir = os.path.join(root, "rss_export")
+    export_hf(engine, None, export_dir, 600.0, max_shard_size=file_limit)
+    with AnonPeak() as probe:
+        export_hf(engine, None, export_dir, 600.0, max_shard_size=file_limit)
+    out["export"] = probe.above_start
     base, at_write = live_tensor_bytes(), []
 
     def write(tensors, path):
         at_write.append(live_tensor_bytes() - base)
         save_file(tensors, path)
 
-    with AnonPeak() as probe:
-        export_hf(engine, None, os.path.join(root, "rss_export"), 600.0, max_shard_size=file_limit, write_file=write)
-    out["export"] = probe.above_start
+    export_hf(engine, None, export_dir, 600.0, max_shard_size=file_limit, write_file=write)
     out["export_live"] = max(at_write) if at_write else 0
     ckpt = os.path.join(root, "rss_checkpoint")
     os.makedirs(ckpt, exist_ok=True)
