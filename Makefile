@@ -57,8 +57,8 @@ CHAT_ARGS ?=
 demo-chat: .installed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_chat.json --set train.seed=$(SEED) $(CHAT_ARGS)
 
-# pytest-xdist: the single-process tests spread over TEST_WORKERS workers; the multi-rank launches
-# stay one per world size and one at a time (tests/conftest.py).
+# pytest-xdist: the single-process tests spread over TEST_WORKERS workers; each multi-rank launch
+# runs once, in one worker, beside the other worker's tests (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: .installed
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests tools $(PYTEST_ARGS)

@@ -15,16 +15,20 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    # Under `pytest -n N --dist loadgroup` (make test) the tests that start ranks go to one worker
-    # when pytest-xdist honours the group; the lock below keeps the launches of several ranks one at
-    # a time and one per world size whatever worker runs them. The tests of the 1-rank launch (a
-    # test parametrized with world 1) are a group of their own: that launch takes one core, like a
-    # single-process test, and runs beside the launches of several ranks (which leave a core idle
-    # while a rank waits on another) instead of after them.
+    # Under `pytest -n N --dist loadgroup` (make test) each launch's tests go to one worker when
+    # pytest-xdist honours the groups. The 2-rank launch (most checks: the longest) is a group of its
+    # own; the 1-rank launch another (it takes one core, like a single-process test); the 3-rank launch
+    # and the tests that start ranks themselves a third. The 2-rank launch leaves part of the cores
+    # idle while one rank waits on the other, so the other worker's launches and tests run beside it
+    # instead of after it.
     for item in items:
         if "rank_results" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ranks"):
-            one_rank = getattr(item, "callspec", None) is not None and item.callspec.params.get("world") == 1
-            item.add_marker(pytest.mark.xdist_group("rank1" if one_rank else "ranks"))
+            world = item.callspec.params.get("world") if getattr(item, "callspec", None) is not None else None
+            if item.get_closest_marker("ranks") or world == 3:
+                group = "ranks_own"
+            else:
+                group = "rank1" if world == 1 else "ranks2"
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,15 +52,6 @@ def shared_tmp(tmp_path_factory):
     """A folder every pytest-xdist worker of this session shares (the session's own without xdist)."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-@pytest.fixture(scope="session", autouse=True)
-def one_launch_at_a_time(shared_tmp):
-    """Every launch of several ranks in this session (tests.ranks.launch) takes this lock: on a few
-    cores two such launches side by side only fight over them (a 1-rank launch does not take it)."""
-    ranks.LAUNCH_LOCK = FileLock(str(shared_tmp / "launch.lock"))
-    yield
-    ranks.LAUNCH_LOCK = None
 
 
 @pytest.fixture(scope="session")

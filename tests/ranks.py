@@ -70,7 +70,6 @@ class Check:
 
 REGISTRY: dict[str, Check] = {}  # in declaration order
 _work_dir: str | None = None
-LAUNCH_LOCK = None  # set by tests/conftest.py: one launch of several ranks at a time in a pytest session
 
 
 def _declaring_module() -> str:
@@ -179,20 +178,13 @@ def assert_matches_reference(r: dict, tol: float, label: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the pytest side
-def one_launch(nproc: int = 2):
-    """Hold this while `nproc` ranks run: one launch of several ranks at a time in a pytest session
-    (a no-op outside one, and for a single rank: it takes one core, as a single-process test does)."""
-    return LAUNCH_LOCK if LAUNCH_LOCK is not None and nproc > 1 else contextlib.nullcontext()
-
-
 def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | None = None, cpu: bool = True):
     """Run `program` (a script, or "-m" and a module) on `nproc` ranks (CPU ranks unless `cpu` is
     False: one GPU each); fail with its log if it fails."""
     from tools.launch_local import run_local
 
     def run():
-        with one_launch(nproc):
-            return run_local(program, nproc, timeout=timeout, env=env, cwd=ROOT, cpu=cpu)
+        return run_local(program, nproc, timeout=timeout, env=env, cwd=ROOT, cpu=cpu)
 
     proc = run()
     if proc.returncode != 0 and RANK_ABORT in proc.stderr:

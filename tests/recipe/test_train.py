@@ -16,7 +16,7 @@ import lomo_ds
 from lomo_ds.storage.checkpoint import export_hf
 from tests.helpers_data import byte_bpe_tokenizer
 from tests.host_memory import assert_checkpoint_and_export_host_memory, checkpoint_and_export_host_memory
-from tests.ranks import ROOT, multi_rank, multi_rank_checks, ok, one_launch, run_here, work_dir
+from tests.ranks import ROOT, multi_rank, multi_rank_checks, ok, run_here, work_dir
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 from tools.launch_local import local_ranks, run_local
 
@@ -59,8 +59,7 @@ def train_args(entry, config, out_dir, *extra):
 
 
 def run_train(entry, config, out_dir, *extra):
-    with one_launch():
-        proc = run_local(train_args(entry, config, out_dir, *extra), 2, timeout=600, cwd=ROOT)
+    proc = run_local(train_args(entry, config, out_dir, *extra), 2, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
 
@@ -77,7 +76,7 @@ def run_and_kill_rank1(config, out_dir, after_step: int, extra=()):
     done (rank 0 logs a step once both ranks have finished it: the loss is a rank mean)."""
     import psutil
 
-    with one_launch(), open(out_dir.with_suffix(".log"), "w") as log, \
+    with open(out_dir.with_suffix(".log"), "w") as log, \
             local_ranks(train_args(TRAIN_SCRIPT, config, out_dir, *extra), 2, cwd=ROOT, stdout=log, stderr=log) as proc:
         deadline = time.monotonic() + 600
         while after_step not in logged_steps(out_dir):
@@ -366,8 +365,7 @@ def test_a_silent_rank_outlives_the_rank_that_reports(rank, capsys, monkeypatch)
 @pytest.mark.ranks
 def test_placeholder_error_is_printed_once_on_two_ranks():
     """The same under a launcher: every rank stops before loading a model, rank 0 alone says why."""
-    with one_launch():
-        proc = run_local([TRAIN, "--config", "ds_configs/llama65b.json"], 2, timeout=300, cwd=ROOT)
+    proc = run_local([TRAIN, "--config", "ds_configs/llama65b.json"], 2, timeout=300, cwd=ROOT)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert out.count("model.path: '/path/to/llama-65b'") == 1, out[-3000:]
