@@ -59,9 +59,12 @@ demo-chat: .installed
 
 # pytest-xdist: the single-process tests spread over TEST_WORKERS workers; each multi-rank launch
 # runs once, in one worker, beside the other worker's tests (tests/conftest.py).
+# PYTHONDONTWRITEBYTECODE emptied: where it is set, every process of the suite (each rank of each
+# launch) compiles torch, transformers and DeepSpeed again from source; here the first to import a
+# module writes its compiled file, as pip's install would have (it runs with --no-compile above).
 TEST_WORKERS ?= 2
 test: .installed
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests tools $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests tools $(PYTEST_ARGS)
 
 # The GPU check suite (tests/gpu, skipped without CUDA) on every GPU here, with a summary, then the
 # GPU benchmark (benchmarks/bench_step.py --preset gpu --offload: LOMO against its floor, flagged above 1.10x).
