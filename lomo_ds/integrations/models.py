@@ -2,11 +2,11 @@
 model (`builtin:smollm2-135m`, a GGUF file) converted once into the cache, as the recipe does."""
 from __future__ import annotations
 
-import json
 import os
+import shutil
 
 from lomo_ds.config.run import resolve_model_source
-from lomo_ds.storage.models import _cache_dir, _convert_once, _save_gguf_model
+from lomo_ds.storage.models import _cache_dir, _convert_once, _save_gguf_model, drop_gguf_marker
 
 
 def pretrained_folders(path: str, rank: int = 0, barrier=None) -> tuple[str, str]:
@@ -37,9 +37,5 @@ def _without_gguf_marker(model_dir: str, folder: str) -> None:
     for name in os.listdir(model_dir):
         if name != "config.json":
             os.symlink(os.path.join(model_dir, name), os.path.join(folder, name))
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    if config.get("quantization_config", {}).get("quant_method") == "gguf":
-        del config["quantization_config"]
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    shutil.copyfile(os.path.join(model_dir, "config.json"), os.path.join(folder, "config.json"))
+    drop_gguf_marker(os.path.join(folder, "config.json"))

@@ -30,7 +30,7 @@ import torch
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import capture_rng, restore_rng
 from lomo_ds.runtime.dist import full_on_first_rank, io_barrier
-from lomo_ds.storage.models import plain_state_dict
+from lomo_ds.storage.models import drop_gguf_marker, plain_state_dict
 
 CKPT_DIR = "checkpoints"
 # Seconds ranks wait for each other's disk writes where no run config says (output.io_timeout's default).
@@ -253,6 +253,7 @@ def write_hf_model(module: torch.nn.Module, rank: int, out_dir: str, tokenizer, 
                 json.dump(index, f, indent=2)
         base = getattr(module, "get_base_model", lambda: module)()
         base.config.save_pretrained(out_dir)
+        drop_gguf_marker(os.path.join(out_dir, "config.json"))  # the built-in model's: its weights are plain
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.save_pretrained(out_dir)
         if tokenizer is not None:

@@ -72,6 +72,20 @@ def _save_gguf_model(source: str, gguf_file: str, folder: str) -> None:
         model.generation_config.save_pretrained(folder)
 
 
+def drop_gguf_marker(config_file: str) -> None:
+    """Remove quant_method "gguf" from a config.json written for a model read from a GGUF file. The
+    tensors such a model holds are plain dequantized ones, but its config keeps the entry, and the
+    Trainer refuses a model whose config has it as "purely quantized"."""
+    import json
+
+    with open(config_file) as f:
+        config = json.load(f)
+    if config.get("quantization_config", {}).get("quant_method") == "gguf":
+        del config["quantization_config"]
+        with open(config_file, "w") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def load_tokenizer(cfg: RunConfig, rank: int = 0, barrier=None):
     """The run's tokenizer. Converting a GGUF tokenizer is slow (it reads the whole file): rank 0
     converts it once into a cache folder, the other ranks (and later runs) load the converted copy."""

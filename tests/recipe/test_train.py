@@ -160,6 +160,7 @@ def test_killed_run_resumes_to_identical_parameters(tiny_run, straight_k3):
 
 
 # ----------------------------------------------------------------------------- the Hugging Face export
+GGUF_MARKER = {"quant_method": "gguf", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dequantize": False}
 MAX_SHARD_SIZE = 40_000  # bytes: the ~0.2 MB tiny model in several shards, as a 65B one is in 5 GB ones
 
 
@@ -167,7 +168,10 @@ def export(tie: str, max_shard_size: int = MAX_SHARD_SIZE) -> dict:
     """Trains a tiny model 2 steps through the engine, exports it with export_hf (shards of at most
     `max_shard_size` bytes), and saves the engine's own logits on a fixed batch beside it."""
     out_dir = os.path.join(work_dir(), f"export_{tie}")
-    engine = lomo_ds.initialize(tiny_llama(11, tie=tie == "tied"), {
+    model = tiny_llama(11, tie=tie == "tied")
+    if tie == "tied":  # as the built-in model's config says: it was read from a GGUF file (its tensors are plain)
+        model.config.quantization_config = GGUF_MARKER
+    engine = lomo_ds.initialize(model, {
         "train_micro_batch_size_per_gpu": 2,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
         "lomo": {"lr": 0.05, "clip_grad_norm": 1.0}})
@@ -187,7 +191,8 @@ EXPORTS = multi_rank_checks([2], untied=lambda: export("untied"), tied=lambda: e
 @pytest.mark.parametrize("check", EXPORTS, ids=str)
 def test_export_loads_in_transformers_with_engine_logits(rank_results, check):
     """The export of a tied and an untied model, on the 2-rank launch, loads in transformers and
-    gives the engine's logits."""
+    gives the engine's logits; the tied model's config names a GGUF source, as the built-in model's
+    does, and its export is a plain model."""
     from transformers import AutoModelForCausalLM
 
     tie = str(check)
@@ -209,6 +214,10 @@ def test_export_loads_in_transformers_with_engine_logits(rank_results, check):
     with torch.no_grad():
         logits = model(input_ids=saved["input_ids"]).logits
     assert torch.allclose(logits, saved["logits"], atol=1e-5), (logits - saved["logits"]).abs().max()
+    # A model read from a GGUF file exports as a plain one: the Trainer (DPO from the chat demo's
+    # export) refuses a model whose config names quant_method "gguf" as quantized.
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert not getattr(model, "is_quantized", False)
 
 
 # ----------------------------------------------------------------------------- host memory of checkpoint and export
@@ -407,7 +416,9 @@ SLOW_WRITE_S = 12  # each of rank 0's export files and checkpoint seals takes th
 SHORT_TIMEOUT_S = 8  # the collectives' timeout once the ranks are up: shorter than one write
 
 
-@multi_rank(worlds=[2])
+# first: its ranks mostly wait (on the slow writes), so it runs early in the launch, while the other
+# pytest-xdist worker still has tests to use the cores, not at the end with nothing beside it.
+@multi_rank(worlds=[2], first=True)
 def slow_io_run() -> dict:
     """The training program on the 2-rank launch, its collectives timing out after 8 s while each of
     rank 0's export files and checkpoint seals takes 12 s to write (tests/slow_io_run.py)."""
