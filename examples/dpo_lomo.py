@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, help="default: 0.05 for LOMO, 0.001 for AdaLomo")
     ap.add_argument("--beta", type=float, default=1.0, help="DPO's beta")
     ap.add_argument("--sft-weight", type=float, default=1.0, help="weight of the sft term (0: DPO alone)")
-    ap.add_argument("--max-steps", type=int, default=16)
+    ap.add_argument("--max-steps", type=int, default=48)
     ap.add_argument("--batch", type=int, default=2, help="pairs per rank and micro-batch")
     ap.add_argument("--accumulation", type=int, default=1)
     ap.add_argument("--seed", type=int, default=42, help="training seed and the train pairs' draw")
