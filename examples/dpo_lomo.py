@@ -1,7 +1,9 @@
 """Preference tuning (DPO) with TRL's DPOTrainer and LOMO (or AdaLomo) on DeepSpeed ZeRO-3 shards.
 
-Starts from the built-in model (SmolLM2-135M-Instruct), not from the SFT example's output, and
-trains on HARD preference pairs built from the built-in chat task (lomo_ds/data/preference.py,
+Starts from the built-in model (SmolLM2-135M-Instruct), not from the SFT example's export (make
+demo-chat's runs/cpu_chat/hf_model; `--model` takes it): that one already ranks every held-out dev
+pair right, and the replies it misses break the format, which no pair here shows. It trains on HARD
+preference pairs built from the built-in chat task (lomo_ds/data/preference.py,
 hard_pairs): both replies are in the `item=count` format the task asks for; the rejected one has
 the count wrong (off by one to three, or its digits swapped), another item of the task, or the item
 without its final s; the three kinds equally often. The loss is TRL's DPO sigmoid loss plus its

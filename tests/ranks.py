@@ -22,9 +22,8 @@ In the test module that asserts on it (tests/<package>/test_*.py; tests/engine/t
 
 - Many similar checks at once: `CHECKS = multi_rank_checks((1, 2, 3), plain=lambda: ..., tied=lambda: ...)`,
   a list to parametrize over (`ids=str`).
-- `first=True` runs a check before the others of its launch, in declaration order (the planner's memory
-  is measured in a process no check has used yet; a check whose ranks mostly wait runs while the
-  other tests still use the cores). `work_dir()` is a folder the launch may write into.
+- `first=True` runs a check before the others of its launch (the planner's memory is measured in a
+  process no check has used yet). `work_dir()` is a folder the launch may write into.
 - A check that raises is recorded with its traceback; `ok` fails the test with it, the others still run.
 - Keep each check to a few seconds: the launch records what each took under "_seconds" (wall) and
   "_cpu_seconds" (rank 0's CPU: the figure to compare on a busy machine).

@@ -416,9 +416,7 @@ SLOW_WRITE_S = 12  # each of rank 0's export files and checkpoint seals takes th
 SHORT_TIMEOUT_S = 8  # the collectives' timeout once the ranks are up: shorter than one write
 
 
-# first: its ranks mostly wait (on the slow writes), so it runs early in the launch, while the other
-# pytest-xdist worker still has tests to use the cores, not at the end with nothing beside it.
-@multi_rank(worlds=[2], first=True)
+@multi_rank(worlds=[2])
 def slow_io_run() -> dict:
     """The training program on the 2-rank launch, its collectives timing out after 8 s while each of
     rank 0's export files and checkpoint seals takes 12 s to write (tests/slow_io_run.py)."""
