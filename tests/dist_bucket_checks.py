@@ -281,9 +281,11 @@ def check_transport():
         except ValueError as e:
             error = str(e)
     torch.distributed.barrier()  # every rank past its engine's set-up
-    # lomo_ds's buffers, and DeepSpeed's all-reduce buffers of this job (named by its port).
+    # This engine's buffers (another launch beside this one maps its own meanwhile), and DeepSpeed's
+    # all-reduce buffers of this job (named by its port).
     port = os.environ.get("MASTER_PORT")
-    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("lomo_ds_")
+    stems = tuple(getattr(engine.buckets.transport, "file_stems", ()))  # none on one rank (no buffers)
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(stems)
                  or (f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f)]
     return {"auto": engine.buckets.route, "local_size": os.environ.get("LOCAL_SIZE"), "refused": error,
             "rng_untouched": rng_untouched,

