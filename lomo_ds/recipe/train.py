@@ -44,7 +44,7 @@ from lomo_ds.runtime.dist import accepts_logits_to_keep, init_distributed, io_ba
 from lomo_ds.runtime.host_malloc import keep_freed_memory
 from lomo_ds.runtime.memory import cuda_peak_bytes, process_peak_rss_bytes
 from lomo_ds.storage import checkpoint
-from lomo_ds.storage.models import load_model, load_tokenizer
+from lomo_ds.storage.models import load_model, load_tokenizer, release_model_build_config
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -450,7 +450,9 @@ class TrainRecipe:
 
     # ---------------------------------------------------------------- cleanup
     def cleanup(self) -> None:
-        """Close the metrics (flushed to disk) and wait for every rank."""
+        """Close the metrics (flushed to disk) and wait for every rank; models the process builds
+        after the run are built whole again (release_model_build_config)."""
+        release_model_build_config()
         if self.metrics is not None:
             self.metrics.close()
             self.barrier()

@@ -130,6 +130,17 @@ def load_model(cfg: RunConfig, ds_config: dict, rank: int = 0, barrier=None) -> 
     return model
 
 
+def release_model_build_config() -> None:
+    """End what load_model began: transformers stops building models partitioned under ZeRO-3.
+    Without it every model the process builds later (a reference model, a second run's) is built
+    under zero.Init with this run's config."""
+    global _hf_ds_config
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    _hf_ds_config = None
+    unset_hf_deepspeed_config()
+
+
 def plain_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full state dict (or a part of one holding whole LoRA layers) under the names the base
     architecture loads: for a peft LoRA model, every adapter merged into its base weight

@@ -431,7 +431,11 @@ def slow_io_run() -> dict:
     with slow_io(SLOW_WRITE_S, SHORT_TIMEOUT_S):
         run = run_here(main, ["--config", str(root / "run.json"), "--output-dir", str(out), "--max-steps", "2",
                               "--set", "eval.at_end=false", "--set", "train.zero_shot_eval=false"])
-    return {"rc": run["rc"], "out": str(out)}
+    # After the run, a model the process builds is whole again, not partitioned with the run's config.
+    from transformers import AutoModelForCausalLM
+
+    after = AutoModelForCausalLM.from_config(tiny_llama_config())  # as tests/families.py builds its models
+    return {"rc": run["rc"], "out": str(out), "built_whole_after": all(p.numel() > 0 for p in after.parameters())}
 
 
 def test_slow_checkpoint_and_export_writes_outlast_the_collective_timeout(rank_results):
@@ -443,5 +447,6 @@ def test_slow_checkpoint_and_export_writes_outlast_the_collective_timeout(rank_r
     r = ok(rank_results(2), slow_io_run)
     out = pathlib.Path(r["out"])
     assert r["rc"] == 0
+    assert r["built_whole_after"]  # the run released transformers' ZeRO-3 model-build config
     assert (out / "checkpoints" / "latest").read_text() == "step_00000002"
     assert AutoModelForCausalLM.from_pretrained(out / "hf_model") is not None
