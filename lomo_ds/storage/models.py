@@ -10,6 +10,7 @@ from __future__ import annotations
 # DeepSpeed, transformers, safetensors and peft are imported inside the functions that use them: the
 # CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
 # ranks' logging before their first import.
+import json
 import os
 import shutil
 import socket
@@ -76,8 +77,6 @@ def drop_gguf_marker(config_file: str) -> None:
     """Remove quant_method "gguf" from a config.json written for a model read from a GGUF file. The
     tensors such a model holds are plain dequantized ones, but its config keeps the entry, and the
     Trainer refuses a model whose config has it as "purely quantized"."""
-    import json
-
     with open(config_file) as f:
         config = json.load(f)
     if config.get("quantization_config", {}).get("quant_method") == "gguf":
