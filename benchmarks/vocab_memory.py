@@ -8,7 +8,8 @@ AdaLomo through `lomo_ds.initialize` + `train_step`:
            planner's tests use): planner.update_temp_bytes / adalomo_update_temp_bytes
   loss     the largest rise inside the chunked loss's forward or backward, less what they return
            (the log-sum-exp; dh and the head's gradient, which the planner counts as the
-           activations' gradient and "grads"): planner.loss_chunk_bytes
+           activations' gradient and "grads"): planner.loss_transient_bytes (a chunk's logits,
+           and with several chunks the backward's fp32 sum of dh over the vocabulary's blocks)
   step     the process's resident high-water mark during a step above its resident size before it
            (the kernel's VmHWM, reset through /proc/self/clear_refs), after two warm-up steps: the
            planner's total less the steady part (the shards and AdaLomo's state)
@@ -181,7 +182,7 @@ def measure(vocab: int, optimizer: str, hidden: int, layers: int, seq: int, upda
     est = planner.estimate(spec, "lomo" if optimizer == "sgd" else "adalomo", 1, run)
     return {"vocab": vocab, "optimizer": optimizer, "param_bytes": param_bytes,
             "update": counter.regions.get("update", 0), "planner_update": est.update,
-            "loss": counter.regions.get("loss", 0), "planner_loss": planner.loss_chunk_bytes(spec, run),
+            "loss": counter.regions.get("loss", 0), "planner_loss": planner.loss_transient_bytes(spec, run),
             "step_extra": step_extra, "planner_step_extra": est.total - est.params - est.optimizer_states,
             "step_extra_over_params": step_extra / param_bytes}
 

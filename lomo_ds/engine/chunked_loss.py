@@ -7,13 +7,15 @@ autograd function over the labelled positions only, `chunk` of them at a time (c
 lomo.loss_chunk_logits over the vocabulary, so a chunk's memory does not grow with it):
 
   forward   per chunk: logits = h W^T (the model's dtype, as nn.Linear), fp32, the family's
-            final soft-capping, log-sum-exp and the target's logit; only the per-position
-            log-sum-exp (4 bytes a position) is kept.
-  backward  per chunk again: the logits recomputed, softmax - one-hot, scaled by the upstream
-            gradient over the labelled count, through the soft-capping; dh of the chunk, and dW
-            summed over the chunks into one tensor in W's dtype, returned once.
+            final soft-capping, log-sum-exp (in place of the logits) and the target's logit;
+            only the per-position log-sum-exp (4 bytes a position) is kept.
+  backward  by blocks of the vocabulary over every position, about as many logits a block as a
+            chunk: the logits recomputed, softmax - one-hot, scaled by the upstream gradient over
+            the labelled count, through the soft-capping; the block's rows of dW written by one
+            product (rounded to W's dtype once, whatever the count of blocks), dh summed over the
+            blocks in fp32 (_backward_by_vocabulary_blocks says why).
 
-So neither the fp32 logits nor their gradient exist for more than `chunk` positions at once; the
+So neither the fp32 logits nor their gradient exist for more than a chunk's worth at once; the
 head's weight gradient (b V h) is the same tensor the plain loss makes. Where every labelled
 position fits in one chunk, the forward keeps that chunk's gradient of the logits (softmax -
 one-hot, through the soft-capping: 4 bytes a logit, no more than the recompute would make) and the
@@ -43,6 +45,7 @@ own loss ("auto").
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -162,10 +165,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             z, tanh = _logits(h[a:b], weight, softcap)
-            lse[a:b] = torch.logsumexp(z, dim=-1)
-            total += (lse[a:b] - z.gather(1, targets[a:b, None]).squeeze(1)).sum()
+            picked = z.gather(1, targets[a:b, None]).squeeze(1)
+            part, sums = _log_sum_exp_in_place(z)
+            lse[a:b] = part
+            total += (part - picked).sum()
             if keep_one_chunk and n <= chunk:  # the only chunk: its gradient kept (module docstring)
-                kept = _dlogits(z, tanh, lse[a:b], targets[a:b])
+                kept = _minus_one_hot(z.div_(sums[:, None]), tanh, targets[a:b])  # softmax, in place
             del z, tanh
         ctx.save_for_backward(h, weight, targets, lse, kept)
         ctx.chunk, ctx.softcap, ctx.reduction = chunk, softcap, reduction
@@ -175,7 +180,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         h, weight, targets, lse, kept = ctx.saved_tensors
-        n, chunk = h.size(0), ctx.chunk
+        n = h.size(0)
         # With no labelled position the gradient is zero (as cross_entropy's), not 0 * inf.
         scale = grad_out.float() / max(n, 1) if ctx.reduction == "mean" else grad_out.float()
         if kept is not None and kept.dtype == h.dtype == weight.dtype:
@@ -198,38 +203,91 @@ class LinearCrossEntropy(torch.autograd.Function):
             dh = torch.mm(low, weight) if ctx.needs_input_grad[0] else None
             dw = torch.mm(low.t(), h) if ctx.needs_input_grad[1] else None
             return dh, dw, None, None, None, None, None
-        dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        for a in range(0, n, chunk):
-            b = min(n, a + chunk)
-            z, tanh = _logits(h[a:b], weight, ctx.softcap)
-            dz = _dlogits(z, tanh, lse[a:b], targets[a:b]).mul_(scale)
-            del z, tanh
-            _backward_rows(dz.to(h.dtype), weight, h, a, b, dh, dw)
-            del dz
-        return dh, dw, None, None, None, None, None
+        return _backward_by_vocabulary_blocks(ctx, h, weight, targets, lse, scale)
 
 
-KEPT_SLICES = 8  # in a lower dtype, the kept gradient is scaled and cast this many slices of rows at a time
+# In a lower dtype, the kept gradient is scaled and cast, and the blocks' products are added into the
+# fp32 input gradient, this many slices of rows at a time.
+KEPT_SLICES = 8
 
 
-def _backward_rows(dz: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, a: int, b: int,
-                   dh: torch.Tensor | None, dw: torch.Tensor | None) -> None:
-    """Rows [a, b)'s share of the input's and the weight's gradients, from their logits' gradient."""
-    if dh is not None:
-        torch.mm(dz, weight, out=dh[a:b])
-    if dw is not None:
-        dw.addmm_(dz.t(), h[a:b])
+def _backward_by_vocabulary_blocks(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                   lse: torch.Tensor, scale: torch.Tensor):
+    """Several chunks: the gradients by blocks of the vocabulary over every position, about as many
+    logits a block as a chunk of positions has (the same memory bound and the same products).
+
+    Why by the vocabulary and not by chunks of positions: each block of the head's gradient dW is
+    then written by one product over every position, rounded to W's dtype once, as nn.Linear's.
+    Summed over chunks of positions in bf16, dW is rounded once per chunk: an error that grows with
+    the chunks' count (TRL's chunked log-prob kernel sums in fp32 for this reason). Summing in fp32
+    instead would hold an fp32 V x h buffer, twice the bf16 head (2 GiB for a 128k x 4096 head).
+    Here the sum over blocks is the input's gradient's, T x h: an fp32 buffer of 4 T h bytes, and
+    in a lower dtype one block's product beside it (2 T h), 48 MiB at 2,048 positions and h 4096:
+    less than the fp32 dW wherever a micro-batch has fewer than 2V/3 positions (V is 32k-256k
+    today). The planner counts it (planning/estimate.py loss_backward_bytes)."""
+    n, vocab = h.size(0), weight.size(0)
+    block = max(1, ctx.chunk * vocab // max(n, 1))
+    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+    for v in range(0, vocab, block):
+        w = weight[v:v + block]
+        z, tanh = _logits(h, w, ctx.softcap)
+        dz = _dlogits(z, tanh, lse, targets, first=v).mul_(scale)
+        del z, tanh
+        low = dz.to(h.dtype)
+        del dz
+        if dh is not None:
+            if dh.dtype == low.dtype:
+                dh.addmm_(low, w)
+            else:  # mixed-dtype addmm is not a kernel: this block's product, then the fp32 sum
+                _add_by_rows(dh, torch.mm(low, w))
+        if dw is not None:
+            torch.mm(low.t(), h, out=dw[v:v + block])
+        del low
+    if dh is not None and dh.dtype != h.dtype:
+        dh = dh.to(h.dtype)
+    return dh, dw, None, None, None, None, None
 
 
-def _dlogits(z: torch.Tensor, tanh: torch.Tensor | None, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _add_by_rows(total: torch.Tensor, part: torch.Tensor) -> None:
+    """total += part (another dtype), KEPT_SLICES slices of rows at a time: on a CPU the add converts
+    its operand into a temporary of total's dtype first (a GPU converts in the kernel), a slice's
+    here (4 T h / KEPT_SLICES bytes for fp32), not the whole input gradient's."""
+    rows = max(1, -(-part.size(0) // KEPT_SLICES))
+    for a in range(0, part.size(0), rows):
+        total[a:a + rows].add_(part[a:a + rows])
+
+
+def _dlogits(z: torch.Tensor, tanh: torch.Tensor | None, lse: torch.Tensor, targets: torch.Tensor,
+             first: int = 0) -> torch.Tensor:
     """The gradient of a chunk's summed cross-entropy by its logits before soft-capping: softmax -
-    one-hot, in place of the fp32 logits `z`, times the soft-capping's derivative."""
-    dz = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-    dz[torch.arange(dz.size(0), device=dz.device), targets] -= 1.0
+    one-hot, in place of the fp32 logits `z` (the vocabulary's columns first, first + 1, ...),
+    times the soft-capping's derivative."""
+    return _minus_one_hot(z.sub_(lse[:, None]).exp_(), tanh, targets, first)  # softmax, in place of the logits
+
+
+def _minus_one_hot(dz: torch.Tensor, tanh: torch.Tensor | None, targets: torch.Tensor,
+                   first: int = 0) -> torch.Tensor:
+    """The softmax `dz` less the one-hot of the targets, times the soft-capping's derivative, in place."""
+    cols = targets - first
+    hit = (cols >= 0) & (cols < dz.size(1))  # the rows whose target is one of these columns
+    # Every row subtracts its hit (1 or 0, exact) at its target's column (any column where it has
+    # none): no host sync to find the rows.
+    dz[torch.arange(dz.size(0), device=dz.device), cols.clamp(0, dz.size(1) - 1)] -= hit.to(dz.dtype)
     if tanh is not None:
         dz.mul_(1.0 - tanh.square_())  # d(c tanh(z / c)) / dz
     return dz
+
+
+def _log_sum_exp_in_place(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.logsumexp of each row of the fp32 logits `z`, by its arithmetic (the row's max, the
+    sum of exp(z - max), its log plus the max), and that sum; exp(z - max) is written over `z`.
+    torch.logsumexp makes exp(z - max) as a new tensor: 4 bytes a logit beside the logits, the
+    chunk's largest term (planning/estimate.py loss_chunk_bytes counts the logits alone)."""
+    top = z.amax(dim=1)
+    top.masked_fill_(top.abs() == math.inf, 0.0)  # as torch.logsumexp: an infinite max is not subtracted
+    sums = z.sub_(top[:, None]).exp_().sum(dim=1)
+    return sums.log().add_(top), sums
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, softcap: float | None):

@@ -122,10 +122,18 @@ Activations (bytes autograd saves in the forward; what lomo_ds.runtime.memory.Ac
   head: T h (4 + b) (final norm) + 4 T V (fp32 log-softmax of the loss) + 8 T (targets)
         + 2 S d b (rotary cos/sin, shared by all layers).
 
+The chunked loss (lomo_ds/engine/chunked_loss.py) adds the larger of its forward's and its
+backward's transients (loss_transient_bytes): a chunk's logits, and with several chunks the fp32
+sum of the input's gradient over the vocabulary's blocks (4 T h, loss_backward_bytes), which keeps
+the head's gradient to one rounding where an fp32 head gradient would take 4 V h.
+
 The total is a conservative peak: model states + forward activations (+ recompute) + the update's
-temporaries, all at once. `accounted` is the same without the recompute and update terms: what the
-engines' accounting (the MemoryTracker peak + the saved-tensor count) measures, and what
-tests/planning/test_planner.py compares against measured runs.
+temporaries, all at once. With two backwards a step (norm clipping or loss scaling at K = 1) over a
+retained graph, it is the larger of the two: the measuring backward keeps the one chunk's gradient
+of the logits alive beside each recomputed layer (measuring_backward_bytes). `accounted` is the
+same without the recompute and update terms: what the engines' accounting (the MemoryTracker peak
++ the saved-tensor count) measures; tests/planning/test_planner.py compares both against measured
+runs (the total against the step's peak of live memory on one rank).
 """
 from __future__ import annotations
 
@@ -141,6 +149,7 @@ from lomo_ds.planning.specs import (
     GIB,
     GPU_COUNTS,
     HOST_STAGED_BUCKETS,
+    LOSS_ADD_SLICES,
     METHODS,
     ModelSpec,
     RunSpec,
@@ -163,6 +172,9 @@ class Estimate:
     host: float = 0.0  # host RAM for the whole node (all `gpus` ranks) with offloaded parameters
     accumulator: float = 0.0  # LOMO's shard accumulator (K > 1) of one rank: in `grads`, or (x gpus) in `host`
     accumulator_on_host: bool = False
+    # the measuring backward's peak, where it keeps its graph for the updating one (LOMO, AdaLomo; 0 with one
+    # backward, or a recomputed forward): `total` is the larger of the two backwards'
+    measuring: float = 0.0
 
     @property
     def accounted(self) -> float:
@@ -223,7 +235,7 @@ def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
     layer = layer_activation_bytes(m, run)
     # The chunked loss's logits exist one chunk at a time, in its forward and in its backward
     # (before any layer is recomputed).
-    loss = loss_chunk_bytes(m, run) if chunked_loss(m, run) else 0
+    loss = loss_transient_bytes(m, run)
     if run.checkpointing:
         # each checkpointed layer saves its inputs: the hidden states, and the (eager) 4-D causal mask
         # shared by all layers
@@ -254,6 +266,32 @@ def loss_chunk_bytes(m: ModelSpec, run: RunSpec) -> int:
     return per_logit * c * m.vocab
 
 
+def loss_backward_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """The chunked loss's transient bytes in its backward. One chunk (its kept gradient): within
+    loss_chunk_bytes. Several (engine/chunked_loss.py _backward_by_vocabulary_blocks): blocks of the
+    vocabulary over every position, a block's logits within loss_chunk_bytes, so that each block of
+    the head's gradient is rounded once; the input's gradient is summed over the blocks in fp32
+    instead (4 T h, an fp32 V h head gradient would be 4 V h). In fp32 that buffer is the input's
+    gradient itself (returned, as the plain loss's, and not counted); in a lower dtype it is beside
+    the block's logits cast to it (2 bytes a logit) and the block's product (b T h), which is added
+    a slice of rows at a time (a CPU converts each slice to fp32 first: 4 T h / LOSS_ADD_SLICES,
+    counted though a GPU converts in its kernel), or the input's gradient cast at the end (b T h)."""
+    T, h = run.batch * run.seq, m.hidden
+    chunk = loss_chunk_bytes(m, run)
+    if not chunked_loss(m, run) or T <= max(1, run.loss_chunk // m.vocab) or run.b == 4:
+        return chunk
+    c = min(max(1, run.loss_chunk // m.vocab), T)
+    return 4 * T * h + max(chunk, 2 * c * m.vocab + run.b * T * h + 4 * T * h // LOSS_ADD_SLICES)
+
+
+def loss_transient_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """The chunked loss's transient bytes, the larger of its forward's and its backward's (0 for
+    the plain loss, whose logits are saved activations)."""
+    if not chunked_loss(m, run):
+        return 0
+    return max(loss_chunk_bytes(m, run), loss_backward_bytes(m, run))
+
+
 def loss_kept_bytes(m: ModelSpec, run: RunSpec) -> int:
     """Where every position's logits fit in one chunk of the chunked loss, the chunk's fp32 gradient
     of the logits that its forward keeps for the backward (4 T V; saved, in loss_saved_bytes): made
@@ -263,6 +301,21 @@ def loss_kept_bytes(m: ModelSpec, run: RunSpec) -> int:
     T = run.batch * run.seq
     one_chunk = T <= max(1, run.loss_chunk // m.vocab)
     return 4 * T * m.vocab if chunked_loss(m, run) and one_chunk else 0
+
+
+def measuring_backward_bytes(run: RunSpec, resident: float, layer: float, slice_n: int) -> float:
+    """The peak of the first of two backwards (run.two_pass: norm clipping, or loss scaling, at
+    K = 1) where it keeps its graph for the second ("retain_graph"), in its layers' backward; 0
+    otherwise (one backward, or "recompute": its first backward frees the graph as the updating
+    one does, and updates nothing). The retained graph keeps the one chunk's kept gradient of the
+    logits (4 T V, saved: in `resident`'s activations) alive beside every recomputed layer, where
+    the updating backward has freed it; the pass updates nothing, and sums each slice's squares
+    through an fp32 copy of one chunk at a time where the slice is in a lower dtype
+    (engine/fused_update.py sum_sq). Its loss's forward and backward are the updating pass's."""
+    if run.two_pass != "retain_graph" or run.accumulation > 1:
+        return 0.0
+    measure = 4 * min(slice_n, run.update_chunk) if run.b != 4 else 0
+    return resident + layer + measure
 
 
 def update_temp_bytes(n: int, run: RunSpec) -> int:
@@ -351,12 +404,15 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
             grads += accumulator
         # The chunked loss's logits are gone before the first gradient is updated; the update runs
         # beside a recomputed layer (the layers' gradients arrive while it is alive).
-        loss = loss_chunk_bytes(m, run) if chunked_loss(m, run) else 0
+        loss = loss_transient_bytes(m, run)
         layer = (layer_activation_bytes(m, run) if run.checkpointing else 0) if chunked_loss(m, run) else recompute
+        resident = params + grads + masters + state + acts
         # The kept gradient of the logits (saved) is the forward's logits, gone before the layers' backward.
-        total = params + grads + masters + state + acts - loss_kept_bytes(m, run) + max(layer + update, loss)
+        updating = resident - loss_kept_bytes(m, run) + max(layer + update, loss)
+        measuring = measuring_backward_bytes(run, resident, layer, slice_n)
         return Estimate(method, n, float(params), float(grads), float(masters + state), float(acts), float(recompute),
-                        float(update), float(total), host, float(accumulator), on_host and accumulator > 0)
+                        float(update), float(max(updating, measuring)), host, float(accumulator),
+                        on_host and accumulator > 0, float(measuring))
     grad_buf = b * shard_numel + b * run.reduce_bucket
     fp32_grad = 4 * min(shard_numel, run.sub_group)
     optim = 4 * shard_numel

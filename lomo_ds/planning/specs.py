@@ -40,6 +40,11 @@ EXPORT_FILE_BYTES = 5 * 10**9
 CHUNKED_LOSS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 
 
+# Slices of rows the chunked loss's backward adds a block's product into its fp32 input gradient
+# by (engine/chunked_loss.py KEPT_SLICES; tests/planning/test_planner_passes.py checks they agree).
+LOSS_ADD_SLICES = 8
+
+
 def chunked_loss(m: "ModelSpec", run: "RunSpec") -> bool:
     """Whether the run's loss is the chunked one: lomo.chunked_loss not off, and a head it knows."""
     return run.chunked_loss and m.family in CHUNKED_LOSS_FAMILIES
@@ -172,6 +177,10 @@ class RunSpec:
     update_chunk: int = 1 << 22  # lomo.update_chunk_elements
     chunked_loss: bool = True  # lomo.chunked_loss (a causal LM it knows)
     loss_chunk: int = 1 << 25  # lomo.loss_chunk_logits
+    # lomo.two_pass_mode where a step of one micro-batch takes a measuring backward before the
+    # updating one (lomo.clip_grad_norm set, or fp16 loss scaling): "retain_graph" | "recompute";
+    # None: one backward (the shipped GPU configs: AdaLomo, no norm clipping)
+    two_pass: str | None = None
 
     @property
     def b(self) -> int:
@@ -188,7 +197,8 @@ class RunSpec:
             f"fetch {self.fetch_label}",
             f"gradient accumulation {self.accumulation}" + (
                 f" ({self.accumulate_dtype} accumulator on the {'host' if self.accumulate_on_host else 'GPU'})"
-                if self.accumulation > 1 else "")])
+                if self.accumulation > 1 else "")] + (
+            [f"two backwards a step (norm clipping or loss scaling, {self.two_pass})"] if self.two_pass else []))
 
     @property
     def fetch_label(self) -> str:
