@@ -72,7 +72,33 @@ def dpo_config(out_dir: str, optim: str, clip: float, **kw):
     return DPOConfig(**{**base, **kw})
 
 
-def check_equivalence(optim: str = "lomo") -> dict:
+def pairs_in_memory(world: int):
+    """The pairs of pairs_file as a dataset held in memory (Dataset.from_list: no cache files)."""
+    import json
+
+    from datasets import Dataset
+
+    with open(pairs_file(world), encoding="utf-8") as f:
+        return Dataset.from_list([json.loads(line) for line in f])
+
+
+def built_on_every_rank(build):
+    """Collective: build() on every rank, raising on all of them if it raised on any (so that the
+    others do not go on into training's collectives while one has stopped)."""
+    error = None
+    try:
+        built = build()
+    except Exception as e:  # noqa: BLE001 (told to every rank, then raised)
+        error, built = f"rank {torch.distributed.get_rank()}: {type(e).__name__}: {e}", None
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, error)
+    if any(every):
+        raise RuntimeError("; ".join(e for e in every if e))
+    return built
+
+
+def check_equivalence(optim: str = "lomo", in_memory: bool = False) -> dict:
+    """`in_memory`: the pairs as a Dataset.from_list instead of a file read through `datasets`."""
     from trl.trainer.utils import add_fused_lm_head
 
     from lomo_ds.data.preference import load_preference
@@ -83,7 +109,7 @@ def check_equivalence(optim: str = "lomo") -> dict:
     world = torch.distributed.get_world_size()
     clip = CLIP[world]
     tok = chatml_tokenizer()
-    data = load_preference(pairs_file(world))
+    data = pairs_in_memory(world) if in_memory else load_preference(pairs_file(world))
     start = tiny_policy(len(tok))
     seen = []
 
@@ -93,8 +119,9 @@ def check_equivalence(optim: str = "lomo") -> dict:
             return super().training_step(model, inputs, num_items_in_batch)
 
     with trainer_session():
-        args = dpo_config(_out(f"dpo_{optim}"), optim, clip)
-        trainer = Recording(model=copy.deepcopy(start), args=args, train_dataset=data, processing_class=tok)
+        args = dpo_config(_out(f"dpo_{optim}{'_in_memory' if in_memory else ''}"), optim, clip)
+        trainer = built_on_every_rank(
+            lambda: Recording(model=copy.deepcopy(start), args=args, train_dataset=data, processing_class=tok))
         trainer.train()
         trained = full_params(trainer)
         logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -142,7 +169,10 @@ def check_equivalence(optim: str = "lomo") -> dict:
             "grad_norm": [h.get("grad_norm") for h in logs], "ref_grad_norm": ref_norms,
             "lr": [h["learning_rate"] for h in logs], "ref_lr": lrs, "wrapped": wrapped,
             "deepspeed_engines": n_engines, "pairs_per_step": [len(everyone[0][0]["ref_chosen_logps"]) * K * world],
-            "reward_accuracy_logged": [h.get("rewards/accuracies") for h in logs]}
+            "reward_accuracy_logged": [h.get("rewards/accuracies") for h in logs],
+            "input_cache_files": len(data.cache_files),
+            "ref_logps": {c: list(trainer.train_dataset[c]) for c in ("ref_chosen_logps", "ref_rejected_logps")},
+            "ref_logps_dtype": str(trainer.train_dataset.features["ref_chosen_logps"].dtype)}
 
 
 def _deepspeed_engines(module) -> int:

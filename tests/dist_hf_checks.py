@@ -183,14 +183,15 @@ def diff(a: dict | None, b: dict | None) -> float | None:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def check_equivalence(optim: str = "lomo", seed: int = 0) -> dict:
-    """The Trainer with the mixin against the single-process reference and lomo_ds's engine."""
+def check_equivalence(optim: str = "lomo", seed: int = 0, **kw) -> dict:
+    """The Trainer with the mixin against the single-process reference and lomo_ds's engine; `kw`:
+    more TrainingArguments."""
     world = torch.distributed.get_world_size()
     clip = CLIP[world]
     data = Samples(STEPS * K * world * BATCH)
     ref = tiny_llama(seed)
     with trainer_session():
-        args = training_args(_out("equivalence"), optim=optim, max_grad_norm=clip or 0.0)
+        args = training_args(_out("equivalence"), optim=optim, max_grad_norm=clip or 0.0, **kw)
         trainer = lomo_trainer_class()(model=copy.deepcopy(ref), args=args, train_dataset=data)
         trainer.train()
         trained = full_params(trainer)
@@ -204,7 +205,7 @@ def check_equivalence(optim: str = "lomo", seed: int = 0) -> dict:
             "loss": [h["loss"] for h in logs], "ref_loss": ref_losses,
             "grad_norm": [h.get("grad_norm") for h in logs], "ref_grad_norm": ref_norms,
             "lr": [h["learning_rate"] for h in logs], "ref_lr": trainer_lrs(LR[optim]),
-            "wrapped": engine_kind}
+            "wrapped": engine_kind, "use_cpu": args.use_cpu, "device": str(args.device)}
 
 
 CHAT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "chat",
@@ -305,6 +306,60 @@ def check_resume(optim: str = "adalomo") -> dict:
     return {"resumed_vs_whole": diff(resumed, whole), "stopped_vs_whole": diff(stopped, whole),
             "from_pretrained_vs_trained": diff({n: p.detach() for n, p in loaded.named_parameters()}, whole),
             "checkpoint_files": files}
+
+
+def check_save_on_each_node(optim: str = "adalomo") -> dict:
+    """Nodes that share no storage, one rank each, on one machine: every rank is its node's first
+    (LOCAL_RANK 0, from which the Trainer's should_save follows under save_on_each_node) and trains
+    into an output folder of its own. Each folder must hold a whole checkpoint: the model loads from
+    it with from_pretrained, and each rank resumes from its own folder alone."""
+    from transformers import AutoModelForCausalLM
+
+    from lomo_ds.integrations import transformers as lomo_transformers
+    from lomo_ds.runtime.dist import io_barrier
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    data = Samples(STEPS * K * world * BATCH)
+    base = _out("each_node")
+    saved_env, saved_timeout = os.environ.get("LOCAL_RANK"), lomo_transformers.IO_TIMEOUT_S
+    # A rank whose save fails leaves the others waiting in io_barrier: under a minute's timeout they
+    # fail too, and the launch goes on. Its gloo group is made here, by every rank at the same call.
+    lomo_transformers.IO_TIMEOUT_S = 60.0
+    io_barrier(60.0)
+    os.environ["LOCAL_RANK"] = "0"
+
+    def run(out_dir, resume=None):
+        with trainer_session():
+            args = training_args(out_dir, optim=optim, max_grad_norm=CLIP[world], save_strategy="steps",
+                                 save_steps=2, save_on_each_node=True, train_sampling_strategy="random")
+            trainer = lomo_trainer_class()(model=tiny_llama(1), args=args, train_dataset=data)
+            trainer.train(resume_from_checkpoint=resume)
+            return args.should_save, full_params(trainer)
+
+    error = should_save = whole = files = loaded = resumed = None
+    try:
+        mine = os.path.join(base, f"node{rank}")
+        should_save, whole = run(mine)
+        files = sorted(os.listdir(os.path.join(mine, "checkpoint-2")))
+        loaded = AutoModelForCausalLM.from_pretrained(os.path.join(mine, f"checkpoint-{STEPS}"))
+        loaded = {n: p.detach() for n, p in loaded.named_parameters()}
+        _, resumed = run(os.path.join(base, f"resumed{rank}"), resume=os.path.join(mine, "checkpoint-2"))
+    except Exception as e:  # noqa: BLE001 (only rank 0's figures are kept: every rank's error is raised there)
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+    finally:
+        lomo_transformers.IO_TIMEOUT_S = saved_timeout
+        if saved_env is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = saved_env
+    every = [None] * world
+    torch.distributed.all_gather_object(every, (error, should_save, files, loaded))
+    if any(e[0] for e in every):
+        raise RuntimeError("; ".join(e[0] for e in every if e[0]))
+    if whole is None:
+        return None
+    return {"should_save": [e[1] for e in every], "checkpoint_files": [e[2] for e in every],
+            "from_pretrained_vs_trained": [diff(e[3], whole) for e in every], "resumed_vs_whole": diff(resumed, whole)}
 
 
 def check_trackers() -> dict:

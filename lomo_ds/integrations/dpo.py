@@ -21,7 +21,12 @@ plus a no-grad forward of it each step; it is refused, not silently changed.
 
 TRL keys its cache of reference log-probs by a hash of the model's state_dict, which under ZeRO-3
 holds empty placeholders (the same hash for every model of one architecture): the hash here is of
-every rank's own shards instead, so another starting model never reuses a stale cache.
+every rank's own shards instead, so another starting model never reuses a stale cache. That cache
+is a file beside the dataset's own cache files, written by rank 0 and read by every rank. A dataset
+held in memory (`Dataset.from_list`, `from_dict`, a tokenized in-memory one) has no such files, and
+each process would draw a temporary folder of its own: the other ranks would read a file that only
+rank 0 has. Its log-probs are kept in memory on every rank instead (each rank scores its share of
+the pairs, as TRL does, and every rank receives them all); no file is written.
 
 Refused with one line naming the field (TrainingArgumentsError) before DeepSpeed starts: a
 `ref_model`, precompute_ref_log_probs false, sync_ref_model (needs a live reference), a
@@ -34,6 +39,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from datasets import Dataset, concatenate_datasets
 from trl import DPOTrainer
 
 from lomo_ds.integrations.training_args import TrainingArgumentsError
@@ -107,7 +113,29 @@ class LomoDPOTrainer(LomoTrainerMixin, DPOTrainer):
             # The module, not the DeepSpeedEngine: its ZeRO-3 hooks gather each layer for the
             # forward (as the engine's own forward does), without DeepSpeed's training prologue.
             self._precompute_engine = engine.module
+        if isinstance(dataset, Dataset) and not dataset.cache_files:
+            return self._ref_logps_in_memory(dataset, batch_size)
         return super()._precompute_ref_logps(dataset, name, batch_size)
+
+    @torch.no_grad()
+    def _ref_logps_in_memory(self, dataset: Dataset, batch_size: int) -> Dataset:
+        """Collective: `dataset` with TRL's ref_chosen_logps / ref_rejected_logps columns, held in
+        memory on every rank. TRL's own pass (its loader split over the ranks, the scores gathered
+        in the dataset's order) without its cache file, which would be in a folder of rank 0's own."""
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator,
+                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+                            shuffle=False)
+        chosen, rejected = [], []
+        for batch in self.accelerator.prepare(loader):
+            c, r = self.compute_ref_log_probs(self._precompute_engine, batch)
+            c, r = self.accelerator.gather_for_metrics((c, r))
+            chosen.append(c.cpu()), rejected.append(r.cpu())
+        # The columns as TRL's cache file holds them (its map stores the tensors' own dtype).
+        scores = Dataset.from_dict({"ref_chosen_logps": torch.cat(chosen).numpy(),
+                                    "ref_rejected_logps": torch.cat(rejected).numpy()})
+        return concatenate_datasets([dataset, scores], axis=1)
 
     @torch.no_grad()
     def pair_log_probs(self, dataset, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

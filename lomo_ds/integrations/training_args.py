@@ -43,6 +43,20 @@ def _str(value) -> str:
     return getattr(value, "value", value)  # the enums TrainingArguments stores (optim, strategies)
 
 
+def accelerator_name() -> str:
+    """The device DeepSpeed's accelerator trains on in this process: `cpu` on a machine without an
+    accelerator (or where none is visible), which is what lomo_ds's CPU ranks run on."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+# With no GPU visible, torch and DeepSpeed see the machine as one without an accelerator: the CPU
+# path the tests run (tools/launch_local.py launches CPU ranks so).
+_USE_CPU_INSTEAD = ("launch with CUDA_VISIBLE_DEVICES= (empty) in every rank's environment, so that DeepSpeed "
+                    "picks its CPU accelerator (gloo)")
+
+
 _NOT_ADAMW = "an AdamW setting; LOMO and AdaLomo keep no moments (AdaLomo's own: the config's lomo.adalomo)"
 
 FIELDS: list[Field] = [
@@ -93,8 +107,12 @@ FIELDS: list[Field] = [
     Field("deepspeed", MAPPED, "required: a DeepSpeed ZeRO-3 config (dict or file) whose optional `lomo` section "
                                "holds LOMO's other options; checked like lomo_ds's own configs",
           lambda v: v is None),
-    Field("use_cpu", REFUSED, "turns off accelerate's DeepSpeed path; CPU ranks run without it (no GPU is found)",
-          _unless(False)),
+    Field("use_cpu", MAPPED, "true: the ranks train on DeepSpeed's CPU accelerator (gloo), which DeepSpeed picks on a "
+                             "machine without an accelerator: there the same run as false, but transformers allows "
+                             "bf16 on a CPU only with it. Refused where DeepSpeed's accelerator is a GPU (the ranks "
+                             f"would train on it whatever use_cpu says): to train on the CPU, {_USE_CPU_INSTEAD}; "
+                             "else leave it false",
+          lambda v: bool(v) and accelerator_name() != "cpu"),
     # ------------------------------------------------------------------ precision
     Field("bf16", MAPPED, "the DeepSpeed config's bf16.enabled (`auto` is filled from it): bf16 shards, gathers "
                           "and reduce-scatter"),
@@ -119,7 +137,11 @@ FIELDS: list[Field] = [
     Field("save_total_limit", SUPPORTED, "the Trainer's rotation of checkpoint folders"),
     Field("save_only_model", SUPPORTED, "no shard state is written: such a checkpoint loads with from_pretrained "
                                         "but cannot be resumed from"),
-    Field("save_on_each_node", SUPPORTED, "as the Trainer; every rank writes its own shard state anyway"),
+    Field("save_on_each_node", SUPPORTED, "for nodes that share no storage: the first rank of every node (the "
+                                          "Trainer's should_save) makes the checkpoint folder on its node's disk and "
+                                          "writes the whole model, the scheduler and the Trainer state there; every "
+                                          "rank writes its own shard state and RNG beside them, so each node resumes "
+                                          "from its own folder"),
     Field("resume_from_checkpoint", SUPPORTED, "exact: the same parameters as an uninterrupted run (shards, "
                                                "schedule, data order and RNG restored); the same rank count"),
     Field("enable_jit_checkpoint", REFUSED, "saves on a signal mid-window, where the accumulator is not part of "
@@ -190,6 +212,11 @@ def check_training_arguments(args) -> None:
             if f.name == "deepspeed":
                 raise TrainingArgumentsError("deepspeed: required; give a DeepSpeed ZeRO-3 config (dict or file), "
                                              "which may carry a `lomo` section")
+            if f.name == "use_cpu":
+                device = accelerator_name()
+                raise TrainingArgumentsError(f"use_cpu: expected False where DeepSpeed's accelerator is {device!r} "
+                                             f"(got True; the ranks would train on {device} anyway): to train on the "
+                                             f"CPU, {_USE_CPU_INSTEAD}; to train on {device}, set use_cpu=False")
             raise TrainingArgumentsError(f"{f.name}: {f.what} (got {shown!r})")
 
 

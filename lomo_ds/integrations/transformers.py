@@ -80,6 +80,21 @@ def complete_distributed_state() -> None:
                                       local_process_index=int(os.environ.get("LOCAL_RANK", rank)))
 
 
+def _drop_node_local_storage(ds: dict, args) -> None:
+    """Remove from `ds` what transformers writes into it for save_on_each_node: the checkpoint
+    section's use_node_local_storage, for DeepSpeed's own save_checkpoint, which LOMO's checkpoints
+    do not go through (save_model and the shard state honour save_on_each_node themselves). A
+    checkpoint section of the user's is left, to be refused as in lomo_ds's own configs."""
+    section = ds.get("checkpoint")
+    if not (args.save_on_each_node and isinstance(section, dict) and "use_node_local_storage" in section):
+        return
+    rest = {k: v for k, v in section.items() if k != "use_node_local_storage"}
+    if rest:
+        ds["checkpoint"] = rest
+    else:
+        del ds["checkpoint"]
+
+
 class TrainerLomoEngine(LomoEngine):
     """A LomoEngine whose forward is the Trainer's compute_loss for the step being taken."""
 
@@ -138,6 +153,7 @@ class LomoTrainerMixin:
     @staticmethod
     def _lomo_config(args, ds_config: dict, tokens: bool) -> tuple[dict, Any]:
         ds = copy.deepcopy(ds_config)
+        _drop_node_local_storage(ds, args)
         lomo = merge_lomo_section(ds.pop("lomo", None), lomo_section(args, tokens))
         # The Trainer's arguments decide these (transformers checks a value the user's file gives
         # against them; accelerate fills a missing one with its own default, not the user's).
@@ -272,15 +288,19 @@ class LomoTrainerMixin:
     # ------------------------------------------------------------------ saving and loading
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Collective: a folder from_pretrained loads (lomo_ds's streamed export: parameters gathered
-        one at a time, rank 0 holding one safetensors file at most, the others waiting for its writes
-        under IO_TIMEOUT_S), with the tokenizer / processor and the training arguments."""
+        one at a time, each saving rank holding one safetensors file at most, the others waiting for
+        its writes under IO_TIMEOUT_S), with the tokenizer / processor and the training arguments.
+        The saving ranks are the Trainer's (should_save): rank 0, or with save_on_each_node the
+        first rank of every node, each of which makes and writes the whole folder on its own disk
+        (the rest of the checkpoint is written beside it there)."""
         from transformers.trainer import TRAINING_ARGS_NAME
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        write_hf_model(self.model, rank, output_dir, self.processing_class if self.args.should_save else None,
-                       IO_TIMEOUT_S)
-        if self.args.should_save:
+        saves = self.args.should_save
+        write_hf_model(self.model, rank, output_dir, self.processing_class if saves else None, IO_TIMEOUT_S,
+                       writes=saves)
+        if saves:
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         io_barrier(IO_TIMEOUT_S)
 

@@ -153,9 +153,16 @@ def gather_full_state_dict(module: torch.nn.Module, rank: int) -> dict[str, torc
 def full_on_first_rank(p: torch.nn.Parameter, rank: int) -> torch.Tensor | None:
     """Collective for a ZeRO-3 parameter (a plain one is read where it is): its full value, a copy
     in rank 0's host memory; None on the other ranks."""
+    return full_copy_where(p, rank == 0)
+
+
+def full_copy_where(p: torch.nn.Parameter, here: bool) -> torch.Tensor | None:
+    """Collective for a ZeRO-3 parameter (a plain one is read where it is): its full value, a copy
+    in the host memory of every rank where `here` is true (each node's writer, when every node
+    keeps its own copy of a checkpoint); None on the others."""
     import deepspeed
 
     if ds_compat.is_zero_param(p):
         with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-            return p.data.detach().to("cpu", copy=True) if rank == 0 else None
-    return p.data.detach().to("cpu", copy=True) if rank == 0 else None
+            return p.data.detach().to("cpu", copy=True) if here else None
+    return p.data.detach().to("cpu", copy=True) if here else None

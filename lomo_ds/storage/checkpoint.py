@@ -29,7 +29,7 @@ import torch
 
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import capture_rng, restore_rng
-from lomo_ds.runtime.dist import full_on_first_rank, io_barrier
+from lomo_ds.runtime.dist import full_copy_where, io_barrier
 from lomo_ds.storage.models import drop_gguf_marker, plain_state_dict
 
 CKPT_DIR = "checkpoints"
@@ -189,12 +189,13 @@ def export_groups(module: torch.nn.Module, limit: int) -> list[list[tuple[str, t
     return groups
 
 
-def _gathered(params: list[tuple[str, torch.nn.Parameter]], rank: int) -> dict[str, torch.Tensor]:
-    """Collective: the full parameters on rank 0's host (empty elsewhere), gathered one at a time."""
+def _gathered(params: list[tuple[str, torch.nn.Parameter]], here: bool) -> dict[str, torch.Tensor]:
+    """Collective: the full parameters on the host of the ranks where `here` is true (empty
+    elsewhere), gathered one at a time."""
     out = {}
     for name, p in params:
-        full = full_on_first_rank(p, rank)
-        if rank == 0:
+        full = full_copy_where(p, here)
+        if here:
             out[name] = full
     return out
 
@@ -216,7 +217,7 @@ def export_hf(engine, tokenizer, out_dir: str, io_timeout: float, max_shard_size
 
 
 def write_hf_model(module: torch.nn.Module, rank: int, out_dir: str, tokenizer, io_timeout: float,
-                   max_shard_size: int | str = MAX_SHARD_SIZE, write_file=None) -> None:
+                   max_shard_size: int | str = MAX_SHARD_SIZE, write_file=None, writes: bool | None = None) -> None:
     """Collective: the full model into `out_dir` (made if missing) as `save_pretrained` writes it:
     safetensors files of at most `max_shard_size` (bytes, or "5GB"-style) with an index, or one
     model.safetensors when it all fits in one; the config, the generation config, and the tokenizer
@@ -225,17 +226,21 @@ def write_hf_model(module: torch.nn.Module, rank: int, out_dir: str, tokenizer, 
     Streamed: parameters are gathered one at a time and rank 0 holds at most one file's tensors in
     host memory (a 65B model is 130 GB; one file is 5 GB). While rank 0 writes a file the others
     wait in io_barrier, under `io_timeout` (output.io_timeout), not the collectives' timeout.
-    `write_file(tensors, path)`: how a file is written (safetensors; tests slow it down)."""
+    `write_file(tensors, path)`: how a file is written (safetensors; tests slow it down).
+    `writes`: whether this rank makes and writes the folder (None: rank 0 only). Where every node
+    keeps its own copy (the Trainer's save_on_each_node, storage no node shares) each node's first
+    rank writes, holding one file's tensors as rank 0 does."""
     from safetensors.torch import save_file
 
     write_file = write_file or (lambda tensors, path: save_file(tensors, path, metadata={"format": "pt"}))
     groups = export_groups(module, parse_size(max_shard_size))
-    if rank == 0:
+    writes = rank == 0 if writes is None else writes
+    if writes:
         os.makedirs(out_dir, exist_ok=True)
     weight_map, total_size = {}, 0
     for i, group in enumerate(groups):
-        tensors = _gathered(group, rank)
-        if rank == 0:
+        tensors = _gathered(group, writes)
+        if writes:
             # LoRA adapters merged: a plain model of the base architecture.
             tensors = {k: v.contiguous() for k, v in plain_state_dict(module, tensors).items()}
             fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -246,7 +251,7 @@ def write_hf_model(module: torch.nn.Module, rank: int, out_dir: str, tokenizer, 
         del tensors
         gc.collect()  # a group's tensors may sit in reference cycles (the gathers' hooks): free them now
         io_barrier(io_timeout)
-    if rank == 0:
+    if writes:
         if len(groups) > 1:
             index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
             with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:

@@ -24,6 +24,8 @@ EQUIVALENCE = multi_rank_checks(
     dpo_lomo=lambda: D.check_equivalence("lomo"),
     dpo_adalomo=lambda: D.check_equivalence("adalomo"),
 )
+# The same pairs as a Dataset.from_list (no cache files, which TRL keys its precomputed reference by).
+(IN_MEMORY,) = multi_rank_checks([2], dpo_in_memory=lambda: D.check_equivalence("lomo", in_memory=True))
 
 
 @pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
@@ -42,6 +44,21 @@ def test_dpo_matches_reference(rank_results, world, check):
     assert any(clipped) and not all(clipped), r["ref_grad_norm"]  # the clip acts on some steps only
     assert r["loss"][-1] != r["loss"][0]
     assert all(a is not None for a in r["reward_accuracy_logged"])  # TRL's metrics reach the logs
+
+
+def test_dpo_in_memory_dataset_on_two_ranks(rank_results):
+    """Pairs given as Dataset.from_list train on 2 ranks as the reference does, with the precomputed
+    reference log-probs of the same pairs read from a file (and of a direct computation).
+
+    Revert checked: through TRL's cache file, rank 1 raises FileNotFoundError on a /tmp/hf_datasets-*
+    path that only rank 0 has."""
+    results = rank_results(2)
+    r, from_file = ok(results, IN_MEMORY), ok(results, EQUIVALENCE[0])
+    assert r["input_cache_files"] == 0 and from_file["input_cache_files"] > 0
+    assert r["ref_logp_diff"] <= TOL  # the starting model's, computed directly
+    assert r["ref_logps"] == from_file["ref_logps"] and r["ref_logps_dtype"] == from_file["ref_logps_dtype"]
+    assert r["max_abs_diff"] <= TOL
+    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5) and r["loss"][-1] != r["loss"][0]
 
 
 # ----------------------------------------------------------------------------- single process: the arguments

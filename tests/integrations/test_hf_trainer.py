@@ -28,6 +28,9 @@ EQUIVALENCE = multi_rank_checks(
 )
 # SFTTrainer, resume and trackers: on 2 ranks (the Trainer's own equivalence covers 1 and 2).
 sft, resume = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume)
+# save_on_each_node with two nodes that share no storage; use_cpu on CPU ranks.
+each_node, use_cpu = multi_rank_checks([2], save_on_each_node=H.check_save_on_each_node,
+                                       trainer_use_cpu=lambda: H.check_equivalence("lomo", use_cpu=True))
 # The trackers are the `trackers` extra's (CI installs it; `make install` does not): their check is
 # declared only where they are, so that a launch without them does not fail it.
 NO_TRACKERS = [m for m in ("tensorboard", "wandb") if importlib.util.find_spec(m) is None]
@@ -72,6 +75,36 @@ def test_resume_and_save_model(rank_results):
     assert r["from_pretrained_vs_trained"] == 0.0
     assert {"lomo_rank_00000.pt", "lomo_rank_00001.pt", "scheduler.pt", "trainer_state.json",
             "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
+
+
+def test_save_on_each_node_without_shared_storage(rank_results):
+    """Two nodes of one rank each, each writing into a folder of its own: both folders hold a whole
+    checkpoint (the model from_pretrained loads, the node's own shard state, the scheduler, the
+    Trainer state), and each node resumes from its own folder alone.
+
+    Revert checked: with the folder made and the model written on rank 0 only, rank 1 (its node's
+    saving rank) fails writing training_args.bin into a folder that does not exist on its disk;
+    with transformers' checkpoint.use_node_local_storage left in the DeepSpeed config, the
+    constructor refuses the config's `checkpoint` section."""
+    r = ok(rank_results(2), each_node)
+    print(f"save_on_each_node: {r['checkpoint_files']}; resumed vs uninterrupted {r['resumed_vs_whole']:.2e}")
+    assert r["should_save"] == [True, True]
+    for rank, files in enumerate(r["checkpoint_files"]):
+        assert {f"lomo_rank_{rank:05d}.pt", f"rng_state_{rank}.pth", "scheduler.pt", "trainer_state.json",
+                "training_args.bin", "model.safetensors", "config.json"} <= set(files), (rank, files)
+    assert r["from_pretrained_vs_trained"] == [0.0, 0.0]
+    assert r["resumed_vs_whole"] == 0.0
+
+
+def test_use_cpu_on_cpu_ranks(rank_results):
+    """use_cpu=True on CPU ranks (DeepSpeed's CPU accelerator) trains as the reference, as without it.
+
+    Revert checked: refused, the Trainer's constructor raises TrainingArgumentsError("use_cpu: ...")."""
+    r = ok(rank_results(2), use_cpu)
+    assert r["use_cpu"] is True and r["device"].split(":")[0] == "cpu"
+    assert r["wrapped"] == "DeepSpeedEngine"
+    assert r["max_abs_diff"] <= TOL and r["engine_vs_trainer"] <= TOL
+    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
 
 
 @pytest.mark.skipif(bool(NO_TRACKERS), reason=f"{' and '.join(NO_TRACKERS)} not installed (the trackers extra)")
@@ -140,6 +173,21 @@ def test_refused_in_constructor_before_deepspeed(hf_args, fields, message):
         H.lomo_trainer_class()(model=model, args=args)
     assert "\n" not in str(e.value)
     assert not ds_compat.is_zero_param(next(model.parameters())) and not torch.distributed.is_initialized()
+
+
+def test_use_cpu_checked_against_deepspeeds_accelerator(hf_args, monkeypatch):
+    """use_cpu=True passes where DeepSpeed's accelerator is the CPU (this machine); where it is a GPU
+    it is refused with what to do instead (the ranks would train on the GPU whatever it says)."""
+    from lomo_ds.integrations import training_args as T
+
+    args = hf_args(use_cpu=True)
+    assert T.accelerator_name() == "cpu"
+    T.check_training_arguments(args)
+    monkeypatch.setattr(T, "accelerator_name", lambda: "cuda")
+    with pytest.raises(T.TrainingArgumentsError, match=r"^use_cpu: expected False where DeepSpeed's accelerator is "
+                                                       r"'cuda' \(got True.*CUDA_VISIBLE_DEVICES= \(empty\)"):
+        T.check_training_arguments(args)
+    T.check_training_arguments(hf_args(use_cpu=False))
 
 
 def test_other_trainers_refused_by_name():
