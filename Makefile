@@ -67,7 +67,7 @@ test: .installed
 	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests tools $(PYTEST_ARGS)
 
 # The GPU check suite (tests/gpu, skipped without CUDA) on every GPU here, with a summary, then the
-# GPU benchmark (benchmarks/bench_step.py --preset gpu --offload: LOMO against its floor, flagged above 1.10x).
+# GPU benchmark (benchmarks/bench_step.py --preset gpu --offload: LOMO against its floor, failed above 1.10x).
 .PHONY: test-gpu
 test-gpu: .installed
 	PYTHON=$(PYTHON) tests/gpu/run_all.sh

@@ -28,7 +28,9 @@ LOMO offload against its own floor.
 
 The summary flags, loudly, any LOMO engine of one backward (lomo, lomo rs; lomo offload against
 floor offload) above 1.10x its floor: the extra a fused update may cost. Above it, look for host
-syncs in the backward or an update that does not overlap with it.
+syncs in the backward or an update that does not overlap with it. --fail-above-flag: rank 0 then
+exits with status 3, and the launch fails (tests/gpu/run_all.sh passes it: a regression fails the
+GPU suite).
 
 --accumulation K: every engine's step is K micro-batches (LOMO's shard accumulator, DeepSpeed's own
 accumulation) and the floor's is K floor micro-steps; the report adds clipped / unclipped per round
@@ -61,6 +63,7 @@ from tools.launch_local import as_deepspeed_launched
 LR = 1e-3
 BREAKDOWN = ("pack", "flag", "launch", "wait", "wait at end", "update")
 FLAG_ABOVE = 1.10  # a LOMO step of one backward above this many times its floor is flagged
+FLAGGED_EXIT = 3  # the exit status of --fail-above-flag when an engine is flagged (1 and 2: Python's and argparse's)
 # Each LOMO engine of one backward and the floor it is held to (the same forward + backward).
 FLAGGED = {"lomo": "floor", "lomo rs": "floor", "lomo offload": "floor offload"}
 OFFLOAD_ENGINES = ("floor offload", "lomo offload")
@@ -106,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated subset of the engines (the floor is always run)")
     ap.add_argument("--offload", action="store_true",
                     help="also the floor and LOMO with offload_param cpu (floor offload, lomo offload)")
+    ap.add_argument("--fail-above-flag", action="store_true",
+                    help=f"exit with status {FLAGGED_EXIT} when a LOMO engine is above {FLAG_ABOVE:.2f}x its floor")
     args = ap.parse_args(argv)
     args.preset = args.preset or ("gpu" if torch.cuda.is_available() else "cpu")
     for key, value in PRESETS[args.preset].items():
@@ -190,9 +195,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start_ranks()
     base, times, parts, transports = bench(args)
-    if torch.distributed.get_rank() == 0:
+    rank = torch.distributed.get_rank()
+    if rank == 0:
         report(args, base, torch.distributed.get_world_size(), times, parts, transports)
     torch.distributed.destroy_process_group()
+    # Rank 0's times are the ones reported, so its verdict alone decides; a launcher fails the run
+    # when any rank exits with an error.
+    if args.fail_above_flag and rank == 0 and flagged(times):
+        raise SystemExit(FLAGGED_EXIT)
 
 
 def per_round(times: dict[str, list[float]], name: str, against: str) -> float:
@@ -200,18 +210,28 @@ def per_round(times: dict[str, list[float]], name: str, against: str) -> float:
     return statistics.median(t / f for t, f in zip(times[name], times[against], strict=True))
 
 
+def held_to_floor(times: dict[str, list[float]]) -> dict[str, tuple[str, float]]:
+    """Each flagged LOMO engine that ran: its floor and its per-round ratio to it."""
+    return {name: (floor, per_round(times, name, floor)) for name, floor in FLAGGED.items()
+            if name in times and floor in times}
+
+
+def flagged(times: dict[str, list[float]]) -> dict[str, tuple[str, float]]:
+    """The LOMO engines above FLAG_ABOVE x their floor."""
+    return {name: held for name, held in held_to_floor(times).items() if held[1] > FLAG_ABOVE}
+
+
 def summary(times: dict[str, list[float]]) -> list[str]:
     """LOMO against its floor, offload against none, and the flag: the lines that close the report."""
     lines = []
-    held = {name: (floor, per_round(times, name, floor)) for name, floor in FLAGGED.items()
-            if name in times and floor in times}
+    held = held_to_floor(times)
     if held:
         lines.append(f"LOMO against its floor (limit {FLAG_ABOVE:.2f}x): " + ", ".join(
             f"{name} {ratio:.3f}x {floor}" for name, (floor, ratio) in held.items()))
     if all(name in times for name in ("lomo offload", "lomo", "floor offload")):
         lines.append(f"offload against none: lomo offload {per_round(times, 'lomo offload', 'lomo'):.3f}x lomo, "
                      f"floor offload {per_round(times, 'floor offload', 'floor'):.3f}x floor")
-    over = {name: (floor, ratio) for name, (floor, ratio) in held.items() if ratio > FLAG_ABOVE}
+    over = flagged(times)
     if over:
         bar = "!" * 100
         lines += [bar, f"!!! LOMO ABOVE {FLAG_ABOVE:.2f}x ITS FLOOR: " + ", ".join(

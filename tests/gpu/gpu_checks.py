@@ -14,10 +14,14 @@ applied as it arrives).
 Most checks are the CPU suite's, run on CUDA: equivalence with SGD (tests/dist_engine_checks.py;
 clipping, recompute mode, reduce_dtype, mixture-of-experts), AdaLomo against its reference
 (tests/dist_adalomo_checks.py), LoRA+LOMO (tests/dist_methods_checks.py), gradient accumulation,
-bf16 and fp16 overflow. New here: the bucket path's facts, evaluation and generation on the engine
-after a step against the unpartitioned model with its weights, parameter offload, peak memory
-against the planner, and step time against the floor and DeepSpeed's own ZeRO-3 SGD. --smoke runs
-the new ones with tiny sizes on whatever device there is, so a CPU proves they run.
+bf16 and fp16 overflow, and the integrations (tests/dist_hf_checks.py, tests/dist_dpo_checks.py
+through tests/gpu/integration_checks.py). New here: the bucket path's facts, evaluation and
+generation on the engine after a step against the unpartitioned model with its weights, parameter
+offload, peak memory against the planner (with norm clipping's two passes too), step time against
+the floor and DeepSpeed's own ZeRO-3 SGD and the host-update thread's overlap
+(tests/gpu/timing_checks.py), and bf16 precision: AdaLomo through accumulation, the chunked loss
+(tests/gpu/precision_checks.py). --smoke runs the new ones with tiny sizes on whatever device there
+is, so a CPU proves they run.
 """
 from __future__ import annotations
 
@@ -28,62 +32,32 @@ import gc
 import os
 import tempfile
 import threading
-import time
 import traceback
 import warnings
 from functools import partial
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import lomo_ds
-from benchmarks.common import FloorEngine
-from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.profiling import attach_timers, count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device
 from tests import dist_accumulation_checks as A
 from tests import dist_adalomo_checks as AD
 from tests import dist_engine_checks as E
+from tests import dist_hf_checks as H
+from tests import ranks
 from tests.dist_bucket_checks import check_experts
 from tests.dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence
 from tests.dist_methods_checks import fetch_per_layer, lora_lomo_two_passes
-from tests.gpu.compare import memory_run_config, predicted_peak_bytes, step_time_table
+from tests.gpu import integration_checks as I
+from tests.gpu import precision_checks as P
+from tests.gpu.compare import memory_run_config, predicted_peak_bytes
+from tests.gpu.models import CLIP_MEMORY_MODEL, MEMORY_MODEL, STEP_MODEL, llama, llama_config, random_batch, sync
+from tests.gpu.timing_checks import check_offload_overlap, check_step_time
 from tests.host_memory import checkpoint_and_export_host_memory
 from tests.ranks import run_checks
 from tests.tiny import global_batch, tiny_llama
-
-# Model sizes: (GPU, --smoke). The memory model's states (0.9 GB bf16 + the update's 0.35 GB) dwarf
-# the allocator's fixed costs; its activations (checkpointed, 2 x 256 tokens) stay small, so the
-# planner's conservative sum of peaks that do not quite coincide is tested where it matters.
-MEMORY_MODEL = {"gpu": dict(vocab_size=8192, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                            num_attention_heads=16, micro=2, seq=256)}
-STEP_MODEL = {"gpu": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                          num_attention_heads=16, micro=4, seq=512, warmup=3, steps=10),
-              "smoke": dict(vocab_size=97, hidden_size=40, intermediate_size=83, num_hidden_layers=2,
-                            num_attention_heads=4, micro=2, seq=16, warmup=0, steps=2)}
-
-
-def llama_config(sizes: dict) -> LlamaConfig:
-    arch = {k: v for k, v in sizes.items() if k not in ("micro", "seq", "warmup", "steps")}
-    return LlamaConfig(**arch, max_position_embeddings=sizes["seq"], tie_word_embeddings=False, use_cache=False)
-
-
-def llama(sizes: dict, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(sizes))
-
-
-def random_batch(sizes: dict, device: torch.device, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, sizes["vocab_size"], (sizes["micro"], sizes["seq"]), generator=g)
-    return {"input_ids": ids.to(device), "labels": ids.to(device)}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    torch.distributed.barrier()
 
 
 def check_offload(pin: bool):
@@ -308,16 +282,16 @@ def check_generation(lengths=PROMPT_LENGTHS):
             "lengths": [len(r) for r in alone]}
 
 
-def check_memory(device: torch.device, workdir: str):
+def check_memory(device: torch.device, workdir: str, sizes: dict = MEMORY_MODEL["gpu"], **lomo):
     """torch.cuda.max_memory_allocated over a steady-state step against the planner's prediction for
-    the same run config (plan_for_run, as --dry-run prints it)."""
-    sizes = MEMORY_MODEL["gpu"]
+    the same run config (plan_for_run, as --dry-run prints it). `lomo`: more lomo options (norm
+    clipping: both its passes are in the step whose peak is measured)."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    model_dir = os.path.join(workdir, "memory_model")
+    model_dir = os.path.join(workdir, "memory_model_" + "_".join(str(v) for v in sizes.values()))
     if rank == 0:
         llama_config(sizes).save_pretrained(model_dir)  # the planner reads the architecture from it
     torch.distributed.barrier()
-    run = memory_run_config(model_dir, sizes["micro"], sizes["seq"])
+    run = memory_run_config(model_dir, sizes["micro"], sizes["seq"], **lomo)
     # cuBLAS keeps a workspace per thread (the autograd thread's included) once it has multiplied:
     # make both exist before the baseline, so the measured peak is this run's own memory.
     for dtype in (torch.float32, torch.bfloat16):
@@ -343,39 +317,7 @@ def check_memory(device: torch.device, workdir: str):
     gc.collect()
     torch.cuda.empty_cache()
     return {"measured": max(per_rank), "per_rank": per_rank, "predicted": predicted_peak_bytes(run, world),
-            "base": base}
-
-
-def steps_in_turns(engines: dict, device: torch.device, sizes: dict) -> dict:
-    """Every engine steps on the same batches, taking turns step by step (so drifts in clocks and
-    neighbours hit them alike), each step timed between device syncs; the warm-up steps untimed."""
-    rank = torch.distributed.get_rank()
-    batches = [random_batch(sizes, device, seed=1000 * step + rank) for step in range(sizes["warmup"] + sizes["steps"])]
-    times = {name: [] for name in engines}
-    for step, batch in enumerate(batches):
-        for name, engine in engines.items():
-            sync(device)
-            t0 = time.perf_counter()
-            engine.train_step(batch)
-            sync(device)
-            if step >= sizes["warmup"]:
-                times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def check_step_time(device: torch.device, sizes: dict):
-    """LOMO, the floor and DeepSpeed ZeRO-3 SGD on the same model and batches, taking turns step by
-    step (so drifts in clocks and neighbours hit all three alike); per-step times, and medians."""
-    ds = {"train_micro_batch_size_per_gpu": sizes["micro"], "zero_optimization": {"stage": 3}}
-    if device.type == "cuda":
-        ds["bf16"] = {"enabled": True}
-    engines = {"floor": FloorEngine(llama(sizes), ds),
-               "lomo": lomo_ds.initialize(llama(sizes), {**ds, "lomo": {"lr": 1e-3}}),
-               "deepspeed_sgd": DeepSpeedOptimizerEngine(llama(sizes), ds, "sgd", "sgd", lr=1e-3, clip=None,
-                                                          total_steps=0, warmup_steps=0)}
-    times = steps_in_turns(engines, device, sizes)
-    return {"times": times, "table": step_time_table(times), "model": sizes,
-            "world": torch.distributed.get_world_size()}
+            "base": base, "lomo": lomo}
 
 
 # GPU clock cycles torch.cuda._sleep spins before the window's step reads the host accumulator:
@@ -425,39 +367,6 @@ def check_delayed_window_tail(device: torch.device, sizes: dict, cycles: int = D
             "delayed": device.type == "cuda", "model": sizes}
 
 
-def check_offload_overlap(device: torch.device, sizes: dict, optimizer: str = "sgd"):
-    """offload_param: cpu with the shards' updates on the host-update thread (slices staged in pinned
-    memory, the CPU update overlapped with the backward) against the same updates inside the hook
-    (lomo.host_update inline: the serialised path) and against no offload, taking turns step by
-    step. Per-step times, medians, and the updates the worker applied; on the serialised path the
-    worker applies none ("applied" 0, which tests/dist_engine_checks.host_updates_applied refuses)
-    and "thread" saves nothing over "inline" ("saved_s"). `optimizer` "adalomo": the worker gets
-    AdaLomo's host part (its statistics and collectives stay in the hook, on the GPU)."""
-    import statistics
-
-    on_gpu = device.type == "cuda"
-    ds = {"train_micro_batch_size_per_gpu": sizes["micro"], "zero_optimization": {"stage": 3}}
-    if on_gpu:
-        ds["bf16"] = {"enabled": True}
-
-    def engine(host_update):
-        zero = dict(ds["zero_optimization"])
-        if host_update:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
-        return lomo_ds.initialize(llama(sizes), {**ds, "zero_optimization": zero,
-                                                 "lomo": {"lr": 1e-3, "host_update": host_update or "auto",
-                                                          "optimizer": optimizer}})
-
-    engines = {"no_offload": engine(None), "offload_thread": engine("thread"), "offload_inline": engine("inline")}
-    times = steps_in_turns(engines, device, sizes)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    threaded = engines["offload_thread"].host_updates
-    return {"times": times, "median_s": medians, "model": sizes, "world": torch.distributed.get_world_size(),
-            "applied": threaded.applied if threaded is not None else 0,
-            "saved_s": medians["offload_inline"] - medians["offload_thread"],
-            "x_no_offload": {name: m / medians["no_offload"] for name, m in medians.items()}}
-
-
 def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smoke: bool = False) -> dict:
     """The checks of this launch by name, as partials (tests/gpu/test_helpers.py binds each one's
     arguments to its function's signature and validates its config without running it)."""
@@ -497,6 +406,13 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         # A sum that overflows only inside the fp16 reduction (several ranks).
         "reduction_overflow": partial(E.check_reduction_overflow, "fp16" if on_gpu else None),
         "memory": partial(check_memory, device, workdir),
+        # Norm clipping's two passes (HF's default max_grad_norm 1.0) on a model whose peak is mostly
+        # the loss's one chunk: over the retained graph, and recomputed; and the same model without.
+        "memory_loss_heavy": partial(check_memory, device, workdir, CLIP_MEMORY_MODEL["gpu"]),
+        "memory_clip_retain_graph": partial(check_memory, device, workdir, CLIP_MEMORY_MODEL["gpu"],
+                                            clip_grad_norm=1.0, two_pass_mode="retain_graph"),
+        "memory_clip_recompute": partial(check_memory, device, workdir, CLIP_MEMORY_MODEL["gpu"],
+                                         clip_grad_norm=1.0, two_pass_mode="recompute"),
         "step_time": partial(check_step_time, device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
         # Gradient accumulation on the GPU: the accumulator beside the shards, and in pinned host
         # memory (lomo.accumulate_on cpu: slices copied over without blocking, the sum copied back),
@@ -510,14 +426,34 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         "delayed_window_tail": partial(check_delayed_window_tail, device, DELAYED_MODEL["gpu" if on_gpu else "smoke"]),
         # Rank 0's host memory around an export, a checkpoint save and its load (tests/host_memory.py).
         "host_memory": partial(checkpoint_and_export_host_memory, workdir),
+        **precision_and_integration_checks(device, on_gpu),
     }
     if not on_gpu:  # DeepSpeed refuses fp16 on a CPU, and only CUDA reports allocator peaks and syncs
-        checks.pop("overflow"), checks.pop("memory"), checks.pop("host_syncs")
+        checks.pop("overflow"), checks.pop("host_syncs")
+        for name in [n for n in checks if n.startswith("memory")]:
+            checks.pop(name)
     if world < 2:
         checks.pop("reduction_overflow")  # one rank's sum is its own gradient
         if not smoke:
             checks.pop("step_time")  # side by side on 2+ GPUs: one GPU has no reduction to overlap
     return checks
+
+
+def precision_and_integration_checks(device: torch.device, on_gpu: bool) -> dict:
+    """Issue 48's paths: bf16 AdaLomo through accumulation against its reference on the same bf16
+    weights, the chunked loss's head gradient with many chunks against fp64, and the integrations
+    (the HF Trainer, SFTTrainer, DPO; the Trainer's bf16 AdaLomo with K = 4 against fp32 masters)."""
+    return {
+        "bf16_adalomo_accumulation": partial(P.check_bf16_adalomo_accumulation, device),
+        "chunked_loss_precision": partial(P.check_chunked_loss_precision, device,
+                                          P.CHUNK_SIZES["gpu" if on_gpu else "smoke"]),
+        "trainer_lomo": partial(I.trainer_on_gpus, "lomo"),
+        "trainer_adalomo": partial(I.trainer_on_gpus, "adalomo"),
+        "trainer_bf16_adalomo": partial(I.trainer_bf16_adalomo, use_cpu=not on_gpu),
+        "sft": partial(H.check_sft),
+        "dpo_lomo": partial(I.dpo_on_device, "lomo"),
+        "dpo_adalomo": partial(I.dpo_on_device, "adalomo"),
+    }
 
 
 @contextlib.contextmanager
@@ -548,6 +484,8 @@ def main() -> None:
     device = accelerator_device() if on_gpu else torch.device("cpu")
     world = torch.distributed.get_world_size()
     workdir = os.path.dirname(os.path.abspath(args.out)) or tempfile.gettempdir()
+    # The integrations' checks write their runs under tests.ranks.work_dir(), a launch's folder.
+    ranks._work_dir = workdir
     with bucket_path_forced():  # the configs built now and those the checks build as they run
         run_checks(gpu_checks(device, on_gpu, world, workdir, smoke=args.smoke), args.out, only=args.only)
 

@@ -27,7 +27,18 @@ from tests.dist_engine_checks import (  # noqa: E402
     assert_overflow_recovers,
     assert_reduction_overflow_skips,
 )
-from tests.gpu.compare import MEMORY_TOLERANCE, predicted_peak_bytes, relative_gap, within_tolerance  # noqa: E402
+from tests.gpu import precision_checks as P  # noqa: E402
+from tests.gpu.compare import (  # noqa: E402
+    MEMORY_TOLERANCE,
+    assert_bf16_adalomo_case,
+    assert_chunked_loss_precise,
+    assert_offload_overlapped,
+    assert_step_time,
+    assert_trainer_bf16_near_masters,
+    predicted_peak_bytes,
+    relative_gap,
+    within_tolerance,
+)
 from tests.ranks import ROOT, launch, ok  # noqa: E402
 
 pytestmark = [pytest.mark.ranks]  # its launches run in the one xdist worker that starts ranks
@@ -54,7 +65,8 @@ def gpu_results(results_dir):
     def get(world: int) -> dict:
         if world not in cache:
             out = os.path.join(results_dir, f"results_{world}.json")
-            launch(["-m", "tests.gpu.gpu_checks", out], world, timeout=600, cpu=False)
+            # Issue 48 added the bf16 matrix, the integrations and the clipping memory runs: minutes more.
+            launch(["-m", "tests.gpu.gpu_checks", out], world, timeout=900, cpu=False)
             with open(out) as f:
                 cache[world] = json.load(f)
         return cache[world]
@@ -226,14 +238,16 @@ def test_offload_with_persistent_shards_on_two_devices(gpu_results, world):
 @pytest.mark.parametrize("check", ["offload_overlap", "adalomo_offload_overlap"])
 def test_offload_updates_run_on_the_host_thread_beside_the_backward(gpu_results, world, check):
     """Item 8: the host-memory shards' updates on the worker thread (staged in pinned memory),
-    timed against the same updates inside the hook and against no offload (figures, not bounds);
-    SGD's, and AdaLomo's host part."""
+    timed against the same updates inside the hook, against no offload and against the floor's
+    backward with offload; SGD's, and AdaLomo's host part. Bounded: the thread must save at least
+    half of what it could hide (the least of its busy time and the backward) over inline."""
     r = ok(gpu_results(world), check)
     print(f"{check} on {world} GPU(s): median step " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
                                                               r["median_s"].items())
-          + f"; the thread saves {r['saved_s'] * 1e3:.1f} ms a step over inline")
-    assert r["applied"] > 0, "no update ran on the host-update thread"
+          + f"; the thread saves {r['saved_s'] * 1e3:.1f} ms a step over inline of its "
+          f"{r['worker_busy_s'] * 1e3:.1f} ms of updates (floor backward {r['floor_backward_s'] * 1e3:.1f} ms)")
     assert all(len(t) == r["model"]["steps"] for t in r["times"].values())
+    assert_offload_overlapped(r)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -244,10 +258,13 @@ def test_offload_param_cpu_matches_sgd(gpu_results, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_peak_memory_matches_planner(gpu_results, world):
-    r = ok(gpu_results(world), "memory")
+@pytest.mark.parametrize("check", ["memory", "memory_loss_heavy", "memory_clip_retain_graph", "memory_clip_recompute"])
+def test_peak_memory_matches_planner(gpu_results, world, check):
+    """The planner's peak against the measured one: the states-heavy model, and a model whose peak is
+    mostly the loss's one chunk, without norm clipping and with both of its two-pass modes."""
+    r = ok(gpu_results(world), check)
     gap = relative_gap(r["measured"], r["predicted"])
-    print(f"{world} GPU(s): peak {r['measured'] / 2**30:.3f} GiB measured (per rank {r['per_rank']}), "
+    print(f"{check}, {world} GPU(s): peak {r['measured'] / 2**30:.3f} GiB measured (per rank {r['per_rank']}), "
           f"{r['predicted'] / 2**30:.3f} GiB predicted ({100 * gap:+.1f}%)")
     assert within_tolerance(r["measured"], r["predicted"]), \
         f"planner off by {100 * gap:+.1f}% (> {MEMORY_TOLERANCE:.0%})"
@@ -260,8 +277,58 @@ def test_step_time_lomo_floor_deepspeed_sgd(gpu_results):
         print(f"{N_GPUS} GPUs, {name}: {row['median_s'] * 1e3:.1f} ms per step, {row['x_floor']:.2f}x the floor")
     assert set(r["table"]) == {"floor", "lomo", "deepspeed_sgd"}
     assert all(len(t) == r["model"]["steps"] for t in r["times"].values())
-    # LOMO does strictly more than the floor (it reduces and updates); below it means a broken timer.
-    assert r["table"]["lomo"]["x_floor"] > 0.9
+    # Above the benchmark's flag, LOMO's fused update costs more than it may; below 0.9 the timer is broken.
+    assert_step_time(r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", P.BF16_CASES, ids=lambda c: P.case_name(*c))
+def test_bf16_adalomo_through_accumulation_is_its_reference_to_one_ulp(gpu_results, world, case):
+    """bf16 shards without masters (the shipped default), AdaLomo, K = 1, 2, 4, reduce_dtype and
+    accumulate_dtype fp32 and bf16: each window's result within one bf16 ulp of the reference
+    AdaLomo on the same bf16 weights (issue 48, finding 1: a gradient read after it was overwritten
+    is hundreds of ulps away), and a last micro-batch added twice is told apart."""
+    r = ok(gpu_results(world), "bf16_adalomo_accumulation")[P.case_name(*case)]
+    print(f"{P.case_name(*case)} on {world} GPU(s): ulps per window {r['ulps']}, the reference moved "
+          f"{r['moved_ulps']}, a doubled last micro-batch {r['ulps_last_doubled']}")
+    assert_bf16_adalomo_case(r, case[0])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_chunked_loss_head_gradient_with_many_chunks_is_bf16_rounding_of_fp64(gpu_results, world):
+    """The chunked loss in bf16 (1, 32 and 128 chunks of 8188 positions, V 4096) against fp64 on the
+    same bf16 inputs: the head's gradient within twice bf16's own rounding (issue 48, finding 2)."""
+    r = ok(gpu_results(world), "chunked_loss_precision")
+    for count, c in r["chunks"].items():
+        print(f"{count} chunks on {world} GPU(s): head gradient {c['dw_rel']:.2e} from fp64 (bf16 rounding "
+              f"{c['dw_rounding_rel']:.2e}), hidden {c['dh_rel']:.2e}, loss {c['loss_rel']:.1e}")
+    assert_chunked_loss_precise(r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("check", ["trainer_lomo", "trainer_adalomo", "sft", "dpo_lomo", "dpo_adalomo"])
+def test_integrations_match_their_references_on_gpus(gpu_results, world, check):
+    """The HF Trainer, SFTTrainer and DPOTrainer with lomo_ds's mixin (K = 2, token-mean loss, a
+    schedule, norm clipping) on the GPUs against the CPU suite's single-process references."""
+    r = ok(gpu_results(world), check)
+    print(f"{check} on {world} GPU(s): max |trained - reference| = {r['max_abs_diff']:.2e}")
+    assert r["max_abs_diff"] <= GPU_TOL
+    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+    assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
+    if check.startswith("trainer"):
+        assert r["wrapped"] == "DeepSpeedEngine" and r["engine_vs_trainer"] <= GPU_TOL
+    if check.startswith("dpo"):
+        assert r["deepspeed_engines"] == 1 and r["ref_logp_diff"] <= GPU_TOL
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_trainer_bf16_adalomo_with_accumulation_stays_near_fp32_masters(gpu_results, world):
+    """TrainingArguments(optim="adalomo", bf16=True, gradient_accumulation_steps=4), issue 48's
+    reproduction, against the same run with lomo.fp32_master_weights: one bf16 ulp a step apart."""
+    r = ok(gpu_results(world), "trainer_bf16_adalomo")
+    print(f"Trainer bf16 AdaLomo K=4 on {world} GPU(s): {r['ulps']:g} ulps from fp32 masters after {r['steps']} "
+          f"steps (moved {r['moved_ulps']:g}); losses {r['losses']} vs {r['master_losses']}")
+    assert_trainer_bf16_near_masters(r)
 
 
 def test_train_builtin_bf16_norm_clipping_20_steps(tmp_path, results_dir):

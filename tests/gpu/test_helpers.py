@@ -14,9 +14,17 @@ import torch
 from lomo_ds.config.lomo import load_config
 from lomo_ds.planning.planner import RunSpec, estimate, run_spec, spec_from_hf_config
 from tests import dist_engine_checks
-from tests.gpu import gpu_checks
+from tests.gpu import gpu_checks, integration_checks, precision_checks, timing_checks
 from tests.gpu.compare import (
+    BF16_ULPS,
+    CHUNK_GRAD_FACTOR,
     MEMORY_TOLERANCE,
+    STEP_TIME_LIMIT,
+    assert_bf16_adalomo_case,
+    assert_chunked_loss_precise,
+    assert_offload_overlapped,
+    assert_step_time,
+    assert_trainer_bf16_near_masters,
     format_summary,
     memory_run_config,
     predicted_peak_bytes,
@@ -42,15 +50,27 @@ def forced(check):
 # One rank's one-rank reduce-scatter is the CPU suite's own (tests/engine/test_buckets.py).
 (gpu_step_time, gpu_offload, gpu_bucket_path, gpu_evaluation, gpu_generation, gpu_offload_two_devices,
  gpu_offload_overlap, gpu_delayed_window_tail) = multi_rank_checks(
-    [2], gpu_step_time=lambda: gpu_checks.check_step_time(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
+    [2], gpu_step_time=lambda: timing_checks.check_step_time(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
     gpu_offload=lambda: gpu_checks.check_offload(pin=False),
     gpu_bucket_path=forced(gpu_checks.check_bucket_path), gpu_evaluation=forced(gpu_checks.check_evaluation),
     # 3 prompts (one generate call per rank) instead of the GPU's 7: the same code, a CPU's share.
     gpu_generation=forced(functools.partial(gpu_checks.check_generation, lengths=(4, 9, 6))),
     gpu_offload_two_devices=forced(gpu_checks.check_offload_two_devices),
-    gpu_offload_overlap=lambda: gpu_checks.check_offload_overlap(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
+    gpu_offload_overlap=lambda: timing_checks.check_offload_overlap(torch.device("cpu"),
+                                                                    gpu_checks.STEP_MODEL["smoke"]),
     gpu_delayed_window_tail=forced(functools.partial(gpu_checks.check_delayed_window_tail, torch.device("cpu"),
                                                      gpu_checks.DELAYED_MODEL["smoke"])))
+# Issue 48's GPU checks, tiny: bf16 AdaLomo on both routes that once overwrote their own gradient
+# (K = 1 reduced in fp32, K = 2 accumulated in fp32) and a bf16 accumulator at K = 4, two windows
+# (the first is not bounded); the Trainer's bf16 AdaLomo against fp32 masters; DPO with its
+# reference moved to the trainer's device (here the CPU: the wrapper's code runs, AdaLomo's
+# statistics made where the parameters are).
+BF16_CPU_CASES = [(1, "fp32", "fp32"), (2, "fp32", "fp32"), (4, "bf16", "bf16")]
+gpu_bf16_adalomo, gpu_trainer_bf16, gpu_dpo_on_device = multi_rank_checks(
+    [2], gpu_bf16_adalomo=forced(functools.partial(precision_checks.check_bf16_adalomo_accumulation,
+                                                   torch.device("cpu"), BF16_CPU_CASES, windows=2)),
+    gpu_trainer_bf16=functools.partial(integration_checks.trainer_bf16_adalomo, use_cpu=True),
+    gpu_dpo_on_device=functools.partial(integration_checks.dpo_on_device, "adalomo"))
 
 
 def bind_everything(fn) -> list[dict]:
@@ -79,9 +99,12 @@ def test_every_gpu_check_binds_and_its_configs_load(on_gpu, world, tmp_path):
     new = {"bucket_path", "sgd_direct", "clip_norm_recompute", "reduce_dtype_bf16", "adalomo", "adalomo_clip_norm",
            "adalomo_offload", "lora_lomo",
            "fetch_per_layer", "experts", "evaluation", "generation", "offload_two_devices",
-           "offload_overlap", "adalomo_offload_overlap", "delayed_window_tail", "host_memory"}
+           "offload_overlap", "adalomo_offload_overlap", "delayed_window_tail", "host_memory",
+           "bf16_adalomo_accumulation", "chunked_loss_precision", "trainer_lomo", "trainer_adalomo",
+           "trainer_bf16_adalomo", "sft", "dpo_lomo", "dpo_adalomo"}
     assert new <= set(checks)
-    assert ("overflow" in checks) == ("memory" in checks) == ("host_syncs" in checks) == on_gpu
+    memory = {"memory", "memory_loss_heavy", "memory_clip_retain_graph", "memory_clip_recompute"}
+    assert ("overflow" in checks) == (memory <= set(checks)) == ("host_syncs" in checks) == on_gpu
     assert ("step_time" in checks) == ("reduction_overflow" in checks) == (world > 1)
     configs = []
     for name, check in checks.items():
@@ -226,3 +249,150 @@ def test_every_gpu_test_is_collected_on_a_cpu():
     collected = set(re.findall(r"::(test_\w+)", proc.stdout))
     assert collected == names, sorted(names - collected)
     assert "[2]" in proc.stdout, "parametrized as on 2 GPUs"
+
+
+def test_step_time_bound_refuses_lomo_above_the_benchmarks_flag():
+    """test_gpu.py's step-time bound is the benchmark's flag, and it fails above it (and below 0.9x)."""
+    from benchmarks import bench_step
+
+    assert STEP_TIME_LIMIT == bench_step.FLAG_ABOVE
+    # The benchmark's own verdict (--fail-above-flag exits on it): the same limit.
+    assert bench_step.flagged({"floor": [1.0, 1.0], "lomo": [1.05, 1.09]}) == {}
+    times = {"floor": [1.0, 1.0, 1.0], "lomo": [1.02, 1.5, 1.03], "lomo rs": [1.3, 1.3, 1.0]}  # per-round medians
+    assert set(bench_step.flagged(times)) == {"lomo rs"}
+    for lomo, fails in ((1.05, False), (1.10, False), (1.12, True), (0.8, True)):
+        r = {"table": step_time_table({"floor": [1.0], "lomo": [lomo], "deepspeed_sgd": [1.3]})}
+        if fails:
+            with pytest.raises(AssertionError):
+                assert_step_time(r)
+        else:
+            assert_step_time(r)
+
+
+def test_offload_overlap_figures_and_a_serialised_worker_refused(rank_results):
+    """The overlap check on CPU ranks records the worker's busy time and the floor's backward (a CPU
+    has nothing to overlap: its figures are not bounded here); its bound passes a worker that hides
+    its updates and refuses one that saves nothing over inline, as a serialised worker would."""
+    r = ok(rank_results(2), gpu_offload_overlap)
+    assert r["worker_busy_s"] > 0 and r["floor_backward_s"] > 0 and r["applied"] > 0
+    assert set(r["median_s"]) == {"no_offload", "offload_thread", "offload_inline", "floor_offload"}
+    hideable = min(r["worker_busy_s"], r["floor_backward_s"])
+    assert_offload_overlapped(dict(r, saved_s=0.9 * hideable))
+    for serialised in (0.0, 0.4 * hideable, -hideable):
+        with pytest.raises(AssertionError, match="do not overlap"):
+            assert_offload_overlapped(dict(r, saved_s=serialised))
+    with pytest.raises(AssertionError, match="no update ran"):
+        assert_offload_overlapped(dict(r, applied=0))
+
+
+def test_bf16_adalomo_check_tells_a_micro_batch_added_twice(rank_results):
+    """The bf16 AdaLomo check runs on CPU ranks, and its bound bites on real figures: the reference
+    with the window's last micro-batch counted twice (an accumulator that adds it again) is many
+    ulps from the engine, and fed as the result, the check refuses it."""
+    r = ok(rank_results(2), gpu_bf16_adalomo)
+    assert list(r) == [precision_checks.case_name(*c) for c in BF16_CPU_CASES]
+    for (k, _, _), c in zip(BF16_CPU_CASES, r.values(), strict=True):
+        assert len(c["ulps"]) == 2 and c["dtype"] == "torch.bfloat16"
+        if k > 1:
+            assert min(c["ulps_last_doubled"][1:]) > 4 * BF16_ULPS, c
+            with pytest.raises(AssertionError):
+                assert_bf16_adalomo_case(dict(c, ulps=c["ulps_last_doubled"]), k)
+
+
+def test_bf16_adalomo_is_its_reference_to_one_ulp_on_cpu_ranks(rank_results):
+    """The same bound as on GPUs, on 2 gloo ranks (issue 48, finding 1). With the engine of 9e51f15
+    (gradient chunks read as views and overwritten) K = 1 reduced in fp32 was 496 ulps away and
+    K = 2 accumulated in fp32 506, against 1.0 with the fix."""
+    r = ok(rank_results(2), gpu_bf16_adalomo)
+    for (k, _, _), c in zip(BF16_CPU_CASES, r.values(), strict=True):
+        assert_bf16_adalomo_case(c, k)
+
+
+def head_gradient_summed_in_bf16(sizes: dict, count: int) -> tuple[float, float]:
+    """The head's weight gradient as the chunked loss summed it before issue 48 (each chunk's
+    product added into one bf16 tensor), on check_chunked_loss_precision's model and batch: its
+    relative error against fp64, and bf16's own rounding of the fp64 gradient."""
+    cpu = torch.device("cpu")
+    model = precision_checks.chunk_model(sizes, cpu)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, sizes["vocab"], (sizes["rows"], sizes["seq"]), generator=g, device="cpu")
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids)[0][:, :-1].reshape(-1, sizes["hidden"])
+    targets, weight = ids[:, 1:].reshape(-1), model.lm_head.weight.detach()
+    n = hidden.size(0)
+    per = -(-n // count)
+    dw = torch.zeros_like(weight)
+    for a in range(0, n, per):
+        b = min(n, a + per)
+        dz = torch.softmax((hidden[a:b] @ weight.t()).float(), dim=-1)
+        dz[torch.arange(b - a, device=cpu), targets[a:b]] -= 1.0
+        dw.addmm_((dz / n).to(torch.bfloat16).t(), hidden[a:b])
+    _, _, exact = precision_checks.exact_head(hidden, weight, targets)
+    return precision_checks.relative(dw, exact), precision_checks.relative(exact.to(torch.bfloat16), exact)
+
+
+def test_chunked_loss_check_runs_and_refuses_a_per_chunk_bf16_sum():
+    """The chunked-loss precision check, on this CPU at its smoke sizes: lomo_ds's chunked loss
+    within the bound at 1, 32 and 128 chunks (issue 48, finding 2); the head gradient summed in bf16
+    chunk by chunk (the code before it) is 4x bf16's rounding at 32 chunks, and the bound refuses it."""
+    sizes = precision_checks.CHUNK_SIZES["smoke"]
+    r = precision_checks.check_chunked_loss_precision(torch.device("cpu"), sizes)
+    assert set(r["chunks"]) == {"1", "32", "128"} and r["positions"] == 2046
+    assert_chunked_loss_precise(r)
+    old, rounding = head_gradient_summed_in_bf16(sizes, 32)
+    assert old > CHUNK_GRAD_FACTOR * rounding
+    with pytest.raises(AssertionError, match="32 chunks"):
+        assert_chunked_loss_precise({**r, "chunks": {**r["chunks"], "32": {**r["chunks"]["32"], "dw_rel": old}}})
+
+
+def test_trainer_bf16_adalomo_near_fp32_masters_on_cpu_ranks(rank_results):
+    """TrainingArguments(optim="adalomo", bf16=True, gradient_accumulation_steps=4) against fp32
+    masters on 2 gloo ranks (use_cpu). With the engine of 9e51f15 it was 494 ulps away after 3 steps
+    (a loss of 24 at the second), against 3 with the fix; the bound (steps + 1) refuses that figure."""
+    r = ok(rank_results(2), gpu_trainer_bf16)
+    assert len(r["losses"]) == r["steps"] == 3
+    assert_trainer_bf16_near_masters(r)
+    with pytest.raises(AssertionError, match="fp32-master"):
+        assert_trainer_bf16_near_masters(dict(r, ulps=494.0))
+
+
+def test_dpo_with_its_reference_on_the_trainers_device_runs_on_cpu_ranks(rank_results):
+    """The GPU launch's DPO check (the CPU suite's, its reference model and batches moved to the
+    trainer's device, AdaLomo's statistics made there), here on the CPU: the reference's result."""
+    r = ok(rank_results(2), gpu_dpo_on_device)
+    assert r["max_abs_diff"] <= 1e-5 and r["ref_logp_diff"] <= 1e-5 and r["deepspeed_engines"] == 1
+    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+
+
+def test_clipping_memory_model_puts_the_loss_beyond_the_tolerance(tmp_path):
+    """The clipping memory checks' model: its 1023 positions fit one chunk of the loss, whose kept
+    fp32 gradient of the logits is more than twice the tolerance of the planned peak (so how long
+    clipping keeps it alive shows in the comparison), and the planner is asked about both passes."""
+    from lomo_ds.planning.estimate import loss_kept_bytes
+
+    sizes = gpu_checks.CLIP_MEMORY_MODEL["gpu"]
+    gpu_checks.llama_config(sizes).save_pretrained(tmp_path)
+    plain = memory_run_config(str(tmp_path), sizes["micro"], sizes["seq"])
+    retained = memory_run_config(str(tmp_path), sizes["micro"], sizes["seq"], clip_grad_norm=1.0,
+                                 two_pass_mode="retain_graph")
+    kept = 4 * sizes["micro"] * (sizes["seq"] - 1) * sizes["vocab_size"]
+    with open(tmp_path / "config.json") as f:
+        spec = spec_from_hf_config(json.load(f))
+    assert loss_kept_bytes(spec, run_spec(seq=sizes["seq"], batch=sizes["micro"], dtype="bf16")) > 0
+    for world in (1, 2):
+        assert kept > 2 * MEMORY_TOLERANCE * predicted_peak_bytes(plain, world)
+        assert predicted_peak_bytes(retained, world) > predicted_peak_bytes(plain, world)
+
+
+def test_summary_names_the_new_checks():
+    r = {"bf16_adalomo_accumulation": {"k2_reduce_fp32_acc_fp32": {"ulps": [1.0, 1.0], "moved_ulps": [5.0, 4.5]}},
+         "chunked_loss_precision": {"chunks": {"32": {"dw_rel": 2e-3, "dw_rounding_rel": 1e-3, "loss_rel": 1e-6}}},
+         "trainer_bf16_adalomo": {"ulps": 3.0, "steps": 3, "moved_ulps": 8.5, "losses": [4.5], "max_abs_diff": 0.1},
+         "dpo_lomo": {"max_abs_diff": 2e-7, "loss": [0.69]},
+         "memory_clip_recompute": {"measured": 2**30, "predicted": 1.05 * 2**30}}
+    text = format_summary({1: r})
+    assert "k2_reduce_fp32_acc_fp32 1 ulps (first window 1, reference moved 4.5)" in text
+    assert "32 chunks: head gradient 2.00x bf16 rounding" in text
+    assert "3 ulps from the fp32-master run after 3 steps" in text
+    assert "dpo_lomo: max |trained - reference| = 2.00e-07" in text
+    assert "memory_clip_recompute: peak 1.000 GiB measured" in text
