@@ -129,10 +129,16 @@ class ShardAccumulator:
         """The accumulated gradient of the parameter's real elements, fp32 on `device`, plus
         `grad_shard` (the last micro-batch's slice) when given, read chunk by chunk by the update
         (fused_update.grad_chunk): no fp32 copy of the whole slice where the buffer is not fp32 on
-        `device`."""
+        `device`. The last slice is added once, whoever reads the sum how often: into an fp32
+        buffer on `device` at once (the buffer is zeroed after the step), else to each chunk read
+        (not into a bf16 buffer, whose rounding would take the sum's last bits, nor across devices)."""
         self.settle()
         buf = self.buffer(param)
-        return AccumulatedSlice(buf, None if grad_shard is None else grad_shard[:buf.numel()], device, self)
+        extra = None if grad_shard is None else grad_shard[:buf.numel()]
+        if extra is not None and buf.dtype == torch.float32 and buf.device == device:
+            buf.add_(extra)
+            extra = None
+        return AccumulatedSlice(buf, extra, device, self)
 
     def note_read(self, event) -> None:
         """A copy that reads a buffer is in flight until `event`: zero() waits for it."""
@@ -181,15 +187,25 @@ class AccumulatedSlice:
         waits for them)."""
         self.buffer, self.extra, self.device, self.accumulator = buffer, extra, device, accumulator
 
-    def chunk(self, a: int, b: int, device: torch.device) -> torch.Tensor:
+    def chunk(self, a: int, b: int, device: torch.device, fresh: bool = False) -> torch.Tensor:
+        """Elements [a, b) of the sum; never writes the buffer. `fresh`: a new tensor (else, where
+        the buffer is fp32 on `device` and no last slice is pending, a view of it: read only)."""
         total, event = read_async(self.buffer[a:b], device)
         if self.accumulator is not None:
             self.accumulator.note_read(event)  # the buffer is zeroed only once the copy has read it
         if self.extra is not None:
-            total.add_(self.extra[a:b].to(device, torch.float32))
+            return total + self.extra[a:b].to(device, torch.float32)  # a new tensor: the buffer is not written
+        if fresh and total.data_ptr() == self.buffer[a:b].data_ptr():
+            return total.clone()  # fp32 on `device` already, so a view of the buffer: the caller writes it
         return total
 
+    def resident(self, device: torch.device) -> bool:
+        """Whether reading the sum on `device` copies nothing across devices."""
+        return self.buffer.device == device and (self.extra is None or self.extra.device == device)
+
     def in_place(self, n: int, device: torch.device) -> torch.Tensor | None:
-        if self.buffer.dtype != torch.float32 or self.buffer.device != device:
+        """The buffer itself, where it is fp32 on `device` and holds the whole sum (lazy_total
+        added the last slice into it); else None (read it by chunks)."""
+        if self.buffer.dtype != torch.float32 or self.buffer.device != device or self.extra is not None:
             return None
-        return self.chunk(0, n, device)  # the buffer itself (zeroed after the step), the last slice added
+        return self.buffer[:n]

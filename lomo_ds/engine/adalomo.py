@@ -245,7 +245,10 @@ class AdaLomo:
             if ds_compat.param_id(param) in self.deferred:
                 # The slice stays where it arrived (the rank's device); the weights are the
                 # worker's. Its u goes into the bucket's staged buffer, then its coef and decay.
-                g = updater.unscale_and_clip(grad_chunk(grad_shard, 0, geo.local, self.device_of(param)))
+                device = self.device_of(param)
+                g = grad_in_place(grad_shard, geo.local, device)
+                g = updater.unscale_and_clip(g if g is not None else grad_chunk(grad_shard, 0, geo.local, device,
+                                                                                fresh=True))
                 slices.append(_Slice(param, geo, shape, pieces, g, None, g, staged_numel, grad_shard))
                 staged_numel += geo.local + 2
             else:
@@ -257,7 +260,13 @@ class AdaLomo:
                     g = updater.unscale_and_clip(g)
                     slices.append(_Slice(param, geo, shape, pieces, g, updater.weights(param), g, None, grad_shard))
                 else:
-                    slices.append(_Slice(param, geo, shape, pieces, None, None, None, None, grad_shard))
+                    # Read three times below. An accumulated sum kept elsewhere (accumulate_on: cpu)
+                    # is copied over once, whole, rather than once a pass.
+                    src = grad_shard
+                    where = ds_compat.shard(param).device
+                    if not torch.is_tensor(src) and not src.resident(where):
+                        src = src.chunk(0, geo.local, where, fresh=True)
+                    slices.append(_Slice(param, geo, shape, pieces, None, None, None, None, src))
         staged = None
         if staged_numel:
             # One buffer on the rank's device for the whole bucket; the worker's slices are views of it.
@@ -363,8 +372,9 @@ class AdaLomo:
             self._hand_over(updater, slices, staged, keep, coef, decay, finite)
 
     def _g_chunk(self, updater, s: "_Slice", a: int, b: int) -> torch.Tensor:
-        """Elements [a, b) of a chunked slice's gradient, fp32, unscaled and clipped (a fresh copy)."""
-        return updater.unscale_and_clip(grad_chunk(s.src, a, b, ds_compat.shard(s.param).device))
+        """Elements [a, b) of a chunked slice's gradient, fp32, unscaled and clipped: a fresh copy
+        each time, since each of the three passes reads the slice again and writes what it read."""
+        return updater.unscale_and_clip(grad_chunk(s.src, a, b, ds_compat.shard(s.param).device, fresh=True))
 
     def _g_chunks(self, updater, s: "_Slice"):
         """(offset, g) over a slice: its whole g where it has one, else chunk by chunk, whole rows

@@ -66,18 +66,23 @@ def chunk_bounds(n: int, size: int, start: int = 0, align: int = 1) -> list[tupl
     return bounds
 
 
-def grad_chunk(grad, a: int, b: int, device: torch.device) -> torch.Tensor:
-    """Elements [a, b) of a reduced gradient slice as fp32 on `device`, ours to overwrite: a view
-    where it is fp32 there already, else a copy. `grad` is a tensor, or an object with
-    `chunk(a, b, device)` (the accumulator's sum, accumulation.py)."""
+def grad_chunk(grad, a: int, b: int, device: torch.device, *, fresh: bool = False) -> torch.Tensor:
+    """Elements [a, b) of a reduced gradient slice as fp32 on `device`. `fresh`: a new tensor the
+    caller may overwrite; else possibly a view of the slice itself (the received bucket, the
+    accumulator's buffer), which the caller must never write: an update that reads a chunk more than
+    once (AdaLomo's three passes) would read its own writes. `grad` is a tensor, or an object with
+    `chunk(a, b, device, fresh)` (the accumulator's sum, accumulation.py)."""
     if torch.is_tensor(grad):
-        return grad[a:b].to(device, torch.float32)
-    return grad.chunk(a, b, device)
+        return grad[a:b].to(device, torch.float32, copy=fresh)
+    return grad.chunk(a, b, device, fresh=fresh)
 
 
 def grad_in_place(grad, n: int, device: torch.device) -> torch.Tensor | None:
     """The slice's first n elements as one fp32 tensor on `device` without a copy, or None where
-    that needs one (then it is read chunk by chunk)."""
+    that needs one (then it is read chunk by chunk). It is the received bucket or the accumulator's
+    buffer itself: a caller that writes it reads the gradient through this tensor alone from then
+    on (AdaLomo's in-place route), and nothing reads the slice after the update (the bucket is
+    freed, the accumulator zeroed)."""
     if torch.is_tensor(grad):
         real = grad[:n]
         return real if real.dtype == torch.float32 and real.device == device else None
@@ -246,8 +251,10 @@ class ShardUpdater:
         if self.rule.weight_decay:
             decay = 1.0 - self.rule.lr * self.rule.weight_decay
             decay = decay if keep is None else torch.where(keep, decay, 1.0)
+        masked = keep is not None or self.rule.clip_value is not None
         for a, b in chunk_bounds(n, self.chunk):
-            g = grad_chunk(grad_shard, a, b, device)
+            # The slice may be the received bucket or the accumulator itself: written only as a copy.
+            g = grad_chunk(grad_shard, a, b, device, fresh=masked)
             if keep is not None:
                 g.masked_fill_(~keep, 0.0)  # a skipped bucket moves nothing (NaN * 0 would still be NaN)
             if self.rule.clip_value is not None:
@@ -267,16 +274,10 @@ class ShardUpdater:
             return self.adalomo.device_of(param)
         return ds_compat.shard(param).device
 
-    def real_grad(self, param: torch.nn.Parameter, grad_shard: torch.Tensor) -> torch.Tensor:
-        """The fp32 real elements of a reduced gradient slice, where the shard lives (an offloaded
-        shard is updated in host memory: the slice goes there, not the shard here). Ours to
-        overwrite: a view of the received bucket, or a fresh copy."""
-        return grad_shard[:self.geometry(param).local].to(ds_compat.shard(param).device, torch.float32)
-
     def unscale_and_clip(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient as the update rule sees it: averaged, unscaled and norm-clipped (all in
-        grad_scale), then value-clipped. In place: `g` aliases the received bucket or the freed
-        gradient, both ours to overwrite."""
+        grad_scale), then value-clipped. In place: `g` is a fresh copy (grad_chunk's `fresh`), or
+        the slice itself where its caller reads it through `g` alone (grad_in_place)."""
         g.mul_(self.rule.grad_scale)
         if self.rule.clip_value is not None:
             g.clamp_(-self.rule.clip_value, self.rule.clip_value)

@@ -73,17 +73,21 @@ Model states
 The update's transient memory (LOMO; lomo_ds/engine/fused_update.py, ShardUpdater.apply)
 -------------------------------------------------------------------------------------
 The update of one slice of n elements allocates, while the backward's other memory is alive:
-  4 n   g = grad_shard.float()           unless the gradient is fp32 already (then a view)
+  4 n   g = grad_shard.float()           a copy: the slice may be the received bucket or the
+                                         accumulator, which the update never writes (a view where
+                                         it is fp32 and used as it is: no flag on the device, no clip)
   4 n   weights = shard.float()          unless the shard is fp32, or an fp32 master copy is kept
  13 n   stochastic_round_to_bf16         bf16 shards without masters: the int32 noise (4 n), the
                                          isfinite mask (1 n), the rounded bits (4 n) and
                                          torch.where's result (4 n) live together
-so 21 n bytes for bf16 with stochastic rounding, 8 n for fp16 (or bf16 without it), 0 for fp32.
+so 21 n bytes for bf16 with stochastic rounding, 8 n for fp16 (or bf16 without it), 4 n for fp32.
 The largest slice is the largest parameter's (the embedding / LM head): n = ceil(max_p / N).
 AdaLomo (lomo_ds/engine/adalomo.py) needs a bucket's statistics before it updates any slice of it,
 so the fp32 gradient and fp32 weights of the whole bucket (B elements of shard, or the largest
 parameter on one GPU) live together: 8 B bytes, plus one slice's 13 n of rounding (bf16 without
-masters); 4 B with fp32 masters, 0 for fp32. Under offload its hook keeps the bucket's fp32
+masters); 4 B with fp32 masters, 0 for fp32 (updated in place, the gradient read through one
+tensor only). An accumulator in host RAM (lomo.accumulate_on cpu) adds the bucket's fp32 sum on
+the device, 4 B: copied once for the three passes, not once a pass. Under offload its hook keeps the bucket's fp32
 gradient and u on the GPU (8 B, 4 B for fp32), and the worker's update is LOMO's, in host RAM.
 
 Offloaded parameters (zero_optimization.offload_param.device = "cpu", LOMO and AdaLomo only)
@@ -323,7 +327,9 @@ def update_temp_bytes(n: int, run: RunSpec) -> int:
     updated lomo.update_chunk_elements at a time."""
     n = min(n, run.update_chunk)
     if run.b == 4:
-        return 0
+        # fp32 weights are updated in place; the gradient chunk is copied where it is masked (the
+        # pass's finite flag on the device) or clipped, since it may be the received bucket itself
+        return 4 * n
     grad32 = weights32 = 4 * n
     if run.lomo_fp32_master:
         return grad32  # the master is the fp32 weight: updated in place, then cast
@@ -336,8 +342,14 @@ def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec, statist
     slice `slice_n`): each of its passes reads a slice chunk by chunk (engine/adalomo.py), so one
     chunk's fp32 gradient (u in its place), fp32 weights and rounding: LOMO's figure (an fp32 slice
     is updated whole, in place); beside it the statistics of its largest matrix, `statistics_n`
-    rows + columns: their reduced sums, means and factors, 12 bytes each."""
-    return update_temp_bytes(min(bucket_n, slice_n), run) + 12 * statistics_n
+    rows + columns: their reduced sums, means and factors, 12 bytes each. An accumulated sum in host
+    RAM (lomo.accumulate_on cpu) is copied to the device once for the three passes: the bucket's
+    fp32 sum, 4 bytes an element, rather than once a pass."""
+    statistics = 12 * statistics_n
+    copied = 4 * bucket_n if run.accumulation > 1 and run.accumulate_on_host and not run.offload else 0
+    if run.b == 4:
+        return copied + statistics  # fp32 gradient and weights: updated in place, nothing copied
+    return copied + update_temp_bytes(min(bucket_n, slice_n), run) + statistics
 
 
 def adalomo_statistics_numel(m: ModelSpec) -> int:

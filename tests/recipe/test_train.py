@@ -305,7 +305,8 @@ def test_dry_run_prints_config_and_memory_plan(capsys, monkeypatch):
     assert main(["--config", "ds_configs/llama65b.json", "--dry-run"]) == 0
     assert "this launch (8 ranks): AdaLomo needs 21.72 GiB per GPU" in capsys.readouterr().out
     assert main(["--config", "ds_configs/llama65b.json", "--dry-run", "--set", "lomo.optimizer=sgd"]) == 0
-    assert "this launch (8 ranks): LOMO needs 21.67 GiB per GPU" in capsys.readouterr().out
+    # LOMO clips by norm (two backwards over a retained graph): counted since issue 48, finding 4
+    assert "this launch (8 ranks): LOMO needs 21.73 GiB per GPU" in capsys.readouterr().out
 
 
 def test_bad_config_fails_before_any_model(tmp_path, capsys, monkeypatch):
