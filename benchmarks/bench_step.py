@@ -2,7 +2,7 @@
 
   OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 -m benchmarks.bench_step [--steps 8]
   python -m torch.distributed.run --nproc_per_node N -m benchmarks.bench_step --preset gpu --offload   # GPUs
-  ... -m benchmarks.bench_step --preset tiny          # seconds on a CPU: proves it runs (tests/engine/test_buckets.py)
+  ... -m benchmarks.bench_step --preset tiny          # seconds on a CPU: proves it runs (tests/comm/test_buckets.py)
 
 --preset sets the model and run sizes (cpu: the default on a machine without CUDA, gpu: a 0.2B
 LLaMA in bf16, tiny); any size flag given wins over it.

@@ -9,7 +9,7 @@ the gradient clipped to global norm `--lomo-clip` (then to `--lomo-clip-value` p
 engine does) at `--lomo-lr`; AdamW is torch's (betas 0.9/0.999,
 no weight decay) with the same norm clipping at `--adamw-lr`; both with the sweep's linear schedule
 over 100 steps, AdamW's with 10% warm-up, LOMO's with `--lomo-warmup`. The engine's LOMO step
-equals this SGD step (tests/dist_engine_checks) and DeepSpeed's AdamW is this AdamW, so one process
+equals this SGD step (tests/engine/dist_engine_checks) and DeepSpeed's AdamW is this AdamW, so one process
 is enough to see the geometry.
 
 Printed per group of tensors (embedding, attention, MLP, norms): its share of the squared gradient

@@ -7,7 +7,7 @@ beside it asserts on them.
 
 How to add a multi-rank check
 -----------------------------
-In the test module that asserts on it (tests/<package>/test_*.py; tests/engine/test_buckets.py is an example):
+In the test module that asserts on it (tests/<package>/test_*.py; tests/comm/test_buckets.py is an example):
 
     from tests.ranks import multi_rank, ok
 
@@ -30,7 +30,7 @@ In the test module that asserts on it (tests/<package>/test_*.py; tests/engine/t
 - A test that needs a run of the training program (or another program's main) runs it inside the
   launch with `run_here(main, argv)` from a check, unless the test is about the command line or
   the launcher themselves: a launch of its own costs every rank's start-up again.
-- `pytest tests/engine/test_buckets.py` launches only that module's checks; LOMO_CHECKS=key,key (keys
+- `pytest tests/comm/test_buckets.py` launches only that module's checks; LOMO_CHECKS=key,key (keys
   "test_buckets/sgd_shared_memory", or a module "test_buckets/") narrows any launch further.
 
 The launch (`python -m tests.ranks OUT.json MODULE...`) imports the modules that declared checks

@@ -19,7 +19,7 @@ import lomo_ds
 from lomo_ds.config.schema import LomoConfig
 from lomo_ds.engine.chunked_loss import causal_lm_loss, head_of
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import ds_cfg
+from tests.engine.dist_engine_checks import ds_cfg
 from tests.tiny import global_batch, tiny_llama
 
 STEPS = 2

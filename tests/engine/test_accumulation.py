@@ -2,7 +2,7 @@
 
 K micro-batches on N ranks must equal torch.optim.SGD (or the reference AdaLomo) stepping once on
 the concatenated K x N global batch. What the checks build and measure is
-tests/dist_accumulation_checks.py; they are declared here (tests/ranks.py runs them in one launch
+tests/engine/dist_accumulation_checks.py; they are declared here (tests/ranks.py runs them in one launch
 per world size).
 
 Reverts checked (each made temporarily in lomo_engine.py, then these checks run on 2 ranks):
@@ -16,8 +16,8 @@ Reverts checked (each made temporarily in lomo_engine.py, then these checks run 
 """
 import pytest
 
-from tests import dist_accumulation_checks as A
-from tests.dist_engine_checks import offloaded
+from tests.engine import dist_accumulation_checks as A
+from tests.engine.dist_engine_checks import offloaded
 from tests.ranks import assert_matches_reference, multi_rank_checks, ok
 from tests.tiny import tiny_llama
 

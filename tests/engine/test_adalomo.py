@@ -5,7 +5,7 @@ public lomo-optim AdaLomo here; the sharded rule is checked against the referenc
 ranks (3 = uneven shards, slices starting and ending mid-row), also with lomo.host_update "thread"
 (offload_param cpu's path on an accelerator, run on CPU ranks: the statistics and collectives in the
 hook, each shard's update on the host-update worker). Multi-rank figures come from
-tests/dist_adalomo_checks.py, declared as multi-rank checks here (tests/ranks.py).
+tests/engine/dist_adalomo_checks.py, declared as multi-rank checks here (tests/ranks.py).
 
 Reverts checked (the engine's AdaLomo back in the hook, its state beside the shard): every "thread"
 check reports 0 slices applied by the worker; the load not forgetting the worker's sums of squares:
@@ -24,9 +24,9 @@ from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.lomo import load_config
 from lomo_ds.engine.adalomo import row_pieces
 from lomo_ds.planning.planner import LLAMA
-from tests import dist_adalomo_checks as A
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import PER_LAYER, nonfinite_grad_steps, offloaded, scaled_forward
+from tests.engine import dist_adalomo_checks as A
+from tests.engine.dist_engine_checks import PER_LAYER, nonfinite_grad_steps, offloaded, scaled_forward
 from tests.ranks import assert_matches_reference, multi_rank_checks, ok
 from tests.tiny import ScaledLlama, global_batch, tiny_llama
 

@@ -220,7 +220,7 @@ def test_unknown_heads_are_refused_by_name_or_keep_their_loss():
 # ----------------------------------------------------------------------------- the engine, ZeRO-3
 def _engine(model, chunked: str, **lomo):
     import lomo_ds
-    from tests.dist_engine_checks import ds_cfg
+    from tests.engine.dist_engine_checks import ds_cfg
 
     cfg = ds_cfg(chunked_loss=chunked, loss_chunk_logits=3 * VOCAB, **lomo)
     return lomo_ds.initialize(model, cfg)

@@ -183,7 +183,7 @@ def test_chunked_stochastic_rounding_is_unbiased():
 # ----------------------------------------------------------------------------- the engine, 1-3 ranks
 def _engine_pair(optimizer: str, **lomo):
     import lomo_ds
-    from tests.dist_engine_checks import ds_cfg
+    from tests.engine.dist_engine_checks import ds_cfg
     from tests.tiny import global_batch, tiny_llama
 
     out = {}

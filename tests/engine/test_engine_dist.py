@@ -2,11 +2,11 @@
 
 3 ranks make uneven shards (odd parameter sizes, padding on the last rank) and a parameter with
 fewer elements than ranks. Each multi-rank check is declared here beside its assertions (tests/ranks.py);
-what the checks build and measure is tests/dist_engine_checks.py.
+what the checks build and measure is tests/engine/dist_engine_checks.py.
 """
 import pytest
 
-from tests import dist_engine_checks as E
+from tests.engine import dist_engine_checks as E
 from tests.ranks import assert_matches_reference, multi_rank_checks, ok
 from tests.tiny import ScaledLlama, tiny_llama
 

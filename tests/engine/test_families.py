@@ -25,9 +25,9 @@ from lomo_ds.config import leaf_module
 from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.lomo import load_config
 from lomo_ds.config.run import load_run_config
-from tests import dist_adalomo_checks as A
-from tests import dist_engine_checks as E
 from tests.adalomo_reference import ReferenceAdaLomo
+from tests.engine import dist_adalomo_checks as A
+from tests.engine import dist_engine_checks as E
 from tests.families import FAMILIES, MOE, expert_names, tiny_family
 from tests.ranks import ROOT, assert_matches_reference, multi_rank_checks, ok
 from tests.tiny import global_batch

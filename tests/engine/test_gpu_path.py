@@ -25,7 +25,7 @@ from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.profiling import StepTimers
 from lomo_ds.runtime import device as device_module
 from lomo_ds.runtime import dist, ds_compat
-from tests.dist_engine_checks import assert_reduction_overflow_skips, check_reduction_overflow
+from tests.engine.dist_engine_checks import assert_reduction_overflow_skips, check_reduction_overflow
 from tests.ranks import multi_rank, multi_rank_checks, ok
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -320,10 +320,10 @@ def test_adalomo_on_offloaded_shards_stays_on_the_device_in_the_hook(fake_accele
 
 # ----------------------------------------------------------------------------- item 6
 def test_check_figures_are_gathered_on_the_groups_device(monkeypatch):
-    """The checks' figures are gathered over the ranks (tests/dist_engine_checks.py on_every_rank:
+    """The checks' figures are gathered over the ranks (tests/engine/dist_engine_checks.py on_every_rank:
     the GPU suite's overflow and accumulation checks): on NCCL the tensor must be on the GPU, the
     group's device ("meta" stands for it here). ds_compat.all_gather's own refusal stays in."""
-    from tests import dist_engine_checks
+    from tests.engine import dist_engine_checks
 
     meta = torch.device("meta")
     monkeypatch.setattr(dist_engine_checks, "group_device", lambda group=None: meta)
@@ -476,7 +476,7 @@ def _host_reads_in_backward(**lomo) -> dict:
     """Host reads of a tensor by lomo_ds code inside the backward passes of one step (after the
     first, which settles the layout): on a GPU each one drains the queue."""
     import lomo_ds
-    from tests.dist_engine_checks import ds_cfg
+    from tests.engine.dist_engine_checks import ds_cfg
     from tests.tiny import global_batch, tiny_llama
 
     engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, **lomo))
@@ -536,7 +536,7 @@ def gather_order():
     """Item 2: per step, the order of the shard updates, the gathers' wait and the release."""
     import lomo_ds
     from lomo_ds.runtime import ds_compat
-    from tests.dist_engine_checks import ds_cfg
+    from tests.engine.dist_engine_checks import ds_cfg
     from tests.tiny import global_batch, tiny_llama
 
     engine = lomo_ds.initialize(tiny_llama(0), ds_cfg(bucket_size=3000, grad_reduction="reduce_scatter"))
@@ -660,7 +660,7 @@ def test_a_cpu_rank_stages_nothing_and_pins_nothing(monkeypatch):
 
 def _offloaded_engine():
     import lomo_ds
-    from tests.dist_engine_checks import offload_cfg
+    from tests.engine.dist_engine_checks import offload_cfg
     from tests.tiny import tiny_llama
 
     return lomo_ds.initialize(tiny_llama(0), offload_cfg(bucket_size=3000, host_update="thread"))
@@ -726,7 +726,7 @@ def adalomo_host_update_order():
     handed it over returned; the pass is read once every handed slice is applied."""
     import lomo_ds
     from lomo_ds.comm import step_sums
-    from tests.dist_engine_checks import offload_cfg
+    from tests.engine.dist_engine_checks import offload_cfg
     from tests.tiny import global_batch, tiny_llama
 
     cfg = offload_cfg(bucket_size=3000, host_update="thread", optimizer="adalomo", grad_reduction="reduce_scatter")

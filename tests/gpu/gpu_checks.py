@@ -11,17 +11,17 @@ group, the buckets' side stream and the timers' events run on a single GPU as on
 (bucket_path records that they did); "sgd_direct" keeps one rank's default path (each gradient
 applied as it arrives).
 
-Most checks are the CPU suite's, run on CUDA: equivalence with SGD (tests/dist_engine_checks.py;
-clipping, recompute mode, reduce_dtype, mixture-of-experts), AdaLomo against its reference
-(tests/dist_adalomo_checks.py), LoRA+LOMO (tests/dist_methods_checks.py), gradient accumulation,
-bf16 and fp16 overflow, and the integrations (tests/dist_hf_checks.py, tests/dist_dpo_checks.py
-through tests/gpu/integration_checks.py). New here: the bucket path's facts, evaluation and
-generation on the engine after a step against the unpartitioned model with its weights, parameter
-offload, peak memory against the planner (with norm clipping's two passes too), step time against
-the floor and DeepSpeed's own ZeRO-3 SGD and the host-update thread's overlap
-(tests/gpu/timing_checks.py), and bf16 precision: AdaLomo through accumulation, the chunked loss
-(tests/gpu/precision_checks.py). --smoke runs the new ones with tiny sizes on whatever device there
-is, so a CPU proves they run.
+Most checks are the CPU suite's, run on CUDA: equivalence with SGD
+(tests/engine/dist_engine_checks.py; clipping, recompute mode, reduce_dtype, mixture-of-experts),
+AdaLomo against its reference (tests/engine/dist_adalomo_checks.py), LoRA+LOMO
+(tests/methods/dist_methods_checks.py), gradient accumulation, bf16 and fp16 overflow, and the
+integrations (tests/integrations/dist_hf_checks.py, tests/integrations/dist_dpo_checks.py through
+tests/gpu/integration_checks.py). New here: the bucket path's facts, evaluation and generation on
+the engine after a step against the unpartitioned model with its weights, parameter offload, peak
+memory against the planner (with norm clipping's two passes too), step time against the floor and
+DeepSpeed's own ZeRO-3 SGD and the host-update thread's overlap (tests/gpu/timing_checks.py), and
+bf16 precision: AdaLomo through accumulation, the chunked loss (tests/gpu/precision_checks.py).
+--smoke runs the new ones with tiny sizes on whatever device there is, so a CPU proves they run.
 """
 from __future__ import annotations
 
@@ -42,20 +42,20 @@ import lomo_ds
 from lomo_ds.profiling import attach_timers, count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device
-from tests import dist_accumulation_checks as A
-from tests import dist_adalomo_checks as AD
-from tests import dist_engine_checks as E
-from tests import dist_hf_checks as H
 from tests import ranks
-from tests.dist_bucket_checks import check_experts
-from tests.dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence
-from tests.dist_methods_checks import fetch_per_layer, lora_lomo_two_passes
+from tests.comm.dist_bucket_checks import check_experts
+from tests.engine import dist_accumulation_checks as A
+from tests.engine import dist_adalomo_checks as AD
+from tests.engine import dist_engine_checks as E
+from tests.engine.dist_engine_checks import check_bf16, check_overflow, ds_cfg, equivalence
 from tests.gpu import integration_checks as I
 from tests.gpu import precision_checks as P
 from tests.gpu.compare import memory_run_config, predicted_peak_bytes
 from tests.gpu.models import CLIP_MEMORY_MODEL, MEMORY_MODEL, STEP_MODEL, llama, llama_config, random_batch, sync
 from tests.gpu.timing_checks import check_offload_overlap, check_step_time
 from tests.host_memory import checkpoint_and_export_host_memory
+from tests.integrations import dist_hf_checks as H
+from tests.methods.dist_methods_checks import fetch_per_layer, lora_lomo_two_passes
 from tests.ranks import run_checks
 from tests.tiny import global_batch, tiny_llama
 
@@ -333,7 +333,7 @@ def check_delayed_window_tail(device: torch.device, sizes: dict, cycles: int = D
     with the device held back by torch.cuda._sleep just before that pass: the host reaches the
     window's end (zeroing the sums) while the copies are still queued. The result must still be
     torch.optim.SGD's on the window (K = 2, 2 windows), reference on this device."""
-    from tests.dist_accumulation_checks import reference_window
+    from tests.engine.dist_accumulation_checks import reference_window
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     k, lr = 2, 0.05

@@ -1,6 +1,6 @@
 """The integrations on the GPU launch (tests/gpu/gpu_checks.py): the HF Trainer, TRL's SFTTrainer and
-DPOTrainer through lomo_ds.integrations, as the CPU suite drives them (tests/dist_hf_checks.py,
-tests/dist_dpo_checks.py), and the Trainer's bf16 AdaLomo with accumulation that issue 48 reproduced.
+DPOTrainer through lomo_ds.integrations, as the CPU suite drives them (tests/integrations/dist_hf_checks.py,
+tests/integrations/dist_dpo_checks.py), and the Trainer's bf16 AdaLomo with accumulation that issue 48 reproduced.
 
 The Trainer's and SFTTrainer's references are single-process on the CPU and make no collective, so
 the CPU suite's checks run here as they are. DPO's reference calls TRL's own loss, which gathers its
@@ -13,10 +13,10 @@ import contextlib
 
 import torch
 
-from tests import dist_dpo_checks as D
-from tests import dist_hf_checks as H
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.gpu.precision_checks import bf16_ulps
+from tests.integrations import dist_dpo_checks as D
+from tests.integrations import dist_hf_checks as H
 from tests.tiny import tiny_llama
 
 
@@ -64,7 +64,7 @@ def on_device_trainer(base):
 
 
 def host_diff(a: dict | None, b: dict | None) -> float | None:
-    """tests/dist_hf_checks.diff of weights that may be on two devices (the trained ones on the CPU)."""
+    """tests/integrations/dist_hf_checks.diff of weights that may be on two devices (the trained ones on the CPU)."""
     if a is None or b is None:
         return None
     return max((a[k].cpu() - b[k].cpu()).abs().max().item() for k in a)
@@ -91,13 +91,13 @@ def clip_for_this_world() -> None:
 
 
 def trainer_on_gpus(optim: str) -> dict:
-    """tests/dist_hf_checks.check_equivalence on this launch's world (its reference on the CPU)."""
+    """tests/integrations/dist_hf_checks.check_equivalence on this launch's world (its reference on the CPU)."""
     clip_for_this_world()
     return H.check_equivalence(optim)
 
 
 def dpo_on_device(optim: str) -> dict:
-    """tests/dist_dpo_checks.check_equivalence with its reference on the trainer's device."""
+    """tests/integrations/dist_dpo_checks.check_equivalence with its reference on the trainer's device."""
     clip_for_this_world()
     with dpo_reference_on_device():
         return D.check_equivalence(optim)

@@ -17,7 +17,7 @@ import torch
 
 import lomo_ds
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import ds_cfg
+from tests.engine.dist_engine_checks import ds_cfg
 from tests.tiny import global_batch, tiny_llama
 
 # AdaLomo steps a weight by lr x RMS(its tensor) x u: at 0.05 a typical element moves a few ulps a

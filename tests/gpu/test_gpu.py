@@ -3,7 +3,7 @@ tests/gpu/run_all.sh runs it on every GPU there is (world 1, and world N when N 
 
 One launch per world size runs every multi-rank GPU check (tests/gpu/gpu_checks.py: one GPU per
 rank, so its own launch, not the CPU suite's); the assertions on the bf16 and overflow figures are
-the CPU suite's own (tests/dist_engine_checks.py).
+the CPU suite's own (tests/engine/dist_engine_checks.py).
 Figures go to $LOMO_GPU_RESULTS (run_all.sh prints them) or a temporary folder.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ COLLECT_ONLY = os.environ.get("LOMO_GPU_COLLECT") == "1" and not torch.cuda.is_a
 if not torch.cuda.is_available() and not COLLECT_ONLY:
     pytest.skip("the GPU checks need CUDA", allow_module_level=True)
 
-from tests.dist_engine_checks import (  # noqa: E402
+from tests.engine.dist_engine_checks import (  # noqa: E402
     assert_bf16_rounding,
     assert_overflow_recovers,
     assert_reduction_overflow_skips,

@@ -13,7 +13,7 @@ import torch
 
 from lomo_ds.config.lomo import load_config
 from lomo_ds.planning.planner import RunSpec, estimate, run_spec, spec_from_hf_config
-from tests import dist_engine_checks
+from tests.engine import dist_engine_checks
 from tests.gpu import gpu_checks, integration_checks, precision_checks, timing_checks
 from tests.gpu.compare import (
     BF16_ULPS,
@@ -47,7 +47,7 @@ def forced(check):
 # The checks only the GPU suite has, tiny, on the CPU ranks of the 2-rank launch (one torch thread
 # each: a 1-rank launch's two threads fight over a loaded machine's cores on ops this small), forced
 # onto the bucket path as the GPU launch is: they prove the code runs end to end, not how fast it is.
-# One rank's one-rank reduce-scatter is the CPU suite's own (tests/engine/test_buckets.py).
+# One rank's one-rank reduce-scatter is the CPU suite's own (tests/comm/test_buckets.py).
 (gpu_step_time, gpu_offload, gpu_bucket_path, gpu_evaluation, gpu_generation, gpu_offload_two_devices,
  gpu_offload_overlap, gpu_delayed_window_tail) = multi_rank_checks(
     [2], gpu_step_time=lambda: timing_checks.check_step_time(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
@@ -119,7 +119,7 @@ def test_every_gpu_check_binds_and_its_configs_load(on_gpu, world, tmp_path):
 
 def test_test_gpu_imports_exist():
     # test_gpu.py is skipped at module level here, before its imports: they are checked here instead.
-    from tests.dist_engine_checks import (  # noqa: F401
+    from tests.engine.dist_engine_checks import (  # noqa: F401
         assert_bf16_rounding,
         assert_overflow_recovers,
         assert_reduction_overflow_skips,

@@ -78,7 +78,7 @@ def check_offload_overlap(device: torch.device, sizes: dict, optimizer: str = "s
     backward gathering from host memory (no update), taking turns step by step.
 
     Figures: per-step times and medians; the updates the worker applied (0 on the serialised path,
-    which tests/dist_engine_checks.host_updates_applied refuses); the worker's busy time a step
+    which tests/engine/dist_engine_checks.host_updates_applied refuses); the worker's busy time a step
     ("worker_busy_s": its updates' arithmetic, timed on its thread); the floor's backward
     ("floor_backward_s": the most the backward can hide); and what the thread saves over inline
     ("saved_s"), which compare.assert_offload_overlapped holds against the least of the two.

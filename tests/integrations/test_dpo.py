@@ -1,7 +1,7 @@
 """Preference tuning: TRL's DPOTrainer with LOMO and AdaLomo (lomo_ds.integrations.dpo), the
 preference data (lomo_ds.data.preference) and the planner's DPO rows (lomo_ds.planning.dpo).
 
-The multi-rank checks (tests/dist_dpo_checks.py) train through LomoDPOTrainer on real DeepSpeed
+The multi-rank checks (tests/integrations/dist_dpo_checks.py) train through LomoDPOTrainer on real DeepSpeed
 ZeRO-3 ranks and compare with a single-process reference: TRL's DPO loss on an unpartitioned copy of
 the starting model, torch.optim.SGD (or the reference AdaLomo), on each window's micro-batches of
 every rank, with the Trainer's schedule and global-norm clipping.
@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests import dist_dpo_checks as D
+from tests.integrations import dist_dpo_checks as D
 from tests.ranks import ROOT, multi_rank_checks, ok
 
 TOL = 1e-5

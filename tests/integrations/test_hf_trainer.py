@@ -1,6 +1,6 @@
 """LOMO and AdaLomo inside Hugging Face's Trainer and TRL's SFTTrainer (lomo_ds.integrations).
 
-The multi-rank checks (tests/dist_hf_checks.py) train through a real Trainer on real DeepSpeed
+The multi-rank checks (tests/integrations/dist_hf_checks.py) train through a real Trainer on real DeepSpeed
 ZeRO-3 ranks: K = 2 micro-batches, label counts that differ per micro-batch and rank, a linear
 schedule with warm-up, and norm clipping that is active on some steps and not on others. After the
 run the parameters must equal a single-process reference (torch.optim.SGD, or the reference
@@ -16,7 +16,7 @@ import importlib.util
 
 import pytest
 
-from tests import dist_hf_checks as H
+from tests.integrations import dist_hf_checks as H
 from tests.ranks import multi_rank_checks, ok
 
 TOL = 1e-5

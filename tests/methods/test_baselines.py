@@ -1,13 +1,13 @@
 """Every method behind the one engine interface on 2 ranks: steps, memory breakdown, resume, and
 LoRA+LOMO's adapter gradients. The multi-rank checks are declared here (tests/ranks.py); what they
-build and measure is tests/dist_methods_checks.py."""
+build and measure is tests/methods/dist_methods_checks.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from lomo_ds.methods import METHODS
-from tests import dist_methods_checks as M
+from tests.methods import dist_methods_checks as M
 from tests.ranks import multi_rank_checks, ok
 
 (interface, resume, lora_lomo_two_passes, fetch_per_layer, accumulation, labelled_logits,

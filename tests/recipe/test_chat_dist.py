@@ -22,8 +22,8 @@ import torch
 from lomo_ds.evaluation.generation import evaluate_generation, generate_ids
 from lomo_ds.methods import METHODS
 from lomo_ds.storage.checkpoint import export_hf
-from tests.dist_methods_checks import batch_for, fresh_engine, run_config
 from tests.helpers_data import CHATML, chatml_tokenizer
+from tests.methods.dist_methods_checks import batch_for, fresh_engine, run_config
 from tests.ranks import multi_rank, multi_rank_checks, ok, work_dir
 from tests.tiny import tiny_llama
 

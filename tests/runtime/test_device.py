@@ -1,6 +1,6 @@
 """One device per rank: batches are moved to it, collectives refuse tensors off their group's
 device. On this CPU the `meta` device stands in for "some other device" (a GPU); the engine's own
-moves are checked on 1, 2 and 3 ranks in tests/dist_engine_checks.py ("device")."""
+moves are checked on 1, 2 and 3 ranks in tests/engine/dist_engine_checks.py ("device")."""
 import os
 
 import pytest

@@ -12,7 +12,7 @@ import torch
 from lomo_ds.comm import shm_all_gather
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
-from tests import dist_engine_checks as E
+from tests.engine import dist_engine_checks as E
 from tests.ranks import multi_rank_checks, ok
 from tests.tiny import global_batch, tiny_llama
 

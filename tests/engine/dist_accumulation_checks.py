@@ -14,7 +14,7 @@ import torch
 import lomo_ds
 from lomo_ds.runtime import ds_compat
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import (
+from tests.engine.dist_engine_checks import (
     LR,
     ds_cfg,
     host_updates_applied,
@@ -27,7 +27,7 @@ from tests.tiny import global_batch, tiny_llama
 
 K = 3  # micro-batches per step
 STEPS = 2  # optimizer steps (windows) per check
-ADALOMO_LR = 0.01  # see tests/dist_adalomo_checks.py
+ADALOMO_LR = 0.01  # see tests/engine/dist_adalomo_checks.py
 
 
 def window_batches(step: int, world: int, k: int = K, uneven: bool = False) -> list[list[dict]]:

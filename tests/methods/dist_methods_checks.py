@@ -110,7 +110,7 @@ def fetch_per_layer() -> dict:
     whole) and persistence (none: every weight partitioned, LoRA's small adapters too): which
     modules DeepSpeed made leaves, and one step that trains."""
     from lomo_ds.runtime import ds_compat
-    from tests.dist_engine_checks import PER_LAYER
+    from tests.engine.dist_engine_checks import PER_LAYER
 
     out = {}
     for method in METHODS:

@@ -2,7 +2,7 @@
 the process group, and lomo's own reduce-scatter through /dev/shm for CPU ranks on one node):
 equivalence with SGD, non-finite verdicts every rank agrees on, parameters without a gradient on
 some ranks (experts), and the overlap itself. The multi-rank checks are declared here (tests/ranks.py);
-what they build and measure is tests/dist_bucket_checks.py."""
+what they build and measure is tests/comm/dist_bucket_checks.py."""
 import contextlib
 import functools
 import io
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tests import dist_bucket_checks as B
+from tests.comm import dist_bucket_checks as B
 from tests.ranks import multi_rank_checks, ok
 
 WORLDS = [1, 2, 3]

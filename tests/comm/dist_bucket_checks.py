@@ -1,4 +1,4 @@
-"""What the multi-rank checks of the reduce-scatter buckets build and measure; tests/engine/test_buckets.py
+"""What the multi-rank checks of the reduce-scatter buckets build and measure; tests/comm/test_buckets.py
 declares them (tests/ranks.py runs them in one launch per world size) and asserts on rank 0's figures."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from lomo_ds.comm.grad import resolve_grad_route
 from lomo_ds.engine.fused_update import geometry
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
-from tests.dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, on_every_rank, reference_step
+from tests.engine.dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, on_every_rank, reference_step
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 
 # The two ways buckets are summed over several ranks (lomo.grad_reduction).

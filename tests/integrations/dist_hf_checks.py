@@ -18,7 +18,7 @@ import torch
 
 import lomo_ds
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import max_diff
+from tests.engine.dist_engine_checks import max_diff
 from tests.tiny import VOCAB, tiny_llama
 
 SEQ = 11

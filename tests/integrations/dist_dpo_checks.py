@@ -18,7 +18,7 @@ import os
 import torch
 
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_hf_checks import diff, ds_config, full_params, trainer_lrs, trainer_session
+from tests.integrations.dist_hf_checks import diff, ds_config, full_params, trainer_lrs, trainer_session
 
 CHAT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "chat",
                     "train.jsonl")
@@ -103,8 +103,8 @@ def check_equivalence(optim: str = "lomo", in_memory: bool = False) -> dict:
 
     from lomo_ds.data.preference import load_preference
     from lomo_ds.integrations.dpo import LomoDPOTrainer
-    from tests.dist_hf_checks import _out
     from tests.helpers_data import chatml_tokenizer
+    from tests.integrations.dist_hf_checks import _out
 
     world = torch.distributed.get_world_size()
     clip = CLIP[world]

@@ -13,7 +13,7 @@ from lomo_ds.engine.fused_update import geometry
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.dist_engine_checks import bf16_movement, ds_cfg, host_updates_applied, inline_and_thread, max_diff
+from tests.engine.dist_engine_checks import bf16_movement, ds_cfg, host_updates_applied, inline_and_thread, max_diff
 from tests.tiny import global_batch, tiny_llama
 
 # AdaLomo steps every parameter by lr * RMS(param) whatever its gradient's size, and its update
