@@ -43,15 +43,15 @@ demo: .installed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_default.json --set train.seed=$(SEED)
 
 # The CI's checks before the tests: no big file outside the shipped data folders, the linter, and
-# the package's layers (import-linter: a module imports nothing from a layer above its own). Their
-# rules: pyproject.toml.
+# the layers of the package and of the folders around it (import-linter: a module imports nothing
+# from a layer above its own). Their rules: pyproject.toml.
 lint: .installed
 	$(PYTHON) .ci/check_sizes.py
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
 
 # The chat demo: LOMO teaches the built-in model an answer format it does not use zero-shot
-# (lomo_ds/data/builtin/chat, tools/make_chat_task.py); prints exact match before and after and
+# (lomo_ds/data/builtin/chat, datagen/make_chat_task.py); prints exact match before and after and
 # three replies. SEED=n: another training seed; CHAT_ARGS: more flags (e.g. --set lomo.optimizer=adalomo).
 CHAT_ARGS ?=
 demo-chat: .installed
@@ -64,7 +64,7 @@ demo-chat: .installed
 # module writes its compiled file, as pip's install would have (it runs with --no-compile above).
 TEST_WORKERS ?= 2
 test: .installed
-	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests tools $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests $(PYTEST_ARGS)
 
 # The GPU check suite (tests/gpu, skipped without CUDA) on every GPU here, with a summary, then the
 # GPU benchmark (benchmarks/bench_step.py --preset gpu --offload: LOMO against its floor, failed above 1.10x).

@@ -17,10 +17,10 @@ import torch
 
 import lomo_ds
 from benchmarks import common
+from devkit.launch_local import as_deepspeed_launched
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime.device import accelerator_device
-from tools.launch_local import as_deepspeed_launched
 
 # The collective the network carries (grad_reduction "reduce_scatter"), not the shared-memory
 # path that CPU ranks on one node take by default: bytes on the wire are what is compared.

@@ -58,6 +58,7 @@ import torch
 import lomo_ds
 from benchmarks import common
 from benchmarks.bench_step import bench_llama, start_ranks
+from devkit.floor import FloorEngine
 from lomo_ds.planning import planner
 from lomo_ds.profiling import StepTimers, attach_timers, count_comm
 from lomo_ds.runtime import ds_compat
@@ -306,7 +307,7 @@ def run(args) -> dict:
     lomo = lomo_section(args)
     base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
     makers = {
-        "deepspeed floor": lambda m: common.FloorEngine(m, ds),
+        "deepspeed floor": lambda m: FloorEngine(m, ds),
         "lomo": lambda m: lomo_ds.initialize(m, {**ds, "lomo": lomo}),
         "fsdp2 floor": lambda m: Fsdp2Engine(m, lr=None),
         "fsdp2 sgd": lambda m: Fsdp2Engine(m, lr=LR),

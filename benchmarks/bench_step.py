@@ -54,11 +54,12 @@ import torch
 
 import lomo_ds
 from benchmarks import common
+from devkit.floor import FloorEngine
+from devkit.launch_local import as_deepspeed_launched
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.profiling import attach_timers
 from lomo_ds.runtime.host_malloc import keep_freed_memory
-from tools.launch_local import as_deepspeed_launched
 
 LR = 1e-3
 BREAKDOWN = ("pack", "flag", "launch", "wait", "wait at end", "update")
@@ -145,11 +146,11 @@ def bench(args: argparse.Namespace):
         "lomo rs": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "grad_reduction": "reduce_scatter"}}),
         "deepspeed sgd": lambda m: DeepSpeedOptimizerEngine(m, zero, "sgd", "sgd", lr=LR, clip=None, total_steps=0,
                                                             warmup_steps=0),
-        "floor offload": lambda m: common.FloorEngine(m, offloaded),
+        "floor offload": lambda m: FloorEngine(m, offloaded),
         "lomo offload": lambda m: lomo_ds.initialize(m, {**offloaded, "lomo": lomo}),
     }
     wanted = args.engines.split(",") + (list(OFFLOAD_ENGINES) if args.offload else [])
-    engines = {"floor": common.FloorEngine(copy.deepcopy(base), zero)}
+    engines = {"floor": FloorEngine(copy.deepcopy(base), zero)}
     engines.update({name: make(copy.deepcopy(base)) for name, make in makers.items() if name in wanted})
     timed = {name: e for name, e in engines.items() if name.startswith("lomo")}
     for e in timed.values():

@@ -150,7 +150,7 @@ def random_batches(vocab: int, batch: int, seq: int, n: int, seed: int, device=N
 def run_ranks(module: str, nproc: int, args: list[str], cpu: bool, timeout: float) -> subprocess.CompletedProcess:
     """Run the benchmark `module` (e.g. "benchmarks.table2") on `nproc` local ranks; raises
     subprocess.TimeoutExpired."""
-    from tools.launch_local import run_local
+    from devkit.launch_local import run_local
 
     return run_local(["-m", module, *args], nproc, timeout=timeout, cpu=cpu, cwd=ROOT)
 
@@ -194,54 +194,6 @@ def _sync() -> None:
         torch.cuda.synchronize()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-# ----------------------------------------------------------------------------- the floor
-class FloorEngine:
-    """ZeRO-3 forward + backward of the model with each gradient dropped the moment it is ready: no
-    reduction, no update. No optimizer fused into the backward can step faster."""
-
-    def __init__(self, model, ds_config: dict, param_gather: str = "auto"):
-        import deepspeed
-
-        from lomo_ds.comm import configure_param_gather
-        from lomo_ds.config import leaf_module
-        from lomo_ds.runtime import ds_compat
-        from lomo_ds.runtime.device import accelerator_device
-
-        # The parameter fetch LOMO's engines get by default (lomo.param_gather): a fair floor.
-        self.param_gather = configure_param_gather(param_gather)
-        self.ds_engine, *_ = deepspeed.initialize(model=model, config=leaf_module.resolve(ds_config, model),
-                                                  model_parameters=None, optimizer=None)
-        self.module = self.ds_engine.module
-        self.offload = ds_compat.offload_of(self.ds_engine)
-        self.device = accelerator_device()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._discard) for p in self.module.parameters()]
-        self._spans = None  # the last step's forward and backward (a two-pass step pays one more backward)
-
-    @staticmethod
-    def _discard(param) -> None:
-        param.grad = None
-
-    def train_step(self, batch: dict) -> dict:
-        from lomo_ds.profiling import StepTimers
-        from lomo_ds.runtime import ds_compat
-        from lomo_ds.runtime.dist import loss_of
-
-        self.module.train()
-        # On an accelerator the spans are events on the stream, read after the step (no host sync
-        # inside it); a fresh set per step keeps the last step's alone.
-        self._spans = StepTimers(enabled=True, device=self.device)
-        with self._spans.span("forward"):
-            loss = loss_of(self.module(**batch))
-        with self._spans.span("backward"):
-            loss.backward()
-        ds_compat.release_all(self.offload)
-        return {}
-
-    def last_step_seconds(self) -> dict[str, float]:
-        """The last step's forward and backward, in seconds (on an accelerator: waits for them)."""
-        return self._spans.take() if self._spans is not None else {}
 
 
 def pyplot():

@@ -160,9 +160,9 @@ def main(argv=None) -> None:
         return rank_main(a)
     from dataclasses import replace
 
+    from devkit.launch_local import run_local
     from lomo_ds.planning import planner
     from lomo_ds.planning.dpo import dpo_estimate
-    from tools.launch_local import run_local
 
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
              if k not in ("rank_run", "out", "save", "measured")]

@@ -161,7 +161,7 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if a.rank_run:
         return rank_main(a)
-    from tools.launch_local import run_local
+    from devkit.launch_local import run_local
 
     flags = [f"--{k}={v}" for k, v in vars(a).items() if k not in ("rank_run", "out") and v is not None]
     env = {"LOMO_DS_KEEP_FREED_MEMORY": "0", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}

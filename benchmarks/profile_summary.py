@@ -18,7 +18,7 @@ import re
 
 ENGINES = {  # a frame of the engine's train_step, as py-spy prints it: "function (file:line)"
     "lomo": re.compile(r"^(\w+\.)?train_step \(.*lomo_engine\.py"),
-    "deepspeed floor": re.compile(r"^(\w+\.)?train_step \(.*benchmarks/common\.py"),
+    "deepspeed floor": re.compile(r"^(\w+\.)?train_step \(.*devkit/floor\.py"),
     "fsdp2": re.compile(r"^(\w+\.)?train_step \(.*bench_fsdp\.py"),
 }
 _LINE = re.compile(r":\d+\)$")

@@ -1,5 +1,5 @@
 """The quality benchmark: LOMO and AdaLomo against DeepSpeed AdamW, LoRA and LoRA+LOMO on three tasks
-with headroom (valence, spelling, syllables: lomo_ds/data/builtin/, tools/make_*_task.py).
+with headroom (valence, spelling, syllables: lomo_ds/data/builtin/, datagen/make_*_task.py).
 
     python3 -m benchmarks.quality --stage 1 --reuse --max-runs 4    # the next 4 runs of the coarse grid
     python3 -m benchmarks.quality --stage 1 --reuse --only adamw     # one method's grid
@@ -36,10 +36,10 @@ import sys
 from dataclasses import dataclass, field
 
 from benchmarks import table3
+from devkit.launch_local import torchrun_command
 from lomo_ds.config.overrides import parse_override_args
 from lomo_ds.config.schema import LomoConfig
 from lomo_ds.config.tasks import TASKS
-from tools.launch_local import torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -29,9 +29,9 @@ import sys
 import time
 
 from benchmarks import common
+from devkit.launch_local import run_local, torchrun_command
 from lomo_ds.config.tasks import SUPERGLUE_TASKS
 from lomo_ds.config.tasks import TASKS as TASK_REGISTRY
-from tools.launch_local import run_local, torchrun_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -181,7 +181,7 @@ def assert_matches_reference(r: dict, tol: float, label: str) -> None:
 def launch(program: list[str], nproc: int, timeout: float = 600, env: dict | None = None, cpu: bool = True):
     """Run `program` (a script, or "-m" and a module) on `nproc` ranks (CPU ranks unless `cpu` is
     False: one GPU each); fail with its log if it fails."""
-    from tools.launch_local import run_local
+    from devkit.launch_local import run_local
 
     def run():
         return run_local(program, nproc, timeout=timeout, env=env, cwd=ROOT, cpu=cpu)

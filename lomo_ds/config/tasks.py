@@ -11,14 +11,14 @@ scores every candidate by its mean token log-probability. The prompts are MeZO's
   builtin      a small review-sentiment task in BoolQ's schema, shipped in lomo_ds/data/builtin/
   valence      the quality benchmark (benchmarks/quality.py), BoolQ's schema, shipped in
   spelling     lomo_ds/data/builtin/<name>/ with a third split, heldout.jsonl, that tuning never
-  syllables    reads (eval.split: heldout); written by tools/make_<name>_task.py
+  syllables    reads (eval.split: heldout); written by datagen/make_<name>_task.py
   instruction  {"prompt", "response"} records with no candidates: trained on the response, and
                evaluated by the mean token loss on an eval file
   chat         conversations (messages, ShareGPT, Alpaca or prompt/response records: data/chat.py)
                rendered with the tokenizer's chat template, trained on every assistant turn;
                evaluated by the eval loss and optionally by greedy generation
   builtin_chat the chat task on a small synthetic set shipped in lomo_ds/data/builtin/chat/
-               (tools/make_chat_task.py)
+               (datagen/make_chat_task.py)
 
 This module imports nothing heavy: the run config validates `data.task` against it.
 """
@@ -84,7 +84,7 @@ def _copa_choice(choice: str) -> str:
     return first + sep + rest
 
 
-# The quality benchmark's tasks (tools/make_<name>_task.py): three skills, Yes/No in BoolQ's schema.
+# The quality benchmark's tasks (datagen/make_<name>_task.py): three skills, Yes/No in BoolQ's schema.
 QUALITY_TASKS = {"valence": "Valence", "spelling": "Spelling", "syllables": "Syllables"}
 _BOOLQ_FIELDS = {"passage": _STR, "question": _STR, "label": _LABEL}
 _BINARY = {"label": (0, 1)}

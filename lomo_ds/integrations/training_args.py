@@ -52,7 +52,7 @@ def accelerator_name() -> str:
 
 
 # With no GPU visible, torch and DeepSpeed see the machine as one without an accelerator: the CPU
-# path the tests run (tools/launch_local.py launches CPU ranks so).
+# path the tests run (devkit/launch_local.py launches CPU ranks so).
 _USE_CPU_INSTEAD = ("launch with CUDA_VISIBLE_DEVICES= (empty) in every rank's environment, so that DeepSpeed "
                     "picks its CPU accelerator (gloo)")
 

@@ -58,10 +58,10 @@ def _floor_run(FloorEngine, mode: str) -> dict:
 
 
 def check_floor() -> dict:
-    """The DeepSpeed floor (benchmarks' FloorEngine, as the benchmark builds it) on the mixed
+    """The DeepSpeed floor (devkit's FloorEngine, as the benchmark builds it) on the mixed
     model under the layer fetch: the gradients every rank computes, bit for bit, through gloo and
     through shared memory."""
-    from benchmarks.common import FloorEngine
+    from devkit.floor import FloorEngine
 
     runs = {mode: _floor_run(FloorEngine, mode) for mode in ("torch", "shared_memory")}
     a, b = runs["torch"], runs["shared_memory"]

@@ -10,7 +10,7 @@ import time
 import torch
 
 import lomo_ds
-from benchmarks.common import FloorEngine
+from devkit.floor import FloorEngine
 from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from tests.gpu.compare import step_time_table
 from tests.gpu.models import llama, random_batch, sync

@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 import lomo_ds
+from devkit.launch_local import local_ranks, run_local
 from lomo_ds.storage.checkpoint import export_hf
 from tests.helpers_data import byte_bpe_tokenizer
 from tests.host_memory import assert_checkpoint_and_export_host_memory, checkpoint_and_export_host_memory
 from tests.ranks import ROOT, multi_rank, multi_rank_checks, ok, run_here, work_dir
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
-from tools.launch_local import local_ranks, run_local
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 

@@ -1,6 +1,6 @@
 """Generate lomo_ds/data/builtin/valence/{train,validation,heldout}.jsonl: is a word meant well?
 
-    python3 -m tools.make_valence_task        # rewrites all three files, same bytes every time
+    python3 -m datagen.make_valence_task        # rewrites all three files, same bytes every time
 
 Each passage reports one word someone used about something ('In her review of the hotel, Maria
 used the word "dreary".'); the question asks, in varied words, whether the word speaks well of it
@@ -28,8 +28,8 @@ No word is in two splits: the vocabulary is cut once, by the seed, 25% to heldou
 rest to validation and the remainder to train, so both evaluated splits ask only about words the
 model was never trained on. Labels are balanced in every split.
 
-Generated with vaderSentiment 3.3.2 and wordfreq 3.1.1 (the `tools` extra: pip install -e
-'.[tools]'); other versions of the lexicon or word list would change the bytes.
+Generated with vaderSentiment 3.3.2 and wordfreq 3.1.1 (the `datagen` extra: pip install -e
+'.[datagen]'); other versions of the lexicon or word list would change the bytes.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import re
 import vaderSentiment
 import wordfreq
 
-from tools.splits import OFFENSIVE, inoffensive, three_way_pool, train_validation_heldout, write_yes_no_splits
+from datagen.splits import OFFENSIVE, inoffensive, three_way_pool, train_validation_heldout, write_yes_no_splits
 
 SEED = 20261202
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500

@@ -2,7 +2,7 @@
 lomo_ds's loading code with the registry's prompt, are balanced, ask about words no other split
 has, carry no answer outside the quoted word (no frame word and no word length decides them), are
 labelled by their source's rule, and are what the generators write (the generators' word lists,
-tens of MB, come with the `tools` extra; the tests that need them skip without it)."""
+tens of MB, come with the `datagen` extra; the tests that need them skip without it)."""
 from __future__ import annotations
 
 import importlib
@@ -19,7 +19,7 @@ from lomo_ds.data.examples import format_example
 from lomo_ds.data.io import load_split, read_jsonl
 
 SIZES = {"train": 2000, "validation": 500, "heldout": 500}
-# The packages each generator imports (tools/make_<name>_task.py).
+# The packages each generator imports (datagen/make_<name>_task.py).
 PACKAGES = {"valence": ["vaderSentiment", "wordfreq"], "spelling": ["english_words", "wordfreq"],
             "syllables": ["pronouncing", "wordfreq", "english_words"]}
 # A rule that reads no skill scores about 50% on a balanced split; this is how far above it noise may
@@ -45,7 +45,7 @@ def _frame_words(r: dict) -> set[str]:
 
 def _importorskip(task: str) -> None:
     for package in PACKAGES[task]:
-        pytest.importorskip(package, reason=f"tools/make_{task}_task.py needs {package}: pip install -e '.[tools]'")
+        pytest.importorskip(package, reason=f"datagen/make_{task}_task.py needs {package}: pip install -e '.[datagen]'")
 
 
 def test_the_registry_lists_every_generated_task():
@@ -129,7 +129,7 @@ def test_the_shortcut_rule_finds_a_planted_shortcut():
 @pytest.mark.parametrize("task", sorted(QUALITY_TASKS))
 def test_labels_follow_the_sources_rule(task):
     _importorskip(task)
-    gen = importlib.import_module(f"tools.make_{task}_task")
+    gen = importlib.import_module(f"datagen.make_{task}_task")
     if task == "valence":
         truth = gen.lexicon()
     elif task == "syllables":
@@ -145,8 +145,8 @@ def test_labels_follow_the_sources_rule(task):
 
 
 def test_spelling_slips_are_the_documented_ones():
-    _importorskip("spelling")  # the generator imports its word lists (the tools extra) at the top
-    from tools.make_spelling_task import slips
+    _importorskip("spelling")  # the generator imports its word lists (the datagen extra) at the top
+    from datagen.make_spelling_task import slips
 
     got = set(slips("letter"))
     assert {"lteter", "leter", "lettre", "lettar", "litter"} <= got  # swap, undouble, swap, vowel, vowel
@@ -156,7 +156,7 @@ def test_spelling_slips_are_the_documented_ones():
 @pytest.mark.parametrize("task", sorted(QUALITY_TASKS))
 def test_committed_files_are_the_generators_output(task):
     _importorskip(task)
-    gen = importlib.import_module(f"tools.make_{task}_task")
+    gen = importlib.import_module(f"datagen.make_{task}_task")
     generated = gen.generate()
     assert sorted(generated) == sorted(SIZES)
     for split, records in generated.items():

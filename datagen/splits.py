@@ -1,4 +1,4 @@
-"""What the data generators in tools/ share: drawing a balanced split of unique records, and writing a
+"""What the data generators in datagen/ share: drawing a balanced split of unique records, and writing a
 split as JSONL the way the package reads it."""
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""The built-in task's files are what tools/make_builtin_task.py writes, and its held-out split
+"""The built-in task's files are what datagen/make_builtin_task.py writes, and its held-out split
 holds out what it says."""
 import json
 import os
 
+from datagen import make_builtin_task as gen
 from lomo_ds.config.tasks import BUILTIN_DIR
-from tools import make_builtin_task as gen
 
 HELDOUT_DIR = os.path.join(BUILTIN_DIR, "heldout")
 

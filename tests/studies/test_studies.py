@@ -1,5 +1,4 @@
-"""The studies' plumbing (no training): their runs are valid run configs and their tables add up.
-Outside the main suite (`make test`): `python3 -m pytest studies`."""
+"""The studies' plumbing (no training): their runs are valid run configs and their tables add up."""
 from __future__ import annotations
 
 import importlib

@@ -1,6 +1,6 @@
 """Generate lomo_ds/data/builtin/spelling/{train,validation,heldout}.jsonl: is a word spelled right?
 
-    python3 -m tools.make_spelling_task        # rewrites all three files, same bytes every time
+    python3 -m datagen.make_spelling_task        # rewrites all three files, same bytes every time
 
 Each passage quotes one word from someone's writing ('In his essay, Tom wrote "accomodate".'); the
 question asks, in varied words, whether it is spelled correctly ("Is that spelled correctly?").
@@ -22,8 +22,8 @@ No word is in two splits: the vocabulary is cut once, by the seed, 25% to heldou
 rest to validation and the remainder to train; a split's misspellings are made from its own words.
 Labels are balanced in every split.
 
-Generated with english-words 2.0.2 and wordfreq 3.1.1 (the `tools` extra: pip install -e
-'.[tools]'); other versions of their word lists would change the bytes.
+Generated with english-words 2.0.2 and wordfreq 3.1.1 (the `datagen` extra: pip install -e
+'.[datagen]'); other versions of their word lists would change the bytes.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import re
 import wordfreq
 from english_words import get_english_words_set
 
-from tools.splits import inoffensive, three_way_pool, train_validation_heldout, write_yes_no_splits
+from datagen.splits import inoffensive, three_way_pool, train_validation_heldout, write_yes_no_splits
 
 SEED = 20261203
 N_TRAIN, N_VALIDATION, N_HELDOUT = 2000, 500, 500

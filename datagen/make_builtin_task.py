@@ -1,6 +1,6 @@
 """Generate lomo_ds/data/builtin/{train,validation}.jsonl: the project's own small task.
 
-    python3 -m tools.make_builtin_task        # rewrites all four files, same bytes every time
+    python3 -m datagen.make_builtin_task        # rewrites all four files, same bytes every time
 
 Short product/restaurant reviews; the question asks, in varied words, whether the review is
 positive. The rule is lexical and consistent: a review is positive exactly when its opinion words
