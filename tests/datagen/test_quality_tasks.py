@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
+import datagen
 from lomo_ds.config.run import load_run_config
 from lomo_ds.config.tasks import BUILTIN_DIR, QUALITY_TASKS, TASKS
 from lomo_ds.data.examples import format_example
@@ -50,7 +51,7 @@ def _importorskip(task: str) -> None:
 
 def test_the_registry_lists_every_generated_task():
     assert sorted(QUALITY_TASKS) == sorted(PACKAGES)
-    assert {n[len("make_"):-len("_task.py")] for n in os.listdir(os.path.dirname(__file__))
+    assert {n[len("make_"):-len("_task.py")] for n in os.listdir(os.path.dirname(datagen.__file__))
             if n.startswith("make_") and n.endswith("_task.py")} == set(PACKAGES) | {"builtin", "chat"}
 
 

@@ -19,9 +19,9 @@ import torch
 
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.integrations.dist_hf_checks import diff, ds_config, full_params, trainer_lrs, trainer_session
+from tests.ranks import ROOT
 
-CHAT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "chat",
-                    "train.jsonl")
+CHAT = os.path.join(ROOT, "lomo_ds", "data", "builtin", "chat", "train.jsonl")
 BATCH = 2  # pairs per rank and micro-batch
 K = 2
 STEPS = 4

@@ -19,6 +19,7 @@ import torch
 import lomo_ds
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.engine.dist_engine_checks import max_diff
+from tests.ranks import ROOT
 from tests.tiny import VOCAB, tiny_llama
 
 SEQ = 11
@@ -208,8 +209,7 @@ def check_equivalence(optim: str = "lomo", seed: int = 0, **kw) -> dict:
             "wrapped": engine_kind, "use_cpu": args.use_cpu, "device": str(args.device)}
 
 
-CHAT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lomo_ds", "data", "builtin", "chat",
-                    "train.jsonl")
+CHAT = os.path.join(ROOT, "lomo_ds", "data", "builtin", "chat", "train.jsonl")
 
 
 def check_sft(world_rows: int = 8) -> dict:
