@@ -74,12 +74,6 @@ class MemoryTracker:
         return s
 
 
-def model_state_bytes(params) -> dict:
-    """Full-model sizes, for comparing against a rank's accounting."""
-    full = sum(ds_compat.full_numel(p) * p.element_size() for p in params)
-    return {"param_bytes": full}
-
-
 class ActivationCounter:
     """Counts the bytes of unique storages autograd saves while the model's forward runs.
 
