@@ -32,7 +32,7 @@ def _add_plan(sub) -> None:
                                    "smallest GPU count that fits; with --offload, LOMO with its parameters in "
                                    "host RAM and the RAM that needs. Defaults are the shipped configs' "
                                    "(ds_configs/llama*.json); every plan prints its assumptions. "
-                                   "Formulas: lomo_ds/planning/estimate.py.")
+                                   "Formulas: docs/memory.md.")
     p.add_argument("--model", default=None,
                    help="7b|13b|30b|65b (LLaMA, with its shipped config's settings), an HF config.json (or its "
                         "folder), or a run config; without it, a summary for every LLaMA size")

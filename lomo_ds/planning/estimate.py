@@ -1,144 +1,6 @@
 """The per-GPU memory estimate for LOMO, SGD and AdamW under DeepSpeed ZeRO-3, the smallest GPU
-count that fits, and (with `offload_param: cpu`) the host RAM a LOMO run needs.
-
-    p = plan_for_run(load_run_config("ds_configs/llama7b.json"), world=1, model_size="7b")
-    print(format_plan(p))     # assumptions, per-method rows, the smallest GPU count for each
-    est = estimate(LLAMA["13b"], "lomo", gpus=2, run=shipped_run("13b"))
-    est.total                 # predicted peak bytes per GPU
-
-The model: a LLaMA size (LLAMA), or any config.json transformers knows, built on the meta device
-(model_tree.py: its real shapes and module tree, its decoder-layer class for leaf_module "auto").
-Defaults are the shipped GPU configs' (ds_configs/llama*.json): bf16 weights, sequences of 512
-tokens, activation checkpointing on, stochastic rounding on, lomo.bucket_size 25e6, and their
-ZeRO-3 settings (one gather per decoder layer included); `shipped_run(size)` adds that size's
-micro-batch (global batch 16 over the paper's GPU count). Every printed plan starts with the assumptions it made.
-
-Notation: P parameters, N GPUs (ZeRO-3 data-parallel ranks), b bytes of the model dtype (2 for
-fp16/bf16, 4 for fp32), T = batch x seq tokens per GPU, L layers, h hidden, f intermediate, V vocab,
-H / K query / key-value heads of width d, n = ceil(max_p / N) the largest local slice. All figures
-are bytes per GPU; GiB = 2^30 bytes (the paper's "GB" are GiB: 2 x 6.74e9 bytes = 12.55).
-
-Model states
-------------
-  params       b P / N                        this rank's ZeRO-3 shards
-             + b P_persist    (N > 1)         parameters of <= stage3_param_persistence_threshold
-                                              elements (the RMSNorm weights) stay gathered everywhere
-             + b W            (N > 1)         the gathered working set. DeepSpeed keeps gathered
-                                              parameters up to stage3_max_live_parameters (and keeps
-                                              those reused within stage3_max_reuse_distance), plus the
-                                              fetch unit being computed and the prefetch bucket:
-                                              W = min(P - P_persist, min(max_live, max_reuse) + largest
-                                              fetch unit + stage3_prefetch_bucket_size).
-                                              On one GPU the shard is the whole parameter: nothing is
-                                              gathered.
-  Fetch units (the fetch granularity). By default ZeRO-3 gathers each module's own parameters in
-  its own hooks: the largest unit is the largest parameter (a Linear, or the embedding). A leaf
-  module (zero_optimization.leaf_module: classes, names or name suffixes; or every module whose
-  DeepSpeed "granularity", its parameters over its modules, is at most
-  stage3_module_granularity_threshold, outermost first) is gathered whole, by one set of hooks:
-  per decoder layer, the largest unit is a whole layer (12 h^2 for LLaMA-7B's 4096, 1.6 GB in bf16
-  for 65B, against 0.36 GB for its largest Linear). Fewer, larger gathers cost less host time
-  (fetch_units() lists them; format_plan prints W under each granularity). Not modelled: leaves
-  made by the threshold go through DeepSpeed's fast leaf fetch, which was measured keeping about
-  three times the working set above gathered on a small model (tests/planning/test_planner.py); the
-  shipped configs name their leaves (leaf_module.classes), where the measured peak matches W.
-  LOMO grads   b max_p                        N = 1: the one gradient alive at a time (the largest
-                                              parameter: the embedding / LM head)
-  (2 + 1/N) b max(bucket x N, max_p)  N > 1: the gradients filling the next bucket (bucket_size
-                                              elements of shard = bucket x N full elements), the
-                                              rank-major payload of the one in flight, and its
-                                              receive buffer (1/N of it)
-  LOMO accum   a P / N  (K > 1)               gradient accumulation: this rank's accumulator of its
-                                              reduced shards, a = 4 (lomo.accumulate_dtype fp32) or 2;
-                                              on the GPU, or in host RAM (N a P / N per node) with
-                                              lomo.accumulate_on "cpu" or offload_param "cpu"
-  LOMO optim   0                              (4 P / N with fp32 master shards)
-  AdaLomo optim  4 sum(r + c) + 4 V / N + 8 p   AdaLomo's state: fp32 row and column second moments
-                                              of every r x c matrix (E (r + c) for E stacked MoE
-                                              experts [E, r, c]; whole on every rank), this
-                                              rank's slice of every vector's (V elements in all),
-                                              an fp64 step count per parameter (p of them): 10 MiB
-                                              for LLaMA-7B, 49 MiB for 65B (on 8 GPUs)
-  DeepSpeed ZeRO-3 optimizer (SGD / AdamW, mixed precision):
-  grads        b P / N                        the gradient shard buffer for the whole model
-             + b reduce_bucket_size           the contiguous reduce bucket
-             + b max_p                        the gradient alive before it is bucketed
-             + 4 min(P / N, sub_group_size)   at the step, one sub-group's gradient in fp32
-  optim        4 P / N                        fp32 master shards (a copy even for an fp32 model)
-             + 4 P / N  (SGD with momentum)   / + 8 P / N (AdamW: exp_avg, exp_avg_sq)
-  The DeepSpeed total is the larger of the backward-phase sum (states + buffers + working set +
-  activations) and the step-phase sum (states + buffers + the fp32 sub-group gradient; activations
-  and gathered parameters are gone by then).
-
-The update's transient memory (LOMO; lomo_ds/engine/fused_update.py, ShardUpdater.apply)
--------------------------------------------------------------------------------------
-The update of one slice of n elements allocates, while the backward's other memory is alive:
-  4 n   g = grad_shard.float()           a copy: the slice may be the received bucket or the
-                                         accumulator, which the update never writes (a view where
-                                         it is fp32 and used as it is: no flag on the device, no clip)
-  4 n   weights = shard.float()          unless the shard is fp32, or an fp32 master copy is kept
- 13 n   stochastic_round_to_bf16         bf16 shards without masters: the int32 noise (4 n), the
-                                         isfinite mask (1 n), the rounded bits (4 n) and
-                                         torch.where's result (4 n) live together
-so 21 n bytes for bf16 with stochastic rounding, 8 n for fp16 (or bf16 without it), 4 n for fp32.
-The largest slice is the largest parameter's (the embedding / LM head): n = ceil(max_p / N).
-AdaLomo (lomo_ds/engine/adalomo.py) needs a bucket's statistics before it updates any slice of it,
-so the fp32 gradient and fp32 weights of the whole bucket (B elements of shard, or the largest
-parameter on one GPU) live together: 8 B bytes, plus one slice's 13 n of rounding (bf16 without
-masters); 4 B with fp32 masters, 0 for fp32 (updated in place, the gradient read through one
-tensor only). An accumulator in host RAM (lomo.accumulate_on cpu) adds the bucket's fp32 sum on
-the device, 4 B: copied once for the three passes, not once a pass. Under offload its hook keeps the bucket's fp32
-gradient and u on the GPU (8 B, 4 B for fp32), and the worker's update is LOMO's, in host RAM.
-
-Offloaded parameters (zero_optimization.offload_param.device = "cpu", LOMO and AdaLomo only)
-------------------------------------------------------------------------------
-The shards live in host RAM, and the update runs there on a copy of the reduced gradient slice.
-  GPU     b P_persist + b W              persistent parameters and the gathered working set (on
-                                         any N: a gathered parameter is never the host shard)
-        + LOMO grads (as above) + activations; no shard, no update temporaries
-  host    b P (+ 4 P fp32 masters)       every rank's shards, for the whole node (one node)
-        + N (5 b B' + update temporaries) each rank's reduced slices staged in pinned buffers for the
-                                         host-update worker (B' = max(bucket, n): MAX_STAGED = 4
-                                         queued, one applied), and its update
-Host RAM is for the N ranks on one machine; it leaves out the processes' own footprint (CUDA
-context, Python, the DeepSpeed runtime) and the dataset. `lomo-ds plan --offload` prints, for the
-shipped configs' settings on 24 GiB GPUs:
-
-  | model | micro-batch | LOMO GPUs | GiB/GPU | host RAM GiB (node) |    without offload:
-  | 7b    | 16          | 1         | 7.13    | 13.9                |    1 GPU, 17.43 GiB
-  | 13b   | 8           | 1         | 6.01    | 25.9                |    2 GPUs, 18.67 GiB
-  | 30b   | 4           | 1         | 5.91    | 62.7                |    4 GPUs, 21.64 GiB
-  | 65b   | 2           | 1         | 5.84    | 124.1               |    8 GPUs, 21.67 GiB
-
-Activations (bytes autograd saves in the forward; what lomo_ds.runtime.memory.ActivationCounter counts)
-------------------------------------------------------------------------------------------------
-  per layer, no checkpointing (HF LLaMA, eager attention):
-      2 T h (4 + b)                 two RMSNorms: the fp32 input and the normalised output
-    + T H d b x 4                   q, rotate_half(q), rotated q, attention output (o_proj input)
-    + T K d b x 2                   k, rotate_half(k)
-    + T H' d b x 2                  repeated k and v (H' = H when K < H, else K)
-    + B H S^2 (4 + b[b != 4])       fp32 softmax + its cast to the model dtype
-    + 4 T f b                       gate, silu(gate), up, silu x up
-  with (reentrant) checkpointing: T h b per layer (the layer input) + B S^2 b (the eager 4-D causal
-  mask, one tensor every layer's checkpoint saves), and the backward recomputes one
-  layer at a time: one layer's figure above is added to the peak ("recompute"), not to the
-  forward-saved count.
-  head: T h (4 + b) (final norm) + 4 T V (fp32 log-softmax of the loss) + 8 T (targets)
-        + 2 S d b (rotary cos/sin, shared by all layers).
-
-The chunked loss (lomo_ds/engine/chunked_loss.py) adds the larger of its forward's and its
-backward's transients (loss_transient_bytes): a chunk's logits, and with several chunks the fp32
-sum of the input's gradient over the vocabulary's blocks (4 T h, loss_backward_bytes), which keeps
-the head's gradient to one rounding where an fp32 head gradient would take 4 V h.
-
-The total is a conservative peak: model states + forward activations (+ recompute) + the update's
-temporaries, all at once. With two backwards a step (norm clipping or loss scaling at K = 1) over a
-retained graph, it is the larger of the two: the measuring backward keeps the one chunk's gradient
-of the logits alive beside each recomputed layer (measuring_backward_bytes). `accounted` is the
-same without the recompute and update terms: what the engines' accounting (the MemoryTracker peak
-+ the saved-tensor count) measures; tests/planning/test_planner.py compares both against measured
-runs (the total against the step's peak of live memory on one rank).
-"""
+count that fits, and (with `offload_param: cpu`) the host RAM a LOMO run needs. The model behind
+every term, its notation and the figures it gives: docs/memory.md ("The planner's model")."""
 from __future__ import annotations
 
 import math
@@ -189,7 +51,7 @@ class Estimate:
 
 
 def layer_activation_bytes(m: ModelSpec, run: RunSpec) -> float:
-    """Bytes one decoder layer saves in the forward without checkpointing (see module docstring)."""
+    """Bytes one decoder layer saves in the forward without checkpointing (docs/memory.md, "Activations")."""
     T, b, h, f, d = run.batch * run.seq, run.b, m.hidden, m.intermediate, m.d
     rep = m.heads if m.k < m.heads else m.k
     attn = run.batch * m.heads * run.seq**2 * (4 + (b if b != 4 else 0))
@@ -323,7 +185,7 @@ def measuring_backward_bytes(run: RunSpec, resident: float, layer: float, slice_
 
 
 def update_temp_bytes(n: int, run: RunSpec) -> int:
-    """Transient bytes of the fused update of an n-element slice (module docstring), which is
+    """Transient bytes of the fused update of an n-element slice (docs/memory.md), which is
     updated lomo.update_chunk_elements at a time."""
     n = min(n, run.update_chunk)
     if run.b == 4:

@@ -1,6 +1,6 @@
 """The memory planner in one import: `from lomo_ds.planning import planner` then planner.plan(...),
 planner.format_plan(...), ... The parts: specs.py (what is sized), fetch_units.py (ZeRO-3's gathers),
-estimate.py (the bytes, and the model behind them in its docstring), report.py (the printed tables),
+estimate.py (the bytes; the model behind them: docs/memory.md), report.py (the printed tables),
 inputs.py (specs from sizes, config.json files and run configs).
 
     p = plan_for_run(load_run_config("ds_configs/llama7b.json"), world=1, model_size="7b")
