@@ -338,7 +338,7 @@ def test_check_figures_are_gathered_on_the_groups_device(monkeypatch):
     assert figures == [[0.0, 0.0, 0.0]] * 2  # read back to the host (zeros: "meta" holds no data)
 
 
-GPU_SUITE_SOURCES = ("tests/gpu/*.py", "tests/dist_*.py", "tests/tiny.py", "tests/ranks.py")
+GPU_SUITE_SOURCES = ("tests/gpu/*.py", "tests/*/dist_*.py", "tests/tiny.py", "tests/ranks.py")
 TENSOR_COLLECTIVE = re.compile(r"\b(?:torch\.distributed|dist|tdist)\.(all_reduce|all_gather|all_gather_into_tensor|"
                                r"reduce_scatter|reduce_scatter_tensor|broadcast|reduce|gather|scatter|all_to_all\w*|"
                                r"send|recv|isend|irecv)\(")
