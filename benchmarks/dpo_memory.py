@@ -82,7 +82,7 @@ def rank_main(a) -> None:
     from lomo_ds.data.preference import hard_pairs, load_preference, write_jsonl
     from lomo_ds.integrations.dpo import LomoDPOTrainer
     from lomo_ds.integrations.models import pretrained_folders
-    from lomo_ds.planning.memory import ActivationCounter
+    from lomo_ds.runtime.memory import ActivationCounter
 
     lomo_ds.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
