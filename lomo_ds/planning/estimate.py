@@ -70,7 +70,7 @@ Model states
   activations) and the step-phase sum (states + buffers + the fp32 sub-group gradient; activations
   and gathered parameters are gone by then).
 
-The update's transient memory (LOMO; lomo_ds/engine/fused_update.py, ShardUpdater.apply)
+The update's transient memory (LOMO; lomo_ds/engine/update/sgd.py, SGD.apply)
 -------------------------------------------------------------------------------------
 The update of one slice of n elements allocates, while the backward's other memory is alive:
   4 n   g = grad_shard.float()           a copy: the slice may be the received bucket or the
@@ -82,7 +82,7 @@ The update of one slice of n elements allocates, while the backward's other memo
                                          torch.where's result (4 n) live together
 so 21 n bytes for bf16 with stochastic rounding, 8 n for fp16 (or bf16 without it), 4 n for fp32.
 The largest slice is the largest parameter's (the embedding / LM head): n = ceil(max_p / N).
-AdaLomo (lomo_ds/engine/adalomo.py) needs a bucket's statistics before it updates any slice of it,
+AdaLomo (lomo_ds/engine/update/adalomo.py) needs a bucket's statistics before it updates any slice of it,
 so the fp32 gradient and fp32 weights of the whole bucket (B elements of shard, or the largest
 parameter on one GPU) live together: 8 B bytes, plus one slice's 13 n of rounding (bf16 without
 masters); 4 B with fp32 masters, 0 for fp32 (updated in place, the gradient read through one
@@ -315,7 +315,7 @@ def measuring_backward_bytes(run: RunSpec, resident: float, layer: float, slice_
     logits (4 T V, saved: in `resident`'s activations) alive beside every recomputed layer, where
     the updating backward has freed it; the pass updates nothing, and sums each slice's squares
     through an fp32 copy of one chunk at a time where the slice is in a lower dtype
-    (engine/fused_update.py sum_sq). Its loss's forward and backward are the updating pass's."""
+    (engine/update/shard.py grad_sum_sq). Its loss's forward and backward are the updating pass's."""
     if run.two_pass != "retain_graph" or run.accumulation > 1:
         return 0.0
     measure = 4 * min(slice_n, run.update_chunk) if run.b != 4 else 0
@@ -339,7 +339,7 @@ def update_temp_bytes(n: int, run: RunSpec) -> int:
 
 def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec, statistics_n: int = 0) -> int:
     """Transient bytes of AdaLomo's update of a bucket of `bucket_n` shard elements (its largest
-    slice `slice_n`): each of its passes reads a slice chunk by chunk (engine/adalomo.py), so one
+    slice `slice_n`): each of its passes reads a slice chunk by chunk (engine/update/adalomo.py), so one
     chunk's fp32 gradient (u in its place), fp32 weights and rounding: LOMO's figure (an fp32 slice
     is updated whole, in place); beside it the statistics of its largest matrix, `statistics_n`
     rows + columns: their reduced sums, means and factors, 12 bytes each. An accumulated sum in host
@@ -390,7 +390,7 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     if method in FUSED:
         grads = b * max_p if n == 1 else (2 + 1 / n) * b * min(P, max(run.lomo_bucket * n, max_p))
         masters = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
-        # AdaLomo's state stays on the rank's device, offloaded shards or not (engine/adalomo.py)
+        # AdaLomo's state stays on the rank's device, offloaded shards or not (engine/update/adalomo.py)
         state = adalomo_state_bytes(m, n) if method == "adalomo" else 0
         slice_n = math.ceil(max_p / n)
         staged_n = max(min(run.lomo_bucket, shard_numel), slice_n)  # a bucket, at least the largest slice
