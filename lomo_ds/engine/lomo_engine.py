@@ -113,10 +113,10 @@ class LomoEngine:
         self.group = torch.distributed.group.WORLD
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
+        self.memory: MemoryTracker | None = None
         self._build_update(lomo)
         self._build_buckets(lomo)
         self._build_step_state(lomo)
-        self.memory: MemoryTracker | None = None
 
     def _build_update(self, lomo: LomoConfig) -> None:
         """The host-update worker (where it runs) and the updater with its rule."""
