@@ -134,6 +134,10 @@ class _Bucket:
     keep: torch.Tensor | None = None  # the bucket is applied (every rank agrees, on the device)
     factors: list | None = None  # each slice's (row, column) factors of 1/sqrt(v); None: a full v
     u_sq: torch.Tensor | None = None
+    # The last matrix's row and column means, held until the bucket is done: the planner counts a
+    # bucket's statistics as its sums, means and factors alive together (planning/estimate.py,
+    # adalomo_update_temp_bytes; benchmarks/vocab_memory.py measures it).
+    means: tuple | None = None
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -302,7 +306,7 @@ class AdaLomo:
             beta = m.beta_at(state["step"], self.cfg.decay_rate)
             if s.pieces is not None:
                 n_rows, n_cols = m.factor_sizes(s.shape)
-                m.update_factored(state["row"], state["col"], b.sums[at:at + n_rows],
+                b.means = m.update_factored(state["row"], state["col"], b.sums[at:at + n_rows],
                                   b.sums[at + n_rows:at + n_rows + n_cols], s.shape, self.cfg.eps1, beta, here)
                 at += n_rows + n_cols
                 b.factors.append(m.factors_of(state["row"], state["col"]))

@@ -105,11 +105,13 @@ def coefficients(weight_sq: torch.Tensor, u_sq: torch.Tensor, numels: torch.Tens
 
 
 def update_factored(row: torch.Tensor, col: torch.Tensor, row_sums: torch.Tensor, col_sums: torch.Tensor,
-                    shape: torch.Size, eps1: float, beta: torch.Tensor, keep: torch.Tensor) -> None:
+                    shape: torch.Size, eps1: float, beta: torch.Tensor, keep: torch.Tensor):
     """r and c (the state, on their own device) = their moving averages with this step's row and
-    column means of g^2 + eps1, from the bucket's reduced row and column sums of g^2."""
+    column means of g^2 + eps1, from the bucket's reduced row and column sums of g^2; returns the
+    means."""
     rows, cols = shape[-2:]
     row_mean = row_sums.div(cols).add_(eps1).to(row.device)
     col_mean = col_sums.div(rows).add_(eps1).to(col.device)
     ema_where(row, row_mean.view_as(row), beta, keep)
     ema_where(col, col_mean.view_as(col), beta, keep)
+    return row_mean, col_mean
