@@ -3,7 +3,7 @@
 For a tiny LLaMA (bf16, untied embedding and head) at each vocabulary size, with LOMO (SGD) and
 AdaLomo through `lomo_ds.initialize` + `train_step`:
 
-  update   the largest rise of live tensor storage inside one slice's update (ShardUpdater.apply,
+  update   the largest rise of live tensor storage inside one slice's update (SGD.apply,
            AdaLomo's apply_bucket), counted by a dispatch mode over a whole step (the counter the
            planner's tests use): planner.update_temp_bytes / adalomo_update_temp_bytes
   loss     the largest rise inside the chunked loss's forward or backward, less what they return
@@ -121,8 +121,9 @@ def measure(vocab: int, optimizer: str, hidden: int, layers: int, seq: int, upda
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import lomo_ds
-    from lomo_ds.engine import adalomo as adalomo_mod
-    from lomo_ds.engine import chunked_loss, fused_update
+    from lomo_ds.engine import chunked_loss
+    from lomo_ds.engine.update import adalomo as adalomo_mod
+    from lomo_ds.engine.update import sgd as sgd_mod
     from lomo_ds.planning import planner
 
     torch.manual_seed(seed)
@@ -151,9 +152,9 @@ def measure(vocab: int, optimizer: str, hidden: int, layers: int, seq: int, upda
     step_extra = _status_kib("VmHWM") * 1024 - steady
 
     counter = RegionCounter()
-    saved = (fused_update.ShardUpdater.apply, adalomo_mod.AdaLomo.apply_bucket,
+    saved = (sgd_mod.SGD.apply, adalomo_mod.AdaLomo.apply_bucket,
              chunked_loss.LinearCrossEntropy.forward, chunked_loss.LinearCrossEntropy.backward)
-    fused_update.ShardUpdater.apply = counter.region("update", saved[0])
+    sgd_mod.SGD.apply = counter.region("update", saved[0])
     adalomo_mod.AdaLomo.apply_bucket = counter.region("update", saved[1])
     # forward returns the loss (and keeps the log-sum-exp, 4 bytes a position, for the backward);
     # backward returns dh and the head's gradient: the activations' gradient and "grads".
@@ -164,7 +165,7 @@ def measure(vocab: int, optimizer: str, hidden: int, layers: int, seq: int, upda
     # What exists before the step: the parameters, their shards, AdaLomo's state.
     from lomo_ds.runtime import ds_compat
 
-    state = engine.updater.adalomo.state.values() if engine.updater.adalomo else []
+    state = engine.updater.rule.state.values() if optimizer == "adalomo" else []
     counter.known = {t.untyped_storage().data_ptr() for t in
                      [*engine.module.parameters(), *(ds_compat.shard(p) for p in engine.params),
                       *(t for st in state for t in st.values() if torch.is_tensor(t))]}
@@ -172,7 +173,7 @@ def measure(vocab: int, optimizer: str, hidden: int, layers: int, seq: int, upda
         with counter.mode:
             engine.train_step(step_batch)
     finally:
-        (fused_update.ShardUpdater.apply, adalomo_mod.AdaLomo.apply_bucket) = saved[:2]
+        (sgd_mod.SGD.apply, adalomo_mod.AdaLomo.apply_bucket) = saved[:2]
         chunked_loss.LinearCrossEntropy.forward = staticmethod(saved[2])
         chunked_loss.LinearCrossEntropy.backward = staticmethod(saved[3])
 

@@ -2,7 +2,7 @@
 
 Deliberately the paper's form, not lomo_ds's: row and column *sums* of g^2 + eps1 and
 v = r c^T / (1^T r), on whole gradients after an ordinary backward. The choices the paper leaves
-open follow lomo_ds/engine/adalomo.py's docstring: beta_t = 1 - t^decay_rate, weight decay by the
+open follow lomo_ds/engine/update/adalomo.py's docstring: beta_t = 1 - t^decay_rate, weight decay by the
 relative step, tensors of 3 or more dimensions (MoE experts stacked [E, R, C]) factored as a stack of
 R x C matrices: row sums [E, R], column sums [E, C], each matrix divided by its own 1^T r.
 """

@@ -155,7 +155,7 @@ class LomoConfig(Section):
         "reduced at the end of the backward on every rank from the first step on (one found without a gradient "
         "in the first step is treated so from then on)"))
     update_chunk_elements: Int = Field(1 << 22, ge=1, description=(
-        "elements of a shard slice updated at once (lomo_ds/engine/fused_update.py): the update's fp32 and "
+        "elements of a shard slice updated at once (lomo_ds/engine/update/shard.py): the update's fp32 and "
         "rounding temporaries are bounded by this chunk (about 21 bytes an element for bf16), whatever the "
         "parameter's size; fp32 results are the same for every value"))
     chunked_loss: Literal["auto", "on", "off"] = Field("auto", description=(

@@ -128,7 +128,7 @@ class ShardAccumulator:
                    ) -> "AccumulatedSlice":
         """The accumulated gradient of the parameter's real elements, fp32 on `device`, plus
         `grad_shard` (the last micro-batch's slice) when given, read chunk by chunk by the update
-        (fused_update.grad_chunk): no fp32 copy of the whole slice where the buffer is not fp32 on
+        (update/shard.py grad_chunk): no fp32 copy of the whole slice where the buffer is not fp32 on
         `device`. The last slice is added once, whoever reads the sum how often: into an fp32
         buffer on `device` at once (the buffer is zeroed after the step), else to each chunk read
         (not into a bf16 buffer, whose rounding would take the sum's last bits, nor across devices)."""

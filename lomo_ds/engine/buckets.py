@@ -50,7 +50,8 @@ from typing import Callable
 import torch
 
 from lomo_ds.comm import open_grad_transport
-from lomo_ds.engine.fused_update import PassStats, geometry
+from lomo_ds.engine.update.rule import PassStats
+from lomo_ds.engine.update.shard import geometry
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
 from lomo_ds.runtime.dist import all_reduce_sum

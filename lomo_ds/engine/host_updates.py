@@ -22,7 +22,7 @@ ZeRO-3's gathers. So only work without one goes to it: SGD's update, the accumul
 the fused update from the accumulated sum, and the host part of AdaLomo's update. AdaLomo makes
 two small all-reduces per bucket: they, its statistics and its coefficients stay in the hook, on
 the device where the reduced slices are, and the worker gets each slice's normalised update u
-with its two coefficients and applies θ = θ * decay - coef * u (adalomo.py). The measuring pass
+with its two coefficients and applies θ = θ * decay - coef * u (update/adalomo.py). The measuring pass
 of norm clipping stays in the hook too (it never touches a shard: it sums squares on the device).
 
 On a CPU rank the slices are in host memory already: nothing is staged, and no pinned memory is

@@ -3,7 +3,7 @@
 DeepSpeed, given no optimizer, partitions the model and gathers/releases each layer's
 parameters around its forward and backward. lomo_ds hooks every parameter: when its gradient
 is ready it goes into a reduce-scatter bucket, and each rank updates its own slice of the shard
-in place (see fused_update.py). One step = one forward and one or two backward passes:
+in place (lomo_ds/engine/update/). One step = one forward and one or two backward passes:
 
   one pass   plain SGD / value clipping / bf16 / fp32: update as gradients arrive.
   two passes clip by global norm, or fp16 loss scaling: the first pass only measures (this rank's
@@ -26,8 +26,9 @@ applies the update from the sum, fused into its backward or as one pass after it
 or the overflow verdict is needed first (accumulation.py); a non-finite value anywhere in the
 window skips the whole step.
 
-lomo.optimizer "adalomo" swaps the SGD update for AdaLomo's (lomo_ds/engine/adalomo.py) on the same
-reduced shards and passes; its state goes into the shard checkpoint and the memory tracker.
+lomo.optimizer names the update rule, SGD or AdaLomo (lomo_ds/engine/update/), applied to the same
+reduced shards in the same passes; the rule owns its state, which goes into the shard checkpoint
+and the memory tracker.
 
 With offload_param: cpu the shards live in host memory: on an accelerator their updates run on a
 worker thread, overlapped with the backward, from slices copied without blocking into pinned
@@ -37,41 +38,30 @@ statistics and collectives stay in the hook, on the device; the worker applies t
 from __future__ import annotations
 
 import contextlib
-import enum
 import fnmatch
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from lomo_ds.comm import abandon_param_gather, configure_param_gather, open_step_sums
 from lomo_ds.config import leaf_module
 from lomo_ds.config.lomo import LomoConfig, Precision, load_config
-from lomo_ds.engine import checkpoint
 from lomo_ds.engine.accumulation import ACCUMULATE_DTYPES, ShardAccumulator, check_window
-from lomo_ds.engine.adalomo import AdaLomo
 from lomo_ds.engine.buckets import GradientBuckets, NoSpans
 from lomo_ds.engine.chunked_loss import causal_lm_loss, head_of
-from lomo_ds.engine.fused_update import PassStats, ShardGeometries, ShardUpdater, UpdateRule
 from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.engine.precision import DynamicLossScaler
-from lomo_ds.engine.schedule import Schedule
+from lomo_ds.engine.schedule import schedule_of
+from lomo_ds.engine.update import PassSettings, PassStats, build_updater
+from lomo_ds.engine.window import Agreed, BucketMode, Window
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, capture_rng, move_batch, restore_rng
 from lomo_ds.runtime.dist import gather_full_state_dict, has_labelled_tokens, init_distributed, label_tokens, loss_of
 from lomo_ds.runtime.memory import MemoryTracker
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class BucketMode(enum.Enum):
-    """What the buckets' reduced slices are for in a backward."""
-
-    UPDATE = "update"  # apply them
-    ADD = "add"  # into the accumulator (micro-batches 1..K-1 of a window)
-    FOLD = "fold"  # add, then apply the accumulated sum (the fused K-th micro-batch)
 
 
 def initialize(model: torch.nn.Module, config: dict | str | os.PathLike,
@@ -95,7 +85,7 @@ class LomoEngine:
         self.config = lomo
         self.ds_config = ds_config
         self.dtype = (precision or Precision.of(ds_config)).torch_dtype
-        self.schedule = self._make_schedule(lomo, total_steps)
+        self.schedule = schedule_of(lomo, total_steps)
         # This rank's device: batches are moved here and every tensor the engine makes lives here.
         self.device = accelerator_device()
         # zero_optimization.leaf_module "auto" becomes the model's own decoder-layer class.
@@ -119,30 +109,32 @@ class LomoEngine:
         # Every rank is a data-parallel rank (no tensor or pipeline parallelism): the loss and the
         # norm are reduced over all of them, and every parameter must be sharded over all of them
         # (the buckets refuse a group that does not span them). Shard indices come from each
-        # parameter's own group (ShardUpdater).
+        # parameter's own group (update/shard.py).
         self.group = torch.distributed.group.WORLD
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
+        self.memory: MemoryTracker | None = None
+        self._build_update(lomo)
+        self._build_buckets(lomo)
+        self._build_step_state(lomo)
 
+    def _build_update(self, lomo: LomoConfig) -> None:
+        """The host-update worker (where it runs) and the updater with its rule."""
         # Shards in host memory (offload_param: cpu) are updated on a worker thread while the
         # backward goes on (lomo.host_update; by default on accelerators only: on a CPU rank the
-        # update would compete with the backward for the same cores). AdaLomo's update makes
-        # collectives, which must come from the backward's thread in the order every rank shares:
-        # its statistics, collectives and coefficients stay in the hook, on this rank's device,
-        # and only the elementwise update of the shard goes to the worker (adalomo.py).
+        # update would compete with the backward for the same cores). A rule that makes
+        # collectives (AdaLomo) keeps them in the hook, on this rank's device, and hands the
+        # worker only the elementwise update of the shard (update/adalomo.py).
         names = {id(p): n for n, p in self.module.named_parameters()}
         self.host_updates = (HostUpdates(self.device, lambda p: names.get(id(p), f"ds_id={ds_compat.param_id(p)}"))
                              if use_thread(lomo.host_update, self.device) else None)
         # Shards live on the accelerator, or in host memory with offload_param: the update runs
         # where each one lives; the pass statistics stay on this rank's device.
-        geometries = ShardGeometries()
-        adalomo = (AdaLomo(lomo.adalomo, self.module, self.params, self.group, geometries,
-                           host=self.host_updates, device=self.device)
-                   if lomo.optimizer == "adalomo" else None)
-        masters = self.params if lomo.fp32_master_weights and self.dtype != torch.float32 else ()
-        self.updater = ShardUpdater(lomo.stochastic_rounding, lomo.seed, self.device, geometries, adalomo, masters,
-                                   chunk=lomo.update_chunk_elements)
-        self.memory: MemoryTracker | None = None
+        self.updater = build_updater(lomo, self.module, self.params, self.group, self.dtype, self.host_updates,
+                                     self.device)
+
+    def _build_buckets(self, lomo: LomoConfig) -> None:
+        """The gradient buckets, the hooks that fill them, and the route of the step's agreements."""
         # Each parameter is reduced over its own ds_process_group: one bucket set per group.
         reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
         # One object for every parameter: it splits them by their own ds_process_group and refuses
@@ -159,6 +151,8 @@ class LomoEngine:
         self.step_sums = open_step_sums(self.buckets.route, self.group, self.world, self.rank,
                                         lomo.collective_timeout)
 
+    def _build_step_state(self, lomo: LomoConfig) -> None:
+        """The loss scaler, the step counters and the accumulation window."""
         scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
         self.loss_scaler = DynamicLossScaler(scale=2.0**lomo.loss_scale.initial_scale_power,
                                              window=lomo.loss_scale.window,
@@ -174,7 +168,7 @@ class LomoEngine:
                             if self.accumulation_steps > 1 else None)
         self.micro_step = 0  # micro-batches of the current window already taken
         self.window_length = self.accumulation_steps  # micro-batches of the current window
-        self.window = _Window()
+        self.window = Window()
         self.bucket_mode = BucketMode.UPDATE  # what the buckets' reduced slices are for in this backward
 
     @property
@@ -188,18 +182,6 @@ class LomoEngine:
         self.buckets.timers = timers if timers is not None else NoSpans()
 
     # ----------------------------------------------------------------- configuration
-    @staticmethod
-    def _make_schedule(lomo: LomoConfig, total_steps: int | None) -> Schedule:
-        s = lomo.scheduler
-        total = s.total_steps if total_steps is None else total_steps
-        if total < 0:
-            raise ValueError(f"total_steps: expected >= 0, got {total}")
-        if s.type != "constant" and total <= 0:
-            raise ValueError(f"lomo.scheduler.total_steps: a {s.type} schedule needs the total step count "
-                             f"(or pass total_steps= to the engine)")
-        warmup = s.warmup_steps or int(round(s.warmup_ratio * total))
-        return Schedule(s.type, lomo.lr, total, warmup, s.min_lr_ratio)
-
     @property
     def two_passes(self) -> bool:
         """A K = 1 step needs the global norm or the overflow verdict before updating: two backwards."""
@@ -225,8 +207,8 @@ class LomoEngine:
         self.window_length = micro_batches
 
     def enable_memory_tracking(self) -> MemoryTracker:
-        self.memory = MemoryTracker(self.params, master_bytes=sum(m.numel() * 4 for m in self.updater.masters.values()),
-                                    state_bytes=self.updater.adalomo.state_bytes() if self.updater.adalomo else 0)
+        self.memory = MemoryTracker(self.params, master_bytes=self.updater.shard.master_bytes(),
+                                    state_bytes=self.updater.rule.state_bytes())
         self.buckets.track_memory(self.memory)
         return self.memory
 
@@ -248,11 +230,11 @@ class LomoEngine:
 
     def _stage_host_shards(self, items, stats: PassStats):
         """Hand the slices of shards in host memory to the host-update worker (which applies them
-        as this pass's mode says); returns the rest. AdaLomo's updating passes keep the bucket
-        whole (it hands the host part over itself, after its collectives: adalomo.py); the
-        measuring pass touches no shard and sums its squares on the device, here."""
+        as this pass's mode says); returns the rest. The updating passes of a rule that takes
+        each bucket whole keep it whole (the rule hands the host part over itself, after its
+        collectives); the measuring pass touches no shard and sums its squares on the device, here."""
         host = self.host_updates
-        whole = self.updater.adalomo is not None and self.bucket_mode is not BucketMode.ADD
+        whole = self.updater.rule.takes_whole_bucket and self.bucket_mode is not BucketMode.ADD
         if host is None or self.updater.measuring or whole or not any(host.holds(p) for p, _ in items):
             return items
         staged = [(p, g[:self.updater.geometry(p).local]) for p, g in items if host.holds(p)]
@@ -279,12 +261,12 @@ class LomoEngine:
             self.buckets.add(param, grad)
             del grad
 
-    def _backward(self, loss: torch.Tensor, rule: UpdateRule, measure: bool = False, retain_graph: bool = False,
+    def _backward(self, loss: torch.Tensor, settings: PassSettings, measure: bool = False, retain_graph: bool = False,
                   mode: BucketMode = BucketMode.UPDATE) -> PassStats:
-        """One backward pass (measuring, or updating by `rule`, or accumulating by `mode`); its
+        """One backward pass (measuring, or updating by `settings`, or accumulating by `mode`); its
         statistics stay on the device (the buckets fold every bucket's verdict into them, and from
         the first non-finite bucket on apply nothing more)."""
-        stats = self.updater.begin_pass(rule, measure=measure, step=self.global_step)
+        stats = self.updater.begin_pass(settings, measure=measure, step=self.global_step)
         self.buckets.reset(stats)
         self.bucket_mode = mode
         # on an error, peers waiting on this rank's next bucket or parameter gather fail too
@@ -323,7 +305,7 @@ class LomoEngine:
             return causal_lm_loss(self.module, self.loss_head, batch, self.config.loss_chunk_logits)
         return self.module(**batch)
 
-    def _agree_on_loss(self, loss: torch.Tensor, labelled: bool, tokens: int) -> "_Agreed":
+    def _agree_on_loss(self, loss: torch.Tensor, labelled: bool, tokens: int) -> "Agreed":
         """Before any backward, ONE all-reduce of three fp32 numbers: the summed loss of the ranks
         with labelled tokens, how many such ranks, and how many of them have a non-finite loss;
         with loss_normalization "tokens", two more: the token-weighted loss and the label tokens."""
@@ -336,9 +318,9 @@ class LomoEngine:
             values += [value * tokens, float(tokens)]
         total, n_labelled, n_nonfinite, *weighted = self._sum_over_ranks(values, "loss")
         if n_nonfinite or not n_labelled:
-            return _Agreed(math.nan, 0.0, 0.0, n_nonfinite > 0, n_labelled == 0)
+            return Agreed(math.nan, 0.0, 0.0, n_nonfinite > 0, n_labelled == 0)
         token_loss, all_tokens = weighted if by_tokens else (0.0, 0.0)
-        return _Agreed(total / n_labelled, token_loss, all_tokens, False, False)
+        return Agreed(total / n_labelled, token_loss, all_tokens, False, False)
 
     def _backward_loss(self, loss: torch.Tensor, labelled: bool, tokens: int, loss_scale: float,
                        per_token: float = 1.0) -> torch.Tensor:
@@ -411,10 +393,10 @@ class LomoEngine:
             if loss is None:  # overflow in the measuring pass, on some rank
                 window.nonfinite = True
             else:
-                rule = (UpdateRule(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
-                                   weight_decay=self.config.weight_decay) if applies else UpdateRule())
+                settings = (PassSettings(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
+                                         weight_decay=self.config.weight_decay) if applies else PassSettings())
                 mode = BucketMode.UPDATE if one else BucketMode.FOLD if applies else BucketMode.ADD
-                stats = self._backward(loss * loss_scale, rule, mode=mode)
+                stats = self._backward(loss * loss_scale, settings, mode=mode)
                 del loss
                 # The pass's one read, agreed over the ranks (a slice that overflowed only in the last
                 # bucket's reduction is known to its own rank alone until now).
@@ -437,7 +419,7 @@ class LomoEngine:
         labelled, tokens, per_token, loss_scale = seed
         retain = rng is None
         counters = ds_compat.snapshot_backward_counters(self.module) if retain else None
-        stats = self._backward(loss * loss_scale, UpdateRule(lr=result["lr"], grad_scale=grad_scale), measure=True,
+        stats = self._backward(loss * loss_scale, PassSettings(lr=result["lr"], grad_scale=grad_scale), measure=True,
                                retain_graph=retain)
         # fp64, and a non-finite sum stays non-finite through the sum: 8 bytes carry both, and
         # reading the reduced sum is the pass's one host sync.
@@ -471,7 +453,7 @@ class LomoEngine:
         `applied` in its backward, it is applied already), or skip it on every rank; then start
         the next window."""
         window, length = self.window, self.window_length
-        self.micro_step, self.window_length, self.window = 0, self.accumulation_steps, _Window()
+        self.micro_step, self.window_length, self.window = 0, self.accumulation_steps, Window()
         if window.nonfinite or not window.backwards:
             # A non-finite loss or gradient in any micro-batch (or no labels in the whole window):
             # the whole step is skipped on every rank, once.
@@ -490,7 +472,7 @@ class LomoEngine:
                 return self._skip(result, overflow=True)
             if self.config.clip_grad_norm is not None:
                 grad_scale *= min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
-            self._apply_accumulated(UpdateRule(lr=result["lr"], grad_scale=grad_scale,
+            self._apply_accumulated(PassSettings(lr=result["lr"], grad_scale=grad_scale,
                                                clip_value=self.config.clip_grad_value,
                                                weight_decay=self.config.weight_decay))
         self._zero_accumulator()
@@ -500,10 +482,10 @@ class LomoEngine:
         if self.accumulator is not None:  # a window of one accumulates nothing
             self.accumulator.zero()
 
-    def _apply_accumulated(self, rule: UpdateRule) -> None:
+    def _apply_accumulated(self, settings: PassSettings) -> None:
         """The update as one pass over this rank's accumulated shards, bucket by bucket in the
         layout every rank shares (so per-bucket collectives, AdaLomo's, come in one order)."""
-        stats = self.updater.begin_pass(rule, measure=False, step=self.global_step)
+        stats = self.updater.begin_pass(settings, measure=False, step=self.global_step)
         groups = getattr(self.buckets, "layout", None) or [[p] for p in self.params]
         # AdaLomo hands the host part of its host-memory shards to the worker: done before the
         # step ends and the next forward gathers them.
@@ -572,51 +554,28 @@ class LomoEngine:
         return gather_full_state_dict(self.module, self.rank)
 
     def shard_state_dict(self) -> dict[str, Any]:
-        """This rank's part of a resumable checkpoint (checkpoint.py): only at a step boundary; the
-        tensors are the live shards: write them out before the next step."""
-        return checkpoint.shard_state_dict(self)
+        """This rank's part of a resumable checkpoint: the updater's (its shards, fp32 masters and
+        the rule's state) and the step counters. Only at a step boundary: the accumulator is then
+        empty, so it is not part of the state. The tensors are the live shards: write them out
+        before the next step."""
+        if self.micro_step:
+            raise RuntimeError(f"shard_state_dict: {self.micro_step} micro-batch(es) of a window of "
+                               f"{self.window_length} are accumulated; checkpoint at a step boundary")
+        return {"world": self.world, "rank": self.rank, **self.updater.state_dict(self.module, self.params),
+                "global_step": self.global_step, "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
 
     def load_shard_state_dict(self, state: dict[str, Any]) -> None:
-        checkpoint.load_shard_state_dict(self, state)
-
-
-class _Agreed(NamedTuple):
-    """One micro-batch's loss as every rank agreed on it before the backward."""
-
-    loss: float  # mean over the ranks with labels
-    token_loss: float  # summed over every label token of every rank
-    tokens: float  # label tokens of every rank
-    nonfinite: bool
-    unlabelled: bool  # no rank has a label
-
-    def report(self, normalization: str) -> float:
-        if normalization == "tokens" and not (self.nonfinite or self.unlabelled):
-            return self.token_loss / self.tokens
-        return self.loss
-
-
-@dataclass
-class _Window:
-    """What a window of micro-batches has seen so far, the same on every rank."""
-
-    losses: list[float] = field(default_factory=list)  # the micro-batches' agreed losses (with labels)
-    token_loss: float = 0.0
-    tokens: float = 0.0
-    nonfinite: bool = False
-    backwards: int = 0  # micro-batches whose gradient is in the accumulator
-    per_token: float | None = None  # the window's backward seed weight (LomoEngine._token_weight)
-
-    def note(self, agreed: _Agreed) -> None:
-        self.nonfinite |= agreed.nonfinite
-        if not (agreed.nonfinite or agreed.unlabelled):
-            self.losses.append(agreed.loss)
-            self.token_loss += agreed.token_loss
-            self.tokens += agreed.tokens
-
-    def report(self, normalization: str) -> float:
-        """The window's loss so far: the mean of its micro-batches' (or its token mean)."""
-        if self.nonfinite or not self.losses:
-            return math.nan
-        if normalization == "tokens":
-            return self.token_loss / self.tokens
-        return sum(self.losses) / len(self.losses)
+        """Restore what shard_state_dict wrote, on the rank that wrote it; every refusal of the
+        shards comes before any shard is written."""
+        if state["world"] != self.world or state["rank"] != self.rank:
+            raise ValueError(f"checkpoint shard was written by rank {state['rank']} of {state['world']}, "
+                             f"this is rank {self.rank} of {self.world}")
+        self.updater.load_state_dict(state, self.module, self.params)
+        self.global_step = state["global_step"]
+        self.skipped_steps = state["skipped_steps"]
+        self.consecutive_skips = state.get("consecutive_skips", 0)
+        if self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        ds_compat.release_all(self.offload)

@@ -131,7 +131,7 @@ FIELDS: list[Field] = [
     Field("torch_empty_cache_steps", SUPPORTED, "as the Trainer: the device cache emptied every N steps"),
     # ------------------------------------------------------------------ checkpointing
     Field("save_strategy", SUPPORTED, "a checkpoint holds the model as save_model writes it, every rank's shard "
-                                      "state (lomo_rank_NNNNN.pt: its shards, step, AdaLomo's state), the "
+                                      "state (rank_NNNNN.pt: its shards, step, AdaLomo's state), the "
                                       "scheduler, RNG and Trainer state"),
     Field("save_steps", SUPPORTED, "as the Trainer"),
     Field("save_total_limit", SUPPORTED, "the Trainer's rotation of checkpoint folders"),

@@ -46,10 +46,9 @@ from lomo_ds.integrations.training_args import (
     lomo_section,
     merge_lomo_section,
 )
+from lomo_ds.methods.base import load_rank_state, save_rank_state
 from lomo_ds.runtime.dist import io_barrier, label_tokens
 from lomo_ds.storage.checkpoint import IO_TIMEOUT_S, write_atomic, write_hf_model
-
-SHARD_STATE = "lomo_rank_{:05d}.pt"
 
 
 def _without_auto(config):
@@ -310,8 +309,7 @@ class LomoTrainerMixin:
 
         engine = self.lomo_engine
         os.makedirs(output_dir, exist_ok=True)
-        state = engine.shard_state_dict()
-        write_atomic(os.path.join(output_dir, SHARD_STATE.format(engine.rank)), lambda f: torch.save(state, f))
+        save_rank_state(output_dir, engine.rank, {"lomo": engine.shard_state_dict()})  # the recipe's file
         if self.args.should_save:
             write_atomic(os.path.join(output_dir, SCHEDULER_NAME),
                          lambda f: torch.save(self.lr_scheduler.state_dict(), f))
@@ -325,9 +323,10 @@ class LomoTrainerMixin:
         from transformers.trainer import SCHEDULER_NAME
 
         engine = self.lomo_engine
-        path = os.path.join(checkpoint, SHARD_STATE.format(engine.rank))
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path}: no LOMO shard state for rank {engine.rank} (written with "
-                                    "save_only_model, or by another number of ranks?)")
-        engine.load_shard_state_dict(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+        try:
+            state = load_rank_state(checkpoint, engine.rank)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{e}: no LOMO shard state (written with save_only_model, or by another "
+                                    "number of ranks?)") from None
+        engine.load_shard_state_dict(state["lomo"])
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))

@@ -7,6 +7,13 @@
     engine.load_state(directory)  # collective: every rank reads its part back
     engine.supports_resume        # whether save_state/load_state exist for this method
 
+A method whose engine keeps per-rank state (LOMO, LoRA+LOMO) writes one file per rank,
+`rank_NNNNN.pt` (save_rank_state), holding a dict: `"lomo"` is LomoEngine.shard_state_dict() (the
+rank's shards, fp32 masters, the update rule's state, the step counters), beside any entries of the
+method's own. The Trainer integration (lomo_ds.integrations.transformers) writes the same file;
+load_rank_state also reads the name and layout it wrote before, `lomo_rank_NNNNN.pt` holding the
+engine's state alone.
+
 Resume goes through a directory rather than a state dict because DeepSpeed's own optimizers
 checkpoint themselves (`save_checkpoint` writes its files into a directory); lomo_ds.storage.checkpoint
 hands every method a staging directory and makes the whole checkpoint appear atomically.
@@ -41,6 +48,11 @@ from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, move_batch
 from lomo_ds.runtime.dist import gather_full_state_dict, init_distributed
 from lomo_ds.runtime.memory import ActivationCounter, MemoryTracker, breakdown, tensor_bytes
+from lomo_ds.storage.checkpoint import write_atomic
+
+RANK_STATE = "rank_{:05d}.pt"
+# What the Trainer integration wrote before it used RANK_STATE: the engine's state alone, unwrapped.
+OLD_TRAINER_STATE = "lomo_rank_{:05d}.pt"
 
 
 @runtime_checkable
@@ -73,13 +85,26 @@ class Engine(Protocol):
 
 
 def rank_state_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rank_{rank:05d}.pt")
+    return os.path.join(directory, RANK_STATE.format(rank))
+
+
+def save_rank_state(directory: str, rank: int, state: dict[str, Any]) -> None:
+    """Write this rank's state file (the module docstring's layout), atomically."""
+    write_atomic(rank_state_file(directory, rank), lambda f: torch.save(state, f))
 
 
 def load_rank_state(directory: str, rank: int) -> dict[str, Any]:
+    """This rank's state file, in the layout save_rank_state writes (an old Trainer file converted)."""
     path = rank_state_file(directory, rank)
+    old = os.path.join(directory, OLD_TRAINER_STATE.format(rank))
+    if not os.path.exists(path) and os.path.exists(old):
+        return {"lomo": _load(old)}
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: missing state file for rank {rank}")
+    return _load(path)
+
+
+def _load(path: str) -> dict[str, Any]:
     # Memory-mapped: each tensor is read from the file as it is copied into its shard, so a rank
     # never holds its whole state in host memory. weights_only: a checkpoint directory from
     # anywhere else must not run code on every rank (tensors, numbers, strings and containers only).

@@ -7,9 +7,8 @@ import torch
 
 from lomo_ds.config.schema import LomoConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
-from lomo_ds.methods.base import MethodEngine, load_rank_state, rank_state_file
-from lomo_ds.runtime.memory import MemoryTracker, tensor_bytes
-from lomo_ds.storage.checkpoint import write_atomic
+from lomo_ds.methods.base import MethodEngine, load_rank_state, save_rank_state
+from lomo_ds.runtime.memory import MemoryTracker
 
 
 class LomoMethodEngine(MethodEngine):
@@ -52,8 +51,7 @@ class LomoMethodEngine(MethodEngine):
         self.engine.load_shard_state_dict(state["lomo"])
 
     def save_state(self, directory: str) -> None:
-        state = self.state_dict()
-        write_atomic(rank_state_file(directory, self.rank), lambda f: torch.save(state, f))
+        save_rank_state(directory, self.rank, self.state_dict())
 
     def load_state(self, directory: str) -> None:
         self.load_state_dict(load_rank_state(directory, self.rank))
@@ -72,6 +70,4 @@ class LomoMethodEngine(MethodEngine):
         return held + self.tracker.peak.grad_bytes + self.tracker.peak.bucket_bytes
 
     def _optimizer_bytes(self) -> int:
-        adalomo = self.engine.updater.adalomo
-        return (sum(tensor_bytes(m) for m in self.engine.updater.masters.values())
-                + (adalomo.state_bytes() if adalomo is not None else 0))
+        return self.engine.updater.state_bytes()  # the fp32 masters and the update rule's state

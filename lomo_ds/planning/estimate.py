@@ -177,7 +177,7 @@ def measuring_backward_bytes(run: RunSpec, resident: float, layer: float, slice_
     logits (4 T V, saved: in `resident`'s activations) alive beside every recomputed layer, where
     the updating backward has freed it; the pass updates nothing, and sums each slice's squares
     through an fp32 copy of one chunk at a time where the slice is in a lower dtype
-    (engine/fused_update.py sum_sq). Its loss's forward and backward are the updating pass's."""
+    (engine/update/shard.py grad_sum_sq). Its loss's forward and backward are the updating pass's."""
     if run.two_pass != "retain_graph" or run.accumulation > 1:
         return 0.0
     measure = 4 * min(slice_n, run.update_chunk) if run.b != 4 else 0
@@ -201,7 +201,7 @@ def update_temp_bytes(n: int, run: RunSpec) -> int:
 
 def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec, statistics_n: int = 0) -> int:
     """Transient bytes of AdaLomo's update of a bucket of `bucket_n` shard elements (its largest
-    slice `slice_n`): each of its passes reads a slice chunk by chunk (engine/adalomo.py), so one
+    slice `slice_n`): each of its passes reads a slice chunk by chunk (engine/update/adalomo.py), so one
     chunk's fp32 gradient (u in its place), fp32 weights and rounding: LOMO's figure (an fp32 slice
     is updated whole, in place); beside it the statistics of its largest matrix, `statistics_n`
     rows + columns: their reduced sums, means and factors, 12 bytes each. An accumulated sum in host
@@ -252,7 +252,7 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     if method in FUSED:
         grads = b * max_p if n == 1 else (2 + 1 / n) * b * min(P, max(run.lomo_bucket * n, max_p))
         masters = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
-        # AdaLomo's state stays on the rank's device, offloaded shards or not (engine/adalomo.py)
+        # AdaLomo's state stays on the rank's device, offloaded shards or not (engine/update/adalomo.py)
         state = adalomo_state_bytes(m, n) if method == "adalomo" else 0
         slice_n = math.ceil(max_p / n)
         staged_n = max(min(run.lomo_bucket, shard_numel), slice_n)  # a bucket, at least the largest slice

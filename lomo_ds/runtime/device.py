@@ -2,7 +2,7 @@
 
 DeepSpeed's accelerator names this rank's device (`cuda:<local rank>` on GPUs, `cpu` here). Every
 tensor lomo_ds creates for training goes there, except the update of an offloaded shard, which
-runs where the shard lives (see fused_update.py). Collectives take tensors on their group's
+runs where the shard lives (see lomo_ds/engine/update/shard.py). Collectives take tensors on their group's
 device: gloo reduces CPU tensors, NCCL only accelerator ones.
 """
 from __future__ import annotations

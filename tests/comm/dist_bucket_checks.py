@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 
 import lomo_ds
 from lomo_ds.comm.grad import resolve_grad_route
-from lomo_ds.engine.fused_update import geometry
+from lomo_ds.engine.update import geometry
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from tests.engine.dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, on_every_rank, reference_step

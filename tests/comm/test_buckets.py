@@ -258,7 +258,7 @@ def test_update_known_finite_on_the_host_skips_the_masking_and_equals_the_masked
     """A bucket known finite on the host (a flag in host memory: CPU ranks) is applied without
     the masking pass, to the same weights as with the device flag; a bucket whose device flag is
     false moves nothing, NaN gradients included."""
-    from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
+    from lomo_ds.engine.update import PassSettings, ShardUpdater
 
     def params():
         out = []
@@ -275,7 +275,7 @@ def test_update_known_finite_on_the_host_skips_the_masking_and_equals_the_masked
     results = {}
     for on_host in (False, True):
         ps, updater = params(), ShardUpdater(False, 0, torch.device("cpu"))
-        stats = updater.begin_pass(UpdateRule(lr=0.1, grad_scale=0.5, weight_decay=weight_decay), step=0)
+        stats = updater.begin_pass(PassSettings(lr=0.1, grad_scale=0.5, weight_decay=weight_decay), step=0)
         masks.clear()
         if on_host:  # the flag lives in host memory here: the update reads it
             updater.apply_bucket([(p, g.clone()) for p, g in zip(ps, grads, strict=True)], stats)
@@ -290,7 +290,7 @@ def test_update_known_finite_on_the_host_skips_the_masking_and_equals_the_masked
     # after a device verdict the update takes the device flag (never reads it) even where it is true.
     for verdict in (False, torch.tensor(False), torch.tensor(True)):
         ps, updater = params(), ShardUpdater(False, 0, torch.device("cpu"))
-        stats = updater.begin_pass(UpdateRule(lr=0.1, weight_decay=weight_decay), step=0)
+        stats = updater.begin_pass(PassSettings(lr=0.1, weight_decay=weight_decay), step=0)
         stats.fold(verdict)
         assert (stats.finite_now() is True) is False
         if torch.is_tensor(verdict) and verdict:

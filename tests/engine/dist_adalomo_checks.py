@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lomo_ds
-from lomo_ds.engine.fused_update import geometry
+from lomo_ds.engine.update import geometry
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from tests.adalomo_reference import ReferenceAdaLomo
@@ -152,8 +152,8 @@ def check_traffic():
         with count_comm() as counts:
             engine.train_step(global_batch(1, world, vocab=1000)[rank])
         out[name] = {"counts": counts.as_dict(), "total": counts.total_bytes}
-        if engine.updater.adalomo is not None:
-            out["adalomo_state_bytes"] = engine.updater.adalomo.state_bytes()
+        if optimizer == "adalomo":
+            out["adalomo_state_bytes"] = engine.updater.rule.state_bytes()
             out["param_bytes"] = sum(ds_compat.full_numel(p) * 4 for p in engine.params)
             out["shard_bytes"] = sum(ds_compat.shard(p).numel() * 4 for p in engine.params)
             out["n_params"] = len(engine.params)
@@ -165,6 +165,6 @@ def check_memory():
     engine = lomo_ds.initialize(tiny_llama(4), adalomo_cfg())
     tracker = engine.enable_memory_tracking()
     engine.train_step(global_batch(0, engine.world)[engine.rank])
-    return {"peak_state_bytes": tracker.peak.state_bytes, "state_bytes": engine.updater.adalomo.state_bytes(),
+    return {"peak_state_bytes": tracker.peak.state_bytes, "state_bytes": engine.updater.rule.state_bytes(),
             "shard_bytes": sum(ds_compat.shard(p).numel() * 4 for p in engine.params),
             "param_bytes": sum(ds_compat.full_numel(p) * 4 for p in engine.params)}

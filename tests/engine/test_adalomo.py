@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.lomo import load_config
-from lomo_ds.engine.adalomo import row_pieces
+from lomo_ds.engine.update.adalomo_math import row_pieces
 from lomo_ds.planning.planner import LLAMA
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.engine import dist_adalomo_checks as A

@@ -10,8 +10,7 @@ import torch
 
 from lomo_ds.config.schema import AdaLomoConfig
 from lomo_ds.engine.accumulation import ShardAccumulator
-from lomo_ds.engine.adalomo import AdaLomo
-from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule, chunk_bounds
+from lomo_ds.engine.update import AdaLomo, PassSettings, ShardGeometries, ShardUpdater, chunk_bounds
 from tests.ranks import multi_rank_checks, ok
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -45,7 +44,7 @@ def run_updates(chunk: int, weights: str = "fp32", grads: str = "fp32", adalomo:
     geometries = ShardGeometries()
     ada = AdaLomo(AdaLomoConfig(), module, params, None, geometries) if adalomo else None
     updater = ShardUpdater(rounding, 7, torch.device("cpu"), geometries, ada, params if master else (), chunk=chunk)
-    rule = rule or UpdateRule(lr=0.05, grad_scale=0.5, clip_value=0.7, weight_decay=0.1)
+    rule = rule or PassSettings(lr=0.05, grad_scale=0.5, clip_value=0.7, weight_decay=0.1)
     norms = []
     for step in range(steps):
         gs = grads_for(params, grads, seed=10 + step)
@@ -88,7 +87,7 @@ def test_chunk_bounds_tile_the_slice_and_keep_rows_whole():
     dict(),  # fp32 shards, fp32 gradients
     dict(grads="bf16"),  # an fp32 copy of each chunk of a bf16 gradient
     dict(weights="bf16", master=True),  # fp32 masters
-    dict(rule=UpdateRule(lr=0.05, grad_scale=0.5)),  # no clipping, no decay
+    dict(rule=PassSettings(lr=0.05, grad_scale=0.5)),  # no clipping, no decay
     dict(accumulated=True),  # the accumulator's sum (and the window's last slice)
     dict(adalomo=True),
     dict(adalomo=True, accumulated=True),
@@ -125,7 +124,7 @@ def test_bf16_adalomo_is_the_reference_on_the_same_weights(grads, chunk, accumul
 
     module, params = make_params("bf16")
     before = [p.ds_tensor.float() for p in params]
-    rule = UpdateRule(lr=0.05, grad_scale=0.5, clip_value=0.7, weight_decay=0.1)
+    rule = PassSettings(lr=0.05, grad_scale=0.5, clip_value=0.7, weight_decay=0.1)
     geometries = ShardGeometries()
     updater = ShardUpdater(False, 7, torch.device("cpu"), geometries,
                            AdaLomo(AdaLomoConfig(), module, params, None, geometries), chunk=chunk)
@@ -166,7 +165,7 @@ def test_chunked_stochastic_rounding_is_unbiased():
     p = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
     p.ds_tensor, p.ds_numel, p.ds_id = torch.ones(n, dtype=torch.bfloat16), n, 0
     updater = ShardUpdater(True, 3, torch.device("cpu"), chunk=chunk)
-    stats = updater.begin_pass(UpdateRule(lr=1.0), step=0)
+    stats = updater.begin_pass(PassSettings(lr=1.0), step=0)
     updater.apply(p, torch.full((n,), -(2**-9), dtype=torch.float32), stats.finite)  # w - lr g = 1 + 2^-9
     r = p.ds_tensor.float()
     assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}

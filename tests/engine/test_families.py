@@ -232,7 +232,7 @@ def test_reference_state_of_experts_is_rows_plus_columns():
 
 def crosses_experts(engine) -> int:
     """Stacked tensors whose slice on some rank spans two of its matrices (experts)."""
-    from lomo_ds.engine.fused_update import geometry
+    from lomo_ds.engine.update import geometry
     from lomo_ds.runtime import ds_compat
 
     n = 0
@@ -261,7 +261,7 @@ def adalomo_moe(family: str) -> dict:
         r = A.equivalence(lambda: tiny_family(family, 3), A.adalomo_cfg(clip_grad_norm=CLIP, fetch=AUTO),
                           clip_norm=CLIP)
     engine = captured["engine"]
-    ada = engine.updater.adalomo
+    ada = engine.updater.rule
     shapes = {n: [list(t.shape) for k, t in ada.state[ds_compat.param_id(p)].items() if k != "step"]
               for n, p in engine.module.named_parameters() if p.dim() >= 3 or len(ds_compat.full_shape(p)) >= 3}
     return {**r, "expert_state_shapes": shapes, "crosses_experts": crosses_experts(engine),

@@ -19,9 +19,8 @@ from torch.utils._pytree import tree_leaves
 from lomo_ds.comm import shm_all_gather, shm_reduce_scatter
 from lomo_ds.config.schema import AdaLomoConfig
 from lomo_ds.engine import host_updates
-from lomo_ds.engine.adalomo import AdaLomo
-from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule
 from lomo_ds.engine.host_updates import HostUpdates, use_thread
+from lomo_ds.engine.update import AdaLomo, PassSettings, ShardGeometries, ShardUpdater
 from lomo_ds.profiling import StepTimers
 from lomo_ds.runtime import device as device_module
 from lomo_ds.runtime import dist, ds_compat
@@ -145,7 +144,7 @@ def test_stochastic_rounding_draws_on_each_shards_own_device(monkeypatch):
             return self
 
     monkeypatch.setattr(torch, "Generator", Gen)
-    monkeypatch.setattr("lomo_ds.engine.fused_update.stochastic_round_to_bf16",
+    monkeypatch.setattr("lomo_ds.engine.update.shard.stochastic_round_to_bf16",
                         lambda w, gen: (used.append((w.device, gen.device)), w.to(torch.bfloat16))[1])
     params = []
     for i, dev in enumerate(("cpu", "meta")):
@@ -153,7 +152,7 @@ def test_stochastic_rounding_draws_on_each_shards_own_device(monkeypatch):
         p.ds_tensor, p.ds_numel, p.ds_id = torch.zeros(8, dtype=torch.bfloat16, device=dev), 8, i
         params.append(p)
     updater = ShardUpdater(stochastic_rounding=True, seed=0, stats_device=torch.device("cpu"))
-    stats = updater.begin_pass(UpdateRule(lr=0.1), step=0)
+    stats = updater.begin_pass(PassSettings(lr=0.1), step=0)
     for p in params:
         updater.apply(p, torch.ones(8, dtype=torch.bfloat16), stats.finite)
     assert used == [(torch.device("cpu"), torch.device("cpu")), (torch.device("meta"), torch.device("meta"))]
@@ -208,7 +207,7 @@ def _update(params, updater) -> None:
     # The received bucket lives on the engine's device (the "CPU" one here), whatever the shards'.
     grads = [torch.randn(p.ds_numel, generator=torch.Generator(device="cpu").manual_seed(100 + p.ds_id),
                          dtype=torch.float32, device="cpu") for p in params]
-    stats = updater.begin_pass(UpdateRule(lr=0.1, weight_decay=0.01), step=0)
+    stats = updater.begin_pass(PassSettings(lr=0.1, weight_decay=0.01), step=0)
     updater.apply_bucket(list(zip(params, grads, strict=True)), stats)
 
 
@@ -223,7 +222,7 @@ def test_adalomo_keeps_each_slices_state_and_arithmetic_on_its_shards_device(mon
     with TwoDevices():
         _update(params, updater)
     for i, (_, dev) in specs.items():
-        assert {t.device.type for t in updater.adalomo.state[i].values()} == {dev}, (i, updater.adalomo.state[i])
+        assert {t.device.type for t in updater.rule.state[i].values()} == {dev}, (i, updater.rule.state[i])
 
     on_cpu = {i: spec for i, spec in specs.items() if spec[1] == "cpu"}
     alone, alone_updater = _adalomo_bucket(on_cpu)
@@ -294,7 +293,7 @@ def test_adalomo_on_offloaded_shards_stays_on_the_device_in_the_hook(fake_accele
     adalomo.apply_host = lambda *args: (threads.append(threading.current_thread().name), apply_host(*args))
 
     def one_pass(mode):
-        stats = updater.begin_pass(UpdateRule(lr=0.1), step=0)
+        stats = updater.begin_pass(PassSettings(lr=0.1), step=0)
         with mode:
             updater.apply_bucket([(p, torch.empty(p.ds_numel, dtype=torch.float32, device=meta)) for p in params],
                                  stats)
@@ -615,7 +614,7 @@ def test_offloaded_slices_are_staged_without_blocking_and_updated_on_the_worker(
     fake_accelerator.Event = Event
     params = _zero_params(2)
     updater = ShardUpdater(stochastic_rounding=False, seed=0, stats_device=torch.device("cpu"))
-    stats = updater.begin_pass(UpdateRule(lr=1.0))
+    stats = updater.begin_pass(PassSettings(lr=1.0))
     host = HostUpdates(torch.device("cuda:0"), name_of=lambda p: f"p{p.ds_id}")
     assert all(host.holds(p) for p in params)  # shards in host memory, the ranks on "cuda:0"
     handed = threading.Event()
@@ -651,7 +650,7 @@ def test_a_cpu_rank_stages_nothing_and_pins_nothing(monkeypatch):
     assert use_thread("thread", torch.device("cpu")) and not use_thread("inline", torch.device("cuda:0"))
     params = _zero_params(1)
     updater = ShardUpdater(stochastic_rounding=False, seed=0, stats_device=torch.device("cpu"))
-    stats = updater.begin_pass(UpdateRule(lr=0.5))
+    stats = updater.begin_pass(PassSettings(lr=0.5))
     host = HostUpdates(torch.device("cpu"), name_of=str)
     host.submit([(params[0], torch.ones(8, device="cpu"))], stats.finite, updater.apply)
     host.join()
@@ -733,7 +732,7 @@ def adalomo_host_update_order():
     cfg["lomo"]["lr"] = 0.01
     engine = lomo_ds.initialize(tiny_llama(0), cfg)
     world, rank = engine.world, engine.rank
-    adalomo = engine.updater.adalomo
+    adalomo = engine.updater.rule
     hand, apply_host, read, all_reduce = (engine.buckets.on_bucket, adalomo.apply_host, step_sums.sum_over_ranks,
                                           ds_compat.all_reduce)
     returned, events = {}, []
@@ -752,12 +751,12 @@ def adalomo_host_update_order():
             events.append(("returned", None))
             done.set()
 
-    def applying(updater, param, staged, finite):
+    def applying(shard, settings, param, staged, finite):
         if not returned[id(param)].wait(timeout=0 if rec["early"] else 2):
             rec["early"] += 1
         rec["threads"].add(threading.current_thread().name)
         time.sleep(0.002)  # a slow host: a pass that did not wait for the worker reads its statistics early
-        apply_host(updater, param, staged, finite)
+        apply_host(shard, settings, param, staged, finite)
         rec["applied"] += 1
 
     def reducing(tensor, group=None, name="all-reduce tensor", op="sum"):

@@ -299,6 +299,7 @@ def check_resume(optim: str = "adalomo") -> dict:
     _, stopped = run(cut_dir, callbacks=[StopAt()])
     checkpoint = os.path.join(cut_dir, "checkpoint-2")
     files = sorted(os.listdir(checkpoint))
+    _as_old_trainer_state(checkpoint)  # (save_on_each_node's check resumes from the file as written)
     _, resumed = run(cut_dir, resume=checkpoint)
     if whole is None:
         return None
@@ -306,6 +307,18 @@ def check_resume(optim: str = "adalomo") -> dict:
     return {"resumed_vs_whole": diff(resumed, whole), "stopped_vs_whole": diff(stopped, whole),
             "from_pretrained_vs_trained": diff({n: p.detach() for n, p in loaded.named_parameters()}, whole),
             "checkpoint_files": files}
+
+
+def _as_old_trainer_state(checkpoint: str) -> None:
+    """Turn this rank's state file into what the Trainer integration wrote before it shared the
+    recipe's: `lomo_rank_NNNNN.pt`, the engine's state alone. Such a checkpoint must still resume."""
+    from lomo_ds.methods.base import OLD_TRAINER_STATE, rank_state_file
+
+    rank = torch.distributed.get_rank()
+    path = rank_state_file(checkpoint, rank)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    torch.save(state["lomo"], os.path.join(checkpoint, OLD_TRAINER_STATE.format(rank)))
+    os.remove(path)
 
 
 def check_save_on_each_node(optim: str = "adalomo") -> dict:

@@ -73,7 +73,7 @@ def test_resume_and_save_model(rank_results):
     assert r["resumed_vs_whole"] == 0.0
     assert r["stopped_vs_whole"] > 1e-4  # the stopped run is really behind: the resume did the rest
     assert r["from_pretrained_vs_trained"] == 0.0
-    assert {"lomo_rank_00000.pt", "lomo_rank_00001.pt", "scheduler.pt", "trainer_state.json",
+    assert {"rank_00000.pt", "rank_00001.pt", "scheduler.pt", "trainer_state.json",
             "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
 
 
@@ -90,7 +90,7 @@ def test_save_on_each_node_without_shared_storage(rank_results):
     print(f"save_on_each_node: {r['checkpoint_files']}; resumed vs uninterrupted {r['resumed_vs_whole']:.2e}")
     assert r["should_save"] == [True, True]
     for rank, files in enumerate(r["checkpoint_files"]):
-        assert {f"lomo_rank_{rank:05d}.pt", f"rng_state_{rank}.pth", "scheduler.pt", "trainer_state.json",
+        assert {f"rank_{rank:05d}.pt", f"rng_state_{rank}.pth", "scheduler.pt", "trainer_state.json",
                 "training_args.bin", "model.safetensors", "config.json"} <= set(files), (rank, files)
     assert r["from_pretrained_vs_trained"] == [0.0, 0.0]
     assert r["resumed_vs_whole"] == 0.0

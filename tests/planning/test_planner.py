@@ -204,7 +204,7 @@ class _NewStorageBytes(TorchDispatchMode):
 def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, master, chunk):
     """The planner's count of the update's transient bytes is what ShardUpdater.apply allocates
     (lomo.update_chunk_elements at a time)."""
-    from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
+    from lomo_ds.engine.update import PassSettings, ShardUpdater
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     n = 10_007
@@ -214,7 +214,7 @@ def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, maste
     grad = torch.randn(n).to(torch_dtype)
     updater = ShardUpdater(stochastic_rounding=rounding, seed=0, stats_device=torch.device("cpu"),
                            master_params=[param] if master else (), chunk=chunk)
-    stats = updater.begin_pass(UpdateRule(lr=0.1, grad_scale=0.5, weight_decay=0.01), step=0)
+    stats = updater.begin_pass(PassSettings(lr=0.1, grad_scale=0.5, weight_decay=0.01), step=0)
     updater.generator(param.ds_tensor.device)  # made once per run, not per update
     counter = _NewStorageBytes([param.ds_tensor, grad, *updater.masters.values()])
     with counter:
@@ -234,8 +234,7 @@ def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, mas
     chunks, lomo.update_chunk_elements); beside them, its statistics (rows + columns + a few numbers
     per parameter)."""
     from lomo_ds.config.schema import AdaLomoConfig
-    from lomo_ds.engine.adalomo import AdaLomo
-    from lomo_ds.engine.fused_update import ShardGeometries, ShardUpdater, UpdateRule
+    from lomo_ds.engine.update import AdaLomo, PassSettings, ShardGeometries, ShardUpdater
     from lomo_ds.planning.planner import adalomo_update_temp_bytes
 
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
@@ -252,7 +251,7 @@ def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, mas
     adalomo = AdaLomo(AdaLomoConfig(), module, params, None, geometries)
     updater = ShardUpdater(rounding, 0, torch.device("cpu"), geometries, adalomo, params if master else (),
                            chunk=chunk)
-    stats = updater.begin_pass(UpdateRule(lr=0.01, weight_decay=0.01), step=0)
+    stats = updater.begin_pass(PassSettings(lr=0.01, weight_decay=0.01), step=0)
     updater.generator(torch.device("cpu"))
     counter = _NewStorageBytes([*(p.ds_tensor for p in params), *grads, *updater.masters.values(),
                                 *(t for st in adalomo.state.values() for t in st.values() if torch.is_tensor(t))])

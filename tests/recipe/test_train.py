@@ -413,6 +413,23 @@ def test_a_checkpoint_carrying_pickled_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+def test_one_rank_state_file_for_the_recipe_and_the_trainer(tmp_path):
+    """Both write rank_NNNNN.pt as {"lomo": engine state}; the Trainer's old lomo_rank_NNNNN.pt
+    (the engine's state alone) is read in that layout; a missing file names the one expected."""
+    from lomo_ds.methods.base import OLD_TRAINER_STATE, load_rank_state, rank_state_file, save_rank_state
+
+    engine_state = {"shards": {"w": torch.ones(3)}, "global_step": 4, "adalomo": None}
+    save_rank_state(str(tmp_path), 0, {"lomo": engine_state})
+    assert os.path.basename(rank_state_file(str(tmp_path), 0)) == "rank_00000.pt"
+    assert load_rank_state(str(tmp_path), 0)["lomo"]["global_step"] == 4
+    torch.save({**engine_state, "global_step": 6}, tmp_path / OLD_TRAINER_STATE.format(1))
+    old = load_rank_state(str(tmp_path), 1)
+    assert set(old) == {"lomo"} and old["lomo"]["global_step"] == 6
+    assert torch.equal(old["lomo"]["shards"]["w"], torch.ones(3))
+    with pytest.raises(FileNotFoundError, match="rank_00002.pt"):
+        load_rank_state(str(tmp_path), 2)
+
+
 SLOW_WRITE_S = 12  # each of rank 0's export files and checkpoint seals takes this long to write
 SHORT_TIMEOUT_S = 8  # the collectives' timeout once the ranks are up: shorter than one write
 

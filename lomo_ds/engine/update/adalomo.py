@@ -23,12 +23,22 @@ The row and column vectors are replicated on every rank (R + C fp32 per matrix);
 second moment of a vector parameter is kept for this rank's slice only. No gradient beyond the
 bucket and no whole parameter ever exist on a rank.
 
-Chunks (lomo.update_chunk_elements, fused_update.py): a slice whose gradient and weights are both
+A bucket goes through three phases (AdaLomo.apply_bucket), the arithmetic of each in
+adalomo_math.py:
+  statistics       the row and column sums of g^2 and the sums of θ^2, then all-reduce 1;
+  second moments   the moving averages of r and c (or v), u = g / sqrt(v), the sums of u^2, then
+                   all-reduce 2;
+  apply            each parameter's coefficients, and the update written to the weights (or, for
+                   a shard in host memory, handed to the host-update worker: below).
+
+Chunks (lomo.update_chunk_elements, shard.py): a slice whose gradient and weights are both
 fp32 in place is updated whole, as described, with no temporary. Any other (bf16 weights or
 gradient, an accumulator in another dtype) never has an fp32 copy of the whole slice: each of the
-three passes reads the gradient chunk by chunk (whole rows of a matrix in one chunk), the first
+three phases reads the gradient chunk by chunk (whole rows of a matrix in one chunk), the first
 summing rows, columns and θ^2, the second recomputing u per chunk for the sum of u^2 (and the
 vectors' second moments), the third recomputing u per chunk to update the weights chunk by chunk.
+Each read is a fresh copy (grad_chunk's `fresh`): a phase writes what it read, and the next one
+reads the slice again.
 
 Where the paper, the public `lomo-optim` code and this module differ, and which one it follows:
 - Rows/columns: the paper accumulates row and column *sums* of g^2 + eps1 and divides
@@ -62,7 +72,7 @@ shard is split in two:
           clipping factor, and the decay). u and the two coefficients go into one buffer per
           bucket, staged for the worker without blocking (HostUpdates.submit).
   host    on the worker, in bucket order: θ = θ * decay - coef * u, written back into the shard
-          (stochastic rounding or the master, as ShardUpdater.write_back does inline).
+          (stochastic rounding or the master, as ShardWeights.write_back does inline).
 θ itself is in host memory, and RMS(θ) is needed in the hook: reading it there would make the
 hook do a pass over the host shard. Instead the worker, right after it updates a slice, takes its
 sum of squares (the slice is still in cache) into a per-parameter table in host memory (pinned on
@@ -71,12 +81,12 @@ of a parameter is the value its next update needs: the engine joins the worker a
 every pass, so every entry the next pass reads is finished, and the worker only writes the entry
 of a parameter whose bucket the hook has already handed over (its next read is a pass later).
 An entry is unknown until that parameter's first update, and again after its shard is written by
-anything else (engine.load_shard_state_dict calls forget_weight_norms): the hook then takes it
+anything else (a checkpoint load: AdaLomo.load_state_dict forgets them): the hook then takes it
 from the host weights itself, once.
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -84,49 +94,11 @@ import torch
 
 from lomo_ds.config.lomo import AdaLomoConfig
 from lomo_ds.engine import host_updates
-from lomo_ds.engine.fused_update import ShardGeometry, chunk_bounds, grad_chunk, grad_in_place
+from lomo_ds.engine.update import adalomo_math as m
+from lomo_ds.engine.update.rule import Items, PassSettings, PassStats, unscale_and_clip
+from lomo_ds.engine.update.shard import ShardGeometry, ShardWeights, chunk_bounds, grad_chunk, grad_in_place
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
-
-
-def row_pieces(start: int, n: int, cols: int) -> list[tuple[int, int, int, int, int]]:
-    """Split the flat slice [start, start + n) of a row-major matrix with `cols` columns into at
-    most three rectangles: a partial first row, whole rows, a partial last row.
-    Each piece is (offset in the slice, first row, first column, rows, width)."""
-    pieces, pos = [], 0
-    while pos < n:
-        row, col = divmod(start + pos, cols)
-        if col == 0 and n - pos >= cols:
-            rows, width = (n - pos) // cols, cols
-        else:
-            rows, width = 1, min(cols - col, n - pos)
-        pieces.append((pos, row, col, rows, width))
-        pos += rows * width
-    return pieces
-
-
-def is_factored(shape: torch.Size) -> bool:
-    return len(shape) >= 2
-
-
-def factored_pieces(start: int, n: int, shape: torch.Size) -> list[tuple[int, int, int, int, int]]:
-    """row_pieces of a flat slice of a factored tensor seen as its stacked matrices' rows [E.. x R, C],
-    each piece within one matrix, with its column index into the stacked column sums [E.. x C]
-    (matrix e's column j is e * C + j). For a 2-D tensor, row_pieces itself."""
-    rows_per, cols = shape[-2], shape[-1]
-    pieces = []
-    for pos, row, col, rows, width in row_pieces(start, n, cols):
-        while rows:
-            matrix = row // rows_per
-            take = min(rows, (matrix + 1) * rows_per - row)
-            pieces.append((pos, row, matrix * cols + col, take, width))
-            pos, row, rows = pos + take * width, row + take, rows - take
-    return pieces
-
-
-def factor_sizes(shape: torch.Size) -> tuple[int, int]:
-    """Elements of a factored tensor's row and column second moments: [E.., R] and [E.., C]."""
-    return math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
 
 
 class _Slice(NamedTuple):
@@ -143,10 +115,29 @@ class _Slice(NamedTuple):
     at: int | None  # (worker) where its u starts in the staged buffer; None: updated here
     src: object  # the reduced slice as received (a tensor, or the accumulator's sum)
 
+    def pieces_at(self, a: int, n: int) -> list:
+        """factored_pieces of elements [a, a + n) of the slice."""
+        if a == 0 and n == self.geo.local:
+            return self.pieces
+        return m.factored_pieces(self.geo.start + a, n, self.shape)
 
-def _ema_where(state: torch.Tensor, new: torch.Tensor, beta: torch.Tensor, keep: torch.Tensor) -> None:
-    """state = beta state + (1 - beta) new where `keep`, else left as it was (`new` may be NaN)."""
-    state.copy_(torch.where(keep, state * beta + new * (1.0 - beta), state))
+
+@dataclass
+class _Bucket:
+    """A reduced bucket on its way through the three phases."""
+
+    slices: list[_Slice]
+    staged: torch.Tensor | None  # the worker's slices' u, coef and decay, on the rank's device
+    device: torch.device  # where the bucket's statistics are reduced
+    width: int = 0  # elements of the row and column sums in `sums`, before one θ^2 per slice
+    sums: torch.Tensor | None = None
+    keep: torch.Tensor | None = None  # the bucket is applied (every rank agrees, on the device)
+    factors: list | None = None  # each slice's (row, column) factors of 1/sqrt(v); None: a full v
+    u_sq: torch.Tensor | None = None
+    # The last matrix's row and column means, held until the bucket is done: the planner counts a
+    # bucket's statistics as its sums, means and factors alive together (planning/estimate.py,
+    # adalomo_update_temp_bytes; benchmarks/vocab_memory.py measures it).
+    means: tuple | None = None
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -154,33 +145,10 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
 
 
-def _add_row_col_sums(s: "_Slice", g: torch.Tensor, a: int, row_sums: torch.Tensor, col_sums: torch.Tensor) -> None:
-    """Add the row and column sums of g^2 of elements [a, a + len(g)) of a matrix slice."""
-    pieces = s.pieces if a == 0 and g.numel() == s.geo.local else factored_pieces(s.geo.start + a, g.numel(), s.shape)
-    device = row_sums.device
-    for pos, row, col, rows, w in pieces:
-        block = g[pos:pos + rows * w].view(rows, w)
-        row_sums[row:row + rows] += torch.linalg.vector_norm(block, dim=1).square_().to(device)
-        col_sums[col:col + w] += torch.linalg.vector_norm(block, dim=0).square_().to(device)
-
-
-def _u_of(s: "_Slice", g: torch.Tensor, a: int, factors, state: dict, out: torch.Tensor | None = None) -> torch.Tensor:
-    """u = g / sqrt(v) of elements [a, a + len(g)) of a slice, into `out` (default: in place of g)."""
-    out = g if out is None else out
-    if factors is None:
-        return torch.mul(g, state["sq"][a:a + g.numel()].rsqrt(), out=out)
-    row_factor, col_factor = factors
-    pieces = s.pieces if a == 0 and g.numel() == s.geo.local else factored_pieces(s.geo.start + a, g.numel(), s.shape)
-    for pos, row, col, n_rows, w in pieces:
-        block = g[pos:pos + n_rows * w].view(n_rows, w)
-        dst = out[pos:pos + n_rows * w].view(n_rows, w)
-        torch.mul(block, row_factor[row:row + n_rows, None], out=dst).mul_(col_factor[col:col + w])
-    return out
-
-
 class AdaLomo:
-    """AdaLomo's second-moment state and update for this rank's shards; ShardUpdater calls
-    `apply_bucket` with each reduced bucket of the update pass."""
+    """AdaLomo's second-moment state and update for this rank's shards (a Rule, rule.py)."""
+
+    takes_whole_bucket = True
 
     def __init__(self, cfg: AdaLomoConfig, module: torch.nn.Module, params: list, group, geometry,
                  host=None, device: torch.device | None = None):
@@ -202,26 +170,34 @@ class AdaLomo:
         # the worker updates, on the rank's device: the hook computes with them there.
         self.state: dict[int, dict[str, Any]] = {}
         for p in params:
-            shape, device_of_p = ds_compat.full_shape(p), ds_compat.shard(p).device
+            device_of_p = ds_compat.shard(p).device
             if host is not None and host.holds(p):
                 self.deferred[ds_compat.param_id(p)] = len(self.deferred)
                 device_of_p = device if device is not None else host.device
-            if is_factored(shape):
-                moments = {"row": torch.zeros(shape[:-1], dtype=torch.float32, device=device_of_p),
-                           "col": torch.zeros((*shape[:-2], shape[-1]), dtype=torch.float32, device=device_of_p)}
-            else:
-                moments = {"sq": torch.zeros(geometry(p).local, dtype=torch.float32, device=device_of_p)}
-            self.state[ds_compat.param_id(p)] = {"step": torch.zeros((), dtype=torch.float64, device=device_of_p),
-                                                 **moments}
+            self.state[ds_compat.param_id(p)] = self._zero_state(p, device_of_p)
         # The worker's table of sum(θ^2) over each deferred parameter's slice (see the module
         # docstring), in host memory: pinned where an accelerator copies from it without blocking.
         self.pin = bool(host is not None and host.pin)
         self.weight_sq = host_updates.host_buffer(len(self.deferred), torch.float32, pin=self.pin).zero_()
         self.weight_sq_known = [False] * len(self.deferred)
 
+    def _zero_state(self, p: torch.nn.Parameter, device: torch.device) -> dict[str, torch.Tensor]:
+        shape = ds_compat.full_shape(p)
+        if m.is_factored(shape):
+            moments = {"row": torch.zeros(shape[:-1], dtype=torch.float32, device=device),
+                       "col": torch.zeros((*shape[:-2], shape[-1]), dtype=torch.float32, device=device)}
+        else:
+            moments = {"sq": torch.zeros(self.geometry(p).local, dtype=torch.float32, device=device)}
+        return {"step": torch.zeros((), dtype=torch.float64, device=device), **moments}
+
     def device_of(self, param: torch.nn.Parameter) -> torch.device:
         """Where the hook computes with this parameter's reduced slice (and where its state is)."""
         return self.state[ds_compat.param_id(param)]["step"].device
+
+    def slice_device(self, param: torch.nn.Parameter) -> torch.device:
+        """Beside the shard, or, for a shard in host memory whose update the host-update worker
+        finishes, on the rank's device (the hook computes its statistics there)."""
+        return self.device_of(param)
 
     def forget_weight_norms(self) -> None:
         """The shards were written outside the update (a checkpoint load): every sum(θ^2) the
@@ -229,164 +205,193 @@ class AdaLomo:
         self.weight_sq_known = [False] * len(self.deferred)
 
     # ----------------------------------------------------------------- the update
-    def apply_bucket(self, updater, items: list[tuple[torch.nn.Parameter, torch.Tensor]],
-                     finite: torch.Tensor) -> None:
-        """Update every parameter of a reduced bucket, unless `finite` (a device flag: every bucket
-        of the pass so far was finite) or the bucket's reduced statistics say otherwise. Decided
-        on the device: nothing here reads a number back to the host. The shards the worker
+    def apply_bucket(self, shard: ShardWeights, items: Items, stats: PassStats, settings: PassSettings) -> None:
+        """Update every parameter of a reduced bucket, unless `stats.finite` (a device flag: every
+        bucket of the pass so far was finite) or the bucket's reduced statistics say otherwise.
+        Decided on the device: nothing here reads a number back to the host. The shards the worker
         updates (`deferred`) are handed to it at the end, their host part not yet applied: the
         caller joins the worker before it reads the pass or the shards."""
-        cfg = self.cfg
+        bucket = self._bucket(shard, items, settings)
+        self._statistics(shard, bucket, settings, stats.finite)
+        self._second_moments(shard, bucket, settings)
+        self._apply(shard, bucket, settings, stats.finite)
+
+    def apply(self, shard, param, grad, finite, settings) -> None:
+        raise TypeError("AdaLomo takes each bucket whole (takes_whole_bucket): apply_bucket")
+
+    def _bucket(self, shard: ShardWeights, items: Items, settings: PassSettings) -> _Bucket:
         slices, staged_numel = [], 0
         for param, grad_shard in items:
-            geo = self.geometry(param)
-            shape = ds_compat.full_shape(param)
-            pieces = factored_pieces(geo.start, geo.local, shape) if is_factored(shape) else None
-            if ds_compat.param_id(param) in self.deferred:
-                # The slice stays where it arrived (the rank's device); the weights are the
-                # worker's. Its u goes into the bucket's staged buffer, then its coef and decay.
-                device = self.device_of(param)
-                g = grad_in_place(grad_shard, geo.local, device)
-                g = updater.unscale_and_clip(g if g is not None else grad_chunk(grad_shard, 0, geo.local, device,
-                                                                                fresh=True))
-                slices.append(_Slice(param, geo, shape, pieces, g, None, g, staged_numel, grad_shard))
-                staged_numel += geo.local + 2
-            else:
-                # An fp32 slice beside fp32 weights is updated whole, in place (no temporary: the
-                # unchunked arithmetic, bit for bit); otherwise g is read and the weights copied
-                # chunk by chunk in each of the three passes below (fused_update.py).
-                g = grad_in_place(grad_shard, geo.local, ds_compat.shard(param).device)
-                if g is not None and updater.weights_in_place(param):
-                    g = updater.unscale_and_clip(g)
-                    slices.append(_Slice(param, geo, shape, pieces, g, updater.weights(param), g, None, grad_shard))
-                else:
-                    # Read three times below. An accumulated sum kept elsewhere (accumulate_on: cpu)
-                    # is copied over once, whole, rather than once a pass.
-                    src = grad_shard
-                    where = ds_compat.shard(param).device
-                    if not torch.is_tensor(src) and not src.resident(where):
-                        src = src.chunk(0, geo.local, where, fresh=True)
-                    slices.append(_Slice(param, geo, shape, pieces, None, None, None, None, src))
+            s = self._slice(shard, param, grad_shard, settings, staged_numel)
+            slices.append(s)
+            if s.at is not None:
+                staged_numel += s.geo.local + 2
         staged = None
         if staged_numel:
             # One buffer on the rank's device for the whole bucket; the worker's slices are views of it.
             staged = torch.empty(staged_numel, dtype=torch.float32,
                                  device=next(s.g.device for s in slices if s.at is not None))
             slices = [s if s.at is None else s._replace(u=staged[s.at:s.at + s.geo.local]) for s in slices]
-
-        # 1. Partial row/column sums of g^2 and partial sums of θ^2 for the whole bucket in one
-        #    buffer on the group's device: [rows, cols] of each matrix, then one θ^2 per parameter.
-        #    Each slice's sums are taken where its gradient is (they need not all be on one device).
+        # The statistics of the whole bucket go into one buffer on the group's device.
         device = group_device(self.group) if torch.distributed.is_initialized() else (
             slices[0].g.device if slices[0].g is not None else ds_compat.shard(slices[0].param).device)
-        width = sum(sum(factor_sizes(s.shape)) for s in slices if s.pieces is not None)
-        sums = torch.zeros(width + len(slices), dtype=torch.float32, device=device)
+        return _Bucket(slices, staged, device)
+
+    def _slice(self, shard: ShardWeights, param: torch.nn.Parameter, grad_shard, settings: PassSettings,
+               staged_at: int) -> _Slice:
+        geo = self.geometry(param)
+        shape = ds_compat.full_shape(param)
+        pieces = m.factored_pieces(geo.start, geo.local, shape) if m.is_factored(shape) else None
+        if ds_compat.param_id(param) in self.deferred:
+            # The slice stays where it arrived (the rank's device); the weights are the worker's.
+            # Its u goes into the bucket's staged buffer, then its coef and decay.
+            device = self.device_of(param)
+            g = grad_in_place(grad_shard, geo.local, device)
+            g = unscale_and_clip(g if g is not None else grad_chunk(grad_shard, 0, geo.local, device, fresh=True),
+                                 settings)
+            return _Slice(param, geo, shape, pieces, g, None, g, staged_at, grad_shard)
+        # An fp32 slice beside fp32 weights is updated whole, in place (no temporary: the unchunked
+        # arithmetic, bit for bit); otherwise g is read and the weights copied chunk by chunk in
+        # each of the three phases.
+        g = grad_in_place(grad_shard, geo.local, ds_compat.shard(param).device)
+        if g is not None and shard.in_place(param):
+            g = unscale_and_clip(g, settings)
+            return _Slice(param, geo, shape, pieces, g, shard.weights(param), g, None, grad_shard)
+        # Read three times. An accumulated sum kept elsewhere (accumulate_on: cpu) is copied over
+        # once, whole, rather than once a phase.
+        src, where = grad_shard, ds_compat.shard(param).device
+        if not torch.is_tensor(src) and not src.resident(where):
+            src = src.chunk(0, geo.local, where, fresh=True)
+        return _Slice(param, geo, shape, pieces, None, None, None, None, src)
+
+    def _statistics(self, shard: ShardWeights, b: _Bucket, settings: PassSettings, finite: torch.Tensor) -> None:
+        """Phase 1: partial row/column sums of g^2 and partial sums of θ^2 for the whole bucket in
+        one buffer: [rows, cols] of each matrix, then one θ^2 per parameter, all-reduced. Each
+        slice's sums are taken where its gradient is (they need not all be on one device)."""
+        b.width = sum(sum(m.factor_sizes(s.shape)) for s in b.slices if s.pieces is not None)
+        b.sums = sums = torch.zeros(b.width + len(b.slices), dtype=torch.float32, device=b.device)
         at = 0
-        for i, s in enumerate(slices):
+        for i, s in enumerate(b.slices):
             if s.pieces is not None:
-                n_rows, n_cols = factor_sizes(s.shape)
-                for a, g in self._g_chunks(updater, s):
-                    _add_row_col_sums(s, g, a, sums[at:at + n_rows], sums[at + n_rows:at + n_rows + n_cols])
+                n_rows, n_cols = m.factor_sizes(s.shape)
+                for a, g in self._g_chunks(shard, s, settings):
+                    m.add_row_col_sums(g, s.pieces_at(a, g.numel()), sums[at:at + n_rows],
+                                       sums[at + n_rows:at + n_rows + n_cols])
                     del g  # before the next chunk is read: one chunk at a time
                 at += n_rows + n_cols
             if s.at is None:
-                sums[width + i] = (torch.linalg.vector_norm(s.weights).square() if s.weights is not None
-                                   else updater.weights_sum_sq(s.param)).to(device)
-        deferred_at = [i for i, s in enumerate(slices) if s.at is not None]
+                sums[b.width + i] = (torch.linalg.vector_norm(s.weights).square() if s.weights is not None
+                                     else shard.sum_sq(s.param)).to(b.device)
+        deferred_at = [i for i, s in enumerate(b.slices) if s.at is not None]
         if deferred_at:
             # The worker's recorded sum(θ^2) of each slice, copied over without blocking.
-            sums.index_copy_(0, _index([width + i for i in deferred_at], device),
-                             self._weight_norms(updater, [slices[i].param for i in deferred_at], device))
+            sums.index_copy_(0, _index([b.width + i for i in deferred_at], b.device),
+                             self._weight_norms(shard, [b.slices[i].param for i in deferred_at], b.device))
         self._all_reduce(sums)
         # Every rank's g^2 is in the reduced sums: a non-finite slice anywhere makes them
         # non-finite on every rank, so every rank keeps or drops this bucket alike.
-        keep = finite.to(device) & torch.isfinite(sums).all()
+        b.keep = finite.to(b.device) & torch.isfinite(sums).all()
 
-        # 2. Second moments, then u = g / sqrt(v) (in place of g, or into the staged buffer; a
-        #    chunked slice's u is recomputed per chunk here and in 3.), and partial sums of u^2.
-        u_sq = torch.zeros(len(slices), dtype=torch.float32, device=device)
-        factors = []
+    def _second_moments(self, shard: ShardWeights, b: _Bucket, settings: PassSettings) -> None:
+        """Phase 2: the second moments, then u = g / sqrt(v) (in place of g, or into the staged
+        buffer; a chunked slice's u is recomputed per chunk here and in phase 3) and the partial
+        sums of u^2, all-reduced."""
+        b.u_sq = torch.zeros(len(b.slices), dtype=torch.float32, device=b.device)
+        b.factors = []
         at = 0
-        for i, s in enumerate(slices):
+        for i, s in enumerate(b.slices):
             state = self.state[ds_compat.param_id(s.param)]
-            here = keep.to(state["step"].device)
+            here = b.keep.to(state["step"].device)
             state["step"].add_(here.double())
-            beta = 1.0 - state["step"].clamp(min=1.0).pow(cfg.decay_rate)  # fp64, as a Python float was
+            beta = m.beta_at(state["step"], self.cfg.decay_rate)
             if s.pieces is not None:
-                rows, cols = s.shape[-2:]
-                n_rows, n_cols = factor_sizes(s.shape)
-                row_mean = sums[at:at + n_rows].div(cols).add_(cfg.eps1).to(state["row"].device)
-                col_mean = sums[at + n_rows:at + n_rows + n_cols].div(rows).add_(cfg.eps1).to(state["col"].device)
+                n_rows, n_cols = m.factor_sizes(s.shape)
+                b.means = m.update_factored(state["row"], state["col"], b.sums[at:at + n_rows],
+                                  b.sums[at + n_rows:at + n_rows + n_cols], s.shape, self.cfg.eps1, beta, here)
                 at += n_rows + n_cols
-                _ema_where(state["row"], row_mean.view_as(state["row"]), beta, here)
-                _ema_where(state["col"], col_mean.view_as(state["col"]), beta, here)
-                # mean(r) of each matrix (the one matrix of a 2-D tensor); both factors flat, as
-                # factored_pieces indexes them
-                factors.append(((state["row"] / state["row"].mean(dim=-1, keepdim=True)).rsqrt_().view(-1),
-                                state["col"].rsqrt().view(-1)))
+                b.factors.append(m.factors_of(state["row"], state["col"]))
             else:
-                factors.append(None)
+                b.factors.append(None)
+            b.u_sq[i] = self._u_sq(shard, s, state, b.factors[i], beta, here, settings, b.device)
+        self._all_reduce(b.u_sq)
+        b.keep &= torch.isfinite(b.u_sq).all()
+
+    def _u_sq(self, shard: ShardWeights, s: _Slice, state: dict, factors, beta: torch.Tensor, here: torch.Tensor,
+              settings: PassSettings, device: torch.device) -> torch.Tensor:
+        """A vector's full second moment, u (kept where the slice is whole) and this slice's sum of u^2."""
+        eps1 = self.cfg.eps1
+        if s.g is not None:
+            if s.pieces is None:
+                m.ema_where(state["sq"], s.g.square().add_(eps1), beta, here)
+            m.u_of(s.g, s.pieces, factors, state.get("sq"), out=s.u)
+            return torch.linalg.vector_norm(s.u).square().to(device)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for a, g in self._g_chunks(shard, s, settings):
+            sq = None
+            if s.pieces is None:
+                sq = state["sq"][a:a + g.numel()]
+                m.ema_where(sq, g.square().add_(eps1), beta, here)
+            u = m.u_of(g, s.pieces_at(a, g.numel()), factors, sq, out=g)
+            total += torch.linalg.vector_norm(u).square().to(device)
+            del u
+            del g
+        return total
+
+    def _apply(self, shard: ShardWeights, b: _Bucket, settings: PassSettings, finite: torch.Tensor) -> None:
+        """Phase 3: θ -= lr * max(eps2, RMS(θ)) * u / max(1, RMS(u) / clip_threshold), every
+        coefficient a device tensor; a dropped bucket gets coefficient 0 and a zeroed u. Chunk by
+        chunk here, or handed to the host-update worker."""
+        numels = torch.tensor([float(max(s.geo.numel, 1)) for s in b.slices], dtype=torch.float32, device="cpu")
+        numels = numels.to(b.device, non_blocking=True)
+        coef, decay = m.coefficients(b.sums[b.width:], b.u_sq, numels, b.keep, settings.lr, settings.weight_decay,
+                                     self.cfg.eps2, self.cfg.clip_threshold)
+        for i, s in enumerate(b.slices):
+            if s.geo.local and s.at is None:
+                self._write(shard, s, b.factors[i], b.keep, coef[i], decay[i], settings)
+        if b.staged is not None:
+            self._hand_over(shard, b, coef, decay, settings, finite)
+
+    def _write(self, shard: ShardWeights, s: _Slice, factors, keep: torch.Tensor, coef: torch.Tensor,
+               decay: torch.Tensor, settings: PassSettings) -> None:
+        """θ = θ decay - coef u over one slice, chunk by chunk, written back into its shard."""
+        where = ds_compat.shard(s.param).device
+        here, coef, decay = keep.to(where), coef.to(where), decay.to(where)
+        sq = self.state[ds_compat.param_id(s.param)].get("sq")
+        for a, b in chunk_bounds(s.geo.local, shard.chunk):
             if s.g is not None:
-                if s.pieces is None:
-                    _ema_where(state["sq"], s.g.square().add_(cfg.eps1), beta, here)
-                _u_of(s, s.g, 0, factors[i], state, out=s.u)
-                u_sq[i] = torch.linalg.vector_norm(s.u).square().to(device)
-                continue
-            total = torch.zeros((), dtype=torch.float32, device=device)
-            for a, g in self._g_chunks(updater, s):
-                if s.pieces is None:
-                    _ema_where(state["sq"][a:a + g.numel()], g.square().add_(cfg.eps1), beta, here)
-                total += torch.linalg.vector_norm(_u_of(s, g, a, factors[i], state, out=g)).square().to(device)
-                del g
-            u_sq[i] = total
-        self._all_reduce(u_sq)
-        keep &= torch.isfinite(u_sq).all()
+                u = s.g[a:b]
+            else:
+                u = m.u_of(self._g_chunk(shard, s, a, b, settings), s.pieces_at(a, b - a), factors,
+                           sq[a:b] if sq is not None else None)
+            u.masked_fill_(~here, 0.0)
+            weights = s.weights[a:b] if s.weights is not None else shard.weights(s.param, a, b)
+            if settings.weight_decay:
+                weights.mul_(decay)
+            weights.sub_(u.mul_(coef))
+            shard.write_back(s.param, weights, a, b)
+            del u, weights
 
-        # 3. θ -= lr * max(eps2, RMS(θ)) * u / max(1, RMS(u) / clip_threshold), every coefficient
-        #    a device tensor; a dropped bucket gets coefficient 0 and a zeroed u. Chunk by chunk.
-        numels = torch.tensor([float(max(s.geo.numel, 1)) for s in slices], dtype=torch.float32, device="cpu")
-        numels = numels.to(device, non_blocking=True)
-        step = sums[width:].div(numels).sqrt_().clamp_(min=cfg.eps2).mul_(updater.rule.lr)
-        clip = u_sq.div(numels).sqrt_().div_(cfg.clip_threshold).clamp_(min=1.0)
-        coef = torch.where(keep, step / clip, 0.0)
-        decay = torch.where(keep, 1.0 - step * updater.rule.weight_decay, 1.0)
-        for i, s in enumerate(slices):
-            if s.geo.local == 0 or s.at is not None:
-                continue
-            where = ds_compat.shard(s.param).device
-            here, coef_i, decay_i = keep.to(where), coef[i].to(where), decay[i].to(where)
-            state = self.state[ds_compat.param_id(s.param)]
-            for a, b in chunk_bounds(s.geo.local, updater.chunk):
-                if s.g is not None:
-                    u = s.g[a:b]
-                else:
-                    u = _u_of(s, self._g_chunk(updater, s, a, b), a, factors[i], state)
-                u.masked_fill_(~here, 0.0)
-                weights = s.weights[a:b] if s.weights is not None else updater.weights(s.param, a, b)
-                if updater.rule.weight_decay:
-                    weights.mul_(decay_i)
-                weights.sub_(u.mul_(coef_i))
-                updater.write_back(s.param, weights, a, b)
-                del u, weights
-        if staged is not None:
-            self._hand_over(updater, slices, staged, keep, coef, decay, finite)
-
-    def _g_chunk(self, updater, s: "_Slice", a: int, b: int) -> torch.Tensor:
+    def _g_chunk(self, shard: ShardWeights, s: _Slice, a: int, b: int, settings: PassSettings) -> torch.Tensor:
         """Elements [a, b) of a chunked slice's gradient, fp32, unscaled and clipped: a fresh copy
-        each time, since each of the three passes reads the slice again and writes what it read."""
-        return updater.unscale_and_clip(grad_chunk(s.src, a, b, ds_compat.shard(s.param).device, fresh=True))
+        each time, since each of the three phases reads the slice again and writes what it read."""
+        return unscale_and_clip(grad_chunk(s.src, a, b, ds_compat.shard(s.param).device, fresh=True), settings)
 
-    def _g_chunks(self, updater, s: "_Slice"):
+    def _g_chunks(self, shard: ShardWeights, s: _Slice, settings: PassSettings):
         """(offset, g) over a slice: its whole g where it has one, else chunk by chunk, whole rows
         of a matrix kept in one chunk."""
         if s.g is not None:
             yield 0, s.g
             return
         align = s.shape[-1] if s.pieces is not None else 1  # whole rows of the stacked matrices
-        for a, b in chunk_bounds(s.geo.local, updater.chunk, s.geo.start, align):
-            yield a, self._g_chunk(updater, s, a, b)
+        for a, b in chunk_bounds(s.geo.local, shard.chunk, s.geo.start, align):
+            yield a, self._g_chunk(shard, s, a, b, settings)
 
-    def _weight_norms(self, updater, params: list, device: torch.device) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        if self.world > 1:
+            ds_compat.all_reduce(t, group=self.group, name="AdaLomo bucket statistics")
+
+    # ----------------------------------------------------------------- shards in host memory
+    def _weight_norms(self, shard: ShardWeights, params: list, device: torch.device) -> torch.Tensor:
         """sum(θ^2) of each parameter's slice (all deferred), on `device` without a blocking copy."""
         rows = [self.deferred[ds_compat.param_id(p)] for p in params]
         for row, p in zip(rows, params, strict=True):
@@ -394,7 +399,7 @@ class AdaLomo:
                 # Not recorded since the shard was last written (the first update, or a checkpoint
                 # load): taken here from the host weights, which no one else touches now (their
                 # bucket is not handed over yet, and last pass's updates are joined).
-                self.weight_sq[row] = updater.weights_sum_sq(p)
+                self.weight_sq[row] = shard.sum_sq(p)
                 self.weight_sq_known[row] = True
         # Gathered into a buffer of its own (pinned on an accelerator), which the worker never
         # writes: the copy reads it whenever the stream gets there.
@@ -402,42 +407,40 @@ class AdaLomo:
         torch.index_select(self.weight_sq, 0, torch.tensor(rows, dtype=torch.int64, device="cpu"), out=picked)
         return picked.to(device, non_blocking=True)
 
-    def _hand_over(self, updater, slices: list[_Slice], staged: torch.Tensor, keep: torch.Tensor,
-                   coef: torch.Tensor, decay: torch.Tensor, finite: torch.Tensor) -> None:
+    def _hand_over(self, shard: ShardWeights, b: _Bucket, coef: torch.Tensor, decay: torch.Tensor,
+                   settings: PassSettings, finite: torch.Tensor) -> None:
         """Finish the staged buffer (a dropped bucket's u zeroed, each slice's coef and decay behind
         its u) and hand its slices to the worker."""
-        staged.masked_fill_(~keep.to(staged.device), 0.0)
-        deferred = [(i, s) for i, s in enumerate(slices) if s.at is not None]
+        staged = b.staged
+        staged.masked_fill_(~b.keep.to(staged.device), 0.0)
+        deferred = [(i, s) for i, s in enumerate(b.slices) if s.at is not None]
         ends = [s.at + s.geo.local for _, s in deferred]  # where each slice's coef goes, decay behind it
         picked = _index([i for i, _ in deferred], coef.device)
         values = torch.cat([coef.index_select(0, picked), decay.index_select(0, picked)]).to(staged.device)
         staged.index_copy_(0, _index(ends + [e + 1 for e in ends], staged.device), values)
         jobs = [(s.param, staged[s.at:s.at + s.geo.local + 2]) for _, s in deferred if s.geo.local]
         if jobs:
-            self.host.submit(jobs, finite, partial(self.apply_host, updater))
+            self.host.submit(jobs, finite, partial(self.apply_host, shard, settings))
 
-    def apply_host(self, updater, param: torch.nn.Parameter, staged: torch.Tensor, finite: torch.Tensor) -> None:
+    def apply_host(self, shard: ShardWeights, settings: PassSettings, param: torch.nn.Parameter,
+                   staged: torch.Tensor, finite: torch.Tensor) -> None:
         """The host part of a deferred update, on the worker: `staged` is the slice's u, then its
         coef and decay (a dropped bucket's: u zero, coef 0, decay 1; `finite` is already in them).
         Records the slice's new sum(θ^2) for its next update."""
         n = staged.numel() - 2
         u, coef, decay = staged[:n], staged[n], staged[n + 1]
-        for a, b in chunk_bounds(n, updater.chunk):  # host RAM bounded by the chunk, not the slice
-            weights = updater.weights(param, a, b)
-            if updater.rule.weight_decay:
+        for a, b in chunk_bounds(n, shard.chunk):  # host RAM bounded by the chunk, not the slice
+            weights = shard.weights(param, a, b)
+            if settings.weight_decay:
                 weights.mul_(decay)
             weights.sub_(u[a:b].mul_(coef))
-            updater.write_back(param, weights, a, b)
+            shard.write_back(param, weights, a, b)
             del weights
         # What the next update's RMS(θ) reads: the weights as stored (after rounding into a bf16
-        # shard), as updater.weights gives them then.
+        # shard), as shard.weights gives them then.
         row = self.deferred[ds_compat.param_id(param)]
-        self.weight_sq[row] = updater.weights_sum_sq(param)
+        self.weight_sq[row] = shard.sum_sq(param)
         self.weight_sq_known[row] = True
-
-    def _all_reduce(self, t: torch.Tensor) -> None:
-        if self.world > 1:
-            ds_compat.all_reduce(t, group=self.group, name="AdaLomo bucket statistics")
 
     # ----------------------------------------------------------------- state
     def state_bytes(self) -> int:
@@ -449,7 +452,10 @@ class AdaLomo:
         return {self.names[i]: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in s.items()}
                 for i, s in self.state.items()}
 
-    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+    def load_state_dict(self, state: dict[str, dict[str, Any]] | None) -> None:
+        if not state:
+            raise ValueError("checkpoint shard has no AdaLomo state (written with lomo.optimizer 'sgd'); "
+                             "resume with the optimizer it was written with")
         by_name = {name: i for i, name in self.names.items()}
         if set(state) != set(by_name):
             missing, extra = sorted(set(by_name) - set(state)), sorted(set(state) - set(by_name))
@@ -466,3 +472,6 @@ class AdaLomo:
                     mine[key].fill_(value)
                 else:
                     mine[key] = value
+        # The shards are written by the same load: the sums of squares recorded by the host-update
+        # worker describe the weights before it.
+        self.forget_weight_norms()

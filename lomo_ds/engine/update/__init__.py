@@ -1,0 +1,19 @@
+"""The update of this rank's shards from their reduced gradient slices.
+
+  updater.py       ShardUpdater: one pass at a time (measure, or update by the rule), and the
+                   resumable state (the shard's weights and the rule's state)
+  shard.py         where a slice lies (ShardGeometry), chunks, and ShardWeights: fp32 masters,
+                   stochastic rounding, weights read and written back chunk by chunk
+  rule.py          the Rule every update rule implements; PassSettings, PassStats
+  sgd.py           SGD, LOMO's rule
+  adalomo.py       AdaLomo's rule: its state, its three phases, the host-update worker's part
+  adalomo_math.py  AdaLomo's arithmetic on a slice
+"""
+from lomo_ds.engine.update.adalomo import AdaLomo
+from lomo_ds.engine.update.rule import PassSettings, PassStats, Rule
+from lomo_ds.engine.update.sgd import SGD
+from lomo_ds.engine.update.shard import ShardGeometries, ShardGeometry, ShardWeights, chunk_bounds, geometry
+from lomo_ds.engine.update.updater import ShardUpdater, build_updater
+
+__all__ = ["SGD", "AdaLomo", "PassSettings", "PassStats", "Rule", "ShardGeometries", "ShardGeometry", "ShardUpdater",
+           "ShardWeights", "build_updater", "chunk_bounds", "geometry"]

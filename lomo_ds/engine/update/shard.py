@@ -1,0 +1,239 @@
+"""This rank's shard of each parameter: where its slice lies (geometry), how a slice is read in
+chunks, and its weights as the update rules read and write them (fp32 masters, stochastic rounding).
+
+Shard layout (DeepSpeed ZeRO-3): with `part = ceil(numel / world)`, rank r holds flat elements
+[r*part, min((r+1)*part, numel)) of the parameter; the last ranks may carry padding, and a rank
+may hold no real element at all when numel < world.
+
+Chunks (lomo.update_chunk_elements): a slice is updated `chunk` elements at a time, so the update's
+temporaries (an fp32 copy of the gradient and of the weights where they are not fp32, and the
+stochastic-rounding noise) are bounded by the chunk, not by the largest parameter. Stochastic
+rounding draws its noise chunk by chunk from the same per-device generator, in the slice's order:
+on a CPU the draws come from the generator one element after another, so the noise is the same as
+one draw over the slice; on an accelerator each draw advances the generator's offset by its own
+amount, so the noise differs from an unchunked update's, and is still independent and uniform for
+every element (unbiased).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lomo_ds.engine.precision import stochastic_round_to_bf16
+from lomo_ds.runtime import ds_compat
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    numel: int
+    world: int
+    rank: int
+
+    @property
+    def part(self) -> int:
+        return math.ceil(self.numel / self.world)
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.part
+
+    @property
+    def local(self) -> int:
+        """Real (unpadded) elements of the parameter on this rank."""
+        return max(0, min(self.part, self.numel - self.start))
+
+
+def geometry(param: torch.nn.Parameter, world: int, rank: int) -> ShardGeometry:
+    return ShardGeometry(ds_compat.full_numel(param), world, rank)
+
+
+class ShardGeometries:
+    """This rank's ShardGeometry of each parameter, from the parameter's own process group
+    (`ds_process_group`): that group's size and this rank's place in it."""
+
+    def __init__(self):
+        self._cache: dict[int, ShardGeometry] = {}
+
+    def __call__(self, param: torch.nn.Parameter) -> ShardGeometry:
+        pid = ds_compat.param_id(param)
+        if pid not in self._cache:
+            if torch.distributed.is_initialized():
+                group = ds_compat.process_group(param)
+                world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+            else:  # a single process without a process group holds the whole parameter
+                world, rank = 1, 0
+            self._cache[pid] = geometry(param, world, rank)
+        return self._cache[pid]
+
+
+def chunk_bounds(n: int, size: int, start: int = 0, align: int = 1) -> list[tuple[int, int]]:
+    """[a, b) pieces of a slice of n elements starting at flat element `start` of its parameter,
+    each at most `size` elements (at least `align`, rounded down to a multiple of it), their ends at
+    multiples of that size in the parameter's flat index: with `align` a matrix's row length, every
+    whole row of the slice falls in one chunk."""
+    size = max(align, size // align * align)
+    bounds, a = [], 0
+    while a < n:
+        b = min(n, ((start + a) // size + 1) * size - start)
+        bounds.append((a, b))
+        a = b
+    return bounds
+
+
+def grad_chunk(grad, a: int, b: int, device: torch.device, *, fresh: bool = False) -> torch.Tensor:
+    """Elements [a, b) of a reduced gradient slice as fp32 on `device`. `fresh`: a new tensor the
+    caller may overwrite; else possibly a view of the slice itself (the received bucket, the
+    accumulator's buffer), which the caller must never write: an update that reads a chunk more than
+    once (AdaLomo's three phases) would read its own writes. `grad` is a tensor, or an object with
+    `chunk(a, b, device, fresh)` (the accumulator's sum, accumulation.py)."""
+    if torch.is_tensor(grad):
+        return grad[a:b].to(device, torch.float32, copy=fresh)
+    return grad.chunk(a, b, device, fresh=fresh)
+
+
+def grad_in_place(grad, n: int, device: torch.device) -> torch.Tensor | None:
+    """The slice's first n elements as one fp32 tensor on `device` without a copy, or None where
+    that needs one (then it is read chunk by chunk). It is the received bucket or the accumulator's
+    buffer itself: a caller that writes it reads the gradient through this tensor alone from then
+    on (AdaLomo's in-place route), and nothing reads the slice after the update (the bucket is
+    freed, the accumulator zeroed)."""
+    if torch.is_tensor(grad):
+        real = grad[:n]
+        return real if real.dtype == torch.float32 and real.device == device else None
+    return grad.in_place(n, device)
+
+
+def grad_sum_sq(grad, n: int, chunk: int) -> torch.Tensor:
+    """fp64 squared L2 norm of a gradient slice's first n elements, on the slice's device: one
+    fp32 norm over the slice where it is fp32 (as clip_grad_norm_ takes it per tensor), else
+    fp32 norms of its chunks, summed in fp64 (no fp32 copy of the whole slice)."""
+    device = grad.device
+    whole = grad_in_place(grad, n, device)
+    if whole is not None:
+        return torch.linalg.vector_norm(whole, dtype=torch.float32).double().square_()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for a, b in chunk_bounds(n, chunk):
+        total.add_(torch.linalg.vector_norm(grad_chunk(grad, a, b, device)).double().square_())
+    return total
+
+
+class ShardWeights:
+    """The weights of this rank's real shard elements as the update rules see them: fp32, read and
+    written chunk by chunk. They are the fp32 master copy where one is kept
+    (lomo.fp32_master_weights), the shard itself where it is fp32, else an fp32 copy of the chunk
+    that write_back rounds into the shard (stochastically, where lomo.stochastic_rounding asks)."""
+
+    def __init__(self, geometry: ShardGeometries, stochastic_rounding: bool, seed: int, master_params=(),
+                 chunk: int = 1 << 22):
+        self.geometry = geometry
+        self.stochastic_rounding = stochastic_rounding
+        self.seed = seed
+        self.chunk = chunk  # lomo.update_chunk_elements
+        self.masters: dict[int, torch.Tensor] = {}  # ds_id -> fp32 copy of the local real elements
+        for p in master_params:
+            n = self.geometry(p).local
+            self.masters[ds_compat.param_id(p)] = ds_compat.shard(p)[:n].detach().float().clone()
+        # Stochastic rounding draws its noise on each shard's device (torch refuses a generator on
+        # another device): one generator per device, reseeded every step.
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._step = 0
+
+    # ----------------------------------------------------------------- stochastic rounding
+    def reseed(self, step: int) -> None:
+        """The rounding noise of optimizer step `step`."""
+        self._step = step
+        for gen in self._generators.values():
+            gen.manual_seed(self._seed_for(step))
+
+    def _seed_for(self, step: int) -> int:
+        # A pure function of (seed, rank, step): resumed runs round exactly as uninterrupted ones.
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return (self.seed * 1_000_003 + step) * 4099 + rank
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed_for(self._step))
+        return self._generators[device]
+
+    # ----------------------------------------------------------------- the weights
+    def in_place(self, param: torch.nn.Parameter) -> bool:
+        """Whether `weights(param)` is the stored fp32 weights themselves (a master, or an fp32
+        shard), not a copy: then a whole-slice pass over them needs no temporary."""
+        return (ds_compat.param_id(param) in self.masters
+                or ds_compat.shard(param).dtype == torch.float32)
+
+    def sum_sq(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """sum(θ^2) of this rank's real elements (fp32, on the shard's device): one norm over the
+        stored fp32 weights, or over fp32 copies of their chunks (summed in fp32)."""
+        if self.in_place(param):
+            return torch.linalg.vector_norm(self.weights(param)).square()
+        total = torch.zeros((), dtype=torch.float32, device=ds_compat.shard(param).device)
+        for a, b in chunk_bounds(self.geometry(param).local, self.chunk):
+            total += torch.linalg.vector_norm(self.weights(param, a, b)).square()
+        return total
+
+    def weights(self, param: torch.nn.Parameter, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """fp32 weights of this rank's real elements [a, b) (default: all of them) to update in
+        place: the master copy, the shard itself when it is fp32, else an fp32 copy that write_back
+        rounds into the shard."""
+        b = self.geometry(param).local if b is None else b
+        master = self.masters.get(ds_compat.param_id(param))
+        if master is not None:
+            return master[a:b]
+        return ds_compat.shard(param)[a:b].float()
+
+    def write_back(self, param: torch.nn.Parameter, weights: torch.Tensor, a: int = 0, b: int | None = None) -> None:
+        """Store updated fp32 `weights` (from `weights(param, a, b)`) into elements [a, b) of the
+        parameter's shard."""
+        b = self.geometry(param).local if b is None else b
+        shard = ds_compat.shard(param)[a:b]
+        if weights.dtype == shard.dtype and weights.data_ptr() == shard.data_ptr():
+            return  # fp32 shard updated in place
+        if shard.dtype == torch.bfloat16 and self.stochastic_rounding and ds_compat.param_id(param) not in self.masters:
+            shard.copy_(stochastic_round_to_bf16(weights, self.generator(shard.device)))
+        else:
+            shard.copy_(weights)
+
+    def master_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.masters.values())
+
+    # ----------------------------------------------------------------- resumable state
+    def state_dict(self, module: torch.nn.Module, params: list) -> dict[str, Any]:
+        """{"shards", "masters"} by parameter name. The tensors are the live shards themselves, not
+        copies (a node's ranks would otherwise hold the whole model twice in host memory): write
+        them out before the next step. torch.save copies a device tensor to the host one at a time
+        as it writes it."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        return {"shards": {names[id(p)]: ds_compat.shard(p).detach() for p in params},
+                "masters": {names[id(p)]: self.masters[ds_compat.param_id(p)].detach()
+                            for p in params if ds_compat.param_id(p) in self.masters}}
+
+    def check_state(self, state: dict[str, Any], module: torch.nn.Module, params: list) -> None:
+        """Refuse, before anything is written, shards and masters that do not fit this run."""
+        by_name = dict(module.named_parameters())
+        for name in state["shards"]:
+            if name not in by_name:
+                raise ValueError(f"checkpoint has parameter {name!r}, the model does not")
+        names = {id(p): n for n, p in by_name.items()}
+        for p in params:
+            name = names[id(p)]
+            if name not in state["shards"]:
+                raise ValueError(f"checkpoint has no shard of {name!r}, which this run trains")
+            if ds_compat.param_id(p) in self.masters and name not in state["masters"]:
+                # Left at its pretrained value, the master would overwrite the trained shard at
+                # the first update.
+                raise ValueError(f"checkpoint has no fp32 master of {name!r}: it was written without "
+                                 f"lomo.fp32_master_weights; resume with the setting it was written with")
+
+    def load_state_dict(self, state: dict[str, Any], module: torch.nn.Module) -> None:
+        """Write what state_dict wrote (checked by check_state) into the shards and masters."""
+        by_name = dict(module.named_parameters())
+        for name, tensor in state["shards"].items():
+            ds_compat.shard(by_name[name]).copy_(tensor)
+        for name in state["masters"]:
+            master = self.masters.get(ds_compat.param_id(by_name[name]))
+            if master is not None:
+                master.copy_(state["masters"][name])

@@ -1,0 +1,99 @@
+"""The fused, sharded update as the engine drives it: one pass at a time, bucket by bucket.
+
+As each parameter's gradient becomes ready in the backward pass it joins a bucket (buckets.py).
+A full bucket is reduce-scattered over the data-parallel group, so each rank receives only the
+summed gradient of its own slice of each parameter; the rank then updates that slice of its ZeRO-3
+shard (`param.ds_tensor`) in fp32 arithmetic and lets the gradient go. No whole-model gradient.
+
+One pass: `begin_pass(settings, measure=...)` returns the pass's PassStats, then the buckets call
+`apply_bucket(items, stats)`: the measuring pass (norm clipping, loss scaling) sums the squares of
+the reduced slices; an updating pass hands each bucket to the rule (sgd.py, adalomo.py). A bucket
+is applied only while `stats.finite` holds, decided on the device (a non-finite gradient is
+zeroed, not read): no host sync. The update runs where the shard lives: on the accelerator, or in
+host memory under `offload_param: {device: cpu}` (each shard's own device).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lomo_ds.engine.update.adalomo import AdaLomo
+from lomo_ds.engine.update.rule import Items, PassSettings, PassStats, Rule
+from lomo_ds.engine.update.sgd import SGD
+from lomo_ds.engine.update.shard import ShardGeometries, ShardWeights, grad_sum_sq
+
+
+class ShardUpdater:
+    """This rank's shard weights and the rule that updates them, one pass at a time."""
+
+    def __init__(self, stochastic_rounding: bool, seed: int, stats_device: torch.device,
+                 geometry: ShardGeometries | None = None, rule: Rule | None = None, master_params=(),
+                 chunk: int = 1 << 22):
+        """`rule`: SGD by default; `master_params`: the parameters given an fp32 master copy."""
+        self.geometry = geometry or ShardGeometries()
+        self.shard = ShardWeights(self.geometry, stochastic_rounding, seed, master_params, chunk)
+        self.rule: Rule = rule if rule is not None else SGD()
+        self.stats_device = stats_device
+        self.settings = PassSettings()
+        self.measuring = False
+
+    @property
+    def masters(self) -> dict[int, torch.Tensor]:
+        return self.shard.masters
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        return self.shard.generator(device)
+
+    def begin_pass(self, settings: PassSettings, measure: bool = False, step: int | None = None) -> PassStats:
+        """Start one pass: `measure` only sums squares (the first of two passes), else update by
+        `settings`. `step` (the optimizer step) reseeds the rounding noise."""
+        self.settings, self.measuring = settings, measure
+        if step is not None:
+            self.shard.reseed(step)
+        return PassStats(self.stats_device)
+
+    def apply_bucket(self, items: Items, stats: PassStats) -> None:
+        if not self.measuring:
+            self.rule.apply_bucket(self.shard, items, stats, self.settings)
+            return
+        for param, grad_shard in items:
+            n = self.geometry(param).local
+            if n:
+                stats.sum_sq.add_(grad_sum_sq(grad_shard, n, self.shard.chunk).mul_(self.settings.grad_scale**2))
+
+    def apply(self, param: torch.nn.Parameter, grad_shard, finite: torch.Tensor | bool) -> None:
+        """One slice alone, as the host-update worker applies it (a rule that takes no whole bucket)."""
+        self.rule.apply(self.shard, param, grad_shard, finite, self.settings)
+
+    def slice_device(self, param: torch.nn.Parameter) -> torch.device:
+        return self.rule.slice_device(param)
+
+    def state_bytes(self) -> int:
+        """The update's own memory on this rank: the fp32 masters and the rule's state."""
+        return self.shard.master_bytes() + self.rule.state_bytes()
+
+    # ----------------------------------------------------------------- resumable state
+    def state_dict(self, module: torch.nn.Module, params: list) -> dict[str, Any]:
+        """{"shards", "masters", "adalomo"}: the shard weights by parameter name and the rule's
+        state (under the name checkpoints have always given it; None for SGD)."""
+        return {**self.shard.state_dict(module, params), "adalomo": self.rule.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], module: torch.nn.Module, params: list) -> None:
+        """Every refusal of the shards comes before anything is written."""
+        self.shard.check_state(state, module, params)
+        self.rule.load_state_dict(state.get("adalomo"))
+        self.shard.load_state_dict(state, module)
+
+
+def build_updater(lomo, module: torch.nn.Module, params: list, group, dtype: torch.dtype, host,
+                  device: torch.device) -> ShardUpdater:
+    """The engine's updater from its `lomo` config: the rule lomo.optimizer names, fp32 masters where
+    asked for and the weights are not fp32. `host`: the HostUpdates worker, or None; `device`: this
+    rank's, where the pass statistics live."""
+    geometries = ShardGeometries()
+    rule = (AdaLomo(lomo.adalomo, module, params, group, geometries, host=host, device=device)
+            if lomo.optimizer == "adalomo" else SGD())
+    masters = params if lomo.fp32_master_weights and dtype != torch.float32 else ()
+    return ShardUpdater(lomo.stochastic_rounding, lomo.seed, device, geometries, rule, masters,
+                        chunk=lomo.update_chunk_elements)
