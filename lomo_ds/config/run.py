@@ -134,6 +134,12 @@ class EvalConfig(Section):
     # containment against the reference and written to output.dir/generations/step_N.jsonl
     generate_samples: Int = Field(0, ge=0)
     max_new_tokens: Int = Field(32, ge=1)
+    # lm-evaluation-harness on the final export (lomo_ds/evaluation/harness.py): lomo_ds task names
+    # (scored on this run's eval examples) or harness YAML tasks under harness_include; rank 0 loads
+    # the exported model whole on its device after the export.
+    harness_tasks: tuple[str, ...] = Field((), strict=False)
+    harness_include: tuple[str, ...] = Field((), strict=False)
+    harness_limit: Int | None = Field(None, ge=1)  # at most this many examples per harness task
 
 
 class OutputConfig(Section):
@@ -258,6 +264,8 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
         raise ConfigError(f"tokenizer.chat_template: {template!r} is neither a Jinja template nor a file")
     if cfg.eval.split != "validation":
         _check_eval_split(cfg, check_files)
+    if cfg.eval.harness_tasks:
+        _check_harness(cfg, check_files)
     if check_files:
         for name in ("source", "train_file", "eval_file"):
             p = getattr(d, name)
@@ -272,6 +280,17 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
                           f"train.method {cfg.train.method!r} steps DeepSpeed's optimizer, whose accumulation "
                           "averages the micro-batches' losses: expected 'mean'")
     # fp16 on a CPU (DeepSpeed refuses it there) is checked when the accelerator is known: at run time.
+
+
+def _check_harness(cfg: RunConfig, check_files: bool) -> None:
+    """The harness evaluates the final export: a run must write one. Whether lm-eval is installed and
+    each task is found is checked before the model is built (lomo_ds/recipe/train.py: check_runtime)."""
+    if not cfg.output.export_hf:
+        raise ConfigError("eval.harness_tasks: the harness evaluates the final Hugging Face export; "
+                          "output.export_hf is false")
+    for folder in cfg.eval.harness_include if check_files else ():
+        if not os.path.isdir(folder):
+            raise ConfigError(f"eval.harness_include: no such folder: {folder!r}")
 
 
 def _check_eval_split(cfg: RunConfig, check_files: bool) -> None:

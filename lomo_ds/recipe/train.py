@@ -33,11 +33,13 @@ from lomo_ds.data.errors import DataError
 from lomo_ds.data.loading import build_datasets
 from lomo_ds.data.order import batches_for_step, position_of_step, steps_per_epoch, window_of_step
 from lomo_ds.data.packing import make_batch, padding_fraction, train_order
+from lomo_ds.evaluation import harness
 from lomo_ds.evaluation.generation import evaluate_generation, write_generations
 from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 from lomo_ds.methods import build_engine
 from lomo_ds.planning import inference, planner
 from lomo_ds.planning.model_tree import hf_config, meta_model
+from lomo_ds.recipe import harness_eval
 from lomo_ds.recipe.metrics import Metrics
 from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
 from lomo_ds.runtime.dist import accepts_logits_to_keep, init_distributed, io_barrier, keep_labelled_logits
@@ -116,6 +118,11 @@ def check_runtime(cfg) -> None:
     if cfg.precision.dtype == "fp16" and get_accelerator().device_name() == "cpu":
         raise ConfigError(f"{cfg.source_path}: fp16.enabled: DeepSpeed refuses fp16 on a CPU; use bf16 or fp32 here")
     check_fetch_unit(cfg)
+    if cfg.eval.harness_tasks:
+        try:
+            harness_eval.check_tasks(cfg)
+        except ValueError as e:
+            raise ConfigError(f"{cfg.source_path or '<config>'}: eval.harness_tasks: {e}") from None
 
 
 def check_fetch_unit(cfg) -> None:
@@ -412,9 +419,28 @@ class TrainRecipe:
                                                                         cfg.output.export_hf):
             self.save()
         if cfg.output.export_hf and total > 0:
-            self.export()
+            path = self.export()
+            if cfg.eval.harness_tasks:
+                self.evaluate_export(path, total)
         if self.rank == 0:
             self.write_summary()
+
+    def evaluate_export(self, path: str, step: int) -> None:
+        """lm-evaluation-harness on the export, by rank 0 on its device while the others wait; the
+        figures go to the metrics (and TensorBoard) and summary.json."""
+        cfg = self.cfg
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            results = harness_eval.evaluate_model(path, list(cfg.eval.harness_tasks), cfg,
+                                                  list(cfg.eval.harness_include), cfg.eval.batch_size,
+                                                  cfg.eval.harness_limit, str(self.engine.device))
+            flat = harness.flat_metrics(results)
+            self.metrics.log({"step": step, "phase": "harness", **flat,
+                              "eval_seconds": time.perf_counter() - t0})
+            self.results["harness"] = flat
+            for task, m in results.items():
+                self.say(f"harness {task}: acc {m.get('acc', float('nan')):.4f} ({m.get('n', 0)} examples)")
+        self.io_barrier()  # the others wait as for a checkpoint: under output.io_timeout
 
     def write_summary(self) -> None:
         results = self.results
@@ -422,7 +448,8 @@ class TrainRecipe:
         summary = {"steps": self.total_steps, "eval_split": self.cfg.eval.split,
                    "eval_examples": self.data.stats["eval_size"],
                    **{f"{k}_{m}": v.get(f"eval/{m}") for k, v in results.items() if v
-                      for m in ("accuracy", "exact_match", "contains") if f"eval/{m}" in v}}
+                      for m in ("accuracy", "exact_match", "contains") if f"eval/{m}" in v},
+                   **results.get("harness", {})}
         with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         method = self.cfg.train.method
