@@ -147,6 +147,13 @@ class OutputConfig(Section):
     checkpoint_every: Int | None = Field(None, ge=1)
     keep_last: Int = Field(2, ge=1)  # resumable checkpoints kept on disk
     export_hf: bool = True  # write a Hugging Face model directory at the end
+    # Preemption (lomo_ds/recipe/preemption.py): on one of these signals every rank stops after the
+    # optimizer step it is in, checkpoints and exits 75; a second signal, or this many seconds after
+    # the first, exits 76 at once, the last whole checkpoint kept. [] ignores them (the default
+    # action of each then applies: SIGTERM ends the process).
+    preempt_signals: tuple[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"], ...] = Field(
+        ("SIGTERM", "SIGUSR1"), strict=False)
+    preempt_deadline_s: float | None = Field(None, gt=0)
     # Seconds a rank waits for the others while checkpoint or export files are written (a slow disk
     # must not trip lomo.collective_timeout: 130 GB at 200 MB/s is 11 minutes).
     io_timeout: float = Field(4 * 3600, gt=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -45,6 +46,34 @@ def evaluate_model(model_dir: str, tasks: list[str], cfg, include: list[str], ba
         names = harness_names(tasks, cfg, tmp)
         return harness.run(model_dir, names, include=include, written=tmp, batch_size=batch_size, device=device,
                            limit=limit)
+
+
+# A launcher's variables: with them in its environment the harness (through accelerate) would take
+# itself for one rank of the run's world and wait for the others.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE")
+
+
+def evaluate_export(model_dir: str, cfg, device: str) -> dict:
+    """The harness on a run's export, in a process of its own outside the run's world (the run's
+    ranks stay up meanwhile): {task: metrics}. Raises HarnessError with the harness's last words."""
+    with tempfile.TemporaryDirectory(prefix="lomo_ds_harness_") as tmp:
+        config, out = os.path.join(tmp, "run.json"), os.path.join(tmp, "results.json")
+        with open(config, "w") as f:  # the sections that pick the examples
+            json.dump({"model": {"path": model_dir}, "train": {"method": "zero_shot"},
+                       "data": cfg.data.model_dump(mode="json"), "eval": {"split": cfg.eval.split}}, f)
+        cmd = [sys.executable, "-m", "lomo_ds.cli", "eval", "--model", model_dir,
+               "--tasks", ",".join(cfg.eval.harness_tasks), "--config", config, "--out", out,
+               "--batch-size", str(cfg.eval.batch_size), "--device", device,
+               *[a for folder in cfg.eval.harness_include for a in ("--include", folder)],
+               *(["--limit", str(cfg.eval.harness_limit)] if cfg.eval.harness_limit else [])]
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise harness.HarnessError(f"lm-evaluation-harness on {model_dir} failed ({proc.returncode}): "
+                                       f"{proc.stderr.strip()[-2000:]}")
+        with open(out) as f:
+            return json.load(f)
 
 
 def check_tasks(cfg) -> None:
