@@ -6,6 +6,7 @@ The matrix runs the training program in the 2- and 3-rank launches of the multi-
 (tests/ranks.py run_here), the signal sent by a timer thread to this very process; the
 second-signal check is a launch of its own (the process it stops is the launch's).
 """
+import contextlib
 import json
 import os
 import pathlib
@@ -34,13 +35,30 @@ def _args(root, out, optimizer, k):
             "--set", "output.checkpoint_every=100", "--set", "eval.at_end=false"]
 
 
-def _signal_later(delay: float, only_rank: int) -> threading.Timer:
-    """SIGTERM to this process after `delay` seconds, on rank `only_rank` alone: the others learn of
-    it at the next step boundary, through the ranks' agreement."""
+@contextlib.contextmanager
+def _signal_during_training(delay: float, only_rank: int):
+    """SIGTERM to this process `delay` seconds after the run's first step starts, on rank `only_rank`
+    alone: the others learn of it at the next step boundary, through the ranks' agreement."""
+    from lomo_ds.recipe.train import TrainRecipe
+
     timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGTERM))
-    if torch.distributed.get_rank() == only_rank:
-        timer.start()
-    return timer
+    train_step = TrainRecipe.train_step
+
+    def first_step_starts_the_clock(recipe, step):
+        if torch.distributed.get_rank() == only_rank and not timer.is_alive() and not timer.finished.is_set():
+            timer.start()
+        return train_step(recipe, step)
+
+    TrainRecipe.train_step = first_step_starts_the_clock
+    try:
+        yield
+    finally:
+        TrainRecipe.train_step = train_step
+        timer.cancel()
+
+
+def _training_seconds(out_dir) -> float:
+    return sum(row["step_seconds"] for row in map(json.loads, open(out_dir / "metrics.jsonl")) if "step_seconds" in row)
 
 
 def preempt_matrix() -> dict:
@@ -54,15 +72,13 @@ def preempt_matrix() -> dict:
     out = {}
     for optimizer, k in MATRIX[world]:
         name = f"{optimizer}_k{k}"
-        t0 = time.perf_counter()
         straight = run_here(main, _args(base, base / f"{name}_straight", optimizer, k))
-        wall = time.perf_counter() - t0
-        # A moment drawn anywhere in the first part of a run as long as the straight one (setup included).
+        # A moment drawn within the training steps' time (the straight run's): any step, any point in it.
         rng = random.Random(f"{world}-{name}")
-        delay, who = rng.uniform(0.1, 0.55) * wall, rng.randrange(world)
-        timer = _signal_later(delay, who)
-        stopped = run_here(main, _args(base, base / f"{name}_stopped", optimizer, k))
-        timer.cancel()
+        delay = rng.uniform(0.0, 0.6) * _training_seconds(base / f"{name}_straight")
+        who = rng.randrange(world)
+        with _signal_during_training(delay, who):
+            stopped = run_here(main, _args(base, base / f"{name}_stopped", optimizer, k))
         resumed = run_here(main, [*_args(base, base / f"{name}_stopped", optimizer, k), "--resume"])
         out[name] = {"straight": straight["rc"], "stopped": stopped["rc"], "resumed": resumed["rc"],
                      "delay": delay, "rank": who, "dir": str(base), "resumed_stdout": resumed["stdout"][-2000:]}
@@ -81,11 +97,12 @@ def test_a_signal_at_a_random_moment_then_resume_gives_the_uninterrupted_weights
     r = ok(rank_results(world), preempt_matrix)
     for name, run in r.items():
         base = pathlib.Path(run["dir"])
-        print(f"{world} ranks, {name}: SIGTERM to rank {run['rank']} after {run['delay']:.2f} s")
         assert run["straight"] == 0 and run["resumed"] == 0, run
         assert run["stopped"] == PREEMPTED_EXIT, run  # stopped with a checkpoint, not finished
         rows = [json.loads(line) for line in open(base / f"{name}_stopped" / "metrics.jsonl")]
         (stop,) = [row for row in rows if row.get("phase") == "preempted"]
+        print(f"{world} ranks, {name}: SIGTERM to rank {run['rank']} {run['delay']:.2f} s into training; "
+              f"stopped after step {stop['step']} of {STEPS}")
         assert 1 <= stop["step"] < STEPS and stop["checkpoint"].endswith(f"step_{stop['step']:08d}")
         assert f"at step {stop['step']}" in run["resumed_stdout"]
         a, b = _export(base / f"{name}_straight"), _export(base / f"{name}_stopped")
