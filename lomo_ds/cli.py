@@ -8,6 +8,7 @@ registered in `_SUBCOMMANDS`.
     lomo-ds plan --model ds_configs/llama13b.json --size 13b --gpus 2
     lomo-ds generate --model runs/cpu_chat/hf_model --prompt "..."   # answer prompts with a model directory
     lomo-ds chat --model runs/cpu_chat/hf_model                      # talk to it in the terminal
+    lomo-ds eval --model runs/cpu_default/hf_model --tasks builtin    # lm-evaluation-harness, local tasks
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.run import load_run_config
 from lomo_ds.planning import planner
 from lomo_ds.planning.tables import format_models_table
-from lomo_ds.recipe import generate, train
+from lomo_ds.recipe import generate, harness_eval, train
 from lomo_ds.recipe.train import print_eval_plan
 
 
@@ -163,7 +164,11 @@ def _add_chat(sub) -> None:
     generate.add_chat(sub)
 
 
-_SUBCOMMANDS = [_add_train, _add_plan, _add_generate, _add_chat]
+def _add_eval(sub) -> None:
+    harness_eval.add_eval(sub)
+
+
+_SUBCOMMANDS = [_add_train, _add_plan, _add_generate, _add_chat, _add_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -134,6 +134,12 @@ class EvalConfig(Section):
     # containment against the reference and written to output.dir/generations/step_N.jsonl
     generate_samples: Int = Field(0, ge=0)
     max_new_tokens: Int = Field(32, ge=1)
+    # lm-evaluation-harness on the final export (lomo_ds/evaluation/harness.py): lomo_ds task names
+    # (scored on this run's eval examples) or harness YAML tasks under harness_include; rank 0 loads
+    # the exported model whole on its device after the export.
+    harness_tasks: tuple[str, ...] = Field((), strict=False)
+    harness_include: tuple[str, ...] = Field((), strict=False)
+    harness_limit: Int | None = Field(None, ge=1)  # at most this many examples per harness task
 
 
 class OutputConfig(Section):
@@ -141,6 +147,13 @@ class OutputConfig(Section):
     checkpoint_every: Int | None = Field(None, ge=1)
     keep_last: Int = Field(2, ge=1)  # resumable checkpoints kept on disk
     export_hf: bool = True  # write a Hugging Face model directory at the end
+    # Preemption (lomo_ds/recipe/preemption.py): on one of these signals every rank stops after the
+    # optimizer step it is in, checkpoints and exits 75; a second signal, or this many seconds after
+    # the first, exits 76 at once, the last whole checkpoint kept. [] ignores them (the default
+    # action of each then applies: SIGTERM ends the process).
+    preempt_signals: tuple[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"], ...] = Field(
+        ("SIGTERM", "SIGUSR1"), strict=False)
+    preempt_deadline_s: float | None = Field(None, gt=0)
     # Seconds a rank waits for the others while checkpoint or export files are written (a slow disk
     # must not trip lomo.collective_timeout: 130 GB at 200 MB/s is 11 minutes).
     io_timeout: float = Field(4 * 3600, gt=0)
@@ -258,6 +271,8 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
         raise ConfigError(f"tokenizer.chat_template: {template!r} is neither a Jinja template nor a file")
     if cfg.eval.split != "validation":
         _check_eval_split(cfg, check_files)
+    if cfg.eval.harness_tasks:
+        _check_harness(cfg, check_files)
     if check_files:
         for name in ("source", "train_file", "eval_file"):
             p = getattr(d, name)
@@ -272,6 +287,17 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
                           f"train.method {cfg.train.method!r} steps DeepSpeed's optimizer, whose accumulation "
                           "averages the micro-batches' losses: expected 'mean'")
     # fp16 on a CPU (DeepSpeed refuses it there) is checked when the accelerator is known: at run time.
+
+
+def _check_harness(cfg: RunConfig, check_files: bool) -> None:
+    """The harness evaluates the final export: a run must write one. Whether lm-eval is installed and
+    each task is found is checked before the model is built (lomo_ds/recipe/train.py: check_runtime)."""
+    if not cfg.output.export_hf:
+        raise ConfigError("eval.harness_tasks: the harness evaluates the final Hugging Face export; "
+                          "output.export_hf is false")
+    for folder in cfg.eval.harness_include if check_files else ():
+        if not os.path.isdir(folder):
+            raise ConfigError(f"eval.harness_include: no such folder: {folder!r}")
 
 
 def _check_eval_split(cfg: RunConfig, check_files: bool) -> None:

@@ -33,12 +33,15 @@ from lomo_ds.data.errors import DataError
 from lomo_ds.data.loading import build_datasets
 from lomo_ds.data.order import batches_for_step, position_of_step, steps_per_epoch, window_of_step
 from lomo_ds.data.packing import make_batch, padding_fraction, train_order
+from lomo_ds.evaluation import harness
 from lomo_ds.evaluation.generation import evaluate_generation, write_generations
 from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 from lomo_ds.methods import build_engine
 from lomo_ds.planning import inference, planner
 from lomo_ds.planning.model_tree import hf_config, meta_model
+from lomo_ds.recipe import harness_eval
 from lomo_ds.recipe.metrics import Metrics
+from lomo_ds.recipe.preemption import PREEMPTED_EXIT, Preempted, Preemption
 from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
 from lomo_ds.runtime.dist import accepts_logits_to_keep, init_distributed, io_barrier, keep_labelled_logits
 from lomo_ds.runtime.host_malloc import keep_freed_memory
@@ -116,6 +119,11 @@ def check_runtime(cfg) -> None:
     if cfg.precision.dtype == "fp16" and get_accelerator().device_name() == "cpu":
         raise ConfigError(f"{cfg.source_path}: fp16.enabled: DeepSpeed refuses fp16 on a CPU; use bf16 or fp32 here")
     check_fetch_unit(cfg)
+    if cfg.eval.harness_tasks:
+        try:
+            harness_eval.check_tasks(cfg)
+        except ValueError as e:
+            raise ConfigError(f"{cfg.source_path or '<config>'}: eval.harness_tasks: {e}") from None
 
 
 def check_fetch_unit(cfg) -> None:
@@ -207,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         recipe.train()
         recipe.finish()
+    except Preempted:
+        return PREEMPTED_EXIT  # every rank has checkpointed: requeue with --resume
     finally:
         recipe.cleanup()
     return 0
@@ -230,9 +240,13 @@ class TrainRecipe:
         self.generations: dict[str, list[dict]] = {}  # chat tasks: the eval replies by tag (rank 0)
         self.start_step = 0
         self.metrics = None
+        self.preemption: Preemption | None = None
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
+        out = self.cfg.output
+        # First: a signal from here on stops the run at a step boundary (before: nothing to lose).
+        self.preemption = Preemption(out.preempt_signals, out.preempt_deadline_s)
         torch.manual_seed(self.cfg.train.seed)
         init_distributed(timeout_s=self.cfg.lomo.collective_timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -307,11 +321,25 @@ class TrainRecipe:
             done = step + 1
             if done < self.total_steps:  # the last step's checkpoint and evaluation are finish()'s
                 every = cfg.output.checkpoint_every
-                if self.engine.supports_resume and every and done % every == 0:
+                saved = self.engine.supports_resume and every and done % every == 0
+                if saved:
                     self.save()
+                if self.preemption.agreed():
+                    self.stop_preempted(done, saved)
                 if cfg.eval.every_steps and done % cfg.eval.every_steps == 0:
                     self.evaluate("eval", done)
         progress.close()
+
+    def stop_preempted(self, done: int, saved: bool) -> None:
+        """Every rank, at the same step boundary: checkpoint (unless this step's was just written), then
+        raise Preempted."""
+        if self.engine.supports_resume and not saved:
+            self.save()
+        where = checkpoint.latest_checkpoint(self.cfg.output.dir) if self.engine.supports_resume else None
+        self.metrics.log({"step": done, "phase": "preempted", "checkpoint": where})
+        self.say(f"preempted after step {done}: " + (f"checkpoint {where}; run again with --resume" if where else
+                                                     f"train.method={self.cfg.train.method} has nothing to resume"))
+        raise Preempted(done)
 
     def train_step(self, step: int) -> dict:
         """Optimizer step `step` (0-based): this rank's micro-batch of each global micro-batch of the
@@ -412,9 +440,32 @@ class TrainRecipe:
                                                                         cfg.output.export_hf):
             self.save()
         if cfg.output.export_hf and total > 0:
-            self.export()
+            path = self.export()
+            if cfg.eval.harness_tasks:
+                self.evaluate_export(path, total)
         if self.rank == 0:
             self.write_summary()
+
+    def evaluate_export(self, path: str, step: int) -> None:
+        """lm-evaluation-harness on the export, run by rank 0 in a process of its own while the others
+        wait; the figures go to the metrics (and TensorBoard) and summary.json. A failure is raised
+        on rank 0 after the others are released."""
+        cfg, failed = self.cfg, None
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            try:
+                results = harness_eval.evaluate_export(path, cfg, str(self.engine.device))
+            except harness.HarnessError as e:
+                failed = e
+            else:
+                flat = harness.flat_metrics(results)
+                self.metrics.log({"step": step, "phase": "harness", **flat, "eval_seconds": time.perf_counter() - t0})
+                self.results["harness"] = flat
+                for task, m in results.items():
+                    self.say(f"harness {task}: acc {m.get('acc', float('nan')):.4f} ({m.get('n', 0)} examples)")
+        self.io_barrier()  # the others wait as for a checkpoint: under output.io_timeout
+        if failed is not None:
+            raise failed
 
     def write_summary(self) -> None:
         results = self.results
@@ -422,7 +473,8 @@ class TrainRecipe:
         summary = {"steps": self.total_steps, "eval_split": self.cfg.eval.split,
                    "eval_examples": self.data.stats["eval_size"],
                    **{f"{k}_{m}": v.get(f"eval/{m}") for k, v in results.items() if v
-                      for m in ("accuracy", "exact_match", "contains") if f"eval/{m}" in v}}
+                      for m in ("accuracy", "exact_match", "contains") if f"eval/{m}" in v},
+                   **results.get("harness", {})}
         with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         method = self.cfg.train.method
@@ -453,6 +505,8 @@ class TrainRecipe:
         """Close the metrics (flushed to disk) and wait for every rank; models the process builds
         after the run are built whole again (release_model_build_config)."""
         release_model_build_config()
+        if self.preemption is not None:
+            self.preemption.restore()
         if self.metrics is not None:
             self.metrics.close()
             self.barrier()

@@ -1,0 +1,173 @@
+"""Preemption (lomo_ds/recipe/preemption.py): a signal at a random moment stops every rank at the next
+optimizer-step boundary with a checkpoint; resuming gives the uninterrupted run's weights exactly.
+A second signal during the checkpoint's write leaves the previous checkpoint whole and `latest`.
+
+The matrix runs the training program in the 2- and 3-rank launches of the multi-rank checks
+(tests/ranks.py run_here), the signal sent by a timer thread to this very process; the
+second-signal check is a launch of its own (the process it stops is the launch's).
+"""
+import contextlib
+import json
+import os
+import pathlib
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lomo_ds.recipe.preemption import PREEMPTED_EXIT, UNSAVED_EXIT, Preemption
+from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
+from tests.recipe.test_train import TRAIN_SCRIPT, logged_steps, run_train, train_args, write_tiny_run
+from tools.launch_local import local_ranks
+
+STEPS = 6
+# (optimizer, accumulation) per world: SGD and AdaLomo, K = 1 and K = 2, each on 2 and on 3 ranks.
+MATRIX = {2: [("sgd", 1), ("adalomo", 2)], 3: [("adalomo", 1), ("sgd", 2)]}
+
+
+def _args(root, out, optimizer, k):
+    return ["--config", str(root / "run.json"), "--output-dir", str(out), "--max-steps", str(STEPS),
+            "--accumulation-steps", str(k), "--set", f"lomo.optimizer={optimizer}",
+            "--set", "output.checkpoint_every=100", "--set", "eval.at_end=false"]
+
+
+@contextlib.contextmanager
+def _signal_during_training(delay: float, only_rank: int):
+    """SIGTERM to this process `delay` seconds after the run's first step starts, on rank `only_rank`
+    alone: the others learn of it at the next step boundary, through the ranks' agreement."""
+    from lomo_ds.recipe.train import TrainRecipe
+
+    timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    train_step = TrainRecipe.train_step
+
+    def first_step_starts_the_clock(recipe, step):
+        if torch.distributed.get_rank() == only_rank and not timer.is_alive() and not timer.finished.is_set():
+            timer.start()
+        return train_step(recipe, step)
+
+    TrainRecipe.train_step = first_step_starts_the_clock
+    try:
+        yield
+    finally:
+        TrainRecipe.train_step = train_step
+        timer.cancel()
+
+
+def _training_seconds(out_dir) -> float:
+    return sum(row["step_seconds"] for row in map(json.loads, open(out_dir / "metrics.jsonl")) if "step_seconds" in row)
+
+
+def preempt_matrix() -> dict:
+    from lomo_ds.recipe.train import main
+
+    world = torch.distributed.get_world_size()
+    base = pathlib.Path(work_dir()) / f"preempt_{world}"
+    if torch.distributed.get_rank() == 0:
+        write_tiny_run(base)
+    torch.distributed.barrier()
+    out = {}
+    for optimizer, k in MATRIX[world]:
+        name = f"{optimizer}_k{k}"
+        straight = run_here(main, _args(base, base / f"{name}_straight", optimizer, k))
+        # A moment drawn within the training steps' time (the straight run's): any step, any point in it.
+        rng = random.Random(f"{world}-{name}")
+        delay = rng.uniform(0.0, 0.6) * _training_seconds(base / f"{name}_straight")
+        who = rng.randrange(world)
+        with _signal_during_training(delay, who):
+            stopped = run_here(main, _args(base, base / f"{name}_stopped", optimizer, k))
+        resumed = run_here(main, [*_args(base, base / f"{name}_stopped", optimizer, k), "--resume"])
+        out[name] = {"straight": straight["rc"], "stopped": stopped["rc"], "resumed": resumed["rc"],
+                     "delay": delay, "rank": who, "dir": str(base), "resumed_stdout": resumed["stdout"][-2000:]}
+    return out
+
+
+preempt_matrix = multi_rank(worlds=[2, 3])(preempt_matrix)
+
+
+def _export(path) -> dict:
+    return load_file(path / "hf_model" / "model.safetensors")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_signal_at_a_random_moment_then_resume_gives_the_uninterrupted_weights(rank_results, world):
+    r = ok(rank_results(world), preempt_matrix)
+    for name, run in r.items():
+        base = pathlib.Path(run["dir"])
+        assert run["straight"] == 0 and run["resumed"] == 0, run
+        assert run["stopped"] == PREEMPTED_EXIT, run  # stopped with a checkpoint, not finished
+        rows = [json.loads(line) for line in open(base / f"{name}_stopped" / "metrics.jsonl")]
+        (stop,) = [row for row in rows if row.get("phase") == "preempted"]
+        print(f"{world} ranks, {name}: SIGTERM to rank {run['rank']} {run['delay']:.2f} s into training; "
+              f"stopped after step {stop['step']} of {STEPS}")
+        assert 1 <= stop["step"] < STEPS and stop["checkpoint"].endswith(f"step_{stop['step']:08d}")
+        assert f"at step {stop['step']}" in run["resumed_stdout"]
+        a, b = _export(base / f"{name}_straight"), _export(base / f"{name}_stopped")
+        assert a.keys() == b.keys()
+        diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
+        assert max(diffs.values()) == 0.0, (name, diffs)
+
+
+def test_a_second_signal_or_the_deadline_stops_at_once():
+    """The handler alone: the first signal only asks; a second, or the deadline after the first,
+    ends the process (here: records the exit it would make)."""
+    exits = []
+    p = Preemption(["SIGUSR1"], None, say=lambda m: None, exit_now=exits.append)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert p.requested_at is not None and exits == []
+        assert p.agreed()  # one process: its own flag
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert exits == [UNSAVED_EXIT]
+    finally:
+        p.restore()
+    p = Preemption(["SIGUSR2"], 0.2, say=lambda m: None, exit_now=exits.append)
+    try:
+        assert not p.agreed()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        deadline = time.monotonic() + 10
+        while len(exits) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert exits == [UNSAVED_EXIT, UNSAVED_EXIT]
+    finally:
+        p.restore()
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # put back
+
+
+SLOW_SEAL_S = 6  # rank 0's checkpoint seal (meta.json) takes this long: the second signal lands inside it
+
+
+@pytest.mark.ranks
+def test_a_second_signal_during_the_checkpoint_write_keeps_the_previous_one(tmp_path):
+    import psutil
+
+    config = write_tiny_run(tmp_path)
+    out = tmp_path / "run"
+    slow = ["-m", "tests.slow_io_run", str(SLOW_SEAL_S), "600"]
+    args = train_args(slow, config, out, "--max-steps", "8", "--set", "output.checkpoint_every=2",
+                      "--set", "eval.at_end=false")
+    with open(tmp_path / "launch.log", "w") as log, local_ranks(args, 2, cwd=ROOT, stdout=log, stderr=log) as proc:
+        deadline = time.monotonic() + 600
+        while 3 not in logged_steps(out):  # step 2's checkpoint is sealed before step 3 starts
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+            time.sleep(0.01)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK")]
+        for p in ranks:
+            p.send_signal(signal.SIGTERM)
+        # The stop's checkpoint (step 4: the next boundary) is being written: its staging folder is there.
+        ckpts = out / "checkpoints"
+        while not any(n.endswith(".partial") for n in os.listdir(ckpts)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint write to interrupt"
+            time.sleep(0.01)
+        for p in ranks:
+            p.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    log = (tmp_path / "launch.log").read_text()
+    assert f"exitcode  : {UNSAVED_EXIT}" in log or f"exit code {UNSAVED_EXIT}" in log, log[-3000:]
+    assert (ckpts / "latest").read_text() == "step_00000002"
+    assert not (ckpts / "step_00000004").exists()
+    resumed = run_train(TRAIN_SCRIPT, config, out, "--max-steps", "8", "--set", "eval.at_end=false", "--resume")
+    assert "at step 2" in resumed.stdout
