@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from devkit.launch_local import local_ranks
 from lomo_ds.recipe.preemption import PREEMPTED_EXIT, UNSAVED_EXIT, Preemption
 from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
 from tests.recipe.test_train import TRAIN_SCRIPT, logged_steps, run_train, train_args, write_tiny_run
-from devkit.launch_local import local_ranks
 
 STEPS = 6
 # (optimizer, accumulation) per world: SGD and AdaLomo, K = 1 and K = 2, each on 2 and on 3 ranks.
