@@ -116,6 +116,7 @@ class MethodEngine:
 
     method = "base"
     supports_resume = True
+    reshards = False  # whether load_state takes a state written by another rank count
     accumulation_steps = 1
     module: torch.nn.Module
     params: list  # what the memory tracker samples

@@ -7,12 +7,15 @@ import torch
 
 from lomo_ds.config.schema import LomoConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
+from lomo_ds.engine.update.reslice import reslice
 from lomo_ds.methods.base import MethodEngine, load_rank_state, save_rank_state
+from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.memory import MemoryTracker
 
 
 class LomoMethodEngine(MethodEngine):
     method = "lomo"
+    reshards = True  # resumes from a checkpoint of another rank count (load_state)
 
     def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int,
                  precision: Precision | None = None):
@@ -54,7 +57,17 @@ class LomoMethodEngine(MethodEngine):
         save_rank_state(directory, self.rank, self.state_dict())
 
     def load_state(self, directory: str) -> None:
-        self.load_state_dict(load_rank_state(directory, self.rank))
+        """This rank's state from `directory`, written by this rank count or by any other: the shards
+        cut again for this one (engine/update/reslice.py), the rest as rank 0 wrote it."""
+        written = load_rank_state(directory, 0)["lomo"]["world"]
+        if written == self.world:
+            self.load_state_dict(load_rank_state(directory, self.rank))
+            return
+        files = [load_rank_state(directory, r) for r in range(written)]
+        numels = {n: ds_compat.full_numel(p) for n, p in self.module.named_parameters()}
+        state = {**files[0], "lomo": reslice([f["lomo"] for f in files], self.engine.shard_state_dict(), numels,
+                                            self.world, self.rank)}
+        self.load_state_dict(state)
 
     # ----------------------------------------------------------------- memory accounting
     def _make_tracker(self) -> MemoryTracker:

@@ -301,9 +301,27 @@ class TrainRecipe:
         if ckpt is None:
             self.say(f"resume: no checkpoint in {self.cfg.output.dir}; starting from scratch")
             return 0
-        step = checkpoint.load_checkpoint(ckpt, self.engine)["step"]
+        meta = checkpoint.load_checkpoint(ckpt, self.engine)
+        step = meta["step"]
         self.say(f"resumed from {ckpt} at step {step}")
+        if meta["world"] != self.world:
+            self.say(f"resumed on {self.world} rank(s) a run checkpointed on {meta['world']}: "
+                     + self.data_position_after_resume(meta.get("global_batch")))
         return step
+
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.cfg.micro_batch * self.cfg.accumulation_steps
+
+    def data_position_after_resume(self, written_batch: int | None) -> str:
+        """What a resume on another rank count does to the data order, in words."""
+        if written_batch == self.global_batch:
+            return f"the same global batch ({self.global_batch} examples a step): the data order continues exactly"
+        # The order is a pure function of (seed, epoch, step) for a global batch: another batch
+        # cuts the same epoch order into other steps.
+        return (f"global batch {written_batch} -> {self.global_batch}: the steps from here on take the new "
+                "batch's share of the epoch order, so some examples of the resumed epoch are seen twice or "
+                "not at all; keep world x micro-batch x accumulation the same for the uninterrupted order")
 
     # ---------------------------------------------------------------- train
     def train(self) -> None:
@@ -422,7 +440,8 @@ class TrainRecipe:
     # ---------------------------------------------------------------- save
     def save(self) -> None:
         """A checkpoint of the engine at its current step (atomic; the oldest beyond keep_last go)."""
-        checkpoint.save_checkpoint(self.cfg.output.dir, self.engine, {"config": self.cfg.to_dict()},
+        checkpoint.save_checkpoint(self.cfg.output.dir, self.engine, {"config": self.cfg.to_dict(),
+                                                                      "global_batch": self.global_batch},
                                    self.cfg.output.keep_last, self.io_barrier)
 
     def export(self) -> str:

@@ -118,10 +118,12 @@ def load_checkpoint(path: str, engine) -> dict[str, Any]:
     """Collective: load the engine's state and this rank's RNG; returns the checkpoint's meta (with `extra`)."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    if meta["world"] != engine.world:
+    if meta["world"] != engine.world and not getattr(engine, "reshards", False):
         raise ValueError(f"{path}: written by {meta['world']} ranks, this run has {engine.world}; "
-                         f"resume with the same number of ranks")
-    rng = read_rng(path, engine.rank)
+                         f"train.method {getattr(engine, 'method', '?')!r} resumes on the same number of ranks")
+    # On another rank count, a new rank continues an old one's random streams (dropout): the same
+    # streams, dealt out again, not those of an uninterrupted run.
+    rng = read_rng(path, engine.rank % meta["world"])
     engine.load_state(path)
     restore_rng(rng, engine.device)
     return meta

@@ -1,0 +1,47 @@
+"""A run that moves between rank counts as a cluster's free GPUs come and go: checkpointed on 2
+ranks, resumed on 3, then 2, 1, 4 and 1 again, with the global batch kept (12 examples a step:
+micro-batches of 6, 4, 6, 12, 3, 12), ends within 1e-6 of an uninterrupted 2-rank run, AdaLomo's
+state resliced at every move. Where each element goes is tests/engine/test_reslice.py's; this is
+the training program end to end, through its files."""
+import pytest
+from safetensors.torch import load_file
+
+from devkit.launch_local import run_local
+from tests.ranks import ROOT
+from tests.recipe.test_train import TRAIN_SCRIPT, train_args, write_tiny_run
+
+GLOBAL_BATCH = 12
+HOPS = [2, 3, 2, 1, 4, 1]  # the rank count of each leg; every leg trains 2 steps
+STEPS_PER_HOP = 2
+# A constant learning rate: a leg's --max-steps (where it stops) is then not part of its schedule.
+COMMON = ["--set", "lomo.optimizer=adalomo", "--set", "lomo.scheduler.type=constant",
+          "--set", "lomo.scheduler.warmup_ratio=0", "--set", "eval.at_end=false", "--epochs", "3",
+          "--set", "output.checkpoint_every=null"]
+
+
+def _run(config, out, world, max_steps, *extra):
+    args = train_args(TRAIN_SCRIPT, config, out, "--max-steps", str(max_steps), *COMMON,
+                      "--set", f"train_micro_batch_size_per_gpu={GLOBAL_BATCH // world}", *extra)
+    proc = run_local(args, world, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+@pytest.mark.ranks
+def test_a_run_moved_between_rank_counts_ends_where_an_uninterrupted_one_does(tmp_path):
+    config = write_tiny_run(tmp_path)
+    total = STEPS_PER_HOP * len(HOPS)
+    _run(config, tmp_path / "straight", 2, total)
+    moved = tmp_path / "moved"
+    for i, world in enumerate(HOPS):
+        out = _run(config, moved, world, STEPS_PER_HOP * (i + 1), *(["--resume"] if i else []))
+        if i:
+            assert f"at step {STEPS_PER_HOP * i}" in out, out[-2000:]
+            if world != HOPS[i - 1]:
+                assert f"checkpointed on {HOPS[i - 1]}: the same global batch ({GLOBAL_BATCH}" in out, out[-2000:]
+    a = load_file(tmp_path / "straight" / "hf_model" / "model.safetensors")
+    b = load_file(moved / "hf_model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
+    print(f"max |moved - uninterrupted| = {max(diffs.values()):.2e} over legs on {HOPS} ranks")
+    assert max(diffs.values()) <= 1e-6, diffs
