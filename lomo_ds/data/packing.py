@@ -105,9 +105,9 @@ def train_order(data, seed: int, epoch: int, global_batch: int) -> list[int]:
     """The epoch's order of data.train (lomo_ds.data.types.Datasets): grouped by length for
     chat/instruction data that is not packed, the mixture's for data.sources, the plain permutation
     otherwise."""
-    if data.mixture is not None:
+    if getattr(data, "mixture", None) is not None:
         return data.mixture.order(seed, epoch)
-    if data.keep_order:
+    if getattr(data, "keep_order", False):
         return list(range(len(data.train)))
     if data.group_by_length:
         return length_grouped_order([len(e["input_ids"]) for e in data.train], seed, epoch, global_batch)
