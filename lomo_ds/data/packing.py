@@ -16,6 +16,8 @@ it exactly.
 """
 from __future__ import annotations
 
+from typing import Iterable, Iterator
+
 import numpy as np
 import torch
 
@@ -33,19 +35,27 @@ def pack(examples: list[dict], max_length: int, seed: int) -> list[dict]:
     """Rows {"input_ids", "labels", "lengths"} of whole examples in a seeded order, each row
     filled until the next example would not fit."""
     order = np.random.default_rng([seed, _PACK_STREAM]).permutation(len(examples))
-    rows: list[dict] = []
-    for i in order:
-        ex = examples[int(i)]
+    return list(pack_stream((examples[int(i)] for i in order), max_length))
+
+
+def pack_stream(examples: Iterable[dict], max_length: int) -> Iterator[dict]:
+    """pack's rows of `examples` in their order, each row given out once the next example does not
+    fit in it (a stream is packed as it is read: data/streaming.py)."""
+    row = None
+    for ex in examples:
         n = len(ex["input_ids"])
         if n > max_length:
             raise ValueError(f"pack: an example of {n} tokens is longer than max_length={max_length}")
-        if not rows or len(rows[-1]["input_ids"]) + n > max_length:
-            rows.append({"input_ids": [], "labels": [], "lengths": []})
-        row = rows[-1]
+        if row is not None and len(row["input_ids"]) + n > max_length:
+            yield row
+            row = None
+        if row is None:
+            row = {"input_ids": [], "labels": [], "lengths": []}
         row["input_ids"] += ex["input_ids"]
         row["labels"] += [-100] + list(ex["labels"][1:])  # nothing predicts an example's first token
         row["lengths"].append(n)
-    return rows
+    if row is not None:
+        yield row
 
 
 def collate_packed(rows: list[dict], pad_id: int) -> dict:
@@ -93,7 +103,12 @@ def length_grouped_order(lengths: list[int], seed: int, epoch: int, global_batch
 
 def train_order(data, seed: int, epoch: int, global_batch: int) -> list[int]:
     """The epoch's order of data.train (lomo_ds.data.types.Datasets): grouped by length for
-    chat/instruction data that is not packed, the plain permutation otherwise."""
+    chat/instruction data that is not packed, the mixture's for data.sources, the plain permutation
+    otherwise."""
+    if getattr(data, "mixture", None) is not None:
+        return data.mixture.order(seed, epoch)
+    if getattr(data, "keep_order", False):
+        return list(range(len(data.train)))
     if data.group_by_length:
         return length_grouped_order([len(e["input_ids"]) for e in data.train], seed, epoch, global_batch)
     return epoch_order(len(data.train), seed, epoch)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lomo_ds.data.errors import DataError
 
@@ -34,6 +35,9 @@ class Datasets:
     eval_prompts: list[dict] = field(default_factory=list)
     packed: bool = False  # train holds packed rows (data/packing.py)
     group_by_length: bool = False  # train batches are grouped by length (data/packing.py)
+    mixture: Any = None  # data.sources: the mixed order of train (data/mixture.py Mixture)
+    keep_order: bool = False  # train is in its order already, every epoch (a packed mixture)
+    eval_by_source: dict[str, list[dict]] = field(default_factory=dict)  # data.sources: eval_lm by source
 
 
 def check_some_left(data: Datasets, run_cfg, rejected: int, sampled: int) -> None:

@@ -33,6 +33,7 @@ from lomo_ds.data.errors import DataError
 from lomo_ds.data.loading import build_datasets
 from lomo_ds.data.order import batches_for_step, position_of_step, steps_per_epoch, window_of_step
 from lomo_ds.data.packing import make_batch, padding_fraction, train_order
+from lomo_ds.data.streaming import build_streamed_datasets
 from lomo_ds.evaluation import harness
 from lomo_ds.evaluation.generation import evaluate_generation, write_generations
 from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
@@ -222,6 +223,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def loss_by_source(loss, sets: dict[str, list[dict]]) -> dict:
+    """data.sources' evaluation: each source's loss (loss/<name>) and the loss over all of them
+    (every token weighing the same), from `loss(examples)` per source."""
+    parts = {name: loss(examples) for name, examples in sets.items()}
+    n = sum(r["n_tokens"] for r in parts.values())
+    total = sum(r["loss"] * r["n_tokens"] for r in parts.values() if r["n_tokens"])
+    return {"loss": total / n if n else float("nan"), "n_tokens": n,
+            "forward_calls": sum(r["forward_calls"] for r in parts.values()),
+            **{f"loss/{name}": r["loss"] for name, r in parts.items()}}
+
+
 class TrainRecipe:
     """One fine-tuning run, in the parts a reader (or a test) takes one at a time:
 
@@ -275,14 +287,23 @@ class TrainRecipe:
     def setup_data(self) -> None:
         """The tokenizer and the datasets (raises DataError on a bad file), and the run's step count."""
         self.tokenizer = load_tokenizer(self.cfg, self.rank, self.barrier)
-        self.data = build_datasets(self.cfg, self.tokenizer)
+        self.stream = None  # data.streaming: the training rows, read as the steps need them
+        if self.cfg.data.streaming:
+            self.stream, self.data = build_streamed_datasets(self.cfg, self.tokenizer, self.world)
+        else:
+            self.data = build_datasets(self.cfg, self.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
         self.stop_ids = None  # chat tasks: where generation stops (the template's end of turn, EOS)
         if self.data.eval_prompts:
             self.stop_ids = chat_format(self.tokenizer).stop_ids  # the template the data was rendered with
-        self.steps_per_epoch, self.total_steps = planned_steps(self.cfg, len(self.data.train), self.world)
         k = self.cfg.accumulation_steps
         accumulation = f" of {k} micro-batches each" if k > 1 else ""
+        if self.stream is not None:  # no epochs: train.max_steps steps of the stream
+            self.total_steps = 0 if self.cfg.train.method == "zero_shot" else self.cfg.train.max_steps
+            self.steps_per_epoch = max(1, self.total_steps)
+            self.say(f"data: {json.dumps(self.data.stats)}; streamed, {self.total_steps} steps{accumulation}")
+            return
+        self.steps_per_epoch, self.total_steps = planned_steps(self.cfg, len(self.data.train), self.world)
         self.say(f"data: {json.dumps(self.data.stats)}; {self.steps_per_epoch} steps/epoch{accumulation}, "
                  f"{self.total_steps} steps in all")
 
@@ -363,19 +384,11 @@ class TrainRecipe:
         """Optimizer step `step` (0-based): this rank's micro-batch of each global micro-batch of the
         step's window (gradient_accumulation_steps of them; an epoch's last window may be shorter,
         and its step is the mean over its own); its record, logged."""
-        cfg = self.cfg
-        epoch, step_in_epoch = position_of_step(step, self.steps_per_epoch)
-        # Grouped by length for chat/instruction data that is not packed; a pure function of
-        # (seed, epoch) either way, so a resumed run replays it.
-        order = train_order(self.data, cfg.train.seed, epoch, self.world * cfg.micro_batch)
-        window = window_of_step(step_in_epoch, len(self.data.train), self.world, cfg.micro_batch,
-                                self.engine.accumulation_steps)
+        epoch, window = self.step_micro_batches(step)
         if len(window) < self.engine.accumulation_steps:
             self.engine.start_window(len(window))
         t0, tokens, padding = time.perf_counter(), 0, []
-        for micro_index in window:
-            micro = [[self.data.train[i] for i in batches_for_step(order, micro_index, self.world, cfg.micro_batch, r)]
-                     for r in range(self.world)]  # every rank's, for the padding figure; this rank trains on its own
+        for micro in window:  # every rank's micro-batch, for the padding figure; this rank trains on its own
             batch = make_batch(micro[self.rank], self.pad_id, self.data.packed)
             if self.labelled_logits_only:
                 batch = keep_labelled_logits(batch)
@@ -395,6 +408,21 @@ class TrainRecipe:
         self.metrics.log(record)
         return record
 
+    def step_micro_batches(self, step: int) -> tuple[int, list[list[list[dict]]]]:
+        """(epoch, the global micro-batches of optimizer step `step`, each as every rank's examples):
+        gradient_accumulation_steps of them, fewer in an epoch's last window; from the stream's
+        position of that step when streaming."""
+        cfg, k = self.cfg, self.engine.accumulation_steps
+        if self.stream is not None:
+            return 0, self.stream.window(step, k)
+        epoch, step_in_epoch = position_of_step(step, self.steps_per_epoch)
+        # Grouped by length for chat/instruction data that is not packed, the mixture's order for
+        # data.sources; a pure function of (seed, epoch) either way, so a resumed run replays it.
+        order = train_order(self.data, cfg.train.seed, epoch, self.world * cfg.micro_batch)
+        window = window_of_step(step_in_epoch, len(self.data.train), self.world, cfg.micro_batch, k)
+        return epoch, [[[self.data.train[i] for i in batches_for_step(order, m, self.world, cfg.micro_batch, r)]
+                        for r in range(self.world)] for m in window]
+
     # ---------------------------------------------------------------- evaluate
     def evaluate(self, tag: str, step: int) -> dict:
         """Candidate accuracy on the eval set (or its loss, for a language-modelling task), logged
@@ -411,8 +439,9 @@ class TrainRecipe:
         elif data.eval_lm:
             # The LOMO engine's chunked loss where it has one: no fp32 logits of every position.
             token_loss = getattr(getattr(self.engine, "engine", None), "eval_token_loss", None)
-            res = evaluate_loss(forward_logits, data.eval_lm, self.pad_id, cfg.eval.batch_size, self.rank, self.world,
-                                progress=show, token_loss=token_loss)
+            loss = partial(evaluate_loss, forward_logits, pad_id=self.pad_id, batch_size=cfg.eval.batch_size,
+                           rank=self.rank, world=self.world, progress=show, token_loss=token_loss)
+            res = loss_by_source(loss, data.eval_by_source) if data.eval_by_source else loss(data.eval_lm)
         else:
             return {}
         res = {f"eval/{k}": v for k, v in res.items()}

@@ -1,0 +1,101 @@
+"""The training program on a 3-source mixture (chat, prompt/response, text), two ranks, loaded whole
+and streamed: a run resumed from its step-2 checkpoint alone sees the uninterrupted run's examples
+(the same loss at every later step, and the same weights to the bit), and is evaluated per source.
+
+The runs are the training program's, in the 2-rank launch of the multi-rank checks (tests/ranks.py
+run_here), as tests/recipe/test_chat_train.py's are."""
+import json
+import os
+import pathlib
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from tests.data.test_mixture import write_sources
+from tests.helpers_data import chatml_tokenizer
+from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
+from tests.tiny import tiny_llama_config
+
+STEPS, RESUME_AT = 6, 2
+VARIANTS = {
+    # 100 examples mixed 2:1:1 from 40 + 30 + 20 records: 50 chat and 25 text ones repeat some.
+    "memory": {"train_samples": 100},
+    # Streamed, packed on the fly, through a 5-record shuffle buffer; 2 micro-batches a step.
+    "stream": {"streaming": True, "packing": True, "shuffle_buffer": 5},
+}
+
+
+def write_mixture_runs(root: pathlib.Path) -> None:
+    """The tiny model and its tokenizer, the three sources and a run config per variant (rank 0)."""
+    from transformers import LlamaForCausalLM
+
+    tok = chatml_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(vocab=len(tok))).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    sources = write_sources(root / "data")
+    with open(os.path.join(ROOT, "ds_configs", "tiny_cpu.json")) as f:
+        base = json.load(f)
+    for name, data in VARIANTS.items():
+        cfg = json.loads(json.dumps(base))
+        cfg["model"]["path"] = str(root / "model")
+        cfg["tokenizer"]["max_length"] = 64
+        cfg["data"] = {"sources": sources, "seed": 3, **data}
+        if name == "stream":
+            cfg["gradient_accumulation_steps"] = 2
+        cfg["train"].update({"max_steps": STEPS, "epochs": 3})
+        cfg["output"].update({"checkpoint_every": 2, "export_hf": True, "keep_last": 3})
+        (root / f"{name}.json").write_text(json.dumps(cfg))
+
+
+@multi_rank(worlds=[2])
+def mixture_runs() -> dict:
+    """Per variant: a straight run, then one resumed from the straight run's step-2 checkpoint alone."""
+    from lomo_ds.recipe.train import main
+
+    root = pathlib.Path(work_dir()) / "mixture_runs"
+    if torch.distributed.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        write_mixture_runs(root)
+    torch.distributed.barrier()
+    out = {"root": str(root)}
+    for name in VARIANTS:
+        config, straight, resumed = root / f"{name}.json", root / f"{name}_straight", root / f"{name}_resumed"
+        out[name] = {"straight": run_here(main, ["--config", str(config), "--output-dir", str(straight)])}
+        if torch.distributed.get_rank() == 0:
+            step = f"step_{RESUME_AT:08d}"
+            os.makedirs(resumed / "checkpoints")
+            shutil.copytree(straight / "checkpoints" / step, resumed / "checkpoints" / step)
+            (resumed / "checkpoints" / "latest").write_text(step)
+        torch.distributed.barrier()
+        out[name]["resumed"] = run_here(main, ["--config", str(config), "--output-dir", str(resumed), "--resume"])
+    return out
+
+
+def _metrics(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in open(path / "metrics.jsonl")]
+
+
+def test_a_resumed_mixture_run_sees_the_uninterrupted_runs_examples(rank_results):
+    r = ok(rank_results(2), mixture_runs)
+    root = pathlib.Path(r["root"])
+    for name in VARIANTS:
+        straight, resumed = r[name]["straight"], r[name]["resumed"]
+        assert straight["rc"] == 0 and resumed["rc"] == 0, (name, straight["stdout"][-2000:], resumed["stdout"][-2000:])
+        assert f"at step {RESUME_AT}" in resumed["stdout"]
+        data_line = next(line for line in straight["stdout"].splitlines() if line.startswith("data: "))
+        if name == "memory":
+            assert data_line.count('"repeated": "1.25x"') == 2  # 50 of 40 conversations, 25 of 20 texts
+        else:
+            assert "streamed, 6 steps of 2 micro-batches each" in data_line
+        a = {m["step"]: m["loss"] for m in _metrics(root / f"{name}_straight") if "loss" in m}
+        b = {m["step"]: m["loss"] for m in _metrics(root / f"{name}_resumed") if "loss" in m}
+        assert sorted(a) == list(range(1, STEPS + 1)) and sorted(b) == list(range(RESUME_AT + 1, STEPS + 1))
+        assert [b[s] for s in sorted(b)] == [a[s] for s in sorted(b)], name  # the same examples, step by step
+        assert len(set(a.values())) == STEPS  # the steps' batches differ
+        wa, wb = (load_file(root / f"{name}_{run}" / "hf_model" / "model.safetensors")
+                  for run in ("straight", "resumed"))
+        assert max((wa[k] - wb[k]).abs().max().item() for k in wa) == 0.0, name
+        final = next(m for m in _metrics(root / f"{name}_straight") if m.get("phase") == "final")
+        assert {"eval/loss", "eval/loss/a"} <= set(final) and final["eval/loss"] == final["eval/loss/a"]
