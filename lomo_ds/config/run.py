@@ -171,7 +171,7 @@ class OutputConfig(Section):
     checkpoint_every: Int | None = Field(None, ge=1)
     keep_last: Int = Field(2, ge=1)  # resumable checkpoints kept on disk
     export_hf: bool = True  # write a Hugging Face model directory at the end
-    # Preemption (lomo_ds/recipe/preemption.py): on one of these signals every rank stops after the
+    # Preemption (lomo_ds/runtime/preemption.py): on one of these signals every rank stops after the
     # optimizer step it is in, checkpoints and exits 75; a second signal, or this many seconds after
     # the first, exits 76 at once, the last whole checkpoint kept. [] ignores them (the default
     # action of each then applies: SIGTERM ends the process).

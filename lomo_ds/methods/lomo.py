@@ -13,6 +13,19 @@ from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.memory import MemoryTracker
 
 
+def load_engine_state(engine: LomoEngine, directory: str) -> dict[str, Any]:
+    """This rank's rank-state file from `directory`, written by this rank count or by any other: the
+    shards cut again for this one (engine/update/reslice.py), the rest as rank 0 wrote it. The
+    recipe's and the Trainer's resume both read through here."""
+    written = load_rank_state(directory, 0)["lomo"]["world"]
+    if written == engine.world:
+        return load_rank_state(directory, engine.rank)
+    files = [load_rank_state(directory, r) for r in range(written)]
+    numels = {n: ds_compat.full_numel(p) for n, p in engine.module.named_parameters()}
+    return {**files[0], "lomo": reslice([f["lomo"] for f in files], engine.shard_state_dict(), numels,
+                                        engine.world, engine.rank)}
+
+
 class LomoMethodEngine(MethodEngine):
     method = "lomo"
     reshards = True  # resumes from a checkpoint of another rank count (load_state)
@@ -57,17 +70,7 @@ class LomoMethodEngine(MethodEngine):
         save_rank_state(directory, self.rank, self.state_dict())
 
     def load_state(self, directory: str) -> None:
-        """This rank's state from `directory`, written by this rank count or by any other: the shards
-        cut again for this one (engine/update/reslice.py), the rest as rank 0 wrote it."""
-        written = load_rank_state(directory, 0)["lomo"]["world"]
-        if written == self.world:
-            self.load_state_dict(load_rank_state(directory, self.rank))
-            return
-        files = [load_rank_state(directory, r) for r in range(written)]
-        numels = {n: ds_compat.full_numel(p) for n, p in self.module.named_parameters()}
-        state = {**files[0], "lomo": reslice([f["lomo"] for f in files], self.engine.shard_state_dict(), numels,
-                                            self.world, self.rank)}
-        self.load_state_dict(state)
+        self.load_state_dict(load_engine_state(self.engine, directory))
 
     # ----------------------------------------------------------------- memory accounting
     def _make_tracker(self) -> MemoryTracker:

@@ -42,11 +42,11 @@ from lomo_ds.planning import inference, planner
 from lomo_ds.planning.model_tree import hf_config, meta_model
 from lomo_ds.recipe import harness_eval
 from lomo_ds.recipe.metrics import Metrics
-from lomo_ds.recipe.preemption import PREEMPTED_EXIT, Preempted, Preemption
 from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
 from lomo_ds.runtime.dist import accepts_logits_to_keep, init_distributed, io_barrier, keep_labelled_logits
 from lomo_ds.runtime.host_malloc import keep_freed_memory
 from lomo_ds.runtime.memory import cuda_peak_bytes, process_peak_rss_bytes
+from lomo_ds.runtime.preemption import PREEMPTED_EXIT, Preempted, Preemption
 from lomo_ds.storage import checkpoint
 from lomo_ds.storage.models import load_model, load_tokenizer, release_model_build_config
 

@@ -1,4 +1,4 @@
-"""Preemption (lomo_ds/recipe/preemption.py): a signal at a random moment stops every rank at the next
+"""Preemption (lomo_ds/runtime/preemption.py): a signal at a random moment stops every rank at the next
 optimizer-step boundary with a checkpoint; resuming gives the uninterrupted run's weights exactly.
 A second signal during the checkpoint's write leaves the previous checkpoint whole and `latest`.
 
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from devkit.launch_local import local_ranks
-from lomo_ds.recipe.preemption import PREEMPTED_EXIT, UNSAVED_EXIT, Preemption
+from lomo_ds.runtime.preemption import PREEMPTED_EXIT, UNSAVED_EXIT, Preemption
 from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
 from tests.recipe.test_train import TRAIN_SCRIPT, logged_steps, run_train, train_args, write_tiny_run
 
