@@ -46,7 +46,8 @@ from lomo_ds.integrations.training_args import (
     lomo_section,
     merge_lomo_section,
 )
-from lomo_ds.methods.base import load_rank_state, save_rank_state
+from lomo_ds.methods.base import save_rank_state
+from lomo_ds.methods.lomo import load_engine_state
 from lomo_ds.runtime.dist import io_barrier, label_tokens
 from lomo_ds.storage.checkpoint import IO_TIMEOUT_S, write_atomic, write_hf_model
 
@@ -324,9 +325,8 @@ class LomoTrainerMixin:
 
         engine = self.lomo_engine
         try:
-            state = load_rank_state(checkpoint, engine.rank)
+            state = load_engine_state(engine, checkpoint)  # written by any rank count
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"{e}: no LOMO shard state (written with save_only_model, or by another "
-                                    "number of ranks?)") from None
+            raise FileNotFoundError(f"{e}: no LOMO shard state (written with save_only_model?)") from None
         engine.load_shard_state_dict(state["lomo"])
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
