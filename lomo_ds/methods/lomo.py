@@ -8,6 +8,7 @@ import torch
 from lomo_ds.config.schema import LomoConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
 from lomo_ds.engine.update.reslice import reslice
+from lomo_ds.engine.update.shard import check_shapes
 from lomo_ds.methods.base import MethodEngine, load_rank_state, save_rank_state
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.memory import MemoryTracker
@@ -21,6 +22,7 @@ def load_engine_state(engine: LomoEngine, directory: str) -> dict[str, Any]:
     if written == engine.world:
         return load_rank_state(directory, engine.rank)
     files = [load_rank_state(directory, r) for r in range(written)]
+    check_shapes(files[0]["lomo"], engine.module)  # before any range is read for this model
     numels = {n: ds_compat.full_numel(p) for n, p in engine.module.named_parameters()}
     return {**files[0], "lomo": reslice([f["lomo"] for f in files], engine.shard_state_dict(), numels,
                                         engine.world, engine.rank)}

@@ -213,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         recipe.setup()
     except DataError as e:
         return stop_every_rank(rank, f"data error: {e}")
+    except checkpoint.CheckpointError as e:
+        return stop_every_rank(rank, f"checkpoint error: {e}")
     try:
         recipe.train()
         recipe.finish()
@@ -322,7 +324,10 @@ class TrainRecipe:
         if ckpt is None:
             self.say(f"resume: no checkpoint in {self.cfg.output.dir}; starting from scratch")
             return 0
-        meta = checkpoint.load_checkpoint(ckpt, self.engine)
+        try:
+            meta = checkpoint.load_checkpoint(ckpt, self.engine)
+        except (ValueError, FileNotFoundError) as e:  # refused before any shard is written
+            raise checkpoint.CheckpointError(f"{ckpt}: {e}") from None
         step = meta["step"]
         self.say(f"resumed from {ckpt} at step {step}")
         if meta["world"] != self.world:

@@ -33,6 +33,10 @@ from lomo_ds.runtime.dist import full_copy_where, io_barrier
 from lomo_ds.storage.models import drop_gguf_marker, plain_state_dict
 
 CKPT_DIR = "checkpoints"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this run cannot resume from (another model, another method's files); names it."""
 # Seconds ranks wait for each other's disk writes where no run config says (output.io_timeout's default).
 IO_TIMEOUT_S = 4 * 3600.0
 # The largest safetensors file export_hf writes (huggingface_hub's default): a 65B model in fp16

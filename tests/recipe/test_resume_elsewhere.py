@@ -45,3 +45,33 @@ def test_a_run_moved_between_rank_counts_ends_where_an_uninterrupted_one_does(tm
     diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
     print(f"max |moved - uninterrupted| = {max(diffs.values()):.2e} over legs on {HOPS} ranks")
     assert max(diffs.values()) <= 1e-6, diffs
+
+
+@pytest.mark.ranks
+def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
+    """The same parameter names, another width: refused in one line before any shard is written."""
+    import json
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers_data import byte_bpe_tokenizer
+    from tests.tiny import tiny_llama_config
+
+    config = write_tiny_run(tmp_path)
+    _run(config, tmp_path / "run", 2, 2)
+    wider = tmp_path / "wider"
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(vocab=len(byte_bpe_tokenizer()), hidden=48)).save_pretrained(wider)
+    byte_bpe_tokenizer().save_pretrained(wider)
+    raw = json.loads(config.read_text())
+    raw["model"]["path"] = str(wider)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(raw))
+    for world in (2, 3):  # the same rank count, and another (cut again)
+        args = train_args(TRAIN_SCRIPT, other, tmp_path / "run", "--max-steps", "4", *COMMON, "--resume",
+                          "--set", f"train_micro_batch_size_per_gpu={GLOBAL_BATCH // world}")
+        proc = run_local(args, world, timeout=900, cwd=ROOT)
+        assert proc.returncode != 0
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("checkpoint error:")]
+        assert "has shape" in line and "a checkpoint of another model (model.path)" in line, line

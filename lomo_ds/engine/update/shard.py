@@ -120,6 +120,21 @@ def grad_sum_sq(grad, n: int, chunk: int) -> torch.Tensor:
     return total
 
 
+def check_shapes(state: dict[str, Any], module: torch.nn.Module) -> None:
+    """Refuse a rank state (shard_state_dict's) written for another model: a parameter this model
+    lacks, or one of another shape (checkpoints that record the shapes)."""
+    by_name = dict(module.named_parameters())
+    for name in state["shards"]:
+        if name not in by_name:
+            raise ValueError(f"checkpoint has parameter {name!r}, the model does not: a checkpoint of another "
+                             f"model?")
+    for name, shape in (state.get("shapes") or {}).items():
+        mine = list(ds_compat.full_shape(by_name[name]))
+        if list(shape) != mine:
+            raise ValueError(f"checkpoint's {name!r} has shape {tuple(shape)}, this model's {tuple(mine)}: a "
+                             f"checkpoint of another model (model.path)")
+
+
 class ShardWeights:
     """The weights of this rank's real shard elements as the update rules see them: fp32, read and
     written chunk by chunk. They are the fp32 master copy where one is kept
@@ -209,14 +224,15 @@ class ShardWeights:
         names = {id(p): n for n, p in module.named_parameters()}
         return {"shards": {names[id(p)]: ds_compat.shard(p).detach() for p in params},
                 "masters": {names[id(p)]: self.masters[ds_compat.param_id(p)].detach()
-                            for p in params if ds_compat.param_id(p) in self.masters}}
+                            for p in params if ds_compat.param_id(p) in self.masters},
+                # The whole parameters' shapes: a checkpoint of another model is refused by name
+                # (check_shapes), on any rank count.
+                "shapes": {names[id(p)]: list(ds_compat.full_shape(p)) for p in params}}
 
     def check_state(self, state: dict[str, Any], module: torch.nn.Module, params: list) -> None:
         """Refuse, before anything is written, shards and masters that do not fit this run."""
+        check_shapes(state, module)
         by_name = dict(module.named_parameters())
-        for name in state["shards"]:
-            if name not in by_name:
-                raise ValueError(f"checkpoint has parameter {name!r}, the model does not")
         names = {id(p): n for n, p in by_name.items()}
         for p in params:
             name = names[id(p)]
