@@ -143,9 +143,13 @@ FIELDS: list[Field] = [
                                           "rank writes its own shard state and RNG beside them, so each node resumes "
                                           "from its own folder"),
     Field("resume_from_checkpoint", SUPPORTED, "exact: the same parameters as an uninterrupted run (shards, "
-                                               "schedule, data order and RNG restored); the same rank count"),
-    Field("enable_jit_checkpoint", REFUSED, "saves on a signal mid-window, where the accumulator is not part of "
-                                            "the state; checkpoint by save_steps", _unless(False)),
+                                               "schedule, data order and RNG restored); on another rank count the "
+                                               "shards are cut again (docs/cluster.md)"),
+    Field("enable_jit_checkpoint", MAPPED, "on SIGTERM or SIGUSR1 every rank finishes the optimizer step it is in "
+                                           "(the window: the accumulator is not part of a checkpoint), the ranks "
+                                           "agree, the Trainer saves its checkpoint and the process exits 75; a "
+                                           "second signal exits 76 at once, the last whole checkpoint kept "
+                                           "(transformers' own saves mid-window)"),
     Field("load_best_model_at_end", REFUSED, "reloads through DeepSpeed's checkpoint loader, which LOMO's "
                                              "checkpoints are not; load the best checkpoint with from_pretrained",
           _unless(False)),

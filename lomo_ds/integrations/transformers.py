@@ -39,6 +39,7 @@ import torch
 from lomo_ds.config.lomo import load_config
 from lomo_ds.config.schema import Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
+from lomo_ds.integrations.preemption import PreemptionCallback
 from lomo_ds.integrations.training_args import (
     TrainingArgumentsError,
     check_trainer_class,
@@ -49,6 +50,7 @@ from lomo_ds.integrations.training_args import (
 from lomo_ds.methods.base import save_rank_state
 from lomo_ds.methods.lomo import load_engine_state
 from lomo_ds.runtime.dist import io_barrier, label_tokens
+from lomo_ds.runtime.preemption import PREEMPTED_EXIT
 from lomo_ds.storage.checkpoint import IO_TIMEOUT_S, write_atomic, write_hf_model
 
 
@@ -147,7 +149,27 @@ class LomoTrainerMixin:
         self._lomo_config(training_args, _without_auto(training_args.hf_deepspeed_config.config), tokens=True)
         self.lomo_engine: TrainerLomoEngine | None = None
         self._lomo_last: dict[str, Any] = {}
+        # enable_jit_checkpoint is mapped: transformers' own callback would save mid-window.
+        jit = bool(getattr(training_args, "enable_jit_checkpoint", False))
+        if jit:
+            training_args.enable_jit_checkpoint = False
         super().__init__(*args, **kwargs)
+        self._preemption = PreemptionCallback() if jit else None
+        if jit:
+            training_args.enable_jit_checkpoint = True  # as the caller gave it (saved with the checkpoint)
+            self.add_callback(self._preemption)
+
+    def train(self, *args, **kwargs):
+        """The Trainer's train(); stopped by a signal (enable_jit_checkpoint), the process exits with
+        PREEMPTED_EXIT once every rank has saved the checkpoint of the agreed step."""
+        out = super().train(*args, **kwargs)
+        stopped = self._preemption.stopped_at if self._preemption is not None else None
+        if stopped is not None:
+            if self.args.process_index == 0:
+                print(f"preempted after step {stopped}: checkpoint {self.args.output_dir}/checkpoint-{stopped}; "
+                      f"run again with resume_from_checkpoint", flush=True)
+            raise SystemExit(PREEMPTED_EXIT)
+        return out
 
     # ------------------------------------------------------------------ configuration
     @staticmethod

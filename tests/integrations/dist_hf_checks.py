@@ -309,6 +309,47 @@ def check_resume(optim: str = "adalomo") -> dict:
             "checkpoint_files": files}
 
 
+def check_jit_checkpoint(optim: str = "adalomo") -> dict:
+    """enable_jit_checkpoint: SIGTERM to rank 1 alone, at the start of a micro-batch that is not the
+    window's first (a moment transformers' own JIT checkpoint would save at, mid-window); the ranks
+    agree at the step's end, the Trainer saves that step's checkpoint, and train() exits 75. A fresh
+    Trainer resumed from it ends with the uninterrupted run's parameters."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    from lomo_ds.runtime.preemption import PREEMPTED_EXIT
+
+    world = torch.distributed.get_world_size()
+    data = Samples(STEPS * K * world * BATCH)
+
+    class SignalMidWindow(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kw):  # a window's micro-batch that is not its last
+            if state.global_step == 1 and torch.distributed.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def run(out_dir, callbacks=(), resume=None, jit=False):
+        with trainer_session():
+            args = training_args(out_dir, optim=optim, max_grad_norm=CLIP[world], save_strategy="no",
+                                 train_sampling_strategy="random", enable_jit_checkpoint=jit)
+            trainer = lomo_trainer_class()(model=tiny_llama(1), args=args, train_dataset=data,
+                                           callbacks=list(callbacks))
+            try:
+                trainer.train(resume_from_checkpoint=resume)
+                code = 0
+            except SystemExit as e:
+                code = e.code
+            return code, full_params(trainer)
+
+    whole_dir, cut_dir = _out("jit_whole"), _out("jit_cut")
+    _, whole = run(whole_dir)
+    code, _ = run(cut_dir, callbacks=[SignalMidWindow()], jit=True)
+    saved = sorted(d for d in os.listdir(cut_dir) if d.startswith("checkpoint-"))
+    resumed_code, resumed = run(cut_dir, resume=os.path.join(cut_dir, saved[-1]) if saved else None)
+    return {"code": code, "expected_code": PREEMPTED_EXIT, "checkpoints": saved, "resumed_code": resumed_code,
+            "resumed_vs_whole": diff(resumed, whole)}
+
+
 def _as_old_trainer_state(checkpoint: str) -> None:
     """Turn this rank's state file into what the Trainer integration wrote before it shared the
     recipe's: `lomo_rank_NNNNN.pt`, the engine's state alone. Such a checkpoint must still resume."""

@@ -27,7 +27,7 @@ EQUIVALENCE = multi_rank_checks(
     trainer_adalomo=lambda: H.check_equivalence("adalomo"),
 )
 # SFTTrainer, resume and trackers: on 2 ranks (the Trainer's own equivalence covers 1 and 2).
-sft, resume = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume)
+sft, resume, jit = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume, jit_checkpoint=H.check_jit_checkpoint)
 # save_on_each_node with two nodes that share no storage; use_cpu on CPU ranks.
 each_node, use_cpu = multi_rank_checks([2], save_on_each_node=H.check_save_on_each_node,
                                        trainer_use_cpu=lambda: H.check_equivalence("lomo", use_cpu=True))
@@ -75,6 +75,16 @@ def test_resume_and_save_model(rank_results):
     assert r["from_pretrained_vs_trained"] == 0.0
     assert {"rank_00000.pt", "rank_00001.pt", "scheduler.pt", "trainer_state.json",
             "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
+
+
+def test_jit_checkpoint_on_a_signal_saves_at_the_step_boundary_and_resumes_exactly(rank_results):
+    r = ok(rank_results(2), jit)
+    print(f"signalled run: exit {r['code']}, checkpoints {r['checkpoints']}; resumed vs uninterrupted "
+          f"{r['resumed_vs_whole']}")
+    assert r["code"] == r["expected_code"]
+    assert r["checkpoints"] == ["checkpoint-2"]  # signalled during step 2's window: saved at its end
+    assert r["resumed_code"] == 0
+    assert r["resumed_vs_whole"] == 0.0
 
 
 def test_save_on_each_node_without_shared_storage(rank_results):

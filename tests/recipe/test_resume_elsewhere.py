@@ -1,14 +1,19 @@
 """A run that moves between rank counts as a cluster's free GPUs come and go: checkpointed on 2
 ranks, resumed on 3, then 2, 1, 4 and 1 again, with the global batch kept (12 examples a step:
 micro-batches of 6, 4, 6, 12, 3, 12), ends within 1e-6 of an uninterrupted 2-rank run, AdaLomo's
-state resliced at every move. Where each element goes is tests/engine/test_reslice.py's; this is
-the training program end to end, through its files."""
+state resliced at every move. Then a checkpoint of another model is refused by name. Where each
+element goes is tests/engine/test_reslice.py's; this is the training program end to end."""
+import json
+
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from devkit.launch_local import run_local
+from tests.helpers_data import byte_bpe_tokenizer
 from tests.ranks import ROOT
 from tests.recipe.test_train import TRAIN_SCRIPT, train_args, write_tiny_run
+from tests.tiny import tiny_llama_config
 
 GLOBAL_BATCH = 12
 HOPS = [2, 3, 2, 1, 4, 1]  # the rank count of each leg; every leg trains 2 steps
@@ -45,21 +50,14 @@ def test_a_run_moved_between_rank_counts_ends_where_an_uninterrupted_one_does(tm
     diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
     print(f"max |moved - uninterrupted| = {max(diffs.values()):.2e} over legs on {HOPS} ranks")
     assert max(diffs.values()) <= 1e-6, diffs
+    _refuses_another_model(tmp_path, config, moved)
 
 
-@pytest.mark.ranks
-def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
-    """The same parameter names, another width: refused in one line before any shard is written."""
-    import json
-
-    import torch
+def _refuses_another_model(tmp_path, config, run_dir):
+    """The same parameter names, another width: refused in one line before any shard is written, on
+    the rank count that wrote the checkpoint (1) and on another (cut again)."""
     from transformers import LlamaForCausalLM
 
-    from tests.helpers_data import byte_bpe_tokenizer
-    from tests.tiny import tiny_llama_config
-
-    config = write_tiny_run(tmp_path)
-    _run(config, tmp_path / "run", 2, 2)
     wider = tmp_path / "wider"
     torch.manual_seed(0)
     LlamaForCausalLM(tiny_llama_config(vocab=len(byte_bpe_tokenizer()), hidden=48)).save_pretrained(wider)
@@ -68,10 +66,11 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
     raw["model"]["path"] = str(wider)
     other = tmp_path / "other.json"
     other.write_text(json.dumps(raw))
-    for world in (2, 3):  # the same rank count, and another (cut again)
-        args = train_args(TRAIN_SCRIPT, other, tmp_path / "run", "--max-steps", "4", *COMMON, "--resume",
+    for world in (HOPS[-1], 2):
+        args = train_args(TRAIN_SCRIPT, other, run_dir, "--max-steps", "20", *COMMON, "--resume",
                           "--set", f"train_micro_batch_size_per_gpu={GLOBAL_BATCH // world}")
         proc = run_local(args, world, timeout=900, cwd=ROOT)
         assert proc.returncode != 0
         (line,) = [x for x in proc.stderr.splitlines() if x.startswith("checkpoint error:")]
         assert "has shape" in line and "a checkpoint of another model (model.path)" in line, line
+
