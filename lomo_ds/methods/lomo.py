@@ -18,9 +18,14 @@ def load_engine_state(engine: LomoEngine, directory: str) -> dict[str, Any]:
     """This rank's rank-state file from `directory`, written by this rank count or by any other: the
     shards cut again for this one (engine/update/reslice.py), the rest as rank 0 wrote it. The
     recipe's and the Trainer's resume both read through here."""
-    written = load_rank_state(directory, 0)["lomo"]["world"]
-    if written == engine.world:
-        return load_rank_state(directory, engine.rank)
+    # This rank's own file first: with save_on_each_node a node's folder holds its own ranks' alone.
+    try:
+        mine = load_rank_state(directory, engine.rank)
+    except FileNotFoundError:
+        mine = None  # a rank the writing run did not have
+    if mine is not None and mine["lomo"]["world"] == engine.world:
+        return mine
+    written = (mine or load_rank_state(directory, 0))["lomo"]["world"]
     files = [load_rank_state(directory, r) for r in range(written)]
     check_shapes(files[0]["lomo"], engine.module)  # before any range is read for this model
     numels = {n: ds_compat.full_numel(p) for n, p in engine.module.named_parameters()}
