@@ -23,7 +23,7 @@ The row and column vectors are replicated on every rank (R + C fp32 per matrix);
 second moment of a vector parameter is kept for this rank's slice only. No gradient beyond the
 bucket and no whole parameter ever exist on a rank.
 
-Chunks (lomo.update_chunk_elements, fused_update.py): a slice whose gradient and weights are both
+Chunks (memory.update_chunk_elements, fused_update.py): a slice whose gradient and weights are both
 fp32 in place is updated whole, as described, with no temporary. Any other (bf16 weights or
 gradient, an accumulator in another dtype) never has an fp32 copy of the whole slice: each of the
 three passes reads the gradient chunk by chunk (whole rows of a matrix in one chunk), the first

@@ -6,7 +6,7 @@ summed gradient of its own slice of each parameter; the rank then updates that s
 shard (`param.ds_tensor`) in fp32 arithmetic and lets the gradient go. No whole-model gradient,
 no optimizer state.
 
-Chunks (lomo.update_chunk_elements): a slice is updated `chunk` elements at a time, so the update's
+Chunks (memory.update_chunk_elements): a slice is updated `chunk` elements at a time, so the update's
 temporaries (an fp32 copy of the gradient and of the weights where they are not fp32, and the
 stochastic-rounding noise) are bounded by the chunk, not by the largest parameter. Every step of
 the SGD update is elementwise, so an fp32 result is bit for bit the unchunked one; sums over a
@@ -174,7 +174,7 @@ class ShardUpdater:
     def __init__(self, stochastic_rounding: bool, seed: int, stats_device: torch.device,
                  geometry: ShardGeometries | None = None, adalomo=None, master_params=(), chunk: int = 1 << 22):
         self.stochastic_rounding = stochastic_rounding
-        self.chunk = chunk  # lomo.update_chunk_elements
+        self.chunk = chunk  # memory.update_chunk_elements
         self.seed = seed
         self.stats_device = stats_device
         self.geometry = geometry or ShardGeometries()

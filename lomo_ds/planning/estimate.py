@@ -9,7 +9,7 @@ count that fits, and (with `offload_param: cpu`) the host RAM a LOMO run needs.
 The model: a LLaMA size (LLAMA), or any config.json transformers knows, built on the meta device
 (model_tree.py: its real shapes and module tree, its decoder-layer class for leaf_module "auto").
 Defaults are the shipped GPU configs' (ds_configs/llama*.json): bf16 weights, sequences of 512
-tokens, activation checkpointing on, stochastic rounding on, lomo.bucket_size 25e6, and their
+tokens, activation checkpointing on, stochastic rounding on, comm.bucket_size 25e6, and their
 ZeRO-3 settings (one gather per decoder layer included); `shipped_run(size)` adds that size's
 micro-batch (global batch 16 over the paper's GPU count). Every printed plan starts with the assumptions it made.
 
@@ -49,9 +49,9 @@ Model states
                                               rank-major payload of the one in flight, and its
                                               receive buffer (1/N of it)
   LOMO accum   a P / N  (K > 1)               gradient accumulation: this rank's accumulator of its
-                                              reduced shards, a = 4 (lomo.accumulate_dtype fp32) or 2;
+                                              reduced shards, a = 4 (memory.accumulate_dtype fp32) or 2;
                                               on the GPU, or in host RAM (N a P / N per node) with
-                                              lomo.accumulate_on "cpu" or offload_param "cpu"
+                                              memory.accumulate_on "cpu" or offload_param "cpu"
   LOMO optim   0                              (4 P / N with fp32 master shards)
   AdaLomo optim  4 sum(r + c) + 4 V / N + 8 p   AdaLomo's state: fp32 row and column second moments
                                               of every r x c matrix (E (r + c) for E stacked MoE
@@ -86,7 +86,7 @@ AdaLomo (lomo_ds/engine/adalomo.py) needs a bucket's statistics before it update
 so the fp32 gradient and fp32 weights of the whole bucket (B elements of shard, or the largest
 parameter on one GPU) live together: 8 B bytes, plus one slice's 13 n of rounding (bf16 without
 masters); 4 B with fp32 masters, 0 for fp32 (updated in place, the gradient read through one
-tensor only). An accumulator in host RAM (lomo.accumulate_on cpu) adds the bucket's fp32 sum on
+tensor only). An accumulator in host RAM (memory.accumulate_on cpu) adds the bucket's fp32 sum on
 the device, 4 B: copied once for the three passes, not once a pass. Under offload its hook keeps the bucket's fp32
 gradient and u on the GPU (8 B, 4 B for fp32), and the worker's update is LOMO's, in host RAM.
 
@@ -262,7 +262,7 @@ def loss_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
 
 def loss_chunk_bytes(m: ModelSpec, run: RunSpec) -> int:
     """The chunked loss's transient bytes, in its forward and again in its backward: one chunk of
-    positions' logits (lomo.loss_chunk_logits // V positions, at least one), in the model's dtype
+    positions' logits (memory.loss_chunk_logits // V positions, at least one), in the model's dtype
     and in fp32 (6 bytes a logit in bf16, 4 in fp32), with Gemma-2's soft-capping its tanh and the
     capped logits beside them (12)."""
     c = min(max(1, run.loss_chunk // m.vocab), run.batch * run.seq)
@@ -324,7 +324,7 @@ def measuring_backward_bytes(run: RunSpec, resident: float, layer: float, slice_
 
 def update_temp_bytes(n: int, run: RunSpec) -> int:
     """Transient bytes of the fused update of an n-element slice (module docstring), which is
-    updated lomo.update_chunk_elements at a time."""
+    updated memory.update_chunk_elements at a time."""
     n = min(n, run.update_chunk)
     if run.b == 4:
         # fp32 weights are updated in place; the gradient chunk is copied where it is masked (the
@@ -343,7 +343,7 @@ def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec, statist
     chunk's fp32 gradient (u in its place), fp32 weights and rounding: LOMO's figure (an fp32 slice
     is updated whole, in place); beside it the statistics of its largest matrix, `statistics_n`
     rows + columns: their reduced sums, means and factors, 12 bytes each. An accumulated sum in host
-    RAM (lomo.accumulate_on cpu) is copied to the device once for the three passes: the bucket's
+    RAM (memory.accumulate_on cpu) is copied to the device once for the three passes: the bucket's
     fp32 sum, 4 bytes an element, rather than once a pass."""
     statistics = 12 * statistics_n
     copied = 4 * bucket_n if run.accumulation > 1 and run.accumulate_on_host and not run.offload else 0
