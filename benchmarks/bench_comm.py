@@ -8,6 +8,8 @@ of several steps after warm-up, with ratios against the one-pass reduce-scatter 
 """
 from __future__ import annotations
 
+from tests.tiny import engine_sections  # noqa: E402
+
 import argparse
 import copy
 import statistics
@@ -49,7 +51,7 @@ def main() -> None:
         ds = {"train_micro_batch_size_per_gpu": args.micro,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
-              "lomo": {"lr": 1e-3, "bucket_size": 5_000_000, **extra}}
+              **engine_sections({"lr": 1e-3, "bucket_size": 5_000_000, **extra})}
         engines[name] = lomo_ds.initialize(copy.deepcopy(base), ds)
     batches = common.random_batches(args.vocab, args.micro, args.seq, args.warmup + args.steps,
                                     seed=torch.distributed.get_rank(), device=accelerator_device())

@@ -29,7 +29,7 @@ after the timed ones: the collectives issued per step and the bytes sent
 transports), the host time in the engine's own update hooks and in the framework's parameter
 fetch/release hooks, and for lomo and FSDP2 the accounted peak bytes per rank (this rank's shards,
 the gathered parameters and gradients alive, sampled at every gradient hook, plus the activations
-autograd saved), against the planner's prediction for lomo. A "lomo rs" engine (lomo.grad_reduction
+autograd saved), against the planner's prediction for lomo. A "lomo rs" engine (comm.grad_reduction
 "reduce_scatter", where every collective is a torch.distributed one) is counted too, not timed. At
 the end lomo's and FSDP2-with-SGD's parameters are compared (max abs difference): the two did the
 same work.
@@ -44,6 +44,8 @@ first, what this transport's passes allow. What lomo costs beyond both is its ho
 and any slowdown of the compute around them.
 """
 from __future__ import annotations
+
+from tests.tiny import engine_sections  # noqa: E402
 
 import argparse
 import contextlib
@@ -78,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engines", default="deepspeed floor,lomo,fsdp2 floor,fsdp2 sgd",
                     help="comma-separated subset to time (a profile of one engine against its floor)")
     ap.add_argument("--bucket-size", type=int, default=None,
-                    help="lomo.bucket_size (default: the run config's lomo section, else lomo's default)")
+                    help="comm.bucket_size (default: the run config's lomo section, else lomo's default)")
     common.add_run_shape_args(ap, layers=6, hidden=512, vocab=10_000, seq=128, micro=4, steps=10, warmup=2)
     ap.add_argument("--lomo", action="append", default=[], metavar="KEY=VALUE",
                     help="a lomo option for the lomo engines (repeatable; VALUE as JSON, else a string), "
@@ -317,8 +319,8 @@ def run(args) -> dict:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}; expected a subset of {list(makers)}")
     engines = {name: make(copy.deepcopy(base)) for name, make in makers.items() if name in wanted}
     full = set(engines) == set(makers)  # the figures beyond step times need all four
-    counted_only = {"lomo rs": lomo_ds.initialize(copy.deepcopy(base), {**ds, "lomo": {
-        **lomo, "grad_reduction": "reduce_scatter"}})} if full else {}
+    counted_only = {"lomo rs": lomo_ds.initialize(copy.deepcopy(base), {**ds, **engine_sections({
+        **lomo, "grad_reduction": "reduce_scatter"})})} if full else {}
     deepspeed_engines = [e for e in engines.values() if hasattr(e, "ds_engine")]
     leaves = sorted({type(m).__name__ for m in ds_compat.leaf_modules(deepspeed_engines[0].module)}
                     ) if deepspeed_engines else []
@@ -389,7 +391,7 @@ def report(args, r: dict) -> None:
     print(f"\n{r['params'] / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), "
           f"{r['world']} ranks, micro-batch {args.micro} x {args.seq}, fp32, {r['threads']} torch thread(s) per rank; "
           f"zero_optimization {json.dumps(r['zero_optimization'])}: fetched per {fetch}; "
-          f"lomo.bucket_size {r['bucket_size']:,}{extra}; median of {args.steps} steps")
+          f"comm.bucket_size {r['bucket_size']:,}{extra}; median of {args.steps} steps")
     floors = {"lomo": "deepspeed floor", "fsdp2 sgd": "fsdp2 floor"}
 
     def paired(name: str) -> float:

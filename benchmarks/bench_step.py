@@ -14,7 +14,7 @@ the median of the per-round ratios to the floor:
   floor          the same model's ZeRO-3 forward + backward, every gradient discarded on arrival:
                  no reduction, no update. No fused optimizer can be faster.
   lomo           one backward, buckets reduce-scattered while the backward goes on, fused update;
-                 the default transport (lomo.grad_reduction "auto": through shared memory for CPU
+                 the default transport (comm.grad_reduction "auto": through shared memory for CPU
                  ranks on one node, else the backend's reduce-scatter)
   lomo clipped   norm clipping: a measuring backward, then the updating one on the retained graph
   lomo rs        lomo with grad_reduction "reduce_scatter": the overlapped reduce-scatter (gloo's
@@ -43,6 +43,8 @@ row of every payload), the update arithmetic, and the rest of the hook and end-o
 (bookkeeping).
 """
 from __future__ import annotations
+
+from tests.tiny import engine_sections  # noqa: E402
 
 import argparse
 import copy
@@ -101,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="model and run sizes (default: gpu where CUDA is, else cpu)")
     common.add_run_shape_args(ap)  # defaults from the preset
-    ap.add_argument("--bucket-size", type=int, help="lomo.bucket_size (elements per rank)")
+    ap.add_argument("--bucket-size", type=int, help="comm.bucket_size (elements per rank)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), help="the model's and the shards' dtype")
     ap.add_argument("--in-flight", type=int, default=1, help="reduce-scatters LOMO lets run at once")
     ap.add_argument("--accumulation", type=int, default=1, help="micro-batches per step (gradient_accumulation_steps)")
@@ -141,8 +143,8 @@ def bench(args: argparse.Namespace):
             "accumulation_steps": args.accumulation}
     makers = {
         "lomo": lambda m: lomo_ds.initialize(m, {**zero, "lomo": lomo}),
-        "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "clip_grad_norm": 1.0}}),
-        "lomo rs": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "grad_reduction": "reduce_scatter"}}),
+        "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, **engine_sections({**lomo, "clip_grad_norm": 1.0})}),
+        "lomo rs": lambda m: lomo_ds.initialize(m, {**zero, **engine_sections({**lomo, "grad_reduction": "reduce_scatter"})}),
         "deepspeed sgd": lambda m: DeepSpeedOptimizerEngine(m, zero, "sgd", "sgd", lr=LR, clip=None, total_steps=0,
                                                             warmup_steps=0),
         "floor offload": lambda m: common.FloorEngine(m, offloaded),

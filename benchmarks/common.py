@@ -73,7 +73,7 @@ def lomo_section(bucket_size: int, clip_norm: bool = False) -> dict:
 def build_method_engine(model, ds_cfg: dict, method: str, lomo_cfg: dict, activation_checkpointing: bool = False):
     """`method`'s engine (lomo_ds.methods.build_engine) with the options every experiment gives it: a
     run config made of these sections, for a model built in memory. The baselines get their tuned LR
-    and norm clipping (every method clips by lomo.clip_grad_norm); LOMO keeps `lomo_cfg` as given."""
+    and norm clipping (every method clips by train.clip_grad_norm); LOMO keeps `lomo_cfg` as given."""
     from lomo_ds.config.run import LOMO_METHODS, load_run_config
     from lomo_ds.methods import build_engine
 
@@ -82,7 +82,7 @@ def build_method_engine(model, ds_cfg: dict, method: str, lomo_cfg: dict, activa
         model.config.use_cache = False
     lomo, train = dict(lomo_cfg), {"method": method}
     if method in LOMO_METHODS:
-        # DeepSpeed's reduce bucket sizes its own optimizer's gradient path; LOMO's is lomo.bucket_size
+        # DeepSpeed's reduce bucket sizes its own optimizer's gradient path; LOMO's is comm.bucket_size
         # (lomo_ds refuses the DeepSpeed key for LOMO rather than guess the conversion).
         ds_cfg = {**ds_cfg, "zero_optimization": {k: v for k, v in ds_cfg["zero_optimization"].items()
                                                   if k != "reduce_bucket_size"}}
@@ -209,7 +209,7 @@ class FloorEngine:
         from lomo_ds.runtime import ds_compat
         from lomo_ds.runtime.device import accelerator_device
 
-        # The parameter fetch LOMO's engines get by default (lomo.param_gather): a fair floor.
+        # The parameter fetch LOMO's engines get by default (comm.param_gather): a fair floor.
         self.param_gather = configure_param_gather(param_gather)
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=leaf_module.resolve(ds_config, model),
                                                   model_parameters=None, optimizer=None)

@@ -45,3 +45,18 @@ def global_batch(step: int, world: int, micro: int = 2, seq: int = 11, vocab: in
     ids = torch.randint(0, vocab, (world * micro, seq), generator=g)
     return [{"input_ids": ids[r * micro:(r + 1) * micro], "labels": ids[r * micro:(r + 1) * micro].clone()}
             for r in range(world)]
+
+
+def engine_sections(options: dict | None = None, **more) -> dict:
+    """Engine options named by their keys alone (lr, bucket_size, clip_grad_norm, ...), grouped into
+    the config sections whose fields they are (lomo, comm, memory, train): the checks pass options
+    through their parameters without caring which section each belongs to."""
+    from lomo_ds.config.sections import EngineConfig
+    from lomo_ds.config.errors import submodel
+
+    section_of = {name: section for section, field in EngineConfig.model_fields.items()
+                  for name in submodel(field.annotation).model_fields}
+    out: dict = {}
+    for name, value in {**(options or {}), **more}.items():
+        out.setdefault(section_of[name], {})[name] = value
+    return out

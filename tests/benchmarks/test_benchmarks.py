@@ -205,7 +205,7 @@ def test_table3_seeds(table3):
     o = table3.train_overrides("adalomo", table3.settings("adalomo", cpu)[0], cpu, cpu["ranks"], "/tmp/x")
     assert o["train.method"] == "lomo" and o["lomo.optimizer"] == "adalomo"
     o = table3.train_overrides("adamw", table3.settings("adamw", cpu)[0], cpu, cpu["ranks"], "/tmp/x")
-    assert o["train.method"] == "adamw" and o["train.baseline_lr"] == table3.settings("adamw", cpu)[0]["lr"]
+    assert o["train.method"] == "adamw" and o["train.lr"] == table3.settings("adamw", cpu)[0]["lr"]
 
 
 def test_makefile_targets():

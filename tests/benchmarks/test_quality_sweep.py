@@ -3,6 +3,8 @@ the coordinate search and the stages pick what they say, --reuse/--max-runs run 
 table written from result files (hand-made here, for the writer only) says what the runs gave."""
 from __future__ import annotations
 
+from tests.tiny import engine_sections  # noqa: E402
+
 import dataclasses
 import importlib
 import os
@@ -54,7 +56,7 @@ def test_every_run_is_a_valid_run_config(quality, hp, method):
                 assert cfg.lomo.lr == setting["lomo.lr"] and cfg.train.lora.lr == setting["lora.lr"]
                 assert cfg.train.lora.targets == ("q_proj", "v_proj")
             else:
-                lr = cfg.train.lora.lr if method == "lora" else cfg.train.baseline_lr
+                lr = cfg.train.lora.lr if method == "lora" else cfg.train.lr
                 assert lr == setting["lr"]
             if run.accumulation > 1:  # equal steps, and equal tokens: max_steps / K steps of K micro-batches
                 assert cfg.lomo.accumulation_steps == run.accumulation
@@ -83,7 +85,7 @@ def test_heldout_runs_and_zero_shot(quality, hp):
 
 
 def test_an_also_setting_must_be_a_mapping(quality, hp):
-    bad = {**hp, "methods": {**hp["methods"], "lomo": {**hp["methods"]["lomo"], "also": {"shipped": 0.1}}}}
+    bad = {**hp, "methods": {**hp["methods"], **engine_sections({**hp["methods"]["lomo"], "also": {"shipped": 0.1}})}}
     with pytest.raises(ValueError, match=re.escape("methods.lomo.also.shipped: expected a mapping of setting keys")):
         quality.also_of(bad, "lomo")
 

@@ -78,7 +78,7 @@ def test_defaults_and_builtin_model():
 def test_overrides_apply_before_validation(tmp_path):
     p = write(tmp_path, MIN)
     cfg = load_run_config(p, {"lomo.lr": 0.05, "data.task": "rte", "model.path": "/y", "output.dir": "o",
-                              "train.epochs": 3, "train.max_steps": 7, "lomo.scheduler.type": "linear",
+                              "train.epochs": 3, "train.max_steps": 7, "train.scheduler.type": "linear",
                               "train_micro_batch_size_per_gpu": 4})
     assert (cfg.lomo.lr, cfg.data.task, cfg.model.path, cfg.output.dir) == (0.05, "rte", "/y", "o")
     assert (cfg.train.epochs, cfg.train.max_steps, cfg.micro_batch) == (3, 7, 4)
@@ -193,7 +193,7 @@ def test_deepspeed_refusals_are_for_lomo_methods_and_mappings_for_all(tmp_path):
     for method in ("adamw", "sgd", "lora", "zero_shot"):  # DeepSpeed's own optimizer honours these keys
         cfg = load_run_config(write(tmp_path, {**MIN, **hpz, "train": {"method": method}}))
         assert cfg.ds["zero_optimization"]["zero_hpz_partition_size"] == 4
-        assert cfg.lomo.clip_grad_norm == 1.0  # the baselines' clipping is read from lomo.clip_grad_norm
+        assert cfg.lomo.clip_grad_norm == 1.0  # the baselines' clipping is read from train.clip_grad_norm
     with pytest.raises(ConfigError, match=r"x\.json: optimizer: LOMO is the optimizer"):
         load_run_config(write(tmp_path, {**MIN, "optimizer": {"type": "SGD"}, "train": {"method": "sgd"}}))
 
@@ -202,7 +202,7 @@ def test_gradient_clipping_is_never_silent(tmp_path):
     cfg = load_run_config(write(tmp_path, {**MIN, "gradient_clipping": 1.0}))
     assert cfg.lomo.clip_grad_norm == 1.0
     with pytest.raises(ConfigError, match=r"gradient_clipping \(1\.0\) and lomo\.clip_grad_norm \(2\.0\) disagree"):
-        load_run_config(write(tmp_path, {**MIN, "gradient_clipping": 1.0, "lomo": {"lr": 0.03, "clip_grad_norm": 2.0}}))
+        load_run_config(write(tmp_path, {**MIN, "gradient_clipping": 1.0, "lomo": {"lr": 0.03}, "train": {"clip_grad_norm": 2.0}}))
 
 
 def test_overrides_reach_new_fields_and_config_is_frozen(tmp_path):

@@ -3,6 +3,8 @@ and the bounds test_gpu.py holds their figures to, device-independent so that
 tests/gpu/test_helpers.py proves it on a CPU, and feeds each bound a figure it must refuse."""
 from __future__ import annotations
 
+from tests.tiny import engine_sections  # noqa: E402
+
 import glob
 import json
 import os
@@ -43,7 +45,7 @@ def memory_run_config(model_dir: str, micro: int, seq: int, **lomo) -> dict:
     `lomo`: more lomo options (norm clipping and its two_pass_mode)."""
     return {"train_micro_batch_size_per_gpu": micro, "bf16": {"enabled": True},
             "zero_optimization": {"stage": 3},
-            "lomo": {"lr": 1e-3, "stochastic_rounding": True, **lomo},
+            **engine_sections({"lr": 1e-3, "stochastic_rounding": True, **lomo}),
             "model": {"path": model_dir, "gradient_checkpointing": True},
             "tokenizer": {"max_length": seq}}
 

@@ -113,7 +113,7 @@ def test_fp32_matches_sgd_on_cuda(gpu_results, world, check):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_bf16_reduction_is_sgd_up_to_bf16_rounding(gpu_results, world):
-    """lomo.reduce_dtype bf16 on an fp32 model: the payload is bf16 (further from SGD than fp32's
+    """comm.reduce_dtype bf16 on an fp32 model: the payload is bf16 (further from SGD than fp32's
     summation order), the result still SGD's."""
     r = ok(gpu_results(world), "reduce_dtype_bf16")
     print(f"reduce_dtype bf16 on {world} GPU(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")

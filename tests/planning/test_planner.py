@@ -130,7 +130,7 @@ def test_run_config_plan_takes_the_typed_config(tmp_path):
     assert resolve_model(str(d)).n_params == LLAMA["7b"].n_params
     raw = {"model": {"path": str(d), "gradient_checkpointing": False}, "tokenizer": {"max_length": 256},
            "train_micro_batch_size_per_gpu": 3, "fp16": {"enabled": True},
-           "lomo": {"bucket_size": 1000, "fp32_master_weights": True},
+           "lomo": {"fp32_master_weights": True}, "comm": {"bucket_size": 1000},
            "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e8,
                                  "offload_param": {"device": "cpu"}}}
     cfg = load_run_config(raw)
@@ -203,7 +203,7 @@ class _NewStorageBytes(TorchDispatchMode):
                                                    ("fp32", True, False)])
 def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, master, chunk):
     """The planner's count of the update's transient bytes is what ShardUpdater.apply allocates
-    (lomo.update_chunk_elements at a time)."""
+    (memory.update_chunk_elements at a time)."""
     from lomo_ds.engine.fused_update import ShardUpdater, UpdateRule
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -231,7 +231,7 @@ def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, maste
 def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, master, chunk):
     """The planner's count of AdaLomo's transient bytes for a bucket is what its update allocates:
     one chunk's fp32 gradient, fp32 weights and rounding at a time (each pass reads the slice in
-    chunks, lomo.update_chunk_elements); beside them, its statistics (rows + columns + a few numbers
+    chunks, memory.update_chunk_elements); beside them, its statistics (rows + columns + a few numbers
     per parameter)."""
     from lomo_ds.config.schema import AdaLomoConfig
     from lomo_ds.engine.adalomo import AdaLomo
