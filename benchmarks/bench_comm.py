@@ -8,8 +8,6 @@ of several steps after warm-up, with ratios against the one-pass reduce-scatter 
 """
 from __future__ import annotations
 
-from tests.tiny import engine_sections  # noqa: E402
-
 import argparse
 import copy
 import statistics
@@ -22,6 +20,7 @@ from benchmarks import common
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime.device import accelerator_device
+from tests.tiny import engine_sections  # noqa: E402
 from tools.launch_local import as_deepspeed_launched
 
 # The collective the network carries (grad_reduction "reduce_scatter"), not the shared-memory

@@ -45,8 +45,6 @@ and any slowdown of the compute around them.
 """
 from __future__ import annotations
 
-from tests.tiny import engine_sections  # noqa: E402
-
 import argparse
 import contextlib
 import copy
@@ -65,6 +63,7 @@ from lomo_ds.profiling import StepTimers, attach_timers, count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device
 from lomo_ds.runtime.memory import ActivationCounter
+from tests.tiny import engine_sections  # noqa: E402
 
 FETCH_KEYS = ("leaf_module", "stage3_module_granularity_threshold", "module_granularity_threshold")
 LR = 1e-3
@@ -245,7 +244,7 @@ def lomo_section(args) -> dict:
     """Plain SGD at a constant lr (the work FSDP2's hooks do), the run config's buckets."""
     from lomo_ds.config.run import load_run_config
 
-    bucket = args.bucket_size or load_run_config(args.config, check_files=False).lomo.bucket_size
+    bucket = args.bucket_size or load_run_config(args.config, check_files=False).comm.bucket_size
     return {"lr": LR, "bucket_size": bucket, **lomo_overrides(args.lomo)}
 
 

@@ -44,8 +44,6 @@ row of every payload), the update arithmetic, and the rest of the hook and end-o
 """
 from __future__ import annotations
 
-from tests.tiny import engine_sections  # noqa: E402
-
 import argparse
 import copy
 import os
@@ -60,6 +58,7 @@ from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.profiling import attach_timers
 from lomo_ds.runtime.host_malloc import keep_freed_memory
+from tests.tiny import engine_sections  # noqa: E402
 from tools.launch_local import as_deepspeed_launched
 
 LR = 1e-3

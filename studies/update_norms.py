@@ -93,7 +93,7 @@ def main() -> None:
                                                           "tokenizer.max_length": 96})
     tok = load_tokenizer(cfg)
     data = build_datasets(cfg, tok)
-    order = epoch_order(len(data.train), cfg.data.seed, 0)
+    order = epoch_order(len(data.train), cfg.train.seed, 0)
     models = {"LOMO": load(cfg), "AdamW": load(cfg)}
     start = {n: p.detach().clone() for n, p in models["LOMO"].named_parameters()}
     adamw = torch.optim.AdamW(models["AdamW"].parameters(), lr=a.adamw_lr, betas=(0.9, 0.999), eps=1e-8,

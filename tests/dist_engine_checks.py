@@ -3,8 +3,6 @@
 builds a fresh engine, runs it, and rank 0's figures go to the pytest side."""
 from __future__ import annotations
 
-from tests.tiny import engine_sections  # noqa: E402
-
 import copy
 import math
 
@@ -15,7 +13,11 @@ import lomo_ds
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
-from tests.tiny import global_batch, tiny_llama
+from tests.tiny import (
+    engine_sections,  # noqa: E402
+    global_batch,
+    tiny_llama,
+)
 
 LR = 0.05
 STEPS = 3
@@ -441,7 +443,7 @@ def check_memory():
                       for m in engine.module.modules())
     block_bytes = max(sum(ds_compat.full_numel(p) * esize for p in blk.parameters())
                       for blk in engine.module.model.layers)
-    bucket_cap = cfg["lomo"]["bucket_size"] * esize * world  # gradients pending + the send buffer
+    bucket_cap = cfg["comm"]["bucket_size"] * esize * world  # gradients pending + the send buffer
     largest_param = max(ds_compat.full_numel(p) for p in engine.params) * esize
     p = tracker.peak
     return {"peak": {"shard": p.shard_bytes, "gathered": p.gathered_bytes, "persistent": p.persistent_bytes,

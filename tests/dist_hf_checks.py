@@ -10,8 +10,6 @@ micro-batches with the same learning rates.
 """
 from __future__ import annotations
 
-from tests.tiny import engine_sections  # noqa: E402
-
 import contextlib
 import copy
 import os
@@ -21,7 +19,11 @@ import torch
 import lomo_ds
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.dist_engine_checks import max_diff
-from tests.tiny import VOCAB, tiny_llama
+from tests.tiny import (
+    VOCAB,
+    engine_sections,  # noqa: E402
+    tiny_llama,
+)
 
 SEQ = 11
 BATCH = 2  # per_device_train_batch_size

@@ -51,8 +51,8 @@ def engine_sections(options: dict | None = None, **more) -> dict:
     """Engine options named by their keys alone (lr, bucket_size, clip_grad_norm, ...), grouped into
     the config sections whose fields they are (lomo, comm, memory, train): the checks pass options
     through their parameters without caring which section each belongs to."""
-    from lomo_ds.config.sections import EngineConfig
     from lomo_ds.config.errors import submodel
+    from lomo_ds.config.sections import EngineConfig
 
     section_of = {name: section for section, field in EngineConfig.model_fields.items()
                   for name in submodel(field.annotation).model_fields}

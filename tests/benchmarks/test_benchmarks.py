@@ -157,9 +157,9 @@ def test_overrides_are_valid_run_configs(table3, method):
     o["model.path"] = "/path/to/llama-7b"
     cfg = load_run_config(os.path.join(ROOT, "ds_configs", "llama7b.json"), o, check_files=False)
     assert cfg.train.method == method and cfg.micro_batch == 2 and cfg.train.epochs == 10
-    assert cfg.data.task == "boolq" and cfg.lomo.clip_grad_norm == 1.0 and cfg.lomo.clip_grad_value is None
+    assert cfg.data.task == "boolq" and cfg.train.clip_grad_norm == 1.0 and cfg.train.clip_grad_value is None
     if method == "lomo":
-        assert cfg.lomo.lr == setting["lr"] and cfg.lomo.scheduler.warmup_ratio == setting["warmup_ratio"]
+        assert cfg.lomo.lr == setting["lr"] and cfg.train.scheduler.warmup_ratio == setting["warmup_ratio"]
     if method == "lora_lomo":
         assert cfg.train.lora.rank == setting["lora.rank"] and cfg.lomo.lr == setting["lomo.lr"]
     if method in ("lomo", "lora_lomo"):

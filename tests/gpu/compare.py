@@ -3,8 +3,6 @@ and the bounds test_gpu.py holds their figures to, device-independent so that
 tests/gpu/test_helpers.py proves it on a CPU, and feeds each bound a figure it must refuse."""
 from __future__ import annotations
 
-from tests.tiny import engine_sections  # noqa: E402
-
 import glob
 import json
 import os
@@ -13,6 +11,7 @@ import sys
 
 from lomo_ds.config.run import load_run_config
 from lomo_ds.planning.planner import GIB, plan_for_run
+from tests.tiny import engine_sections  # noqa: E402
 
 MEMORY_TOLERANCE = 0.10  # |predicted - measured| / measured: the planner's promised bound
 STEP_TIME_ORDER = ("floor", "lomo", "deepspeed_sgd")

@@ -25,8 +25,6 @@ is, so a CPU proves they run.
 """
 from __future__ import annotations
 
-from tests.tiny import engine_sections  # noqa: E402
-
 import argparse
 import contextlib
 import copy
@@ -59,7 +57,11 @@ from tests.gpu.models import CLIP_MEMORY_MODEL, MEMORY_MODEL, STEP_MODEL, llama,
 from tests.gpu.timing_checks import check_offload_overlap, check_step_time
 from tests.host_memory import checkpoint_and_export_host_memory
 from tests.ranks import run_checks
-from tests.tiny import global_batch, tiny_llama
+from tests.tiny import (
+    engine_sections,  # noqa: E402
+    global_batch,
+    tiny_llama,
+)
 
 
 def check_offload(pin: bool):

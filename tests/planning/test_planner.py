@@ -428,7 +428,7 @@ def test_accumulator_rows(capsys, tmp_path):
     # a run config's accumulation reaches the plan (--dry-run prints it)
     cfg = json.load(open(os.path.join(ROOT, "ds_configs", "llama7b.json")))
     cfg.update({"gradient_accumulation_steps": 4})
-    cfg["lomo"]["accumulate_on"] = "cpu"
+    cfg["memory"]["accumulate_on"] = "cpu"
     (tmp_path / "k4.json").write_text(json.dumps(cfg))
     p = plan_for_run(load_run_config(tmp_path / "k4.json", check_files=False), 8, "7b")
     assert p.run.accumulation == 4 and p.run.accumulate_on_host and p.estimates[("lomo", 8)].host == 8 * 4 * shard
