@@ -58,12 +58,12 @@ import torch
 import lomo_ds
 from benchmarks import common
 from benchmarks.bench_step import bench_llama, start_ranks
+from lomo_ds.config.sections import group_by_section
 from lomo_ds.planning import planner
 from lomo_ds.profiling import StepTimers, attach_timers, count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device
 from lomo_ds.runtime.memory import ActivationCounter
-from tests.tiny import engine_sections  # noqa: E402
 
 FETCH_KEYS = ("leaf_module", "stage3_module_granularity_threshold", "module_granularity_threshold")
 LR = 1e-3
@@ -308,7 +308,7 @@ def run(args) -> dict:
     base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
     makers = {
         "deepspeed floor": lambda m: common.FloorEngine(m, ds),
-        "lomo": lambda m: lomo_ds.initialize(m, {**ds, "lomo": lomo}),
+        "lomo": lambda m: lomo_ds.initialize(m, {**ds, **group_by_section(lomo)}),
         "fsdp2 floor": lambda m: Fsdp2Engine(m, lr=None),
         "fsdp2 sgd": lambda m: Fsdp2Engine(m, lr=LR),
     }
@@ -318,7 +318,7 @@ def run(args) -> dict:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}; expected a subset of {list(makers)}")
     engines = {name: make(copy.deepcopy(base)) for name, make in makers.items() if name in wanted}
     full = set(engines) == set(makers)  # the figures beyond step times need all four
-    counted_only = {"lomo rs": lomo_ds.initialize(copy.deepcopy(base), {**ds, **engine_sections({
+    counted_only = {"lomo rs": lomo_ds.initialize(copy.deepcopy(base), {**ds, **group_by_section({
         **lomo, "grad_reduction": "reduce_scatter"})})} if full else {}
     deepspeed_engines = [e for e in engines.values() if hasattr(e, "ds_engine")]
     leaves = sorted({type(m).__name__ for m in ds_compat.leaf_modules(deepspeed_engines[0].module)}

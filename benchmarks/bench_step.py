@@ -58,7 +58,6 @@ from lomo_ds.methods.deepspeed_optim import DeepSpeedOptimizerEngine
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.profiling import attach_timers
 from lomo_ds.runtime.host_malloc import keep_freed_memory
-from tests.tiny import engine_sections  # noqa: E402
 from tools.launch_local import as_deepspeed_launched
 
 LR = 1e-3
@@ -138,16 +137,18 @@ def bench(args: argparse.Namespace):
     # Pinned host memory where there is a device to copy to and from without blocking.
     offloaded = {**zero, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
                                                                              "pin_memory": device.type != "cpu"}}}
-    lomo = {"lr": LR, "bucket_size": args.bucket_size, "max_in_flight": args.in_flight,
-            "accumulation_steps": args.accumulation}
+    lomo = {"lomo": {"lr": LR}, "comm": {"bucket_size": args.bucket_size, "max_in_flight": args.in_flight},
+            "train": {"accumulation_steps": args.accumulation}}
+    clipped = {**lomo, "train": {**lomo["train"], "clip_grad_norm": 1.0}}
+    reduce_scatter = {**lomo, "comm": {**lomo["comm"], "grad_reduction": "reduce_scatter"}}
     makers = {
-        "lomo": lambda m: lomo_ds.initialize(m, {**zero, "lomo": lomo}),
-        "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, **engine_sections({**lomo, "clip_grad_norm": 1.0})}),
-        "lomo rs": lambda m: lomo_ds.initialize(m, {**zero, **engine_sections({**lomo, "grad_reduction": "reduce_scatter"})}),
+        "lomo": lambda m: lomo_ds.initialize(m, {**zero, **lomo}),
+        "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, **clipped}),
+        "lomo rs": lambda m: lomo_ds.initialize(m, {**zero, **reduce_scatter}),
         "deepspeed sgd": lambda m: DeepSpeedOptimizerEngine(m, zero, "sgd", "sgd", lr=LR, clip=None, total_steps=0,
                                                             warmup_steps=0),
         "floor offload": lambda m: common.FloorEngine(m, offloaded),
-        "lomo offload": lambda m: lomo_ds.initialize(m, {**offloaded, "lomo": lomo}),
+        "lomo offload": lambda m: lomo_ds.initialize(m, {**offloaded, **lomo}),
     }
     wanted = args.engines.split(",") + (list(OFFLOAD_ENGINES) if args.offload else [])
     engines = {"floor": common.FloorEngine(copy.deepcopy(base), zero)}

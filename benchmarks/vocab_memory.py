@@ -133,7 +133,8 @@ def measure(vocab: int, optimizer: str, hidden: int, layers: int, seq: int, upda
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-          "lomo": {"optimizer": optimizer, "lr": 1e-3}, "memory": {"update_chunk_elements": update_chunk, "loss_chunk_logits": loss_chunk}}
+          "lomo": {"optimizer": optimizer, "lr": 1e-3},
+          "memory": {"update_chunk_elements": update_chunk, "loss_chunk_logits": loss_chunk}}
     engine = lomo_ds.initialize(model, ds)
     gen = torch.Generator(device="cpu").manual_seed(seed)
 

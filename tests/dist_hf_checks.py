@@ -164,7 +164,9 @@ def engine_run(model, data: Samples, optim: str, clip: float | None):
     cfg = {"train_micro_batch_size_per_gpu": BATCH,
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                  "stage3_prefetch_bucket_size": 0},
-           "lomo": {"lr": LR[optim], "optimizer": "sgd" if optim == "lomo" else "adalomo"}, "comm": {"bucket_size": 700}, "train": {"clip_grad_norm": clip, "accumulation_steps": K, "loss_normalization": "tokens"}}
+           "lomo": {"lr": LR[optim], "optimizer": "sgd" if optim == "lomo" else "adalomo"},
+           "comm": {"bucket_size": 700},
+           "train": {"clip_grad_norm": clip, "accumulation_steps": K, "loss_normalization": "tokens"}}
     engine = lomo_ds.initialize(model, cfg)
     engine.schedule = _ListSchedule(trainer_lrs(LR[optim]))
     world, rank = engine.world, engine.rank

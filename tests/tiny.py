@@ -51,12 +51,6 @@ def engine_sections(options: dict | None = None, **more) -> dict:
     """Engine options named by their keys alone (lr, bucket_size, clip_grad_norm, ...), grouped into
     the config sections whose fields they are (lomo, comm, memory, train): the checks pass options
     through their parameters without caring which section each belongs to."""
-    from lomo_ds.config.errors import submodel
-    from lomo_ds.config.sections import EngineConfig
+    from lomo_ds.config.sections import group_by_section
 
-    section_of = {name: section for section, field in EngineConfig.model_fields.items()
-                  for name in submodel(field.annotation).model_fields}
-    out: dict = {}
-    for name, value in {**(options or {}), **more}.items():
-        out.setdefault(section_of[name], {})[name] = value
-    return out
+    return group_by_section({**(options or {}), **more})

@@ -111,3 +111,18 @@ class EngineConfig(Section):
     comm: CommConfig = CommConfig()
     memory: MemoryConfig = MemoryConfig()
     train: EngineTrainConfig = EngineTrainConfig()
+
+
+def group_by_section(options: dict) -> dict[str, dict]:
+    """Engine options named by their keys alone ({"lr": .., "bucket_size": ..}) as the sections that
+    hold them ({"lomo": {"lr": ..}, "comm": {"bucket_size": ..}}): a key names one field of one
+    section, so command lines and checks can take the options without their sections. An unknown
+    key is a ValueError naming it."""
+    section_of = {name: section for section, field in EngineConfig.model_fields.items()
+                  for name in field.annotation.model_fields}
+    out: dict[str, dict] = {}
+    for name, value in options.items():
+        if name not in section_of:
+            raise ValueError(f"{name}: not a key of any engine section ({', '.join(ENGINE_SECTIONS)})")
+        out.setdefault(section_of[name], {})[name] = value
+    return out

@@ -92,7 +92,8 @@ def check_offload_overlap(device: torch.device, sizes: dict, optimizer: str = "s
 
     def engine(host_update):
         return lomo_ds.initialize(llama(sizes), {**(offloaded if host_update else ds),
-                                                 "lomo": {"lr": 1e-3, "optimizer": optimizer}, "memory": {"host_update": host_update or "auto"}})
+                                                 "lomo": {"lr": 1e-3, "optimizer": optimizer},
+                                                 "memory": {"host_update": host_update or "auto"}})
 
     engines = {"no_offload": engine(None), "offload_thread": engine("thread"), "offload_inline": engine("inline"),
                "floor_offload": FloorEngine(llama(sizes), offloaded)}
