@@ -62,8 +62,9 @@ def ds_config(cpu: bool, dtype: str, batch: int) -> dict:
 
 
 def lomo_section(bucket_size: int, clip_norm: bool = False) -> dict:
-    """LOMO's options, by key (grouped into their sections by build_method_engine): LR 3e-2 (within Table 4's sweep); one backward pass per step (the paper's
-    value-clipping mode) unless norm clipping, which needs a second, is asked for."""
+    """LOMO's options, by key (build_method_engine groups them into their sections): LR 3e-2 (within
+    Table 4's sweep); one backward pass per step (the paper's value-clipping mode) unless norm
+    clipping, which needs a second, is asked for."""
     sec = {"lr": 3e-2, "bucket_size": bucket_size}
     if clip_norm:
         sec["clip_grad_norm"] = 1.0
