@@ -48,6 +48,7 @@ from lomo_ds.planning.planner import (
 )
 from lomo_ds.runtime import ds_compat
 from tests.ranks import ROOT, multi_rank, ok
+from tests.tiny import engine_sections
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -497,7 +498,7 @@ def _measured_case(name: str) -> dict:
     if ac:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     lomo = {"lr": 1e-3, "bucket_size": BUCKET, "optimizer": "sgd", **lomo_extra}
-    run = load_run_config({**ds, "lomo": lomo, "model": {"path": "tiny"}}, check_files=False)
+    run = load_run_config({**ds, **engine_sections(lomo), "model": {"path": "tiny"}}, check_files=False)
     eng = build_engine(run, model, total_steps=0)
     eng.enable_memory_tracking()
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -536,7 +537,7 @@ def _planned(case: str, world: int):
     zero_extra, ac, lomo_extra, dims = CASES[case]
     ds = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **zero_extra}}
     lomo = {"optimizer": "sgd", **lomo_extra}
-    cfg = load_run_config({**ds, "lomo": lomo, "model": {"path": "tiny"}, "tokenizer": {"max_length": SEQ}},
+    cfg = load_run_config({**ds, **engine_sections(lomo), "model": {"path": "tiny"}, "tokenizer": {"max_length": SEQ}},
                           check_files=False)
     run = replace(run_spec_for(cfg), checkpointing=ac, lomo_bucket=BUCKET)
     spec = ModelSpec("tiny", dims["hidden"], dims["layers"], dims["intermediate"], dims["vocab"], dims["heads"],
