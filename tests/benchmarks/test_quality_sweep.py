@@ -14,7 +14,6 @@ import yaml
 
 from lomo_ds.config.run import load_run_config
 from tests.module_help import help_text
-from tests.tiny import engine_sections  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,7 +83,7 @@ def test_heldout_runs_and_zero_shot(quality, hp):
 
 
 def test_an_also_setting_must_be_a_mapping(quality, hp):
-    bad = {**hp, "methods": {**hp["methods"], **engine_sections({**hp["methods"]["lomo"], "also": {"shipped": 0.1}})}}
+    bad = {**hp, "methods": {**hp["methods"], "lomo": {**hp["methods"]["lomo"], "also": {"shipped": 0.1}}}}
     with pytest.raises(ValueError, match=re.escape("methods.lomo.also.shipped: expected a mapping of setting keys")):
         quality.also_of(bad, "lomo")
 

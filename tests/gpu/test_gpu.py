@@ -339,8 +339,7 @@ def test_train_builtin_bf16_norm_clipping_20_steps(tmp_path, results_dir):
     with open(os.path.join(ROOT, "ds_configs", "cpu_default.json")) as f:
         cfg = json.load(f)
     cfg["bf16"] = {"enabled": True}
-    cfg["lomo"].update(clip_grad_norm=1.0, clip_grad_value=None)
-    cfg["train"].update(max_steps=20, zero_shot_eval=False)
+    cfg["train"].update(clip_grad_norm=1.0, clip_grad_value=None, max_steps=20, zero_shot_eval=False)
     cfg["data"]["eval_samples"] = 32
     cfg["output"].update(dir=str(tmp_path / "run"), export_hf=True)
     path = tmp_path / "gpu_builtin.json"
