@@ -239,7 +239,7 @@ class LomoTrainerMixin:
                 engine.start_window(window)
         model.train()
         inputs = self._prepare_inputs(inputs)
-        by_tokens = engine.config.loss_normalization == "tokens"
+        by_tokens = engine.config.train.loss_normalization == "tokens"
         scale = None
         if by_tokens and num_items_in_batch is not None:
             mine = self._label_count(inputs)
