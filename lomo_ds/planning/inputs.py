@@ -1,5 +1,5 @@
 """The planner's inputs: a model spec from a LLaMA size, an HF config.json or a run config's model,
-and a RunSpec from a run config (its DeepSpeed keys, sequence length and lomo section)."""
+and a RunSpec from a run config (its DeepSpeed keys, sequence length and engine sections)."""
 from __future__ import annotations
 
 import json
