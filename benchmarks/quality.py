@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from benchmarks import table3
 from lomo_ds.config.overrides import parse_override_args
-from lomo_ds.config.schema import LomoConfig
+from lomo_ds.config.sections import EngineTrainConfig
 from lomo_ds.config.tasks import TASKS
 from tools.launch_local import torchrun_command
 
@@ -56,7 +56,7 @@ BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
 
 def accumulation_available() -> bool:
     """Whether this lomo_ds has gradient accumulation (train.accumulation_steps); its axis waits for it."""
-    return "accumulation_steps" in LomoConfig.model_fields
+    return "accumulation_steps" in EngineTrainConfig.model_fields
 
 
 # ----------------------------------------------------------------------------- runs

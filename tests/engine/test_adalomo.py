@@ -99,7 +99,7 @@ def test_bad_adalomo_config_names_the_key(section, key):
 
 
 def test_adalomo_config_defaults_are_the_papers():
-    lomo = load_config({"lomo": {"optimizer": "adalomo"}})[1]
+    lomo = load_config({"lomo": {"optimizer": "adalomo"}})[1].lomo
     a = lomo.adalomo
     assert (lomo.optimizer, a.clip_threshold, a.eps1, a.eps2, a.decay_rate) == ("adalomo", 1.0, 1e-30, 1e-3, -0.8)
 
