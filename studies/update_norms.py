@@ -4,7 +4,7 @@
 
 The quality benchmark (benchmarks/quality.py) reports how far LOMO stays from AdamW; this says why.
 Both rules start from the built-in model and see the same global batches of 8 (the sweep's: the task's
-train split in the order of data.seed 42, epoch 0), each with its own sweep setting: LOMO is SGD on
+train split in the order of train.seed 42, epoch 0), each with its own sweep setting: LOMO is SGD on
 the gradient clipped to global norm `--lomo-clip` (then to `--lomo-clip-value` per element, as the
 engine does) at `--lomo-lr`; AdamW is torch's (betas 0.9/0.999,
 no weight decay) with the same norm clipping at `--adamw-lr`; both with the sweep's linear schedule

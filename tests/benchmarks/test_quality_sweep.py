@@ -51,11 +51,10 @@ def test_every_run_is_a_valid_run_config(quality, hp, method):
             if method in ("lomo", "adalomo"):
                 assert cfg.lomo.lr == setting["lr"] and cfg.train.scheduler.warmup_ratio == setting["warmup_ratio"]
             elif method == "lora_lomo":
-                assert cfg.lomo.lr == setting["lomo.lr"] and cfg.train.lora.lr == setting["lora.lr"]
+                assert cfg.lomo.lr == setting["lomo.lr"] and cfg.train.optimizer_lr == setting["lora.lr"]
                 assert cfg.train.lora.targets == ("q_proj", "v_proj")
             else:
-                lr = cfg.train.lora.lr if method == "lora" else cfg.train.lr
-                assert lr == setting["lr"]
+                assert cfg.train.optimizer_lr == setting["lr"]
             if run.accumulation > 1:  # equal steps, and equal tokens: max_steps / K steps of K micro-batches
                 assert cfg.train.accumulation_steps == run.accumulation
                 assert quality.tokens_of(run, hp) in (100 * 8 * run.accumulation, 100 * 8)
