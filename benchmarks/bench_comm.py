@@ -18,6 +18,7 @@ import torch
 import lomo_ds
 from benchmarks import common
 from devkit.launch_local import as_deepspeed_launched
+from lomo_ds.config.sections import group_by_section
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime.device import accelerator_device
@@ -49,7 +50,7 @@ def main() -> None:
         ds = {"train_micro_batch_size_per_gpu": args.micro,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
-              "lomo": {"lr": 1e-3, "bucket_size": 5_000_000, **extra}}
+              **group_by_section({"lr": 1e-3, "bucket_size": 5_000_000, **extra})}
         engines[name] = lomo_ds.initialize(copy.deepcopy(base), ds)
     batches = common.random_batches(args.vocab, args.micro, args.seq, args.warmup + args.steps,
                                     seed=torch.distributed.get_rank(), device=accelerator_device())

@@ -29,7 +29,7 @@ after the timed ones: the collectives issued per step and the bytes sent
 transports), the host time in the engine's own update hooks and in the framework's parameter
 fetch/release hooks, and for lomo and FSDP2 the accounted peak bytes per rank (this rank's shards,
 the gathered parameters and gradients alive, sampled at every gradient hook, plus the activations
-autograd saved), against the planner's prediction for lomo. A "lomo rs" engine (lomo.grad_reduction
+autograd saved), against the planner's prediction for lomo. A "lomo rs" engine (comm.grad_reduction
 "reduce_scatter", where every collective is a torch.distributed one) is counted too, not timed. At
 the end lomo's and FSDP2-with-SGD's parameters are compared (max abs difference): the two did the
 same work.
@@ -59,6 +59,7 @@ import lomo_ds
 from benchmarks import common
 from benchmarks.bench_step import bench_llama, start_ranks
 from devkit.floor import FloorEngine
+from lomo_ds.config.sections import group_by_section
 from lomo_ds.planning import planner
 from lomo_ds.profiling import StepTimers, attach_timers, count_comm
 from lomo_ds.runtime import ds_compat
@@ -79,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engines", default="deepspeed floor,lomo,fsdp2 floor,fsdp2 sgd",
                     help="comma-separated subset to time (a profile of one engine against its floor)")
     ap.add_argument("--bucket-size", type=int, default=None,
-                    help="lomo.bucket_size (default: the run config's lomo section, else lomo's default)")
+                    help="comm.bucket_size (default: the run config's lomo section, else lomo's default)")
     common.add_run_shape_args(ap, layers=6, hidden=512, vocab=10_000, seq=128, micro=4, steps=10, warmup=2)
     ap.add_argument("--lomo", action="append", default=[], metavar="KEY=VALUE",
                     help="a lomo option for the lomo engines (repeatable; VALUE as JSON, else a string), "
@@ -244,7 +245,7 @@ def lomo_section(args) -> dict:
     """Plain SGD at a constant lr (the work FSDP2's hooks do), the run config's buckets."""
     from lomo_ds.config.run import load_run_config
 
-    bucket = args.bucket_size or load_run_config(args.config, check_files=False).lomo.bucket_size
+    bucket = args.bucket_size or load_run_config(args.config, check_files=False).comm.bucket_size
     return {"lr": LR, "bucket_size": bucket, **lomo_overrides(args.lomo)}
 
 
@@ -308,7 +309,7 @@ def run(args) -> dict:
     base = bench_llama(args.layers, args.hidden, args.vocab, args.seq)
     makers = {
         "deepspeed floor": lambda m: FloorEngine(m, ds),
-        "lomo": lambda m: lomo_ds.initialize(m, {**ds, "lomo": lomo}),
+        "lomo": lambda m: lomo_ds.initialize(m, {**ds, **group_by_section(lomo)}),
         "fsdp2 floor": lambda m: Fsdp2Engine(m, lr=None),
         "fsdp2 sgd": lambda m: Fsdp2Engine(m, lr=LR),
     }
@@ -318,8 +319,8 @@ def run(args) -> dict:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}; expected a subset of {list(makers)}")
     engines = {name: make(copy.deepcopy(base)) for name, make in makers.items() if name in wanted}
     full = set(engines) == set(makers)  # the figures beyond step times need all four
-    counted_only = {"lomo rs": lomo_ds.initialize(copy.deepcopy(base), {**ds, "lomo": {
-        **lomo, "grad_reduction": "reduce_scatter"}})} if full else {}
+    counted_only = {"lomo rs": lomo_ds.initialize(copy.deepcopy(base), {**ds, **group_by_section({
+        **lomo, "grad_reduction": "reduce_scatter"})})} if full else {}
     deepspeed_engines = [e for e in engines.values() if hasattr(e, "ds_engine")]
     leaves = sorted({type(m).__name__ for m in ds_compat.leaf_modules(deepspeed_engines[0].module)}
                     ) if deepspeed_engines else []
@@ -390,7 +391,7 @@ def report(args, r: dict) -> None:
     print(f"\n{r['params'] / 1e6:.1f}M-parameter LLaMA (hidden {args.hidden}, {args.layers} layers), "
           f"{r['world']} ranks, micro-batch {args.micro} x {args.seq}, fp32, {r['threads']} torch thread(s) per rank; "
           f"zero_optimization {json.dumps(r['zero_optimization'])}: fetched per {fetch}; "
-          f"lomo.bucket_size {r['bucket_size']:,}{extra}; median of {args.steps} steps")
+          f"comm.bucket_size {r['bucket_size']:,}{extra}; median of {args.steps} steps")
     floors = {"lomo": "deepspeed floor", "fsdp2 sgd": "fsdp2 floor"}
 
     def paired(name: str) -> float:

@@ -14,7 +14,7 @@ the median of the per-round ratios to the floor:
   floor          the same model's ZeRO-3 forward + backward, every gradient discarded on arrival:
                  no reduction, no update. No fused optimizer can be faster.
   lomo           one backward, buckets reduce-scattered while the backward goes on, fused update;
-                 the default transport (lomo.grad_reduction "auto": through shared memory for CPU
+                 the default transport (comm.grad_reduction "auto": through shared memory for CPU
                  ranks on one node, else the backend's reduce-scatter)
   lomo clipped   norm clipping: a measuring backward, then the updating one on the retained graph
   lomo rs        lomo with grad_reduction "reduce_scatter": the overlapped reduce-scatter (gloo's
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="model and run sizes (default: gpu where CUDA is, else cpu)")
     common.add_run_shape_args(ap)  # defaults from the preset
-    ap.add_argument("--bucket-size", type=int, help="lomo.bucket_size (elements per rank)")
+    ap.add_argument("--bucket-size", type=int, help="comm.bucket_size (elements per rank)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), help="the model's and the shards' dtype")
     ap.add_argument("--in-flight", type=int, default=1, help="reduce-scatters LOMO lets run at once")
     ap.add_argument("--accumulation", type=int, default=1, help="micro-batches per step (gradient_accumulation_steps)")
@@ -138,16 +138,18 @@ def bench(args: argparse.Namespace):
     # Pinned host memory where there is a device to copy to and from without blocking.
     offloaded = {**zero, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
                                                                              "pin_memory": device.type != "cpu"}}}
-    lomo = {"lr": LR, "bucket_size": args.bucket_size, "max_in_flight": args.in_flight,
-            "accumulation_steps": args.accumulation}
+    lomo = {"lomo": {"lr": LR}, "comm": {"bucket_size": args.bucket_size, "max_in_flight": args.in_flight},
+            "train": {"accumulation_steps": args.accumulation}}
+    clipped = {**lomo, "train": {**lomo["train"], "clip_grad_norm": 1.0}}
+    reduce_scatter = {**lomo, "comm": {**lomo["comm"], "grad_reduction": "reduce_scatter"}}
     makers = {
-        "lomo": lambda m: lomo_ds.initialize(m, {**zero, "lomo": lomo}),
-        "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "clip_grad_norm": 1.0}}),
-        "lomo rs": lambda m: lomo_ds.initialize(m, {**zero, "lomo": {**lomo, "grad_reduction": "reduce_scatter"}}),
+        "lomo": lambda m: lomo_ds.initialize(m, {**zero, **lomo}),
+        "lomo clipped": lambda m: lomo_ds.initialize(m, {**zero, **clipped}),
+        "lomo rs": lambda m: lomo_ds.initialize(m, {**zero, **reduce_scatter}),
         "deepspeed sgd": lambda m: DeepSpeedOptimizerEngine(m, zero, "sgd", "sgd", lr=LR, clip=None, total_steps=0,
                                                             warmup_steps=0),
         "floor offload": lambda m: FloorEngine(m, offloaded),
-        "lomo offload": lambda m: lomo_ds.initialize(m, {**offloaded, "lomo": lomo}),
+        "lomo offload": lambda m: lomo_ds.initialize(m, {**offloaded, **lomo}),
     }
     wanted = args.engines.split(",") + (list(OFFLOAD_ENGINES) if args.offload else [])
     engines = {"floor": FloorEngine(copy.deepcopy(base), zero)}

@@ -62,8 +62,9 @@ def ds_config(cpu: bool, dtype: str, batch: int) -> dict:
 
 
 def lomo_section(bucket_size: int, clip_norm: bool = False) -> dict:
-    """LOMO's options: LR 3e-2 (within Table 4's sweep); one backward pass per step (the paper's
-    value-clipping mode) unless norm clipping, which needs a second, is asked for."""
+    """LOMO's options, by key (build_method_engine groups them into their sections): LR 3e-2 (within
+    Table 4's sweep); one backward pass per step (the paper's value-clipping mode) unless norm
+    clipping, which needs a second, is asked for."""
     sec = {"lr": 3e-2, "bucket_size": bucket_size}
     if clip_norm:
         sec["clip_grad_norm"] = 1.0
@@ -73,24 +74,26 @@ def lomo_section(bucket_size: int, clip_norm: bool = False) -> dict:
 def build_method_engine(model, ds_cfg: dict, method: str, lomo_cfg: dict, activation_checkpointing: bool = False):
     """`method`'s engine (lomo_ds.methods.build_engine) with the options every experiment gives it: a
     run config made of these sections, for a model built in memory. The baselines get their tuned LR
-    and norm clipping (every method clips by lomo.clip_grad_norm); LOMO keeps `lomo_cfg` as given."""
+    and norm clipping (every method clips by train.clip_grad_norm); LOMO keeps `lomo_cfg` as given."""
     from lomo_ds.config.run import LOMO_METHODS, load_run_config
+    from lomo_ds.config.sections import group_by_section
     from lomo_ds.methods import build_engine
 
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
         model.config.use_cache = False
-    lomo, train = dict(lomo_cfg), {"method": method}
+    options, train = dict(lomo_cfg), {"method": method}
     if method in LOMO_METHODS:
-        # DeepSpeed's reduce bucket sizes its own optimizer's gradient path; LOMO's is lomo.bucket_size
+        # DeepSpeed's reduce bucket sizes its own optimizer's gradient path; LOMO's is comm.bucket_size
         # (lomo_ds refuses the DeepSpeed key for LOMO rather than guess the conversion).
         ds_cfg = {**ds_cfg, "zero_optimization": {k: v for k, v in ds_cfg["zero_optimization"].items()
                                                   if k != "reduce_bucket_size"}}
     if method in METHOD_OPTS:
-        lomo["clip_grad_norm"] = METHOD_OPTS[method]["clip"]
-        train["baseline_lr"] = METHOD_OPTS[method]["lr"]
-    cfg = load_run_config({**ds_cfg, "lomo": lomo, "model": {"path": "<built in memory>"}, "train": train},
-                          check_files=False)
+        options["clip_grad_norm"] = METHOD_OPTS[method]["clip"]
+        train["lr"] = METHOD_OPTS[method]["lr"]
+    sections = group_by_section(options)
+    sections["train"] = {**sections.get("train", {}), **train}
+    cfg = load_run_config({**ds_cfg, **sections, "model": {"path": "<built in memory>"}}, check_files=False)
     return build_engine(cfg, model, total_steps=0)
 
 

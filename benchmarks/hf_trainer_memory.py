@@ -103,9 +103,9 @@ def rank_engine(a) -> float:
 
     lomo_ds.init_distributed()
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    engine = lomo_ds.initialize(_model(a), {**_ds(a), "lomo": {"lr": 1e-3, "clip_grad_norm": a.clip,
-                                                              "accumulation_steps": a.accumulation,
-                                                              "loss_normalization": "tokens"}})
+    engine = lomo_ds.initialize(_model(a), {**_ds(a), "lomo": {"lr": 1e-3},
+                                            "train": {"clip_grad_norm": a.clip, "accumulation_steps": a.accumulation,
+                                                      "loss_normalization": "tokens"}})
     rows = _Rows(a, a.steps * a.accumulation * world * a.batch)
     mark = _Mark()
     mark.start()

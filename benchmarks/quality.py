@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from benchmarks import table3
 from devkit.launch_local import torchrun_command
 from lomo_ds.config.overrides import parse_override_args
-from lomo_ds.config.schema import LomoConfig
+from lomo_ds.config.sections import EngineTrainConfig
 from lomo_ds.config.tasks import TASKS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,8 +55,8 @@ BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
 
 
 def accumulation_available() -> bool:
-    """Whether this lomo_ds has gradient accumulation (lomo.accumulation_steps); its axis waits for it."""
-    return "accumulation_steps" in LomoConfig.model_fields
+    """Whether this lomo_ds has gradient accumulation (train.accumulation_steps); its axis waits for it."""
+    return "accumulation_steps" in EngineTrainConfig.model_fields
 
 
 # ----------------------------------------------------------------------------- runs
@@ -104,8 +104,8 @@ def overrides_of(run: Run, hp: dict, nproc: int, out_dir: str) -> dict:
     k = setting.pop("accumulation_steps", 1)
     o = table3.train_overrides(run.method, setting, hp, nproc, out_dir, run.seed)
     if k != 1:
-        # DeepSpeed's key, which maps to lomo.accumulation_steps for every method: the config file
-        # sets it (to 1), and a different lomo.accumulation_steps beside it is refused as a conflict.
+        # DeepSpeed's key, which maps to train.accumulation_steps for every method: the config file
+        # sets it (to 1), and a different train.accumulation_steps beside it is refused as a conflict.
         o["gradient_accumulation_steps"] = k
     o["eval.split"] = run.split
     return o
@@ -436,7 +436,7 @@ def section(searches: dict, stage2_results: dict, hp: dict, command: str, missin
              f"counts sequences seen, which differ where K > 1), {sh['eval_samples']} evaluation examples, "
              f"max length {sh['max_length']}. "
              + ("" if accumulation_available() else "Accumulation steps are not swept: this lomo_ds has no "
-                "lomo.accumulation_steps. ")
+                "train.accumulation_steps. ")
              + f"Runs of this piece not finished yet: {missing} (a search reaches its next runs once these finish).",
              ""]
     lines += stage1_table(searches, hp) + [""]

@@ -10,9 +10,9 @@ ds_configs/llama{7,13,30,65}b.json) plus `--set` overrides built from the YAML h
 benchmarks/table3_hparams/ (Table 4 of the paper: one file per task, and cpu.yaml). A list in the
 YAML is a sweep: every combination runs and, as in the paper ("the best result", seed 42), the best
 final accuracy is reported, with the setting that gave it. `shared.seeds` (or --seeds) lists more
-seeds: the sweep runs on the first, the best setting is then rerun on the others (train.seed and
-data.seed), and the table reports the mean and the minimum over the seeds. The accuracy is the
-training program's (candidates scored by the mean log-probability of their tokens), read from
+seeds: the sweep runs on the first, the best setting is then rerun on the others (train.seed), and
+the table reports the mean and the minimum over the seeds. The accuracy is the training program's
+(candidates scored by the mean log-probability of their tokens), read from
 `<output.dir>/summary.json`.
 
 Writes benchmarks/results/table3{,_cpu}.{csv,md,png}; GPU mode puts the paper's figures beside ours.
@@ -128,7 +128,6 @@ def train_overrides(method: str, setting: dict, hp: dict, nproc: int, out_dir: s
         "data.task": hp.get("task", "builtin"),
         "data.train_samples": sh.get("train_samples", 1000),
         "data.eval_samples": sh.get("eval_samples", 1000),
-        "data.seed": seed,
         "train.seed": seed,
         "train.epochs": sh.get("epochs", 10),
         "train.max_steps": sh.get("max_steps"),
@@ -139,34 +138,36 @@ def train_overrides(method: str, setting: dict, hp: dict, nproc: int, out_dir: s
         "output.dir": out_dir,
         "output.export_hf": False,
         "output.checkpoint_every": None,
-        "lomo.clip_grad_norm": sh.get("clip_grad_norm", 1.0),
-        "lomo.clip_grad_value": sh.get("clip_grad_value"),  # Table 4 clips by norm only
-        "lomo.scheduler.type": sh.get("schedule", "linear"),
+        "train.clip_grad_norm": sh.get("clip_grad_norm", 1.0),
+        "train.clip_grad_value": sh.get("clip_grad_value"),  # Table 4 clips by norm only
+        "train.scheduler.type": sh.get("schedule", "linear"),
     }
     if "max_length" in sh:
         o["tokenizer.max_length"] = sh["max_length"]
 
     def lora(prefix: str) -> None:
-        for k in ("lr", "warmup_ratio", "rank", "alpha", "targets"):
+        for k in ("warmup_ratio", "rank", "alpha", "targets"):
             if f"{prefix}{k}" in setting:
                 o[f"train.lora.{k}"] = setting[f"{prefix}{k}"]
+        if f"{prefix}lr" in setting:  # the adapters' optimizer's learning rate
+            o["train.lr"] = setting[f"{prefix}lr"]
 
     if method in ("lomo", "adalomo"):  # AdaLomo: LOMO's engine with the adaptive update rule
         o["train.method"] = "lomo"
         # named either way: the rule must not follow the config file's default
         o["lomo.optimizer"] = "adalomo" if method == "adalomo" else "sgd"
         o["lomo.lr"] = setting["lr"]
-        o["lomo.scheduler.warmup_ratio"] = setting["warmup_ratio"]
-    elif method == "adamw":  # DeepSpeed's AdamW on ZeRO-3, clipped by lomo.clip_grad_norm
-        o["train.baseline_lr"] = setting["lr"]
-        o["lomo.scheduler.warmup_ratio"] = setting["warmup_ratio"]
+        o["train.scheduler.warmup_ratio"] = setting["warmup_ratio"]
+    elif method == "adamw":  # DeepSpeed's AdamW on ZeRO-3, clipped by train.clip_grad_norm
+        o["train.lr"] = setting["lr"]
+        o["train.scheduler.warmup_ratio"] = setting["warmup_ratio"]
     elif method == "lora":
         lora("")
     elif method == "lora_lomo":
         lora("lora.")
         o["lomo.optimizer"] = "sgd"
         o["lomo.lr"] = setting["lomo.lr"]
-        o["lomo.scheduler.warmup_ratio"] = setting["lomo.warmup_ratio"]
+        o["train.scheduler.warmup_ratio"] = setting["lomo.warmup_ratio"]
     return o
 
 
@@ -285,7 +286,7 @@ def markdown(rows: list[dict], cpu: bool, title: str = "") -> str:
         # The gain is the fine-tuned minimum over seeds against zero-shot's maximum: the worst case.
         zs = next((r for r in rows if r["method"] == "zero_shot"), None)
         zs_max = None if zs is None else max(r_seeds(zs).values())
-        lines += ["Mean and minimum over the seeds (train.seed = data.seed); the sweep ran on the first seed.", "",
+        lines += ["Mean and minimum over the seeds (train.seed); the sweep ran on the first seed.", "",
                   "| method | mean | min | min - zero-shot max | per seed | steps | setting | minutes/run |",
                   "|---|---|---|---|---|---|---|---|"]
         for m in METHODS:

@@ -16,7 +16,7 @@ AdaLomo through `lomo_ds.initialize` + `train_step`:
 
 Large allocations are given back to the system when freed (a fixed malloc mmap threshold, set
 before torch loads), so the resident size follows live memory. The update and the loss are
-chunked (lomo.update_chunk_elements, lomo.loss_chunk_logits set below the tiny model's largest
+chunked (memory.update_chunk_elements, memory.loss_chunk_logits set below the tiny model's largest
 parameter and logits), so both terms must stay flat as V grows.
 
     python -m benchmarks.vocab_memory                       # V = 32k, 128k, 256k; SGD and AdaLomo
@@ -134,8 +134,8 @@ def measure(vocab: int, optimizer: str, hidden: int, layers: int, seq: int, upda
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-          "lomo": {"optimizer": optimizer, "lr": 1e-3, "update_chunk_elements": update_chunk,
-                   "loss_chunk_logits": loss_chunk}}
+          "lomo": {"optimizer": optimizer, "lr": 1e-3},
+          "memory": {"update_chunk_elements": update_chunk, "loss_chunk_logits": loss_chunk}}
     engine = lomo_ds.initialize(model, ds)
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -195,8 +195,8 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--update-chunk", type=int, default=1 << 20, help="lomo.update_chunk_elements")
-    ap.add_argument("--loss-chunk", type=int, default=1 << 22, help="lomo.loss_chunk_logits")
+    ap.add_argument("--update-chunk", type=int, default=1 << 20, help="memory.update_chunk_elements")
+    ap.add_argument("--loss-chunk", type=int, default=1 << 22, help="memory.loss_chunk_logits")
     ap.add_argument("--json", action="store_true", help="one JSON line per run instead of the table")
     args = ap.parse_args(argv)
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",

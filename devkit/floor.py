@@ -16,7 +16,7 @@ class FloorEngine:
         from lomo_ds.runtime import ds_compat
         from lomo_ds.runtime.device import accelerator_device
 
-        # The parameter fetch LOMO's engines get by default (lomo.param_gather): a fair floor.
+        # The parameter fetch LOMO's engines get by default (comm.param_gather): a fair floor.
         self.param_gather = configure_param_gather(param_gather)
         self.ds_engine, *_ = deepspeed.initialize(model=model, config=leaf_module.resolve(ds_config, model),
                                                   model_parameters=None, optimizer=None)

@@ -8,7 +8,7 @@ on 2 CPU ranks in a few minutes:
 
 On GPUs the same script runs under deepspeed, torchrun or accelerate launch (docs/integrations.md).
 Everything but the mixin is a plain SFTTrainer script: the TrainingArguments name the optimizer
-(optim="lomo" | "adalomo") and the DeepSpeed config, whose `lomo` section holds LOMO's options.
+(optim="lomo" | "adalomo") and the DeepSpeed config, whose lomo, comm and memory sections hold LOMO's options.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ DEEPSPEED = {
     # One gather per decoder layer instead of one per nn.Linear (the shipped configs' setting).
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                           "leaf_module": {"classes": ["LlamaDecoderLayer"]}},
-    "lomo": {},  # LOMO's other options (lomo_ds/config/lomo.py), e.g. {"bucket_size": 25000000}
+    "comm": {},  # how gradients travel (lomo_ds/config/sections.py), e.g. {"bucket_size": 25000000}
 }
 
 

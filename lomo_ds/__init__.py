@@ -4,11 +4,12 @@ from importlib import metadata as _metadata
 from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.lomo import load_config
 from lomo_ds.config.schema import LomoConfig
+from lomo_ds.config.sections import EngineConfig
 from lomo_ds.engine.lomo_engine import LomoEngine, initialize
 from lomo_ds.methods import Engine, build_engine
 from lomo_ds.runtime.dist import init_distributed
 
-__all__ = ["initialize", "init_distributed", "LomoEngine", "LomoConfig", "ConfigError", "load_config",
+__all__ = ["initialize", "init_distributed", "LomoEngine", "EngineConfig", "LomoConfig", "ConfigError", "load_config",
            "Engine", "build_engine"]
 try:  # the one version is pyproject.toml's, as installed
     __version__ = _metadata.version("lomo_ds")

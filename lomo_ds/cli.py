@@ -48,13 +48,13 @@ def _add_plan(sub) -> None:
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="activation checkpointing (default on)")
     p.add_argument("--offload", action="store_true", help="zero_optimization.offload_param.device = cpu (LOMO)")
-    p.add_argument("--lomo-bucket", type=int, default=None, help="lomo.bucket_size in elements (default 25e6)")
+    p.add_argument("--lomo-bucket", type=int, default=None, help="comm.bucket_size in elements (default 25e6)")
     p.add_argument("--accumulation", type=int, default=None,
                    help="gradient_accumulation_steps K: LOMO keeps a 1/N shard accumulator when K > 1 (default 1)")
     p.add_argument("--accumulate-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="lomo.accumulate_dtype (default fp32)")
+                   help="memory.accumulate_dtype (default fp32)")
     p.add_argument("--accumulate-on", choices=["device", "cpu"], default=None,
-                   help="lomo.accumulate_on: the accumulator on the GPU (default) or in host RAM")
+                   help="memory.accumulate_on: the accumulator on the GPU (default) or in host RAM")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--models", nargs="+", default=None, metavar="CONFIG",
                    help="HF config.json files: one table of them side by side (micro-batch 1; LOMO and AdaLomo "

@@ -5,7 +5,7 @@ engine or the transports depends on it.
 
 Three paths carry collectives, and `count_comm` sees all of them, each call once:
   deepspeed.comm's backend object: ZeRO-3's parameter all-gathers (through lomo_ds's shared-memory
-      all-gather, lomo_ds/comm/shm_all_gather.py, when lomo.param_gather routes them there: the route sits on
+      all-gather, lomo_ds/comm/shm_all_gather.py, when comm.param_gather routes them there: the route sits on
       that object, so each is counted here as the all-gather it replaces), lomo_ds's reduce-scatters
       and all-reduces, and DeepSpeed's CPU all-reduce, which goes through shared memory and never
       reaches torch.distributed;

@@ -59,7 +59,7 @@ def overrides(args, k: int, seed: int, out_dir: str) -> dict:
     # Every validation example there is (a 2-point difference is then a few examples, not one), and
     # no zero-shot evaluation: the model before training is the same for every run. Epochs are not
     # what ends a run (K = 4 needs more than one of the chat task's), max_steps is.
-    o = {"data.seed": seed, "train.seed": seed, "train.max_steps": args.steps, "train.epochs": 100,
+    o = {"train.seed": seed, "train.max_steps": args.steps, "train.epochs": 100,
          "gradient_accumulation_steps": k, "data.eval_samples": args.eval_samples, "train.zero_shot_eval": False,
          "output.dir": out_dir, "output.export_hf": False, "lomo.optimizer": args.optimizer}
     if args.recipe == "chat":

@@ -7,7 +7,7 @@ fine-tuned exact match, wall time, and the machine's load average before and aft
 
 The command is the Makefile's demo-chat recipe (deepspeed, 2 ranks, ds_configs/cpu_chat.json) with
 --set train.seed=SEED; AdaLomo adds --set lomo.optimizer=adalomo, which takes the config's AdaLomo
-recipe (lomo.recipes.adalomo: lr 0.001, the AdaLomo paper's range, as benchmarks/table3_hparams/cpu.yaml).
+recipe (lomo.presets.adalomo: lr 0.001, the AdaLomo paper's range, as benchmarks/table3_hparams/cpu.yaml).
 """
 from __future__ import annotations
 

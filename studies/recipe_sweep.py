@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--config", default="ds_configs/cpu_default.json")
     ap.add_argument("--grid", required=True, help="comma-separated clip:lr:warmup_ratio")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--seeds", default="42", help="comma-separated; sets train.seed and data.seed")
+    ap.add_argument("--seeds", default="42", help="comma-separated; sets train.seed")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="run-config override (JSON value)")
     ap.add_argument("--zero-shot", action="store_true", help="also print the zero-shot accuracy per seed")
     args = ap.parse_args()
@@ -76,7 +76,7 @@ def main() -> None:
     init_state = {k: v.clone() for k, v in model.state_dict().items()}
     global_batch = cfg.micro_batch * 2  # the demo's 2 ranks
     for seed in (int(s) for s in args.seeds.split(",")):
-        cfg = load_run_config(args.config, {**overrides, "data.seed": seed, "train.seed": seed})
+        cfg = load_run_config(args.config, {**overrides, "train.seed": seed})
         data = build_datasets(cfg, tok)
         if args.zero_shot:
             model.load_state_dict(init_state)

@@ -4,7 +4,7 @@
 
 The quality benchmark (benchmarks/quality.py) reports how far LOMO stays from AdamW; this says why.
 Both rules start from the built-in model and see the same global batches of 8 (the sweep's: the task's
-train split in the order of data.seed 42, epoch 0), each with its own sweep setting: LOMO is SGD on
+train split in the order of train.seed 42, epoch 0), each with its own sweep setting: LOMO is SGD on
 the gradient clipped to global norm `--lomo-clip` (then to `--lomo-clip-value` per element, as the
 engine does) at `--lomo-lr`; AdamW is torch's (betas 0.9/0.999,
 no weight decay) with the same norm clipping at `--adamw-lr`; both with the sweep's linear schedule
@@ -93,7 +93,7 @@ def main() -> None:
                                                           "tokenizer.max_length": 96})
     tok = load_tokenizer(cfg)
     data = build_datasets(cfg, tok)
-    order = epoch_order(len(data.train), cfg.data.seed, 0)
+    order = epoch_order(len(data.train), cfg.train.seed, 0)
     models = {"LOMO": load(cfg), "AdamW": load(cfg)}
     start = {n: p.detach().clone() for n, p in models["LOMO"].named_parameters()}
     adamw = torch.optim.AdamW(models["AdamW"].parameters(), lr=a.adamw_lr, betas=(0.9, 0.999), eps=1e-8,

@@ -3,7 +3,7 @@ or shared disk, and collectives that time out after a short while:
 `python -m tests.slow_io_run WRITE_SECONDS TIMEOUT_SECONDS [train.py's arguments]` under a launcher,
 or `slow_io(WRITE_SECONDS, TIMEOUT_SECONDS)` around the program run inside a launch that is up.
 
-The ranks start under the config's lomo.collective_timeout (a loaded machine may start them seconds
+The ranks start under the config's train.collective_timeout (a loaded machine may start them seconds
 apart); once every rank is up, the default group's timeout becomes TIMEOUT_SECONDS. With
 TIMEOUT_SECONDS shorter than WRITE_SECONDS the run passes only if the other ranks wait for rank 0's
 writes under output.io_timeout (lomo_ds.runtime.dist.io_barrier), not in a collective.

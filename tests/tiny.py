@@ -45,3 +45,12 @@ def global_batch(step: int, world: int, micro: int = 2, seq: int = 11, vocab: in
     ids = torch.randint(0, vocab, (world * micro, seq), generator=g)
     return [{"input_ids": ids[r * micro:(r + 1) * micro], "labels": ids[r * micro:(r + 1) * micro].clone()}
             for r in range(world)]
+
+
+def engine_sections(options: dict | None = None, **more) -> dict:
+    """Engine options named by their keys alone (lr, bucket_size, clip_grad_norm, ...), grouped into
+    the config sections whose fields they are (lomo, comm, memory, train): the checks pass options
+    through their parameters without caring which section each belongs to."""
+    from lomo_ds.config.sections import group_by_section
+
+    return group_by_section({**(options or {}), **more})

@@ -1,13 +1,13 @@
 """Every way lomo_ds moves bytes between ranks, behind one neutral interface; the engine and the
 methods reach transports only through what this package exports.
 
-  grad.py            the gradient routes of lomo.grad_reduction (the collective reduce-scatter,
+  grad.py            the gradient routes of comm.grad_reduction (the collective reduce-scatter,
                      shared memory, the all-reduce baseline, one rank's direct path): a payload
                      to fill, a post that returns a handle, a handle whose wait gives the
                      non-finite verdict; "step straight from the rows" as a capability
   payload.py         the rank-major payload and its non-finite flag
   step_sums.py       the step's small agreements (loss, norm, verdict)
-  param_gather.py    ZeRO-3's parameter all-gather route of every engine (lomo.param_gather)
+  param_gather.py    ZeRO-3's parameter all-gather route of every engine (comm.param_gather)
   observe.py         where transports that bypass torch.distributed report what they carry
   shm_*.py           the shared-memory transports between CPU ranks of one node
 """

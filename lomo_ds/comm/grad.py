@@ -1,4 +1,4 @@
-"""The routes a gradient takes to the rank that owns each slice of it (`lomo.grad_reduction`),
+"""The routes a gradient takes to the rank that owns each slice of it (`comm.grad_reduction`),
 behind one small interface the gradient buckets (lomo_ds/engine/buckets.py) drive:
 
   payload(world, width, dtype)  the [world, width + 1] rank-major matrix to fill (payload.py)
@@ -34,7 +34,7 @@ from lomo_ds.runtime import ds_compat
 
 
 class GradReduction(str, enum.Enum):
-    """What lomo.grad_reduction asks for."""
+    """What comm.grad_reduction asks for."""
 
     AUTO = "auto"
     REDUCE_SCATTER = "reduce_scatter"
@@ -52,14 +52,14 @@ class GradRoute(str, enum.Enum):
 
 
 def resolve_grad_route(requested: str, groups: list, world: int) -> GradRoute:
-    """The route `requested` (lomo.grad_reduction) comes to on ranks reducing over `groups`:
+    """The route `requested` (comm.grad_reduction) comes to on ranks reducing over `groups`:
     "auto" picks shared memory where the ranks can use it; asking for it where they cannot is an
     error."""
     try:
         requested = GradReduction(requested)
     except ValueError:
         choices = tuple(r.value for r in GradReduction)
-        raise ValueError(f"lomo.grad_reduction: expected one of {choices}, got {requested!r}") from None
+        raise ValueError(f"comm.grad_reduction: expected one of {choices}, got {requested!r}") from None
     if world == 1 and requested is GradReduction.AUTO:
         # Asked for by name, a route runs as a one-rank collective (the GPU suite's path).
         return GradRoute.DIRECT
@@ -68,7 +68,7 @@ def resolve_grad_route(requested: str, groups: list, world: int) -> GradRoute:
     # Named on one rank too: one GPU has no shared-memory route, whatever the world size.
     possible = all(shm_reduce_scatter.available(g) for g in groups)
     if requested is GradReduction.SHARED_MEMORY and not possible:
-        raise ValueError(f"lomo.grad_reduction: 'shared_memory' needs CPU (gloo) ranks all on one x86-64 node, "
+        raise ValueError(f"comm.grad_reduction: 'shared_memory' needs CPU (gloo) ranks all on one x86-64 node, "
                          f"sharded over every rank (LOCAL_SIZE or LOCAL_WORLD_SIZE, as the launcher sets them, = "
                          f"world size = {world}); use 'auto' or 'reduce_scatter'")
     return GradRoute.SHARED_MEMORY if possible else GradRoute.REDUCE_SCATTER
@@ -186,7 +186,7 @@ class DirectTransport(AllReduceTransport):
 def open_grad_transport(requested: str, group, groups: list, world: int, rank: int, device: torch.device,
                         in_flight: int = 1, timeout_s: float | None = None,
                         reduce_dtype: torch.dtype | None = None) -> GradTransport:
-    """The transport `requested` (lomo.grad_reduction) comes to for `world` ranks of `group`
+    """The transport `requested` (comm.grad_reduction) comes to for `world` ranks of `group`
     reducing over `groups` (the parameters' process groups, all of one partitioning: the buckets
     check it)."""
     route = resolve_grad_route(requested, groups, world)

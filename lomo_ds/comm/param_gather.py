@@ -1,4 +1,4 @@
-"""The route of ZeRO-3's parameter all-gathers (lomo.param_gather), for every engine lomo_ds
+"""The route of ZeRO-3's parameter all-gathers (comm.param_gather), for every engine lomo_ds
 builds (LOMO, the DeepSpeed baselines, zero-shot, the benchmarks' floor): through
 torch.distributed (deepspeed.comm's own), or through shared memory between CPU ranks of one node
 (shm_all_gather.py). Process-wide, set before DeepSpeed partitions a model."""

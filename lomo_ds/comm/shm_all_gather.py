@@ -1,5 +1,5 @@
 """ZeRO-3's parameter all-gather between CPU ranks on one node, through shared memory: the
-`shared_memory` choice of lomo.param_gather.
+`shared_memory` choice of comm.param_gather.
 
 DeepSpeed fetches parameters with deepspeed.comm's all_gather_into_tensor, on CPU ranks through
 gloo: TCP loopback, copies through the kernel, and gloo's threads competing with the forward for
@@ -134,17 +134,17 @@ def _route(original, output, input, group, async_op):
 
 
 def resolve(requested: str) -> str:
-    """What lomo.param_gather `requested` comes to on these ranks: "auto" picks shared memory
+    """What comm.param_gather `requested` comes to on these ranks: "auto" picks shared memory
     where the ranks can use it (one rank gathers nothing: "torch"); asking for it where they
     cannot is an error."""
     if requested not in CHOICES:
-        raise ValueError(f"lomo.param_gather: expected one of {CHOICES}, got {requested!r}")
+        raise ValueError(f"comm.param_gather: expected one of {CHOICES}, got {requested!r}")
     world = torch.distributed.get_world_size()
     if requested == "torch" or world == 1:
         return "torch"
     possible = available(torch.distributed.group.WORLD)
     if requested == "shared_memory" and not possible:
-        raise ValueError("lomo.param_gather: 'shared_memory' needs CPU (gloo) ranks all on one x86-64 node "
+        raise ValueError("comm.param_gather: 'shared_memory' needs CPU (gloo) ranks all on one x86-64 node "
                          f"(LOCAL_SIZE or LOCAL_WORLD_SIZE, as the launcher sets them, = world size = {world}); "
                          "use 'auto' or 'torch'")
     return "shared_memory" if possible else "torch"
@@ -153,7 +153,7 @@ def resolve(requested: str) -> str:
 def configure(requested: str = "auto", timeout_s: float | None = None) -> str:
     """Collective in effect (every rank, the same arguments, at the same point; no collective is
     issued here): route ZeRO-3's parameter all-gathers through shared memory or torch.distributed
-    from now on, as `requested` (lomo.param_gather) resolves here; returns what it resolved to."""
+    from now on, as `requested` (comm.param_gather) resolves here; returns what it resolved to."""
     global _transport
     chosen = resolve(requested)
     if _transport is not None:

@@ -18,7 +18,7 @@ the flag stored after them under x86's store ordering; `available()` requires x8
 
 A dead peer. The header also holds the rank's process id and an "abandoned" word, set when its
 step raised (`abandon()`). A waiting rank looks at both every half second and fails at once,
-naming the rank, instead of spinning until the timeout (lomo.collective_timeout).
+naming the rank, instead of spinning until the timeout (train.collective_timeout).
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ class SharedMemorySlots:
         elif not _alive(int(header[2 * self.slots])):
             problem = f"has exited (process {int(header[2 * self.slots])})"
         elif waited > self.timeout_s:
-            problem = (f"has not {what} {self.unit} {seq} in {self.timeout_s:.0f} s (lomo.collective_timeout): "
+            problem = (f"has not {what} {self.unit} {seq} in {self.timeout_s:.0f} s (train.collective_timeout): "
                        f"it hangs, or the ranks issued different collectives")
         if problem:
             raise RuntimeError(f"rank {self.rank}: rank {r} {problem} ({self.kind}, "

@@ -1,5 +1,5 @@
 """The config sections' options as Markdown tables, generated from the fields' types, defaults and
-descriptions (docs/configs.md's "`lomo` options"; tests check the file holds the current table)."""
+descriptions (docs/configs.md's "Engine options"; tests check the file holds the current table)."""
 from __future__ import annotations
 
 import json
@@ -9,16 +9,15 @@ from typing import Annotated
 from pydantic import BaseModel
 
 from lomo_ds.config.errors import literal_choices, submodel
-from lomo_ds.config.schema import LomoConfig
+from lomo_ds.config.sections import EngineConfig
 
 
-def options_markdown(cls: type[BaseModel] = None, prefix: str = "lomo") -> str:
-    """Every option of a config section (default: the `lomo` section), nested sections included, as
-    the Markdown table of docs/configs.md's "`lomo` options"."""
-    cls = cls or LomoConfig
-    rows = ["| key | type | default | what it does |", "|---|---|---|---|"] if prefix == "lomo" else []
+def options_markdown(cls: type[BaseModel] = EngineConfig, prefix: str = "") -> str:
+    """Every option of a config section (default: the engine's sections, lomo, comm, memory and
+    train), nested sections included, as the Markdown table of docs/configs.md's "Engine options"."""
+    rows = [] if prefix else ["| key | type | default | what it does |", "|---|---|---|---|"]
     for name, field in cls.model_fields.items():
-        key = f"{prefix}.{name}"
+        key = f"{prefix}.{name}" if prefix else name
         sub = submodel(field.annotation)
         if sub is not None:
             rows.append(f"| `{key}` | section | | {' '.join(sub.__doc__.split())} |")

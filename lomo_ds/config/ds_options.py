@@ -6,8 +6,8 @@ DeepSpeed's ZeRO-3 parameter partitioning and gathering. So every option is one 
 
 - supported: the engine honours it (parameter-side knobs), or it only configures a part of
   DeepSpeed that LOMO does not run, so it changes nothing a LOMO run computes;
-- mapped: LOMO has its own key for it; the DeepSpeed value is copied into the `lomo` section
-  (an error names both when both are set and disagree);
+- mapped: LOMO has its own key for it; the DeepSpeed value is copied into that key of the
+  engine's sections (an error names both when both are set and disagree);
 - refused: LOMO cannot honour it; the config fails, before any model is allocated, with the
   reason or the replacement. `accepts` lists the values that are still fine (the defaults).
 
@@ -33,8 +33,8 @@ class DsOption:
     status: str  # SUPPORTED | MAPPED | REFUSED
     reason: str
     aliases: tuple[str, ...] = ()  # other spellings DeepSpeed accepts at the same level
-    lomo: str | None = None  # MAPPED: the dotted lomo key it sets
-    to_lomo: Callable[[Any], Any] | None = None  # MAPPED: DeepSpeed's value -> the lomo value
+    maps_to: str | None = None  # MAPPED: the dotted key of ours it sets (section included)
+    convert: Callable[[Any], Any] | None = None  # MAPPED: DeepSpeed's value -> ours
     accepts: tuple = ()  # REFUSED: values that are fine (nothing to refuse)
     all_methods: bool = False  # REFUSED for the baselines too: the trainer itself cannot honour it
     when_enabled: str | None = None  # REFUSED only while this switch of the section is on
@@ -72,18 +72,18 @@ _OP = _Z + "offload_param."
 
 OPTIONS: tuple[DsOption, ...] = (
     # ---- top level: what LOMO replaces
-    DsOption("optimizer", REFUSED, "LOMO is the optimizer: set lomo.lr, lomo.weight_decay, lomo.clip_grad_norm "
-             "(baselines: train.baseline_lr)", all_methods=True),
-    DsOption("scheduler", REFUSED, "use lomo.scheduler (a DeepSpeed scheduler needs a DeepSpeed optimizer)",
+    DsOption("optimizer", REFUSED, "LOMO is the optimizer: set lomo.lr, lomo.weight_decay, train.clip_grad_norm "
+             "(baselines: train.lr, train.weight_decay)", all_methods=True),
+    DsOption("scheduler", REFUSED, "use train.scheduler (a DeepSpeed scheduler needs a DeepSpeed optimizer)",
              all_methods=True),
     DsOption("gradient_accumulation_steps", MAPPED, "one optimizer step every K micro-batches: LOMO sums each "
              "rank's reduced shards into a 1/N accumulator (the baselines use DeepSpeed's own accumulation)",
-             lomo="accumulation_steps"),
+             maps_to="train.accumulation_steps"),
     DsOption("gradient_clipping", MAPPED, "global-norm clipping (0 = off); costs LOMO a second backward at K = 1, "
              "a pass over the accumulated shards at K > 1",
-             lomo="clip_grad_norm", to_lomo=_clip),
-    DsOption("communication_data_type", MAPPED, "dtype of the gradient reduce-scatter", lomo="reduce_dtype",
-             to_lomo=_dtype_name),
+             maps_to="train.clip_grad_norm", convert=_clip),
+    DsOption("communication_data_type", MAPPED, "dtype of the gradient reduce-scatter", maps_to="comm.reduce_dtype",
+             convert=_dtype_name),
     DsOption("prescale_gradients", REFUSED, "LOMO averages gradients in its own reduce-scatter; expected false",
              accepts=(False,)),
     DsOption("gradient_predivide_factor", REFUSED, "LOMO averages gradients in its own reduce-scatter; expected 1.0",
@@ -93,9 +93,10 @@ OPTIONS: tuple[DsOption, ...] = (
     DsOption("fp16.loss_scale", REFUSED, "LOMO's fp16 loss scale is dynamic only (the first scale is "
              "lomo.loss_scale.initial_scale_power); 0 selects dynamic scaling", accepts=(0,)),
     DsOption("fp16.initial_scale_power", MAPPED, "first dynamic loss scale is 2**power",
-             lomo="loss_scale.initial_scale_power"),
-    DsOption("fp16.loss_scale_window", MAPPED, "clean steps before the scale doubles", lomo="loss_scale.window"),
-    DsOption("fp16.min_loss_scale", MAPPED, "the scale never halves below this", lomo="loss_scale.min_scale"),
+             maps_to="lomo.loss_scale.initial_scale_power"),
+    DsOption("fp16.loss_scale_window", MAPPED, "clean steps before the scale doubles",
+             maps_to="lomo.loss_scale.window"),
+    DsOption("fp16.min_loss_scale", MAPPED, "the scale never halves below this", maps_to="lomo.loss_scale.min_scale"),
     DsOption("fp16.hysteresis", REFUSED, "LOMO's scaler halves on every overflow (hysteresis 1); expected 1",
              accepts=(1,)),
     DsOption("fp16.consecutive_hysteresis", REFUSED, "LOMO's scaler has no hysteresis; expected false",
@@ -164,7 +165,7 @@ OPTIONS: tuple[DsOption, ...] = (
     DsOption("weight_quantization", REFUSED, "quantized weights are not verified against the in-place shard update",
              accepts=({},)),
     DsOption("data_types", REFUSED, "sets the dtype of DeepSpeed's gradient accumulation, which LOMO replaces: set "
-             "lomo.reduce_dtype", accepts=({},)),
+             "comm.reduce_dtype", accepts=({},)),
     DsOption("dataloader_drop_last", REFUSED, "DeepSpeed's dataloader only; lomo_ds batches its own data; expected "
              "false", accepts=(False,)),
     DsOption("sparse_gradients", REFUSED, "DeepSpeed's sparse embedding-gradient reduction; LOMO reduces dense "
@@ -181,13 +182,13 @@ OPTIONS: tuple[DsOption, ...] = (
     # ---- zero_optimization: every key DeepSpeed 0.19 knows
     DsOption(_Z + "stage", REFUSED, "LOMO runs on ZeRO stage 3: it updates the shards inside the backward; expected 3",
              accepts=(3,), all_methods=True),
-    # Not mapped: DeepSpeed counts a bucket in full-gradient elements, lomo.bucket_size in this
+    # Not mapped: DeepSpeed counts a bucket in full-gradient elements, comm.bucket_size in this
     # rank's shard elements, and the ratio (the world size) is unknown until the ranks start;
     # copied as it is, a DeepSpeed-sized bucket would hold world times the gradients.
     DsOption(_Z + "reduce_bucket_size", REFUSED, "sizes DeepSpeed's gradient buckets in full-gradient elements: "
-             "set lomo.bucket_size instead, in shard elements (reduce_bucket_size / data-parallel ranks)"),
+             "set comm.bucket_size instead, in shard elements (reduce_bucket_size / data-parallel ranks)"),
     DsOption(_Z + "contiguous_gradients", SUPPORTED, _GRAD_SIDE),
-    DsOption(_Z + "reduce_scatter", SUPPORTED, _GRAD_SIDE + " (lomo.grad_reduction)"),
+    DsOption(_Z + "reduce_scatter", SUPPORTED, _GRAD_SIDE + " (comm.grad_reduction)"),
     DsOption(_Z + "overlap_comm", SUPPORTED, _GRAD_SIDE),
     DsOption(_Z + "use_multi_rank_bucket_allreduce", SUPPORTED, _GRAD_SIDE),
     DsOption(_Z + "allgather_partitions", SUPPORTED, _HARMLESS_12),
@@ -248,7 +249,7 @@ OPTIONS: tuple[DsOption, ...] = (
     DsOption(_Z + "zero_quantized_nontrainable_weights", REFUSED, "quantized weight storage is not verified "
              "against the in-place shard update; expected false", accepts=(False,)),
     DsOption(_Z + "zero_quantized_gradients", REFUSED, "quantizes DeepSpeed's gradient reduction, which LOMO does "
-             "not use: set lomo.reduce_dtype; expected false", accepts=(False,)),
+             "not use: set comm.reduce_dtype; expected false", accepts=(False,)),
     DsOption(_Z + "mics_shard_size", REFUSED, "MiCS: " + _REMOVED),
     DsOption(_Z + "mics_hierarchical_params_gather", REFUSED, "MiCS: " + _REMOVED),
     DsOption(_Z + "zeropp_loco_param", REFUSED, "LoCo-ZeRO++: " + _REMOVED),
@@ -272,7 +273,7 @@ def table_markdown() -> str:
     for o in OPTIONS:
         key = f"`{o.key}`" + "".join(f" (`{a}`)" for a in o.aliases)
         if o.status == MAPPED:
-            status = f"mapped to `lomo.{o.lomo}`"
+            status = f"mapped to `{o.maps_to}`"
         elif o.status == REFUSED and o.when_enabled:
             status = f"refused when `{o.when_enabled}`"
         elif o.status == REFUSED and o.accepts:

@@ -1,45 +1,58 @@
-"""The engine's configuration: DeepSpeed's own keys plus a "lomo" section, validated on load.
+"""The engine's configuration: DeepSpeed's own keys plus the engine's sections (lomo, comm, memory,
+train), validated on load.
 
-`load_config` reads a file (files.py) or copies a dict, validates the "lomo" section (schema.py),
-and checks DeepSpeed's keys against lomo_ds/config/ds_options.py: the ones LOMO replaces are copied
-into the lomo section or refused. Every problem is a `ConfigError` (errors.py) naming the file, the
-key's full dotted path and what was expected, before any model memory is touched. The schema's
-names are importable from here too: this module is the engine's one config import.
+`load_config` reads a file (files.py) or copies a dict, refuses keys that moved (moved.py),
+validates the sections (schema.py, sections.py), and checks DeepSpeed's keys against
+lomo_ds/config/ds_options.py: the ones LOMO replaces are copied into the sections or refused; the
+chosen update rule's preset then fills what is left out (presets.py). Every problem is a
+`ConfigError` (errors.py) naming the file, the key's full dotted path and what was expected,
+before any model memory is touched. The schema's names are importable from here too: this module
+is the engine's one config import.
 """
 from __future__ import annotations
 
 import copy
 import difflib
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from lomo_ds.config import ds_options, leaf_module
 from lomo_ds.config.errors import ConfigError, errors_in, explain, validated
 from lomo_ds.config.files import read_config_file
+from lomo_ds.config.moved import check_moved
+from lomo_ds.config.presets import apply_preset, describe_update
 from lomo_ds.config.schema import (
     AdaLomoConfig,
-    GradReduction,
     Int,
     LomoConfig,
     LossScaleConfig,
-    ParamGather,
     Precision,
-    RecipeConfig,
-    RecipesConfig,
+    PresetConfig,
+    PresetsConfig,
     ScheduleConfig,
     Section,
     expects,
 )
+from lomo_ds.config.sections import (
+    ENGINE_SECTIONS,
+    CommConfig,
+    EngineConfig,
+    EngineTrainConfig,
+    GradReduction,
+    MemoryConfig,
+    ParamGather,
+)
 
-__all__ = ["AdaLomoConfig", "ConfigError", "GradReduction", "Int", "LomoConfig", "LossScaleConfig", "ParamGather",
-           "Precision", "RecipeConfig", "RecipesConfig", "ScheduleConfig", "Section", "expects", "load_config",
-           "validate_deepspeed_section"]
+__all__ = ["ENGINE_SECTIONS", "AdaLomoConfig", "CommConfig", "ConfigError", "EngineConfig", "EngineTrainConfig",
+           "GradReduction", "Int", "LomoConfig", "LossScaleConfig", "MemoryConfig", "ParamGather", "PresetConfig",
+           "PresetsConfig", "Precision", "ScheduleConfig", "Section", "apply_preset", "describe_update", "expects",
+           "load_config", "validate_deepspeed_section"]
 
 
-def load_config(config: dict | str | os.PathLike) -> tuple[dict, LomoConfig]:
-    """Split a config (dict, or a JSON/YAML path) into DeepSpeed's dict and the validated LOMO section."""
+def load_config(config: dict | str | os.PathLike) -> tuple[dict, EngineConfig]:
+    """Split a config (dict, or a JSON/YAML path) into DeepSpeed's dict and the validated engine sections."""
     if isinstance(config, (str, os.PathLike)):
         src, raw = os.fspath(config), read_config_file(config)
     elif isinstance(config, dict):
@@ -47,18 +60,25 @@ def load_config(config: dict | str | os.PathLike) -> tuple[dict, LomoConfig]:
     else:
         raise ConfigError(f"config: expected a dict or a path to a JSON/YAML file, got {type(config).__name__}")
     with errors_in(src):
-        lomo = validated(LomoConfig, raw.pop("lomo", None) or {}, "lomo")
-        return validate_deepspeed_section(raw, lomo)
+        check_moved(raw, src)
+        sections = {name: raw.pop(name) or {} for name in ENGINE_SECTIONS if name in raw}
+        cfg = validated(EngineConfig, sections)
+        ds, cfg = validate_deepspeed_section(raw, cfg)
+        return ds, apply_preset(cfg)
 
 
 # ----------------------------------------------------------------------------- DeepSpeed's keys
 
-def validate_deepspeed_section(ds: dict, lomo: LomoConfig, lomo_method: bool = True) -> tuple[dict, LomoConfig]:
-    """Check DeepSpeed's keys against the option table and copy the mapped ones into `lomo`.
+Sections = TypeVar("Sections", bound=BaseModel)  # an EngineConfig or a RunConfig: the engine's sections
+
+
+def validate_deepspeed_section(ds: dict, cfg: Sections, lomo_method: bool = True) -> tuple[dict, Sections]:
+    """Check DeepSpeed's keys against the option table and copy the mapped ones into `cfg`'s
+    sections (an EngineConfig or a RunConfig).
 
     `ds` gets DeepSpeed's defaults filled in. lomo_method: whether LOMO does the update (the
     baselines use DeepSpeed's optimizer, for which only the rows marked all_methods are refused).
-    Returns (ds, lomo with the mapped values)."""
+    Returns (ds, cfg with the mapped values)."""
     for name in ("fp16", "bf16", "zero_optimization"):
         if name in ds and not isinstance(ds[name], dict):
             raise ConfigError(f"{name}: expected an object, got {ds[name]!r}")
@@ -79,11 +99,11 @@ def validate_deepspeed_section(ds: dict, lomo: LomoConfig, lomo_method: bool = T
     mb = ds["train_micro_batch_size_per_gpu"]
     if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
         raise ConfigError(f"train_micro_batch_size_per_gpu: expected a positive integer, got {mb!r}")
-    lomo = _with_mapped(ds, lomo)
+    cfg = _with_mapped(ds, cfg)
     # One accumulation count for the whole run: the baselines' DeepSpeed optimizer reads it from
-    # here, LOMO from lomo.accumulation_steps (set from either key).
-    ds["gradient_accumulation_steps"] = lomo.accumulation_steps
-    return ds, lomo
+    # here, LOMO from train.accumulation_steps (set from either key).
+    ds["gradient_accumulation_steps"] = cfg.train.accumulation_steps
+    return ds, cfg
 
 
 def _deepspeed_values(ds: dict):
@@ -111,9 +131,9 @@ def _did_you_mean(key: str) -> str:
     return f"; did you mean {near[0].rpartition('.')[2]!r}?" if near else ""
 
 
-def _with_mapped(ds: dict, lomo: LomoConfig) -> LomoConfig:
-    """`lomo` with the values of the mapped DeepSpeed keys; an error when both sides set a key and differ."""
-    mapped = {}  # lomo dotted key -> (value, DeepSpeed key)
+def _with_mapped(ds: dict, cfg: Sections) -> Sections:
+    """`cfg` with the values of the mapped DeepSpeed keys; an error when both sides set a key and differ."""
+    mapped = {}  # dotted key of ours -> (value, DeepSpeed key)
     for row in ds_options.OPTIONS:
         if row.status != ds_options.MAPPED:
             continue
@@ -121,44 +141,48 @@ def _with_mapped(ds: dict, lomo: LomoConfig) -> LomoConfig:
         node = ds.get(parent, {}) if parent else ds
         if name not in node:
             continue
-        value = row.to_lomo(node[name]) if row.to_lomo else node[name]
-        current = _lomo_value(lomo, row.lomo)
-        if _is_set(lomo, row.lomo) and current != value:
-            raise ConfigError(f"{row.key} ({node[name]!r}) and lomo.{row.lomo} ({current!r}) disagree; "
+        value = row.convert(node[name]) if row.convert else node[name]
+        current = _value(cfg, row.maps_to)
+        if _is_set(cfg, row.maps_to) and current != value:
+            raise ConfigError(f"{row.key} ({node[name]!r}) and {row.maps_to} ({current!r}) disagree; "
                               "set only one of them")
-        mapped[row.lomo] = (value, row.key)
-    if not mapped:
-        return lomo
-    # Only the keys given, plus the mapped ones: what the author left out stays left out (a rule's
-    # recipe fills it again, and describe_update can say so).
-    data = lomo.model_dump(exclude_unset=True)
-    for lomo_key, (value, _) in mapped.items():
-        *parents, name = lomo_key.split(".")
-        node = data
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[name] = value
-    try:
-        return LomoConfig.model_validate(data)
-    except ValidationError as e:
-        key, what = explain(LomoConfig, e.errors()[0])
-        raise ConfigError(f"{mapped[key][1]} (LOMO's lomo.{key}): {what}") from None
+        mapped[row.maps_to] = (value, row.key)
+    update = {}
+    for section_name in sorted({key.partition(".")[0] for key in mapped}):
+        section = getattr(cfg, section_name)
+        # Only the keys given, plus the mapped ones: what the author left out stays left out (a
+        # rule's preset fills it afterwards, and describe_update can say so).
+        data = section.model_dump(exclude_unset=True)
+        for key, (value, _) in mapped.items():
+            first, _, rest = key.partition(".")
+            if first != section_name:
+                continue
+            *parents, name = rest.split(".")
+            node = data
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[name] = value
+        try:
+            update[section_name] = type(section).model_validate(data)
+        except ValidationError as e:
+            key, what = explain(type(section), e.errors()[0])
+            raise ConfigError(f"{mapped[f'{section_name}.{key}'][1]} (LOMO's {section_name}.{key}): {what}") from None
+    return cfg.model_copy(update=update) if update else cfg
 
 
-def _lomo_value(lomo: LomoConfig, dotted: str):
-    value: Any = lomo
+def _value(cfg: BaseModel, dotted: str):
+    value: Any = cfg
     for part in dotted.split("."):
         value = getattr(value, part)
     return value
 
 
-def _is_set(lomo: LomoConfig, dotted: str) -> bool:
-    """Whether the user's lomo section gave `dotted` (not just its default)."""
-    section: BaseModel = lomo
-    *parents, name = dotted.split(".")
+def _is_set(cfg: BaseModel, dotted: str) -> bool:
+    """Whether the config gave `dotted` (not just its default)."""
+    first, *parents, name = dotted.split(".")
+    section: BaseModel = getattr(cfg, first)
     for part in parents:
         if part not in section.model_fields_set:
             return False
         section = getattr(section, part)
     return name in section.model_fields_set
-

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from lomo_ds.config.errors import ConfigError, submodel
+from lomo_ds.config.moved import moved_to
 
 
 def parse_override_args(items: list[str]) -> dict:
@@ -47,7 +48,11 @@ def _known_path(raw: dict, parts: list[str], schema: type[BaseModel], sections: 
 
 def apply_overrides(raw: dict, overrides: dict, src: str, schema: type[BaseModel], sections: tuple[str, ...]) -> None:
     """Set each dotted key of `overrides` in the raw config `raw` (read from `src`); a key that names no
-    field of `schema`'s `sections`, nor a DeepSpeed key already in the config, is an error."""
+    field of `schema`'s `sections`, nor a DeepSpeed key already in the config, is an error; a key
+    that moved is refused naming its new place, one line per such key."""
+    moved = [f"{src}: override {key!r}: {key} moved to {moved_to(key)}" for key in overrides if moved_to(key)]
+    if moved:
+        raise ConfigError("\n".join(moved))
     for key, value in overrides.items():
         parts = key.split(".")
         if not all(parts) or not _known_path(raw, parts, schema, sections):

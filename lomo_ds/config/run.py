@@ -1,5 +1,6 @@
-"""A whole training run's configuration: DeepSpeed's keys, the engine's "lomo" section, and the
-sections the training program needs (model, tokenizer, data, train, eval, output).
+"""A whole training run's configuration: DeepSpeed's keys, the engine's sections (lomo, comm,
+memory, and the train keys every method reads), and the sections the training program needs
+(model, tokenizer, data, train, eval, output).
 
     cfg = load_run_config("ds_configs/llama7b.json", {"train.max_steps": 10})   # or a .yaml/.yml file
 
@@ -22,8 +23,11 @@ from pydantic import Field, field_validator, model_validator
 from lomo_ds.config.errors import ConfigError, errors_in, validated
 from lomo_ds.config.files import read_config_file
 from lomo_ds.config.lomo import validate_deepspeed_section
+from lomo_ds.config.moved import check_moved
 from lomo_ds.config.overrides import apply_overrides
+from lomo_ds.config.presets import apply_preset
 from lomo_ds.config.schema import Int, LomoConfig, Precision, Section, expects
+from lomo_ds.config.sections import CommConfig, EngineConfig, EngineTrainConfig, MemoryConfig
 from lomo_ds.config.tasks import SPLIT_EXTENSIONS, split_file
 from lomo_ds.config.tasks import TASK_NAMES as TASKS
 from lomo_ds.config.tasks import TASKS as TASK_SPECS
@@ -36,8 +40,10 @@ METHODS = ("lomo", "adamw", "sgd", "lora", "lora_lomo", "zero_shot")
 LOMO_METHODS = ("lomo", "lora_lomo")  # the methods whose update is LOMO's (the rest use DeepSpeed's or none)
 DEEPSPEED_OPTIMIZER_METHODS = ("adamw", "sgd", "lora")  # stepped by DeepSpeed's ZeRO-3 optimizer
 SOURCE_FORMATS = ("chat", "prompt_response", "text")  # the record formats of data.sources (data/formats.py)
-# The sections this module owns; every other top-level key except "lomo" is DeepSpeed's.
-SECTIONS = ("model", "tokenizer", "data", "train", "eval", "output")
+# train.lr when it is null: the learning rate of the optimizer beside LOMO's, per method.
+DEFAULT_LR = {"adamw": 1e-5, "sgd": 1e-5, "lora": 5e-4, "lora_lomo": 5e-4}
+# Every section of a run config; every other top-level key is DeepSpeed's.
+SECTIONS = ("lomo", "comm", "memory", "model", "tokenizer", "data", "train", "eval", "output")
 
 
 class ModelConfig(Section):
@@ -99,9 +105,9 @@ class DataConfig(Section):
     eval_file: str | None = None
     # The first N of a seeded permutation of the split (all of it if fewer). Unset: every record for
     # the chat and instruction tasks, 1000 for the classification tasks (the paper's protocol).
+    # (the permutation is seeded by train.seed)
     train_samples: Int | None = Field(None, ge=1)
     eval_samples: Int | None = Field(None, ge=1)
-    seed: Int = 42
     # chat tasks: {our field: the dataset's column}, e.g. {"messages": "dialog"} or
     # {"instruction": "question", "output": "answer"} (data/chat.py lists the fields)
     columns: dict[str, str] = Field(default_factory=dict)
@@ -131,20 +137,28 @@ class LoraConfig(Section):
     rank: Int = Field(2, ge=1)
     alpha: float = Field(16.0, gt=0, json_schema_extra=expects("a positive number"))
     targets: tuple[str, ...] = Field(("q_proj", "v_proj"), min_length=1, strict=False)  # module names (a JSON list)
-    lr: float = Field(5e-4, gt=0, json_schema_extra=expects("a positive learning rate"))
     warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0, json_schema_extra=expects("a fraction in [0, 1)"))
 
 
-class TrainConfig(Section):
+class TrainConfig(EngineTrainConfig):
+    """The run's train section: the keys every method reads (EngineTrainConfig: seed, clipping,
+    schedule, accumulation) and the training program's own."""
+
     method: Literal[METHODS] = "lomo"
     epochs: Int = Field(10, ge=1)
     max_steps: Int | None = Field(None, ge=1)  # stop after this many optimizer steps, whatever `epochs` says
-    seed: Int = 42
     zero_shot_eval: bool = True  # evaluate once before the first step
     lora: LoraConfig = LoraConfig()
-    # the adamw / sgd baselines
-    baseline_lr: float = Field(1e-5, gt=0, json_schema_extra=expects("a positive learning rate"))
-    baseline_weight_decay: float = Field(0.0, ge=0)
+    # The learning rate and weight decay of the optimizer that is not LOMO's: the whole model's
+    # under adamw / sgd, the adapters' under lora and lora_lomo (LOMO's own are lomo.lr and
+    # lomo.weight_decay). lr null: DEFAULT_LR of the method.
+    lr: float | None = Field(None, gt=0, json_schema_extra=expects("a positive learning rate or null"))
+    weight_decay: float = Field(0.0, ge=0)
+
+    @property
+    def optimizer_lr(self) -> float:
+        """train.lr, or the method's default: the adamw/sgd/lora optimizer's learning rate."""
+        return self.lr if self.lr is not None else DEFAULT_LR[self.method]
 
 
 class EvalConfig(Section):
@@ -179,7 +193,7 @@ class OutputConfig(Section):
         ("SIGTERM", "SIGUSR1"), strict=False)
     preempt_deadline_s: float | None = Field(None, gt=0)
     # Seconds a rank waits for the others while checkpoint or export files are written (a slow disk
-    # must not trip lomo.collective_timeout: 130 GB at 200 MB/s is 11 minutes).
+    # must not trip train.collective_timeout: 130 GB at 200 MB/s is 11 minutes).
     io_timeout: float = Field(4 * 3600, gt=0)
     metrics_file: str = "metrics.jsonl"  # inside `dir`
     tensorboard: bool = False
@@ -196,6 +210,8 @@ class RunConfig(Section):
     ds: dict  # DeepSpeed's part, after validate_deepspeed_section: what goes to deepspeed.initialize
     precision: Precision = Precision()  # read from ds once, on load
     lomo: LomoConfig = LomoConfig()
+    comm: CommConfig = CommConfig()
+    memory: MemoryConfig = MemoryConfig()
     model: ModelConfig
     tokenizer: TokenizerConfig = TokenizerConfig()
     data: DataConfig = DataConfig()
@@ -207,7 +223,7 @@ class RunConfig(Section):
     def to_dict(self) -> dict:
         """The resolved configuration (defaults filled in), JSON-serialisable, for a dry-run print."""
         out = copy.deepcopy(self.ds)
-        out.update(self.model_dump(mode="json", include={"lomo", *SECTIONS}))
+        out.update(self.model_dump(mode="json", include=set(SECTIONS)))
         out["_source_path"] = self.source_path  # informational; not accepted back as input
         return out
 
@@ -218,7 +234,12 @@ class RunConfig(Section):
     @property
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step on each rank (every method but zero_shot)."""
-        return self.lomo.accumulation_steps
+        return self.train.accumulation_steps
+
+    @property
+    def engine(self) -> EngineConfig:
+        """What the engine reads: the update rule and the sections split by concern."""
+        return EngineConfig(lomo=self.lomo, comm=self.comm, memory=self.memory, train=self.train)
 
     @property
     def tokenizer_path(self) -> str:
@@ -303,12 +324,15 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
             p = getattr(d, name)
             if p is not None and not p.startswith("hub:") and not os.path.exists(p):
                 raise ConfigError(f"data.{name}: no such file or directory: {p!r}")
-    # The engine's defaults (lr 1e-3, no clipping) are not the paper's: a LOMO run must say what it wants.
+    # The engine's defaults (lr 1e-3) are not the paper's: a LOMO run must say what it wants.
     if cfg.train.method in LOMO_METHODS and "lomo" not in raw:
         raise ConfigError(f"lomo: train.method {cfg.train.method!r} needs a 'lomo' section "
-                          "(lr, clip_grad_norm, scheduler)")
-    if cfg.lomo.loss_normalization == "tokens" and cfg.train.method in DEEPSPEED_OPTIMIZER_METHODS:
-        raise ConfigError(f"lomo.loss_normalization: 'tokens' is LOMO's (train.method lomo or lora_lomo); "
+                          "(lr, or the rule's preset)")
+    if cfg.train.method == "lomo" and "lr" in cfg.train.model_fields_set:
+        raise ConfigError("train.lr: train.method 'lomo' updates by lomo.lr (train.lr is the learning rate of "
+                          "the adamw, sgd and lora optimizers, and of lora_lomo's adapters); set lomo.lr")
+    if cfg.train.loss_normalization == "tokens" and cfg.train.method in DEEPSPEED_OPTIMIZER_METHODS:
+        raise ConfigError(f"train.loss_normalization: 'tokens' is LOMO's (train.method lomo or lora_lomo); "
                           f"train.method {cfg.train.method!r} steps DeepSpeed's optimizer, whose accumulation "
                           "averages the micro-batches' losses: expected 'mean'")
     # fp16 on a CPU (DeepSpeed refuses it there) is checked when the accelerator is known: at run time.
@@ -418,7 +442,7 @@ def _check_deepspeed_keys(ds: dict) -> None:
     for key in sorted(ds):
         if key.startswith("_"):
             raise ConfigError(f"{key}: unknown key (JSON has no comments; explanations go in docs/configs.md)")
-        near = difflib.get_close_matches(key.lower(), [*SECTIONS, "lomo"], n=1, cutoff=0.75)
+        near = difflib.get_close_matches(key.lower(), list(SECTIONS), n=1, cutoff=0.75)
         if near:
             raise ConfigError(f"{key}: unknown key; did you mean {near[0]!r}?")
 
@@ -439,16 +463,18 @@ def load_run_config(config: dict | str | os.PathLike, overrides: dict | None = N
         raise ConfigError(f"config: expected a dict or a path to a JSON/YAML file, got {type(config).__name__}")
 
     with errors_in(src):
+        check_moved(raw, src)
         if overrides:
-            apply_overrides(raw, dict(overrides), src, RunConfig, (*SECTIONS, "lomo"))
+            apply_overrides(raw, dict(overrides), src, RunConfig, SECTIONS)
         if "model" not in raw:
             raise ConfigError("model: required section (at least model.path)")
-        ds = {k: v for k, v in copy.deepcopy(raw).items() if k not in SECTIONS and k != "lomo"}
+        ds = {k: v for k, v in copy.deepcopy(raw).items() if k not in SECTIONS}
         _check_deepspeed_keys(ds)
-        given = {name: raw[name] for name in (*SECTIONS, "lomo") if raw.get(name) is not None}
+        given = {name: raw[name] for name in SECTIONS if raw.get(name) is not None}
         cfg = validated(RunConfig, {**given, "ds": {}, "source_path": source_path})
-        # DeepSpeed's part is checked against the method, and may set lomo keys (the mapped options).
-        ds, lomo = validate_deepspeed_section(ds, cfg.lomo, lomo_method=cfg.train.method in LOMO_METHODS)
-        cfg = cfg.model_copy(update={"ds": ds, "lomo": lomo, "precision": Precision.of(ds)})
+        # DeepSpeed's part is checked against the method, and may set keys of ours (the mapped
+        # options); the chosen rule's preset then fills what is still left out.
+        ds, cfg = validate_deepspeed_section(ds, cfg, lomo_method=cfg.train.method in LOMO_METHODS)
+        cfg = apply_preset(cfg.model_copy(update={"ds": ds, "precision": Precision.of(ds)}))
         _check_run(cfg, raw, check_files)
     return cfg

@@ -261,7 +261,7 @@ def build_chat_datasets(run_cfg, tokenizer):
         rows = load_rows(d, split, run_cfg.eval.split)
         # Every record is checked, sampled or not: a bad line is an error, never skipped.
         conversations = [(conversation_of(r, where, d.columns), where) for r, where in rows]
-        idx = sample_indices(len(conversations), n_wanted, d.seed)
+        idx = sample_indices(len(conversations), n_wanted, run_cfg.train.seed)
         kept, truncated, dropped, turns = [], 0, 0, 0
         for i in idx:
             messages, where = conversations[i]

@@ -32,7 +32,7 @@ def build_datasets(run_cfg, tokenizer) -> Datasets:
     out = Datasets(train=[], eval=[], eval_lm=[], stats=stats)
     for split, n_wanted in (("train", d.train_samples), ("eval", d.eval_samples)):
         records = load_split(d, split, run_cfg.eval.split)
-        idx = sample_indices(len(records), n_wanted, d.seed)
+        idx = sample_indices(len(records), n_wanted, run_cfg.train.seed)
         truncated = rejected = 0
         for i in idx:
             r = records[i]

@@ -118,7 +118,7 @@ def finish_train_split(data: Datasets, run_cfg) -> None:
     """Pack the training examples (data.packing) or else group their batches by length."""
     if run_cfg.data.packing:
         n = len(data.train)
-        data.train = pack(data.train, run_cfg.tokenizer.max_length, run_cfg.data.seed)
+        data.train = pack(data.train, run_cfg.tokenizer.max_length, run_cfg.train.seed)
         data.packed = True
         data.stats["train_packed_rows"] = len(data.train)
         data.stats["train_examples_packed"] = n

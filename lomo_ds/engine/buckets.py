@@ -16,7 +16,7 @@ ranks would interleave these collectives with ZeRO-3's all-gathers in different 
 mixed data on one communicator), and the lacking rank would hold every later gradient. So the
 re-plan also sums over the ranks which parameters arrived: one missing on any rank goes into
 buckets of their own at the end of the layout that every rank sends only at the end of the
-backward; those given as `sparse` (lomo.sparse_params) are there from the first backward on. A
+backward; those given as `sparse` (comm.sparse_params) are there from the first backward on. A
 parameter that had a gradient everywhere in the first backward and lacks one later is an error
 naming it, raised before this rank sends anything out of order.
 
@@ -35,7 +35,7 @@ never "as soon as it happens to be done", because an update may itself be a coll
 (AdaLomo's row and column statistics) and ranks must issue collectives in one order. At most
 `max_in_flight` collectives are outstanding, so memory stays O(bucket).
 
-How the bytes move (`lomo.grad_reduction`) is the transport's (lomo_ds/comm/grad.py): the buckets
+How the bytes move (`comm.grad_reduction`) is the transport's (lomo_ds/comm/grad.py): the buckets
 fill its payload, post it, and wait on its handle for the reduced slices and the verdict. A
 transport that carries gradients one at a time (one rank's direct path, the all-reduce baseline)
 gets no buckets.
@@ -102,7 +102,7 @@ class GradientBuckets:
         self.device = device
         self.tracker = None  # a MemoryTracker, once track_memory() is called
         if max_in_flight < 1:
-            raise ValueError(f"lomo.max_in_flight: expected >= 1, got {max_in_flight}")
+            raise ValueError(f"comm.max_in_flight: expected >= 1, got {max_in_flight}")
         self.max_in_flight = max_in_flight
         self.transport = open_grad_transport(transport, group, [ds_compat.process_group(p) for p in self.params],
                                              world, rank, device, in_flight=max_in_flight, timeout_s=timeout_s,
@@ -264,7 +264,7 @@ class GradientBuckets:
                     f"parameters ds_id={[ds_compat.param_id(p) for p in late[:5]]} got no gradient on rank {self.rank} "
                     "in this backward, though every rank had one in the first: their buckets would be sent here at "
                     "the end of the backward and mid-backward on the other ranks (collectives in different orders): "
-                    "list the parameters that may lack a gradient (mixture-of-experts experts) in lomo.sparse_params")
+                    "list the parameters that may lack a gradient (mixture-of-experts experts) in comm.sparse_params")
         while self.next_bucket < len(self.layout):
             self._send_next()
         while self.in_flight:

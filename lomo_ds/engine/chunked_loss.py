@@ -1,10 +1,10 @@
-"""A causal LM's loss as one linear + cross-entropy over chunks of positions (lomo.chunked_loss).
+"""A causal LM's loss as one linear + cross-entropy over chunks of positions (memory.chunked_loss).
 
 transformers' causal-LM loss takes the logits of every position, upcasts them to fp32 and takes a
 log-softmax and its gradient: 4 T V bytes and more (2 GiB at 4096 positions and a 128k vocabulary,
 where the whole model update is bounded by a chunk). Here the output head and the loss are one
 autograd function over the labelled positions only, `chunk` of them at a time (chunk_positions:
-lomo.loss_chunk_logits over the vocabulary, so a chunk's memory does not grow with it):
+memory.loss_chunk_logits over the vocabulary, so a chunk's memory does not grow with it):
 
   forward   per chunk: logits = h W^T (the model's dtype, as nn.Linear), fp32, the family's
             final soft-capping, log-sum-exp (in place of the logits) and the target's logit;
@@ -67,7 +67,7 @@ class Head(NamedTuple):
 
 
 def head_of(model: torch.nn.Module, mode: str) -> Head | None:
-    """The model's head for the chunked loss, or None (its own loss). `mode`: lomo.chunked_loss."""
+    """The model's head for the chunked loss, or None (its own loss). `mode`: memory.chunked_loss."""
     if mode == "off":
         return None
     name = type(model).__name__
@@ -76,9 +76,9 @@ def head_of(model: torch.nn.Module, mode: str) -> Head | None:
              and isinstance(getattr(model, "model", None), torch.nn.Module))
     if not known:
         if mode == "on":
-            raise ValueError(f"lomo.chunked_loss: 'on' needs a causal LM whose output head it knows "
+            raise ValueError(f"memory.chunked_loss: 'on' needs a causal LM whose output head it knows "
                              f"({', '.join(HEADS)}); {name} is not one: set 'auto' (its own loss) or 'off'")
-        log.info("lomo_ds: %s keeps its own loss (lomo.chunked_loss knows %s)", name, ", ".join(HEADS))
+        log.info("lomo_ds: %s keeps its own loss (memory.chunked_loss knows %s)", name, ", ".join(HEADS))
         return None
     softcap = getattr(model.config, "final_logit_softcapping", None)
     return Head(float(softcap) if softcap else None)
@@ -96,7 +96,7 @@ class ChunkedLossOutput(dict):
 
 
 def chunk_positions(chunk_logits: int, vocab: int) -> int:
-    """Positions a chunk of `chunk_logits` logits holds (lomo.loss_chunk_logits): at least one."""
+    """Positions a chunk of `chunk_logits` logits holds (memory.loss_chunk_logits): at least one."""
     return max(1, chunk_logits // vocab)
 
 

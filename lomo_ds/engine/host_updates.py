@@ -27,7 +27,7 @@ of norm clipping stays in the hook too (it never touches a shard: it sums square
 
 On a CPU rank the slices are in host memory already: nothing is staged, and no pinned memory is
 asked for (page-locked memory is for an accelerator to copy into). The worker still runs when
-`lomo.host_update` is "thread", which is how the CPU tests exercise this path.
+`memory.host_update` is "thread", which is how the CPU tests exercise this path.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _can_pin() -> bool:
 
 
 def use_thread(mode: str, device: torch.device) -> bool:
-    """lomo.host_update: "thread", "inline", or "auto": a thread when the ranks compute on an
+    """memory.host_update: "thread", "inline", or "auto": a thread when the ranks compute on an
     accelerator (the host is idle while the backward runs there), inline on CPU ranks (the shards
     are already where the backward runs, and a thread would compete with it for the same cores)."""
     if mode == "auto":

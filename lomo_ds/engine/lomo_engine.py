@@ -20,7 +20,7 @@ gradient that turns non-finite only in a backward is flagged by the buckets on e
 once; the step is then skipped from that bucket on. After lomo.max_consecutive_skips skipped
 steps in a row the run stops.
 
-With lomo.accumulation_steps K > 1, train_step takes one micro-batch (DeepSpeed's convention):
+With train.accumulation_steps K > 1, train_step takes one micro-batch (DeepSpeed's convention):
 micro-batches 1..K-1 add their reduced slices into a per-rank shard accumulator, and the K-th
 applies the update from the sum, fused into its backward or as one pass after it when the norm
 or the overflow verdict is needed first (accumulation.py); a non-finite value anywhere in the
@@ -47,7 +47,7 @@ import torch
 
 from lomo_ds.comm import abandon_param_gather, configure_param_gather, open_step_sums
 from lomo_ds.config import leaf_module
-from lomo_ds.config.lomo import LomoConfig, Precision, load_config
+from lomo_ds.config.lomo import EngineConfig, Precision, load_config
 from lomo_ds.engine.accumulation import ACCUMULATE_DTYPES, ShardAccumulator, check_window
 from lomo_ds.engine.buckets import GradientBuckets, NoSpans
 from lomo_ds.engine.chunked_loss import causal_lm_loss, head_of
@@ -67,25 +67,26 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def initialize(model: torch.nn.Module, config: dict | str | os.PathLike,
                total_steps: int | None = None) -> "LomoEngine":
     """Wrap `model` (already partitioned by zero.Init, or a plain module) in a LomoEngine.
-    `total_steps`, when given, wins over lomo.scheduler.total_steps."""
-    ds_config, lomo = load_config(config)
-    return LomoEngine(model, ds_config, lomo, total_steps=total_steps, precision=Precision.of(ds_config))
+    `total_steps`, when given, wins over train.scheduler.total_steps."""
+    ds_config, engine_config = load_config(config)
+    return LomoEngine(model, ds_config, engine_config, total_steps=total_steps, precision=Precision.of(ds_config))
 
 
 class LomoEngine:
-    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int | None = None,
+    def __init__(self, model: torch.nn.Module, ds_config: dict, config: EngineConfig, total_steps: int | None = None,
                  precision: Precision | None = None):
         """`ds_config` goes to deepspeed.initialize as it is; the engine reads its settings from the
-        typed `lomo` section and `precision` (default: read from `ds_config`'s fp16/bf16)."""
+        typed `config` (lomo, comm, memory, train) and `precision` (default: read from `ds_config`'s
+        fp16/bf16)."""
         import deepspeed
 
-        init_distributed(timeout_s=lomo.collective_timeout)
+        init_distributed(timeout_s=config.train.collective_timeout)
         # Before DeepSpeed partitions the model: every ZeRO-3 gather from here on takes this route.
-        self.param_gather = configure_param_gather(lomo.param_gather, lomo.collective_timeout)
-        self.config = lomo
+        self.param_gather = configure_param_gather(config.comm.param_gather, config.train.collective_timeout)
+        self.config = config
         self.ds_config = ds_config
         self.dtype = (precision or Precision.of(ds_config)).torch_dtype
-        self.schedule = schedule_of(lomo, total_steps)
+        self.schedule = schedule_of(config, total_steps)
         # This rank's device: batches are moved here and every tensor the engine makes lives here.
         self.device = accelerator_device()
         # zero_optimization.leaf_module "auto" becomes the model's own decoder-layer class.
@@ -94,13 +95,13 @@ class LomoEngine:
         self.module = self.ds_engine.module
         # The training loss through the chunked linear + cross-entropy (chunked_loss.py), where the
         # model's head is one it knows; None: the model's own loss.
-        self.loss_head = head_of(self.module, lomo.chunked_loss)
+        self.loss_head = head_of(self.module, config.memory.chunked_loss)
         self.offload = ds_compat.offload_of(self.ds_engine)
         # module.parameters() lists a tied tensor once: it gets one hook and one update with the
         # gradient autograd has already summed over its uses. Parameters matching
         # lomo.exclude_params (e.g. LoRA adapters stepped by another optimizer) keep plain .grad.
         self.params = [p for n, p in self.module.named_parameters()
-                       if p.requires_grad and not any(fnmatch.fnmatch(n, pat) for pat in lomo.exclude_params)]
+                       if p.requires_grad and not any(fnmatch.fnmatch(n, pat) for pat in config.lomo.exclude_params)]
         if not self.params:
             raise ValueError("model has no trainable parameters")
         missing = ds_compat.check_param_attrs(self.params[0])
@@ -114,57 +115,58 @@ class LomoEngine:
         self.world = torch.distributed.get_world_size(self.group)
         self.rank = torch.distributed.get_rank(self.group)
         self.memory: MemoryTracker | None = None
-        self._build_update(lomo)
-        self._build_buckets(lomo)
-        self._build_step_state(lomo)
+        self._build_update(config)
+        self._build_buckets(config)
+        self._build_step_state(config)
 
-    def _build_update(self, lomo: LomoConfig) -> None:
+    def _build_update(self, config: EngineConfig) -> None:
         """The host-update worker (where it runs) and the updater with its rule."""
         # Shards in host memory (offload_param: cpu) are updated on a worker thread while the
-        # backward goes on (lomo.host_update; by default on accelerators only: on a CPU rank the
+        # backward goes on (memory.host_update; by default on accelerators only: on a CPU rank the
         # update would compete with the backward for the same cores). A rule that makes
         # collectives (AdaLomo) keeps them in the hook, on this rank's device, and hands the
         # worker only the elementwise update of the shard (update/adalomo.py).
         names = {id(p): n for n, p in self.module.named_parameters()}
         self.host_updates = (HostUpdates(self.device, lambda p: names.get(id(p), f"ds_id={ds_compat.param_id(p)}"))
-                             if use_thread(lomo.host_update, self.device) else None)
+                             if use_thread(config.memory.host_update, self.device) else None)
         # Shards live on the accelerator, or in host memory with offload_param: the update runs
         # where each one lives; the pass statistics stay on this rank's device.
-        self.updater = build_updater(lomo, self.module, self.params, self.group, self.dtype, self.host_updates,
+        self.updater = build_updater(config, self.module, self.params, self.group, self.dtype, self.host_updates,
                                      self.device)
 
-    def _build_buckets(self, lomo: LomoConfig) -> None:
+    def _build_buckets(self, config: EngineConfig) -> None:
         """The gradient buckets, the hooks that fill them, and the route of the step's agreements."""
         # Each parameter is reduced over its own ds_process_group: one bucket set per group.
-        reduce_dtype = _DTYPES[lomo.reduce_dtype] if lomo.reduce_dtype else None
+        reduce_dtype = _DTYPES[config.comm.reduce_dtype] if config.comm.reduce_dtype else None
         # One object for every parameter: it splits them by their own ds_process_group and refuses
         # a group that does not span every rank.
-        self.buckets = GradientBuckets(self.params, self.group, self.world, self.rank, lomo.bucket_size,
+        self.buckets = GradientBuckets(self.params, self.group, self.world, self.rank, config.comm.bucket_size,
                                        reduce_dtype, self._on_bucket, device=self.device,
-                                       transport=lomo.grad_reduction, max_in_flight=lomo.max_in_flight,
-                                       timeout_s=lomo.collective_timeout,
+                                       transport=config.comm.grad_reduction, max_in_flight=config.comm.max_in_flight,
+                                       timeout_s=config.train.collective_timeout,
                                        sparse=[p for n, p in self.module.named_parameters() if p.requires_grad
-                                               and any(fnmatch.fnmatch(n, pat) for pat in lomo.sparse_params)])
+                                               and any(fnmatch.fnmatch(n, pat) for pat in config.comm.sparse_params)])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         # The step's agreements (loss, norm, verdict) go where the buckets' bytes go: a process
         # group's all-reduce per agreement would cost a step as much as a small bucket's.
         self.step_sums = open_step_sums(self.buckets.route, self.group, self.world, self.rank,
-                                        lomo.collective_timeout)
+                                        config.train.collective_timeout)
 
-    def _build_step_state(self, lomo: LomoConfig) -> None:
+    def _build_step_state(self, config: EngineConfig) -> None:
         """The loss scaler, the step counters and the accumulation window."""
-        scale_on = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else self.dtype == torch.float16
-        self.loss_scaler = DynamicLossScaler(scale=2.0**lomo.loss_scale.initial_scale_power,
-                                             window=lomo.loss_scale.window,
-                                             min_scale=lomo.loss_scale.min_scale) if scale_on else None
+        scaling = config.lomo.loss_scale
+        scale_on = scaling.enabled if scaling.enabled is not None else self.dtype == torch.float16
+        self.loss_scaler = DynamicLossScaler(scale=2.0**scaling.initial_scale_power, window=scaling.window,
+                                             min_scale=scaling.min_scale) if scale_on else None
         self.global_step = 0  # optimizer steps taken (skipped ones included: the schedule moves on)
         self.skipped_steps = 0
         self.consecutive_skips = 0
 
         # Gradient accumulation (accumulation.py): one step every accumulation_steps micro-batches.
-        self.accumulation_steps = lomo.accumulation_steps
+        self.accumulation_steps = config.train.accumulation_steps
         self.accumulator = (ShardAccumulator(self.params, lambda p: self.updater.geometry(p).local,
-                                             ACCUMULATE_DTYPES[lomo.accumulate_dtype], lomo.accumulate_on == "cpu")
+                                             ACCUMULATE_DTYPES[config.memory.accumulate_dtype],
+                                             config.memory.accumulate_on == "cpu")
                             if self.accumulation_steps > 1 else None)
         self.micro_step = 0  # micro-batches of the current window already taken
         self.window_length = self.accumulation_steps  # micro-batches of the current window
@@ -185,14 +187,14 @@ class LomoEngine:
     @property
     def two_passes(self) -> bool:
         """A K = 1 step needs the global norm or the overflow verdict before updating: two backwards."""
-        return self.config.clip_grad_norm is not None or self.loss_scaler is not None
+        return self.config.train.clip_grad_norm is not None or self.loss_scaler is not None
 
     @property
     def fused_accumulation(self) -> bool:
         """Whether the K-th backward of a window applies the update as it goes (else one pass over
         the accumulated shards after it). An fp16 accumulator may overflow in the sum of finite
         micro-batch gradients, which only the pass's norm would see."""
-        return not self.two_passes and self.config.accumulate_dtype != "fp16"
+        return not self.two_passes and self.config.memory.accumulate_dtype != "fp16"
 
     # ----------------------------------------------------------------- accumulation windows (DeepSpeed's API)
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -302,7 +304,7 @@ class LomoEngine:
         """The training forward: its outputs' "loss" is what the step reads (no logits with the
         chunked loss)."""
         if self.loss_head is not None and batch.get("labels") is not None:
-            return causal_lm_loss(self.module, self.loss_head, batch, self.config.loss_chunk_logits)
+            return causal_lm_loss(self.module, self.loss_head, batch, self.config.memory.loss_chunk_logits)
         return self.module(**batch)
 
     def _agree_on_loss(self, loss: torch.Tensor, labelled: bool, tokens: int) -> "Agreed":
@@ -312,7 +314,7 @@ class LomoEngine:
         value = float(loss.detach()) if labelled else 0.0  # an unlabelled batch's loss is 0/0
         finite = math.isfinite(value)
         values = [value if finite else 0.0, float(labelled), float(not finite)]
-        by_tokens = self.config.loss_normalization == "tokens"
+        by_tokens = self.config.train.loss_normalization == "tokens"
         if by_tokens:
             tokens = tokens if labelled and finite else 0
             values += [value * tokens, float(tokens)]
@@ -331,7 +333,7 @@ class LomoEngine:
             # the reduce-scatter are collectives) and contributes a zero gradient. transformers'
             # 0/0 loss already back-propagates zeros; a model's own loss may not.
             return loss * 0.0
-        weight = tokens * per_token if self.config.loss_normalization == "tokens" else 1
+        weight = tokens * per_token if self.config.train.loss_normalization == "tokens" else 1
         return loss * (weight * loss_scale)
 
     def _token_weight(self, all_tokens: float) -> float:
@@ -340,7 +342,7 @@ class LomoEngine:
         the token sum's exactly, rescaled). A seed of tokens x loss_scale would overflow fp16 for
         log2(tokens) halvings of the scale, at the start and after every regrowth; this one is as
         large as "mean"'s. 1 for "mean", or before any rank has a label."""
-        if self.config.loss_normalization != "tokens" or all_tokens <= 0:
+        if self.config.train.loss_normalization != "tokens" or all_tokens <= 0:
             return 1.0
         return 2.0 ** -math.floor(math.log2(max(all_tokens / self.world, 1.0)))
 
@@ -362,10 +364,10 @@ class LomoEngine:
         result = {"lr": lr, "loss_scale": loss_scale, "grad_norm": None, "skipped": False, "stepped": last,
                   "micro_batches": self.micro_step + 1}
         measure = one and self.two_passes
-        rng = capture_rng(self.device) if measure and self.config.two_pass_mode == "recompute" else None
+        rng = capture_rng(self.device) if measure and self.config.memory.two_pass_mode == "recompute" else None
 
         labelled = has_labelled_tokens(batch)
-        tokens = label_tokens(batch) if self.config.loss_normalization == "tokens" else 1
+        tokens = label_tokens(batch) if self.config.train.loss_normalization == "tokens" else 1
         raw_loss = loss_of(self.forward(batch))
         agreed = self._agree_on_loss(raw_loss, labelled, tokens)
         window.note(agreed)
@@ -393,8 +395,8 @@ class LomoEngine:
             if loss is None:  # overflow in the measuring pass, on some rank
                 window.nonfinite = True
             else:
-                settings = (PassSettings(lr=lr, grad_scale=grad_scale, clip_value=self.config.clip_grad_value,
-                                         weight_decay=self.config.weight_decay) if applies else PassSettings())
+                settings = (PassSettings(lr=lr, grad_scale=grad_scale, clip_value=self.config.train.clip_grad_value,
+                                         weight_decay=self.config.lomo.weight_decay) if applies else PassSettings())
                 mode = BucketMode.UPDATE if one else BucketMode.FOLD if applies else BucketMode.ADD
                 stats = self._backward(loss * loss_scale, settings, mode=mode)
                 del loss
@@ -404,7 +406,7 @@ class LomoEngine:
                                                            "non-finite flag")
                 window.nonfinite |= nonfinite_ranks > 0
                 window.backwards += 1
-        result["loss"] = window.report(self.config.loss_normalization)
+        result["loss"] = window.report(self.config.train.loss_normalization)
         self.micro_step += 1
         if not last:
             return result
@@ -428,8 +430,8 @@ class LomoEngine:
         result["grad_norm"] = norm
         if not math.isfinite(norm):
             return None, grad_scale  # every rank skips, no parameter is touched
-        if self.config.clip_grad_norm is not None:
-            grad_scale *= min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
+        if self.config.train.clip_grad_norm is not None:
+            grad_scale *= min(1.0, self.config.train.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
         if retain:
             ds_compat.restore_backward_counters(counters)
             return loss, grad_scale
@@ -446,7 +448,7 @@ class LomoEngine:
     def _normalizer(self, micro_batches: int, tokens: float) -> float:
         """What the summed gradient of a step is divided by: its micro-batches x ranks ("mean"),
         or its label tokens over every rank and micro-batch ("tokens")."""
-        return tokens if self.config.loss_normalization == "tokens" else micro_batches * self.world
+        return tokens if self.config.train.loss_normalization == "tokens" else micro_batches * self.world
 
     def _end_window(self, result: dict[str, Any], applied: bool) -> dict[str, Any]:
         """The window's last micro-batch is in: apply the step from the accumulated gradient (or,
@@ -470,11 +472,11 @@ class LomoEngine:
             if not math.isfinite(norm):
                 self.accumulator.zero()  # overflow in some micro-batch on some rank: no parameter touched
                 return self._skip(result, overflow=True)
-            if self.config.clip_grad_norm is not None:
-                grad_scale *= min(1.0, self.config.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
+            if self.config.train.clip_grad_norm is not None:
+                grad_scale *= min(1.0, self.config.train.clip_grad_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
             self._apply_accumulated(PassSettings(lr=result["lr"], grad_scale=grad_scale,
-                                               clip_value=self.config.clip_grad_value,
-                                               weight_decay=self.config.weight_decay))
+                                               clip_value=self.config.train.clip_grad_value,
+                                               weight_decay=self.config.lomo.weight_decay))
         self._zero_accumulator()
         return self._stepped(result)
 
@@ -513,7 +515,7 @@ class LomoEngine:
         self.consecutive_skips += 1
         self.global_step += 1
         result["skipped"] = True
-        if self.consecutive_skips >= self.config.max_consecutive_skips:
+        if self.consecutive_skips >= self.config.lomo.max_consecutive_skips:
             scale = f", loss scale {self.loss_scaler.scale}" if self.loss_scaler is not None else ""
             raise RuntimeError(f"lomo.max_consecutive_skips: the last {self.consecutive_skips} steps were all skipped "
                                f"(non-finite loss or gradients, or no labelled tokens on any rank{scale}), "
@@ -547,7 +549,7 @@ class LomoEngine:
             return None
         self.module.eval()
         return causal_lm_loss(self.module, self.loss_head, move_batch(batch, self.device),
-                              self.config.loss_chunk_logits, reduction="sum").loss
+                              self.config.memory.loss_chunk_logits, reduction="sum").loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the full parameters by name on rank 0 (None elsewhere), one at a time."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lomo_ds.config.lomo import LomoConfig
+    from lomo_ds.config.lomo import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,15 @@ class Schedule:
         return self.base_lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * factor)
 
 
-def schedule_of(lomo: LomoConfig, total_steps: int | None) -> Schedule:
-    """The schedule lomo.scheduler describes; `total_steps`, when given, wins over its total_steps."""
-    s = lomo.scheduler
+def schedule_of(config: EngineConfig, total_steps: int | None) -> Schedule:
+    """The schedule train.scheduler describes for lomo.lr; `total_steps`, when given, wins over its
+    total_steps."""
+    s = config.train.scheduler
     total = s.total_steps if total_steps is None else total_steps
     if total < 0:
         raise ValueError(f"total_steps: expected >= 0, got {total}")
     if s.type != "constant" and total <= 0:
-        raise ValueError(f"lomo.scheduler.total_steps: a {s.type} schedule needs the total step count "
+        raise ValueError(f"train.scheduler.total_steps: a {s.type} schedule needs the total step count "
                          f"(or pass total_steps= to the engine)")
     warmup = s.warmup_steps or int(round(s.warmup_ratio * total))
-    return Schedule(s.type, lomo.lr, total, warmup, s.min_lr_ratio)
+    return Schedule(s.type, config.lomo.lr, total, warmup, s.min_lr_ratio)

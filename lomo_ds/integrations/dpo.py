@@ -6,7 +6,7 @@
 
 TRL's loss, collator, tokenization and metrics run unchanged; the mixin puts the step on lomo_ds's
 engine. TRL's DPO loss is a mean over the micro-batch's pairs (it takes no num_items_in_batch), so
-the window's gradient is the mean of its micro-batches' losses over every rank: lomo.loss_normalization
+the window's gradient is the mean of its micro-batches' losses over every rank: train.loss_normalization
 `mean`, as the Trainer weighs them.
 
 The reference. DPO compares the policy with the model it started from. The route shipped is TRL's
@@ -98,7 +98,7 @@ class LomoDPOTrainer(LomoTrainerMixin, DPOTrainer):
     def _loss_by_tokens(self) -> bool:
         """TRL's DPO loss is a mean over the micro-batch's pairs and takes no num_items_in_batch
         (a DPO batch has no `labels` to count), whatever the model's forward accepts: the window
-        is the mean of its micro-batches (lomo.loss_normalization `mean`)."""
+        is the mean of its micro-batches (train.loss_normalization `mean`)."""
         return False
 
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):

@@ -1,11 +1,11 @@
 """Every TrainingArguments field that touches optimization, precision, checkpointing or logging:
-supported as the Trainer does it, mapped onto the `lomo` section, or refused with the reason.
+supported as the Trainer does it, mapped onto a config key (lomo.*, train.*), or refused with the reason.
 
 `check_training_arguments(args)` is what LomoTrainerMixin runs in its constructor, before the
 Trainer builds anything; scripts can call it on their TrainingArguments first. A refusal is one
-`TrainingArgumentsError` line naming the field, what it was given and why. `lomo_section(args, ...)`
-gives the values the mapped fields put into the `lomo` section; a value the DeepSpeed config's own
-`lomo` section sets differently is refused too (one place decides each value). The table in
+`TrainingArgumentsError` line naming the field, what it was given and why. `mapped_values(args, ...)`
+gives the values the mapped fields set, by config key; a value the DeepSpeed config's own sections
+set differently is refused too (one place decides each value). The table in
 docs/training_arguments.md is generated from FIELDS (`options_markdown()`).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Field:
     status: str  # SUPPORTED | MAPPED | REFUSED
     what: str  # what it does under LOMO, or why it is refused
     refuses: Callable[[Any], bool] = lambda value: False  # which values are refused
-    lomo: str | None = None  # MAPPED: the lomo key it sets
+    maps_to: str | None = None  # MAPPED: the dotted config key it sets
 
 
 def _unless(*accepted):
@@ -62,14 +62,14 @@ _NOT_ADAMW = "an AdamW setting; LOMO and AdaLomo keep no moments (AdaLomo's own:
 FIELDS: list[Field] = [
     # ------------------------------------------------------------------ optimization
     Field("optim", MAPPED, "`lomo` -> lomo.optimizer `sgd`, `adalomo` -> `adalomo`; any other optimizer is refused",
-          lambda v: _str(v) not in OPTIMIZERS, lomo="optimizer"),
+          lambda v: _str(v) not in OPTIMIZERS, maps_to="lomo.optimizer"),
     Field("optim_args", REFUSED, "options of other optimizers; AdaLomo's are the config's lomo.adalomo",
           _unless(None, "")),
     Field("optim_target_modules", REFUSED, "GaLore/APOLLO's; LOMO updates every trainable parameter",
           _unless(None)),
     Field("learning_rate", MAPPED, "the peak of the Trainer's schedule; the fused update of every step uses the "
-                                   "schedule's value for that step (lomo.lr and lomo.scheduler are not used)",
-          lomo="lr"),
+                                   "schedule's value for that step (lomo.lr and train.scheduler are not used)",
+          maps_to="lomo.lr"),
     Field("lr_scheduler_type", SUPPORTED, "the Trainer's scheduler runs on a stand-in optimizer; its learning "
                                           "rate goes into each step's fused update"),
     Field("lr_scheduler_kwargs", SUPPORTED, "as the Trainer"),
@@ -80,20 +80,20 @@ FIELDS: list[Field] = [
     Field("adam_beta1", REFUSED, _NOT_ADAMW, _unless(0.9)),
     Field("adam_beta2", REFUSED, _NOT_ADAMW, _unless(0.999)),
     Field("adam_epsilon", REFUSED, _NOT_ADAMW, _unless(1e-8)),
-    Field("max_grad_norm", MAPPED, "exact global-norm clipping of the window's gradient (lomo.clip_grad_norm); "
+    Field("max_grad_norm", MAPPED, "exact global-norm clipping of the window's gradient (train.clip_grad_norm); "
                                    "0 = no clipping. The default 1.0 turns it on, and with gradient_accumulation_steps "
                                    "1 that costs a second backward over the retained graph (never a second "
                                    "forward or compute_loss); with K > 1 it is one pass over the accumulated shards",
-          lambda v: v < 0, lomo="clip_grad_norm"),
-    Field("gradient_accumulation_steps", MAPPED, "the sharded accumulator (lomo.accumulation_steps): each rank "
+          lambda v: v < 0, maps_to="train.clip_grad_norm"),
+    Field("gradient_accumulation_steps", MAPPED, "the sharded accumulator (train.accumulation_steps): each rank "
                                                  "sums its 1/N slice of each micro-batch's reduced gradient",
-          lomo="accumulation_steps"),
+          maps_to="train.accumulation_steps"),
     Field("average_tokens_across_devices", MAPPED, "true (the default): the Trainer's loss, a token mean over the "
                                                    "window and every rank (num_items_in_batch) times the rank count, "
-                                                   "is lomo.loss_normalization `tokens`, applied once (a model whose "
+                                                   "is train.loss_normalization `tokens`, applied once (a model whose "
                                                    "loss takes no num_items_in_batch: `mean`). false (each rank's "
                                                    "own token mean) is refused: no lomo_ds normalisation matches it",
-          _unless(True), lomo="loss_normalization"),
+          _unless(True), maps_to="train.loss_normalization"),
     Field("label_smoothing_factor", SUPPORTED, "part of the Trainer's loss, which the engine back-propagates "
                                                "(not covered by the tests)"),
     Field("auto_find_batch_size", REFUSED, "retries with a smaller batch by rebuilding the DeepSpeed engine; "
@@ -104,8 +104,9 @@ FIELDS: list[Field] = [
     Field("fsdp", REFUSED, "LOMO runs on DeepSpeed ZeRO-3 (the deepspeed argument)", lambda v: bool(v)),
     Field("parallelism_config", REFUSED, "tensor, context and sequence parallelism are not supported: every rank "
                                          "is a data-parallel rank", _unless(None)),
-    Field("deepspeed", MAPPED, "required: a DeepSpeed ZeRO-3 config (dict or file) whose optional `lomo` section "
-                               "holds LOMO's other options; checked like lomo_ds's own configs",
+    Field("deepspeed", MAPPED, "required: a DeepSpeed ZeRO-3 config (dict or file) whose optional `lomo`, `comm`, "
+                               "`memory` and `train` sections hold LOMO's other options; checked like lomo_ds's "
+                               "own configs",
           lambda v: v is None),
     Field("use_cpu", MAPPED, "true: the ranks train on DeepSpeed's CPU accelerator (gloo), which DeepSpeed picks on a "
                              "machine without an accelerator: there the same run as false, but transformers allows "
@@ -224,43 +225,47 @@ def check_training_arguments(args) -> None:
             raise TrainingArgumentsError(f"{f.name}: {f.what} (got {shown!r})")
 
 
-def lomo_section(args, tokens: bool) -> dict[str, Any]:
-    """What the mapped fields put into the `lomo` section. `tokens`: whether the Trainer's loss is
+def mapped_values(args, tokens: bool) -> dict[str, Any]:
+    """What the mapped fields set, by dotted config key. `tokens`: whether the Trainer's loss is
     normalised by num_items_in_batch (the model takes it, or a compute_loss_func does)."""
     return {
-        "optimizer": OPTIMIZERS[_str(args.optim)],
-        "lr": float(args.learning_rate),
-        "clip_grad_norm": float(args.max_grad_norm) if args.max_grad_norm > 0 else None,
-        "accumulation_steps": int(args.gradient_accumulation_steps),
-        "loss_normalization": "tokens" if tokens else "mean",
+        "lomo.optimizer": OPTIMIZERS[_str(args.optim)],
+        "lomo.lr": float(args.learning_rate),
+        "train.clip_grad_norm": float(args.max_grad_norm) if args.max_grad_norm > 0 else None,
+        "train.accumulation_steps": int(args.gradient_accumulation_steps),
+        "train.loss_normalization": "tokens" if tokens else "mean",
     }
 
 
-# Keys of a config's own lomo section the Trainer decides (it would be ignored otherwise).
-_TRAINER_DECIDES = {"scheduler": "lr_scheduler_type / warmup_steps (the Trainer's schedule)",
-                    "recipes": "learning_rate / max_grad_norm (the Trainer's arguments)"}
-_SOURCE = {"optimizer": "optim", "lr": "learning_rate", "clip_grad_norm": "max_grad_norm",
-           "accumulation_steps": "gradient_accumulation_steps", "loss_normalization": "average_tokens_across_devices"}
+# Keys of a config's own sections the Trainer decides (they would be ignored otherwise).
+_TRAINER_DECIDES = {"train.scheduler": "lr_scheduler_type / warmup_steps (the Trainer's schedule)",
+                    "lomo.presets": "learning_rate / max_grad_norm (the Trainer's arguments)"}
+_SOURCE = {f.maps_to: f.name for f in FIELDS if f.maps_to}
 
 
-def merge_lomo_section(given: dict, mapped: dict[str, Any]) -> dict[str, Any]:
-    """The config's `lomo` section with the mapped values; a key both set differently is refused."""
-    given = dict(given or {})
+def merge_mapped(config: dict, mapped: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed config dict with the mapped values in its sections (lomo, train); a key the
+    config sets differently is refused, and so is one the Trainer decides."""
+    config = {**config}
     for key, why in _TRAINER_DECIDES.items():
-        if key in given:
-            raise TrainingArgumentsError(f"deepspeed: lomo.{key} is set, but under the Trainer {why} decide it; "
-                                         f"remove lomo.{key}")
+        section, _, name = key.partition(".")
+        if name in (config.get(section) or {}):
+            raise TrainingArgumentsError(f"deepspeed: {key} is set, but under the Trainer {why} decide it; "
+                                         f"remove {key}")
     for key, value in mapped.items():
-        if key in given and given[key] != value:
-            raise TrainingArgumentsError(f"{_SOURCE[key]}: gives lomo.{key} {value!r}, the config's lomo section "
-                                         f"says {given[key]!r}; set only one of them")
-    return {**given, **mapped}
+        section, _, name = key.partition(".")
+        given = config[section] = dict(config.get(section) or {})
+        if name in given and given[name] != value:
+            raise TrainingArgumentsError(f"{_SOURCE[key]}: gives {key} {value!r}, the config's {section} section "
+                                         f"says {given[name]!r}; set only one of them")
+        given[name] = value
+    return config
 
 
 def options_markdown() -> str:
     """The table of docs/training_arguments.md."""
     rows = ["| field | status | under LOMO |", "|---|---|---|"]
     for f in FIELDS:
-        mapped = f" (`lomo.{f.lomo}`)" if f.lomo else ""
+        mapped = f" (`{f.maps_to}`)" if f.maps_to else ""
         rows.append(f"| `{f.name}` | {f.status}{mapped} | {f.what} |")
     return "\n".join(rows) + "\n"

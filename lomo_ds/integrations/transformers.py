@@ -17,7 +17,7 @@ back-propagate through DeepSpeed's own backward: the fused path never runs. The 
   and the update (two passes over the retained graph when the norm is clipped, never a second
   compute_loss). The Trainer's token-mean loss (num_items_in_batch over the window and every
   rank, times the rank count) is turned back into this micro-batch's token mean, which
-  lomo.loss_normalization `tokens` weighs by its tokens and divides by the window's: the Trainer's
+  train.loss_normalization `tokens` weighs by its tokens and divides by the window's: the Trainer's
   normalisation, applied once.
 - turns the step's tail into reports: _clip_grad_norm returns the engine's exact norm, the
   stand-in's step() checks that the window has ended, zero_grad has nothing to free.
@@ -44,8 +44,8 @@ from lomo_ds.integrations.training_args import (
     TrainingArgumentsError,
     check_trainer_class,
     check_training_arguments,
-    lomo_section,
-    merge_lomo_section,
+    mapped_values,
+    merge_mapped,
 )
 from lomo_ds.methods.base import save_rank_state
 from lomo_ds.methods.lomo import load_engine_state
@@ -143,7 +143,7 @@ class LomoTrainerMixin:
         check_trainer_class(type(self))
         check_training_arguments(training_args)
         complete_distributed_state()
-        # The DeepSpeed keys and the lomo section are checked here too, before any rank builds
+        # The DeepSpeed keys and the engine's sections are checked here too, before any rank builds
         # anything (the mapped values whose loss normalisation depends on the model are
         # re-checked when the engine is built).
         self._lomo_config(training_args, _without_auto(training_args.hf_deepspeed_config.config), tokens=True)
@@ -176,13 +176,12 @@ class LomoTrainerMixin:
     def _lomo_config(args, ds_config: dict, tokens: bool) -> tuple[dict, Any]:
         ds = copy.deepcopy(ds_config)
         _drop_node_local_storage(ds, args)
-        lomo = merge_lomo_section(ds.pop("lomo", None), lomo_section(args, tokens))
+        ds = merge_mapped(ds, mapped_values(args, tokens))
         # The Trainer's arguments decide these (transformers checks a value the user's file gives
         # against them; accelerate fills a missing one with its own default, not the user's).
         ds.update(gradient_accumulation_steps=args.gradient_accumulation_steps,
                   train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
                   gradient_clipping=args.max_grad_norm)
-        ds["lomo"] = lomo
         precision = {"bf16": args.bf16, "fp16": args.fp16}
         for name, on in precision.items():
             section = ds.setdefault(name, {})
@@ -216,8 +215,8 @@ class LomoTrainerMixin:
         engine earlier fills the model-dependent ones itself, as DPO's reference pass does)."""
         if self.lomo_engine is None:
             hf_ds = self.accelerator.state.deepspeed_plugin.hf_ds_config.config
-            ds_config, lomo = self._lomo_config(self.args, hf_ds, tokens=self._loss_by_tokens)
-            self.lomo_engine = TrainerLomoEngine(self.model, ds_config, lomo, precision=Precision.of(ds_config))
+            ds_config, config = self._lomo_config(self.args, hf_ds, tokens=self._loss_by_tokens)
+            self.lomo_engine = TrainerLomoEngine(self.model, ds_config, config, precision=Precision.of(ds_config))
             self.lomo_engine.schedule = _TrainerSchedule(self)
         return self.lomo_engine
 
@@ -262,7 +261,7 @@ class LomoTrainerMixin:
                 engine.start_window(window)
         model.train()
         inputs = self._prepare_inputs(inputs)
-        by_tokens = engine.config.loss_normalization == "tokens"
+        by_tokens = engine.config.train.loss_normalization == "tokens"
         scale = None
         if by_tokens and num_items_in_batch is not None:
             mine = self._label_count(inputs)

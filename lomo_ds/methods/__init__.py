@@ -7,9 +7,11 @@
   "lora", "lora_lomo"       peft LoRA on DeepSpeed's AdamW; LoRA adapters + LOMO on the base (methods/lora.py)
   "zero_shot"               no training (methods/zero_shot.py)
 
-Every setting comes from the run config's fields, where the defaults live: the LOMO section for
-lomo/lora_lomo (and the clipping of every method), train.baseline_lr / baseline_weight_decay for
-adamw/sgd, train.lora for the adapters.
+Every setting comes from the run config's fields, where the defaults live: the engine's sections
+(lomo, comm, memory, and train's clipping, schedule and accumulation) for lomo/lora_lomo;
+train.lr / train.weight_decay (null lr: the method's default, run.DEFAULT_LR), train's clipping
+and schedule and comm.param_gather for adamw/sgd/lora; train.lora for the adapters. No baseline
+reads the lomo section.
 """
 from __future__ import annotations
 
@@ -29,24 +31,22 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
     if method not in METHODS:
         raise ValueError(f"train.method: expected one of {list(METHODS)}, got {method!r}")
     if method == "lomo":
-        return LomoMethodEngine(model, cfg.ds, cfg.lomo, total_steps, cfg.precision)
+        return LomoMethodEngine(model, cfg.ds, cfg.engine, total_steps, cfg.precision)
     if method == "zero_shot":
-        return ZeroShotEngine(model, cfg.ds, param_gather=cfg.lomo.param_gather)
-    lora = cfg.train.lora
+        return ZeroShotEngine(model, cfg.ds, param_gather=cfg.comm.param_gather)
+    train = cfg.train
     if method in ("adamw", "sgd"):
-        warmup = int(round(cfg.lomo.scheduler.warmup_ratio * total_steps))
-        return DeepSpeedOptimizerEngine(model, cfg.ds, method, method, lr=cfg.train.baseline_lr,
-                                        clip=cfg.lomo.clip_grad_norm, total_steps=total_steps, warmup_steps=warmup,
-                                        weight_decay=cfg.train.baseline_weight_decay,
-                                        param_gather=cfg.lomo.param_gather)
-    model = apply_lora(model, lora)
-    warmup = int(round(lora.warmup_ratio * total_steps))
+        warmup = int(round(train.scheduler.warmup_ratio * total_steps))
+        return DeepSpeedOptimizerEngine(model, cfg.ds, method, method, lr=train.optimizer_lr,
+                                        clip=train.clip_grad_norm, total_steps=total_steps, warmup_steps=warmup,
+                                        weight_decay=train.weight_decay, param_gather=cfg.comm.param_gather)
+    model = apply_lora(model, train.lora)
+    warmup = int(round(train.lora.warmup_ratio * total_steps))
     if method == "lora":
-        return DeepSpeedOptimizerEngine(model, cfg.ds, method, "adamw", lr=lora.lr, clip=cfg.lomo.clip_grad_norm,
-                                        total_steps=total_steps, warmup_steps=warmup,
-                                        param_gather=cfg.lomo.param_gather)
-    return LoraLomoEngine(model, cfg.ds, cfg.lomo, total_steps, lora_lr=lora.lr, warmup_steps=warmup,
-                          precision=cfg.precision)
-
+        return DeepSpeedOptimizerEngine(model, cfg.ds, method, "adamw", lr=train.optimizer_lr,
+                                        clip=train.clip_grad_norm, total_steps=total_steps, warmup_steps=warmup,
+                                        weight_decay=train.weight_decay, param_gather=cfg.comm.param_gather)
+    return LoraLomoEngine(model, cfg.ds, cfg.engine, total_steps, lora_lr=train.optimizer_lr, warmup_steps=warmup,
+                          lora_weight_decay=train.weight_decay, precision=cfg.precision)
 
 __all__ = ["METHODS", "Engine", "MethodEngine", "build_engine"]

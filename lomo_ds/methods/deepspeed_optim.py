@@ -55,7 +55,7 @@ class DeepSpeedOptimizerEngine(MethodEngine):
 
         super().__init__()
         init_distributed()
-        # The same parameter fetch as LOMO's (lomo.param_gather): the comparison stays fair.
+        # The same parameter fetch as LOMO's (comm.param_gather): the comparison stays fair.
         self.param_gather = configure_param_gather(param_gather)
         self.method = method
         self.ds_config = baseline_ds_config(ds_config, clip)

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from lomo_ds.config.schema import LomoConfig, Precision
+from lomo_ds.config.lomo import EngineConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
 from lomo_ds.engine.update.reslice import reslice
 from lomo_ds.engine.update.shard import check_shapes
@@ -37,10 +37,10 @@ class LomoMethodEngine(MethodEngine):
     method = "lomo"
     reshards = True  # resumes from a checkpoint of another rank count (load_state)
 
-    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int,
+    def __init__(self, model: torch.nn.Module, ds_config: dict, config: EngineConfig, total_steps: int,
                  precision: Precision | None = None):
         super().__init__()
-        self.engine = LomoEngine(model, ds_config, lomo, total_steps=total_steps, precision=precision)
+        self.engine = LomoEngine(model, ds_config, config, total_steps=total_steps, precision=precision)
         self.module = self.engine.module
         self.params = self.engine.params
         self.group = self.engine.group
@@ -85,7 +85,7 @@ class LomoMethodEngine(MethodEngine):
 
     def _grad_bytes(self) -> int:
         # The shard accumulator (accumulation_steps > 1) is held all the time, on the device; in
-        # host memory with lomo.accumulate_on "cpu" on an accelerator, where it is not GPU memory.
+        # host memory with memory.accumulate_on "cpu" on an accelerator, where it is not GPU memory.
         acc = self.engine.accumulator
         held = acc.nbytes() if acc is not None and next(iter(acc.buffers.values())).device == self.device else 0
         if self.tracker is None or not self.tracker.samples:

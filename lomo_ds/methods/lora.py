@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from lomo_ds.config.lomo import EngineConfig, Precision
 from lomo_ds.config.run import LoraConfig
-from lomo_ds.config.schema import LomoConfig, Precision
 from lomo_ds.methods.deepspeed_optim import linear_lr_factor
 from lomo_ds.methods.lomo import LomoMethodEngine
 from lomo_ds.runtime import ds_compat
@@ -60,16 +60,18 @@ def one_pass_adapter_grads(adapters: list, device: torch.device, passes: int, lo
 class LoraLomoEngine(LomoMethodEngine):
     method = "lora_lomo"
 
-    def __init__(self, model: torch.nn.Module, ds_config: dict, lomo: LomoConfig, total_steps: int, *,
-                 lora_lr: float, warmup_steps: int, precision: Precision | None = None):
+    def __init__(self, model: torch.nn.Module, ds_config: dict, config: EngineConfig, total_steps: int, *,
+                 lora_lr: float, warmup_steps: int, lora_weight_decay: float = 0.0,
+                 precision: Precision | None = None):
         names = [n for n, _ in model.named_parameters() if any(fnmatch.fnmatch(n, pat) for pat in ADAPTER_PATTERNS)]
         if not names:
             raise ValueError("lora_lomo needs a peft LoRA model (no lora_ parameters found)")
         for p in model.parameters():
             p.requires_grad_(True)  # peft froze the base; LOMO trains it
-        excluded = list(lomo.exclude_params) + [p for p in ADAPTER_PATTERNS if p not in lomo.exclude_params]
-        super().__init__(model, ds_config, lomo.model_copy(update={"exclude_params": excluded}), total_steps,
-                         precision)
+        rule = config.lomo
+        excluded = list(rule.exclude_params) + [p for p in ADAPTER_PATTERNS if p not in rule.exclude_params]
+        config = config.model_copy(update={"lomo": rule.model_copy(update={"exclude_params": excluded})})
+        super().__init__(model, ds_config, config, total_steps, precision)
         by_name = dict(self.module.named_parameters())
         self.adapters = [by_name[n] for n in names]
         import deepspeed
@@ -77,10 +79,10 @@ class LoraLomoEngine(LomoMethodEngine):
         with deepspeed.zero.GatheredParameters(self.adapters, modifier_rank=None):
             self.masters = [p.data.detach().to(self.device, torch.float32, copy=True).requires_grad_(True)
                             for p in self.adapters]
-        self.lora_optimizer = torch.optim.AdamW(self.masters, lr=lora_lr, weight_decay=0.0)
+        self.lora_optimizer = torch.optim.AdamW(self.masters, lr=lora_lr, weight_decay=lora_weight_decay)
         self.lora_scheduler = torch.optim.lr_scheduler.LambdaLR(self.lora_optimizer,
                                                                 linear_lr_factor(total_steps, warmup_steps))
-        self.lora_clip = lomo.clip_grad_norm  # the run's clipping setting, for both halves
+        self.lora_clip = config.train.clip_grad_norm  # the run's clipping setting, for both halves
         self._adapter_grad_bytes = 0
 
     def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ class ZeroShotEngine(MethodEngine):
 
         super().__init__()
         init_distributed()
-        self.param_gather = configure_param_gather(param_gather)  # lomo.param_gather, as every engine
+        self.param_gather = configure_param_gather(param_gather)  # comm.param_gather, as every engine
         for p in model.parameters():
             p.requires_grad_(False)
         # No step to accumulate for: gradient_accumulation_steps is ignored.

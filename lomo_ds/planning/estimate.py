@@ -124,7 +124,7 @@ def loss_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
 
 def loss_chunk_bytes(m: ModelSpec, run: RunSpec) -> int:
     """The chunked loss's transient bytes, in its forward and again in its backward: one chunk of
-    positions' logits (lomo.loss_chunk_logits // V positions, at least one), in the model's dtype
+    positions' logits (memory.loss_chunk_logits // V positions, at least one), in the model's dtype
     and in fp32 (6 bytes a logit in bf16, 4 in fp32), with Gemma-2's soft-capping its tanh and the
     capped logits beside them (12)."""
     c = min(max(1, run.loss_chunk // m.vocab), run.batch * run.seq)
@@ -186,7 +186,7 @@ def measuring_backward_bytes(run: RunSpec, resident: float, layer: float, slice_
 
 def update_temp_bytes(n: int, run: RunSpec) -> int:
     """Transient bytes of the fused update of an n-element slice (docs/memory.md), which is
-    updated lomo.update_chunk_elements at a time."""
+    updated memory.update_chunk_elements at a time."""
     n = min(n, run.update_chunk)
     if run.b == 4:
         # fp32 weights are updated in place; the gradient chunk is copied where it is masked (the
@@ -205,7 +205,7 @@ def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec, statist
     chunk's fp32 gradient (u in its place), fp32 weights and rounding: LOMO's figure (an fp32 slice
     is updated whole, in place); beside it the statistics of its largest matrix, `statistics_n`
     rows + columns: their reduced sums, means and factors, 12 bytes each. An accumulated sum in host
-    RAM (lomo.accumulate_on cpu) is copied to the device once for the three passes: the bucket's
+    RAM (memory.accumulate_on cpu) is copied to the device once for the three passes: the bucket's
     fp32 sum, 4 bytes an element, rather than once a pass."""
     statistics = 12 * statistics_n
     copied = 4 * bucket_n if run.accumulation > 1 and run.accumulate_on_host and not run.offload else 0

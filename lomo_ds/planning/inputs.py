@@ -1,5 +1,5 @@
 """The planner's inputs: a model spec from a LLaMA size, an HF config.json or a run config's model,
-and a RunSpec from a run config (its DeepSpeed keys, sequence length and lomo section)."""
+and a RunSpec from a run config (its DeepSpeed keys, sequence length and engine sections)."""
 from __future__ import annotations
 
 import json
@@ -71,19 +71,20 @@ def run_spec_for(cfg) -> RunSpec:
     """The RunSpec of a validated run config (lomo_ds.config.run.RunConfig)."""
     ds = run_overrides_from_ds(cfg.ds)
     return replace(RunSpec(), **ds, seq=cfg.tokenizer.max_length,
-                   checkpointing=cfg.model.gradient_checkpointing, lomo_bucket=cfg.lomo.bucket_size,
+                   checkpointing=cfg.model.gradient_checkpointing, lomo_bucket=cfg.comm.bucket_size,
                    lomo_fp32_master=cfg.lomo.fp32_master_weights, stochastic_rounding=cfg.lomo.stochastic_rounding,
-                   accumulation=cfg.lomo.accumulation_steps, accumulate_dtype=cfg.lomo.accumulate_dtype,
-                   accumulate_on_host=cfg.lomo.accumulate_on == "cpu", update_chunk=cfg.lomo.update_chunk_elements,
-                   chunked_loss=cfg.lomo.chunked_loss != "off", loss_chunk=cfg.lomo.loss_chunk_logits,
-                   two_pass=cfg.lomo.two_pass_mode if two_backwards(cfg.lomo, ds["dtype"]) else None)
+                   accumulation=cfg.train.accumulation_steps, accumulate_dtype=cfg.memory.accumulate_dtype,
+                   accumulate_on_host=cfg.memory.accumulate_on == "cpu", update_chunk=cfg.memory.update_chunk_elements,
+                   chunked_loss=cfg.memory.chunked_loss != "off", loss_chunk=cfg.memory.loss_chunk_logits,
+                   two_pass=cfg.memory.two_pass_mode if two_backwards(cfg, ds["dtype"]) else None)
 
 
-def two_backwards(lomo, dtype: str) -> bool:
+def two_backwards(cfg, dtype: str) -> bool:
     """Whether a step of one micro-batch takes a measuring backward first, as the engine decides
-    (LomoEngine.two_passes): norm clipping, or a loss scaler (lomo.loss_scale.enabled; unset: fp16)."""
-    scaling = lomo.loss_scale.enabled if lomo.loss_scale.enabled is not None else dtype == "fp16"
-    return lomo.clip_grad_norm is not None or bool(scaling)
+    (LomoEngine.two_passes) from `cfg`'s sections: norm clipping (train.clip_grad_norm), or a loss
+    scaler (lomo.loss_scale.enabled; unset: fp16)."""
+    scaling = cfg.lomo.loss_scale.enabled if cfg.lomo.loss_scale.enabled is not None else dtype == "fp16"
+    return cfg.train.clip_grad_norm is not None or bool(scaling)
 
 
 def model_spec_for(cfg, model_size: str | None = None) -> ModelSpec:

@@ -102,14 +102,14 @@ def format_summary(plans: dict[str, Plan]) -> str:
     return "\n".join(lines)
 
 
-ACCUMULATOR_PLACES = (("fp32", False), ("bf16", False), ("fp32", True))  # (lomo.accumulate_dtype, on the host)
+ACCUMULATOR_PLACES = (("fp32", False), ("bf16", False), ("fp32", True))  # (memory.accumulate_dtype, on the host)
 
 
 def format_accumulation_summary(gpu_mem_gib: float = 24.0, accumulation: int = 4, **overrides) -> str:
     """LOMO with gradient accumulation for every LLaMA size and its shipped config: the smallest GPU
     count with an fp32 or bf16 accumulator on the GPU, or an fp32 one in host RAM."""
     lines = [f"# LOMO with gradient_accumulation_steps {accumulation}: the accumulator (1/N of the model per rank) "
-             f"on each {gpu_mem_gib:g} GiB GPU or in host RAM (lomo.accumulate_on cpu)", "",
+             f"on each {gpu_mem_gib:g} GiB GPU or in host RAM (memory.accumulate_on cpu)", "",
              "| model | micro-batch | accumulator | LOMO GPUs | GiB/GPU | accumulator GiB/rank | host RAM GiB (node) |",
              "|---|---|---|---|---|---|---|"]
     for size, spec in LLAMA.items():

@@ -46,7 +46,7 @@ LOSS_ADD_SLICES = 8
 
 
 def chunked_loss(m: "ModelSpec", run: "RunSpec") -> bool:
-    """Whether the run's loss is the chunked one: lomo.chunked_loss not off, and a head it knows."""
+    """Whether the run's loss is the chunked one: memory.chunked_loss not off, and a head it knows."""
     return run.chunked_loss and m.family in CHUNKED_LOSS_FAMILIES
 
 
@@ -157,7 +157,7 @@ class RunSpec:
     dtype: str = "bf16"
     checkpointing: bool = True  # model.gradient_checkpointing
     offload: bool = False  # zero_optimization.offload_param.device == "cpu"
-    lomo_bucket: int = 25_000_000  # lomo.bucket_size (shard elements)
+    lomo_bucket: int = 25_000_000  # comm.bucket_size (shard elements)
     lomo_fp32_master: bool = False
     stochastic_rounding: bool = True  # lomo.stochastic_rounding (bf16 shards without masters)
     reduce_bucket: int = 500_000_000  # zero_optimization.reduce_bucket_size
@@ -172,13 +172,13 @@ class RunSpec:
     leaf_classes: tuple[str, ...] = AUTO
     granularity_threshold: int = 0
     accumulation: int = 1  # gradient_accumulation_steps (LOMO keeps a shard accumulator when > 1)
-    accumulate_dtype: str = "fp32"  # lomo.accumulate_dtype
-    accumulate_on_host: bool = False  # lomo.accumulate_on == "cpu"
-    update_chunk: int = 1 << 22  # lomo.update_chunk_elements
-    chunked_loss: bool = True  # lomo.chunked_loss (a causal LM it knows)
-    loss_chunk: int = 1 << 25  # lomo.loss_chunk_logits
-    # lomo.two_pass_mode where a step of one micro-batch takes a measuring backward before the
-    # updating one (lomo.clip_grad_norm set, or fp16 loss scaling): "retain_graph" | "recompute";
+    accumulate_dtype: str = "fp32"  # memory.accumulate_dtype
+    accumulate_on_host: bool = False  # memory.accumulate_on == "cpu"
+    update_chunk: int = 1 << 22  # memory.update_chunk_elements
+    chunked_loss: bool = True  # memory.chunked_loss (a causal LM it knows)
+    loss_chunk: int = 1 << 25  # memory.loss_chunk_logits
+    # memory.two_pass_mode where a step of one micro-batch takes a measuring backward before the
+    # updating one (train.clip_grad_norm set, or fp16 loss scaling): "retain_graph" | "recompute";
     # None: one backward (the shipped GPU configs: AdaLomo, no norm clipping)
     two_pass: str | None = None
 
@@ -190,7 +190,7 @@ class RunSpec:
         per_gpu = [f"micro-batch {self.batch} per GPU"] if batch else []
         return ", ".join([f"{self.dtype} weights", f"seq {self.seq}"] + per_gpu + [
             f"activation checkpointing {'on' if self.checkpointing else 'off'}",
-            f"offload_param {'cpu' if self.offload else 'none'}", f"lomo.bucket_size {self.lomo_bucket:,}",
+            f"offload_param {'cpu' if self.offload else 'none'}", f"comm.bucket_size {self.lomo_bucket:,}",
             f"stochastic rounding {'on' if self.stochastic_rounding else 'off'}",
             f"fp32 masters {'on' if self.lomo_fp32_master else 'off'}",
             f"persistence threshold {self.persistence:,}", f"max live parameters {self.max_live:,}",

@@ -4,8 +4,8 @@
     deepspeed --num_gpus 2 -m lomo_ds.cli train --config ds_configs/cpu_default.json   # = lomo-ds train
     lomo-ds train --config ds_configs/llama7b.json --dry-run                             # config + memory plan
 
-One file describes the run (DeepSpeed's keys, the "lomo" section, model, tokenizer, data, train,
-eval, output); common fields have flags, any field has --set key=value.
+One file describes the run (DeepSpeed's keys, the engine's lomo, comm and memory sections, model,
+tokenizer, data, train, eval, output); common fields have flags, any field has --set key=value.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from tqdm import tqdm
 from lomo_ds.config import leaf_module
 from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.overrides import parse_override_args
+from lomo_ds.config.presets import describe_update
 from lomo_ds.config.run import LOMO_METHODS, METHODS, check_model_on_disk, load_run_config
 from lomo_ds.data.chat import chat_format
 from lomo_ds.data.collate import pad_id_of
@@ -53,7 +54,7 @@ from lomo_ds.storage.models import load_model, load_tokenizer, release_model_bui
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--config", required=True, help="run config JSON (see ds_configs/)")
-    ap.add_argument("--lr", type=float, help="lomo.lr")
+    ap.add_argument("--lr", type=float, help="lomo.lr: the LOMO methods' learning rate (the others': --set train.lr=)")
     ap.add_argument("--task", help="data.task")
     ap.add_argument("--model", help="model.path")
     ap.add_argument("--method", help=f"train.method ({', '.join(METHODS)})")
@@ -61,9 +62,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--epochs", type=int, help="train.epochs")
     ap.add_argument("--max-steps", type=int, help="train.max_steps")
     ap.add_argument("--accumulation-steps", type=int,
-                    help="gradient_accumulation_steps: micro-batches per optimizer step (= lomo.accumulation_steps)")
+                    help="gradient_accumulation_steps: micro-batches per optimizer step (= train.accumulation_steps)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override any field, e.g. --set lomo.clip_grad_norm=1.0 (value parsed as JSON)")
+                    help="override any field, e.g. --set train.clip_grad_norm=1.0 (value parsed as JSON)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     ap.add_argument("--dry-run", action="store_true", help="print the resolved config and predicted memory, then exit")
     # the deepspeed launcher's
@@ -262,7 +263,7 @@ class TrainRecipe:
         # First: a signal from here on stops the run at a step boundary (before: nothing to lose).
         self.preemption = Preemption(out.preempt_signals, out.preempt_deadline_s)
         torch.manual_seed(self.cfg.train.seed)
-        init_distributed(timeout_s=self.cfg.lomo.collective_timeout)
+        init_distributed(timeout_s=self.cfg.train.collective_timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.barrier = torch.distributed.barrier
         # Waits on other ranks' disk writes (checkpoints): under output.io_timeout, not the collectives'.
@@ -273,7 +274,7 @@ class TrainRecipe:
         self.say(f"run: {self.cfg.train.method} on {self.world} rank(s), {threads}; "
                  f"config {self.cfg.source_path or 'given in memory'}")
         if self.cfg.train.method in LOMO_METHODS:
-            self.say(f"update: {self.cfg.lomo.describe_update()}")
+            self.say(f"update: {describe_update(self.cfg)}")
         self.setup_data()  # before the model: a malformed file fails fast and cheap
         self.setup_engine()
         if device.type == "cpu":

@@ -18,7 +18,7 @@ from lomo_ds.runtime.device import group_device, set_rank_device
 
 def init_distributed(timeout_s: float | None = None) -> None:
     """Start the process group once, then put this rank on its own accelerator (gloo on a CPU,
-    NCCL on GPUs: DeepSpeed's accelerator picks). `timeout_s` (lomo.collective_timeout): how long
+    NCCL on GPUs: DeepSpeed's accelerator picks). `timeout_s` (train.collective_timeout): how long
     a collective may wait on a peer before the run fails; NCCL's watchdog then aborts the
     communicator and raises (async error handling) instead of leaving the peers waiting."""
     import deepspeed
@@ -42,7 +42,7 @@ _IO_GROUPS: dict[float, object] = {}
 def io_barrier(timeout_s: float) -> None:
     """Collective: wait for every rank where some rank may spend long on disk (a checkpoint's or an
     export's files), through a gloo group of its own whose timeout is `timeout_s` (output.io_timeout),
-    not lomo.collective_timeout: a slow disk must not look like a dead peer to NCCL's watchdog,
+    not train.collective_timeout: a slow disk must not look like a dead peer to NCCL's watchdog,
     which would kill the job after training with its export half-written. No NCCL collective is in
     flight while a rank waits here. The group is made on first use, by every rank at the same call."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:

@@ -17,7 +17,7 @@ from lomo_ds.runtime import ds_compat
 from tests.engine.dist_engine_checks import STEPS, ds_cfg, equivalence, max_diff, on_every_rank, reference_step
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 
-# The two ways buckets are summed over several ranks (lomo.grad_reduction).
+# The two ways buckets are summed over several ranks (comm.grad_reduction).
 TRANSPORTS = ("reduce_scatter", "shared_memory")
 
 

@@ -85,7 +85,7 @@ def test_auto_transport_and_refusal(rank_results, world):
         return
     # Here (gloo, every rank on this x86-64 node, LOCAL_SIZE set as DeepSpeed's launcher does).
     assert r["auto"] == "shared_memory" and r["shm_bytes"] > 0
-    assert r["refused"] is not None and "lomo.grad_reduction" in r["refused"] and "LOCAL_SIZE" in r["refused"]
+    assert r["refused"] is not None and "comm.grad_reduction" in r["refused"] and "LOCAL_SIZE" in r["refused"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -318,18 +318,18 @@ def test_step_agreements_go_where_the_buckets_go(rank_results, world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_shared_memory_named_where_ranks_cannot_use_it_is_refused_on_any_world(monkeypatch, world):
-    """lomo.grad_reduction "shared_memory" on ranks that cannot share memory (one GPU, NCCL) is the
+    """comm.grad_reduction "shared_memory" on ranks that cannot share memory (one GPU, NCCL) is the
     config's error, naming CPU (gloo) ranks, on one rank as on several: not a device error from the
     transport's first use."""
     from lomo_ds.comm import grad, shm_reduce_scatter
 
     monkeypatch.setattr(shm_reduce_scatter, "available", lambda group: False)  # NCCL ranks
     groups = [None]
-    with pytest.raises(ValueError, match=r"lomo.grad_reduction: 'shared_memory' needs CPU \(gloo\) ranks"):
+    with pytest.raises(ValueError, match=r"comm.grad_reduction: 'shared_memory' needs CPU \(gloo\) ranks"):
         grad.resolve_grad_route("shared_memory", groups, world)
     assert grad.resolve_grad_route("auto", groups, world) == ("direct" if world == 1 else "reduce_scatter")
     assert grad.resolve_grad_route("reduce_scatter", groups, world) is grad.GradRoute.REDUCE_SCATTER
     monkeypatch.setattr(shm_reduce_scatter, "available", lambda group: True)  # CPU ranks of one node
     assert grad.resolve_grad_route("shared_memory", groups, world) is grad.GradRoute.SHARED_MEMORY
-    with pytest.raises(ValueError, match="lomo.grad_reduction: expected one of"):
+    with pytest.raises(ValueError, match="comm.grad_reduction: expected one of"):
         grad.resolve_grad_route("shm", groups, world)

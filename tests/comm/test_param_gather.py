@@ -1,4 +1,4 @@
-"""ZeRO-3's parameter all-gather through shared memory (lomo.param_gather, lomo_ds/comm/shm_all_gather.py)
+"""ZeRO-3's parameter all-gather through shared memory (comm.param_gather, lomo_ds/comm/shm_all_gather.py)
 on 1, 2 and 3 ranks (3: uneven shards): LOMO and the DeepSpeed floor give the same bits through it
 as through gloo, with fp32 and with bf16 + fp32 parameters fetched together; every gather of a
 step goes through it, and is counted (the count fails when the route is not installed)."""
@@ -161,5 +161,5 @@ def test_shared_memory_refused_across_nodes(rank_results, world):
     if world == 1:
         assert r["refused"] is None and r["auto"] == "torch"
     else:
-        assert "lomo.param_gather" in r["refused"] and "LOCAL_SIZE" in r["refused"]
+        assert "comm.param_gather" in r["refused"] and "LOCAL_SIZE" in r["refused"]
         assert r["auto"] == "shared_memory"

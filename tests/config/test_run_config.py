@@ -57,15 +57,15 @@ def test_llama_configs_follow_table4():
     """Plain LOMO's recipe in the LLaMA configs (lomo.optimizer sgd; AdaLomo is their default) is Table 4's."""
     for size in ("7b", "13b", "30b", "65b"):
         c = load_run_config(os.path.join(ROOT, "ds_configs", f"llama{size}.json"), {"lomo.optimizer": "sgd"})
-        assert c.lomo.lr in (0.05, 0.03) and c.lomo.clip_grad_norm == 1.0
-        assert c.lomo.scheduler.type == "linear" and c.lomo.scheduler.warmup_ratio in (0.05, 0.1, 0.2)
+        assert c.lomo.lr in (0.05, 0.03) and c.train.clip_grad_norm == 1.0
+        assert c.train.scheduler.type == "linear" and c.train.scheduler.warmup_ratio in (0.05, 0.1, 0.2)
         assert c.model.gradient_checkpointing and c.train.epochs == 10
 
 
 def test_defaults_and_builtin_model():
     cfg = load_run_config({"model": {"path": "builtin:smollm2-135m"}, "lomo": {"lr": 0.03}})
     assert cfg.tokenizer.max_length == 512 and cfg.tokenizer.overlong == "truncate"
-    assert cfg.data.task == "builtin" and cfg.data.train_samples == 1000 and cfg.data.seed == 42
+    assert cfg.data.task == "builtin" and cfg.data.train_samples == 1000 and cfg.train.seed == 42
     assert cfg.train.method == "lomo" and cfg.train.lora.targets == ("q_proj", "v_proj")
     assert cfg.eval.batch_size == 8 and cfg.output.dir == "runs/default"
     assert cfg.tokenizer_path == "builtin:smollm2-135m"
@@ -78,11 +78,11 @@ def test_defaults_and_builtin_model():
 def test_overrides_apply_before_validation(tmp_path):
     p = write(tmp_path, MIN)
     cfg = load_run_config(p, {"lomo.lr": 0.05, "data.task": "rte", "model.path": "/y", "output.dir": "o",
-                              "train.epochs": 3, "train.max_steps": 7, "lomo.scheduler.type": "linear",
+                              "train.epochs": 3, "train.max_steps": 7, "train.scheduler.type": "linear",
                               "train_micro_batch_size_per_gpu": 4})
     assert (cfg.lomo.lr, cfg.data.task, cfg.model.path, cfg.output.dir) == (0.05, "rte", "/y", "o")
     assert (cfg.train.epochs, cfg.train.max_steps, cfg.micro_batch) == (3, 7, 4)
-    assert cfg.lomo.scheduler.type == "linear"
+    assert cfg.train.scheduler.type == "linear"
     assert parse_override_args(["lomo.lr=1e-2", "model.path=/a/b", "train.max_steps=null"]) == \
         {"lomo.lr": 0.01, "model.path": "/a/b", "train.max_steps": None}
 
@@ -131,7 +131,7 @@ def _with(section, key, value):
     ({"model": {}, "lomo": {"lr": 0.03}}, r"model\.path: required"),
     ({"model": {"path": "m"}}, r"lomo: train\.method 'lomo' needs a 'lomo' section"),
     ({**MIN, "optimizer": {"type": "AdamW"}}, r"x\.json: optimizer: LOMO is the optimizer"),
-    ({**MIN, "scheduler": {"type": "WarmupLR"}}, r"x\.json: scheduler: use lomo\.scheduler"),
+    ({**MIN, "scheduler": {"type": "WarmupLR"}}, r"x\.json: scheduler: use train\.scheduler"),
     ({**MIN, "zero_optimization": {"stage": 2}}, r"zero_optimization\.stage: LOMO runs on ZeRO stage 3"),
     ({**MIN, "fp16": True}, r"fp16: expected an object"),
     ({**MIN, "train_micro_batch_size_per_gpu": 0}, r"train_micro_batch_size_per_gpu: expected a positive integer"),
@@ -193,16 +193,16 @@ def test_deepspeed_refusals_are_for_lomo_methods_and_mappings_for_all(tmp_path):
     for method in ("adamw", "sgd", "lora", "zero_shot"):  # DeepSpeed's own optimizer honours these keys
         cfg = load_run_config(write(tmp_path, {**MIN, **hpz, "train": {"method": method}}))
         assert cfg.ds["zero_optimization"]["zero_hpz_partition_size"] == 4
-        assert cfg.lomo.clip_grad_norm == 1.0  # the baselines' clipping is read from lomo.clip_grad_norm
+        assert cfg.train.clip_grad_norm == 1.0  # the baselines' clipping is read from train.clip_grad_norm
     with pytest.raises(ConfigError, match=r"x\.json: optimizer: LOMO is the optimizer"):
         load_run_config(write(tmp_path, {**MIN, "optimizer": {"type": "SGD"}, "train": {"method": "sgd"}}))
 
 
 def test_gradient_clipping_is_never_silent(tmp_path):
     cfg = load_run_config(write(tmp_path, {**MIN, "gradient_clipping": 1.0}))
-    assert cfg.lomo.clip_grad_norm == 1.0
-    with pytest.raises(ConfigError, match=r"gradient_clipping \(1\.0\) and lomo\.clip_grad_norm \(2\.0\) disagree"):
-        load_run_config(write(tmp_path, {**MIN, "gradient_clipping": 1.0, "lomo": {"lr": 0.03, "clip_grad_norm": 2.0}}))
+    assert cfg.train.clip_grad_norm == 1.0
+    with pytest.raises(ConfigError, match=r"gradient_clipping \(1\.0\) and train\.clip_grad_norm \(2\.0\) disagree"):
+        load_run_config(write(tmp_path, {**MIN, "gradient_clipping": 1.0, "train": {"clip_grad_norm": 2.0}}))
 
 
 def test_overrides_reach_new_fields_and_config_is_frozen(tmp_path):
@@ -259,11 +259,11 @@ def test_accumulation_for_every_method_and_token_normalisation_for_lomo_only(tmp
     args = parse_args(["--config", "x.json", "--accumulation-steps", "3"])
     cfg = load_run_config(write(tmp_path, MIN), overrides_from(args))
     assert cfg.accumulation_steps == 3 and cfg.ds["gradient_accumulation_steps"] == 3
-    tokens = {"lr": 0.03, "loss_normalization": "tokens"}
-    assert load_run_config(write(tmp_path, {**MIN, "lomo": tokens})).lomo.loss_normalization == "tokens"
+    tokens = {"loss_normalization": "tokens"}
+    assert load_run_config(write(tmp_path, {**MIN, "train": tokens})).train.loss_normalization == "tokens"
     for method in ("adamw", "sgd", "lora"):
-        with pytest.raises(ConfigError, match=rf"x\.json: lomo\.loss_normalization: 'tokens' is LOMO's .*{method!r}"):
-            load_run_config(write(tmp_path, {**MIN, "lomo": tokens, "train": {"method": method}}))
+        with pytest.raises(ConfigError, match=rf"x\.json: train\.loss_normalization: 'tokens' is LOMO's .*{method!r}"):
+            load_run_config(write(tmp_path, {**MIN, "train": {**tokens, "method": method}}))
 
 
 def test_flash_attention_with_packed_multi_row_micro_batches_is_refused_on_load():
@@ -287,3 +287,16 @@ def test_flash_attention_with_packed_multi_row_micro_batches_is_refused_on_load(
                          capture_output=True, text=True, cwd=ROOT)
     said = dry.stderr + dry.stdout
     assert dry.returncode != 0 and "flash attention" in said and "data.packing" in said
+
+
+def test_one_learning_rate_per_method(tmp_path):
+    """lomo.lr is LOMO's update's; train.lr the other optimizer's (the whole model under adamw and
+    sgd, the adapters under lora and lora_lomo), its default the method's; train.lr under lomo is
+    refused, naming lomo.lr."""
+    from lomo_ds.config.run import DEFAULT_LR
+
+    for method, lr in DEFAULT_LR.items():
+        assert load_run_config(write(tmp_path, {**MIN, "train": {"method": method}})).train.optimizer_lr == lr
+    assert load_run_config(write(tmp_path, {**MIN, "train": {"method": "sgd", "lr": 3e-3}})).train.optimizer_lr == 3e-3
+    with pytest.raises(ConfigError, match=r"train\.lr: train\.method 'lomo' updates by lomo\.lr"):
+        load_run_config(write(tmp_path, {**MIN, "train": {"lr": 1e-3}}))

@@ -16,7 +16,7 @@ import copy
 import torch
 
 import lomo_ds
-from lomo_ds.config.schema import LomoConfig
+from lomo_ds.config.sections import MemoryConfig
 from lomo_ds.engine.chunked_loss import causal_lm_loss, head_of
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.engine.dist_engine_checks import ds_cfg
@@ -77,7 +77,7 @@ class Bf16Reference:
         a gradient of transformers' own loss differs from it by bf16 roundings of the head's
         backward, and a bf16 reduce or accumulator can carry one of those into an ulp of a weight."""
         self.model.zero_grad()
-        causal_lm_loss(self.model, self.head, mb, LomoConfig().loss_chunk_logits).loss.backward()
+        causal_lm_loss(self.model, self.head, mb, MemoryConfig().loss_chunk_logits).loss.backward()
         return [p.grad.detach().clone() for p in self.params]
 
     def step(self, window: list[list[dict]]) -> list[dict[str, torch.Tensor]]:

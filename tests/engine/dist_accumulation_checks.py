@@ -2,7 +2,7 @@
 declares them (tests/ranks.py runs them in one launch per world size) and asserts on rank 0's
 figures. The reference is single-process:
 torch.optim.SGD (or the reference AdaLomo) stepping once on the whole window, the K micro-batches
-of every rank concatenated, with the loss normalised as the engine's lomo.loss_normalization says.
+of every rank concatenated, with the loss normalised as the engine's train.loss_normalization says.
 """
 from __future__ import annotations
 

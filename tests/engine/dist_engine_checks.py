@@ -13,7 +13,11 @@ import lomo_ds
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
-from tests.tiny import global_batch, tiny_llama
+from tests.tiny import (
+    engine_sections,  # noqa: E402
+    global_batch,
+    tiny_llama,
+)
 
 LR = 0.05
 STEPS = 3
@@ -33,7 +37,7 @@ def ds_cfg(persist=0, micro=2, fetch=None, **lomo):
     return {"train_micro_batch_size_per_gpu": micro,
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persist,
                                   "stage3_prefetch_bucket_size": 0, **(fetch or {})},
-            "lomo": {"lr": LR, "bucket_size": 700, **LOMO_DEFAULTS, **lomo}}
+            **engine_sections({"lr": LR, "bucket_size": 700, **LOMO_DEFAULTS, **lomo})}
 
 
 def max_diff(engine, ref):
@@ -143,7 +147,7 @@ def host_updates_applied(engine) -> int:
 
 def inline_and_thread(make_cfg, steps: int = 2) -> tuple[dict, int]:
     """The full state after `steps` bf16 steps (stochastic rounding) of tiny_llama(11), with
-    lomo.host_update "inline" and "thread" (make_cfg(mode): the engine's config), and how many
+    memory.host_update "inline" and "thread" (make_cfg(mode): the engine's config), and how many
     slices the worker applied in the thread run."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     full, applied = {}, 0
@@ -159,7 +163,7 @@ def inline_and_thread(make_cfg, steps: int = 2) -> tuple[dict, int]:
 
 
 def check_host_update_thread():
-    """lomo.host_update "thread" with offloaded shards: bf16 with stochastic rounding and norm
+    """memory.host_update "thread" with offloaded shards: bf16 with stochastic rounding and norm
     clipping gives bit-identical shards to the inline update (the same slices, the same rounding
     draws in the same order); a non-finite gradient in the updating pass is skipped everywhere."""
     rank = torch.distributed.get_rank()
@@ -385,7 +389,7 @@ def check_resume_masters():
 def check_device():
     """The batch is moved to engine.device by train_step and eval_forward (a tensor subclass
     records the .to calls); a collective given a tensor off its group's device is refused,
-    naming it; total_steps= wins over lomo.scheduler.total_steps."""
+    naming it; total_steps= wins over train.scheduler.total_steps."""
     cfg = ds_cfg(scheduler={"type": "linear", "total_steps": 0})
     engine = lomo_ds.initialize(tiny_llama(3), cfg, total_steps=10)
     world, rank = engine.world, engine.rank
@@ -439,7 +443,7 @@ def check_memory():
                       for m in engine.module.modules())
     block_bytes = max(sum(ds_compat.full_numel(p) * esize for p in blk.parameters())
                       for blk in engine.module.model.layers)
-    bucket_cap = cfg["lomo"]["bucket_size"] * esize * world  # gradients pending + the send buffer
+    bucket_cap = cfg["comm"]["bucket_size"] * esize * world  # gradients pending + the send buffer
     largest_param = max(ds_compat.full_numel(p) for p in engine.params) * esize
     p = tracker.peak
     return {"peak": {"shard": p.shard_bytes, "gathered": p.gathered_bytes, "persistent": p.persistent_bytes,

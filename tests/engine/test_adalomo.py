@@ -2,7 +2,7 @@
 
 The reference (tests/adalomo_reference.py) is written from the paper and checked against the
 public lomo-optim AdaLomo here; the sharded rule is checked against the reference on 1, 2 and 3
-ranks (3 = uneven shards, slices starting and ending mid-row), also with lomo.host_update "thread"
+ranks (3 = uneven shards, slices starting and ending mid-row), also with memory.host_update "thread"
 (offload_param cpu's path on an accelerator, run on CPU ranks: the statistics and collectives in the
 hook, each shard's update on the host-update worker). Multi-rank figures come from
 tests/engine/dist_adalomo_checks.py, declared as multi-rank checks here (tests/ranks.py).
@@ -46,7 +46,7 @@ EQUIVALENCE = multi_rank_checks(
     persistent=lambda: EQ(lambda: tiny_llama(7), CFG(persist=100_000)),
     persistent_mixed=lambda: EQ(lambda: tiny_llama(7), CFG(persist=2_000, clip_grad_norm=0.5), clip_norm=0.5),
     small_param=lambda: EQ(lambda: ScaledLlama(8), CFG(), forward=scaled_forward),
-    # lomo.host_update "thread": what offload_param cpu runs on an accelerator, on CPU ranks. The
+    # memory.host_update "thread": what offload_param cpu runs on an accelerator, on CPU ranks. The
     # statistics, collectives and coefficients in the hook, each shard's update on the worker.
     thread=lambda: EQ(lambda: tiny_llama(0), CFG(host_update="thread")),
     thread_clip_norm_decay=lambda: EQ(lambda: tiny_llama(1), CFG(clip_grad_norm=0.5, weight_decay=0.3,
@@ -99,7 +99,7 @@ def test_bad_adalomo_config_names_the_key(section, key):
 
 
 def test_adalomo_config_defaults_are_the_papers():
-    lomo = load_config({"lomo": {"optimizer": "adalomo"}})[1]
+    lomo = load_config({"lomo": {"optimizer": "adalomo"}})[1].lomo
     a = lomo.adalomo
     assert (lomo.optimizer, a.clip_threshold, a.eps1, a.eps2, a.decay_rate) == ("adalomo", 1.0, 1e-30, 1e-3, -0.8)
 
@@ -180,7 +180,7 @@ def test_sharded_adalomo_matches_reference(rank_results, world, check):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
 def test_host_update_thread_applies_every_slice_on_the_worker(rank_results, world, check):
-    """With lomo.host_update "thread" every update of a slice (each step, each parameter with real
+    """With memory.host_update "thread" every update of a slice (each step, each parameter with real
     elements on the rank) is applied by the host-update worker; inline, none."""
     r = ok(rank_results(world), check)
     assert r["host_updates"] == (r["slice_updates"] if check in THREAD else 0)

@@ -1,4 +1,4 @@
-"""The update in chunks (lomo.update_chunk_elements): fp32 results bit for bit the unchunked ones,
+"""The update in chunks (memory.update_chunk_elements): fp32 results bit for bit the unchunked ones,
 bf16 stochastic rounding still unbiased, and the engine the same on 1, 2 and 3 ranks."""
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def test_bytes_sent_are_the_zero3_minimum(rank_results, passes):
 def test_offload_param_updates_the_shard_in_host_memory(rank_results, world):
     r = ok(rank_results(world), by_name["offload_param"])
     assert r["shard_device"] == "cpu"
-    assert r["host_updates"] > 0, "lomo.host_update thread: the updates must run on the host-update thread"
+    assert r["host_updates"] > 0, "memory.host_update thread: the updates must run on the host-update thread"
 
 
 def test_host_update_thread_keeps_rounding_and_the_nonfinite_skip(rank_results):

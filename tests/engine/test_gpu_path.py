@@ -430,7 +430,7 @@ def test_a_peer_whose_step_raised_is_named(transport):
 @pytest.mark.parametrize("transport", SHM_TRANSPORTS)
 def test_a_live_peer_that_never_posts_times_out_by_the_config(transport):
     error = _waiting_rank({}, timeout_s=1.0, transport=transport)
-    assert error is not None and "lomo.collective_timeout" in str(error)
+    assert error is not None and "train.collective_timeout" in str(error)
 
 
 @pytest.mark.parametrize("cores", [1, 2])
@@ -455,7 +455,7 @@ def test_a_waiting_rank_spins_briefly_then_sleeps(cores, monkeypatch):
     t0 = time.monotonic()
     error = _waiting_rank({}, timeout_s=0.5)
     waited = time.monotonic() - t0
-    assert error is not None and "lomo.collective_timeout" in str(error)  # it waited, then gave up
+    assert error is not None and "train.collective_timeout" in str(error)  # it waited, then gave up
     # Sleeping: a few thousand looks in half a second (a spinning rank makes hundreds of thousands).
     assert 0 < calls["sleep"] < waited / shm_transport._SLEEP_S, calls
     assert (calls["yield"] > 0) == (cores == 2), calls
@@ -644,7 +644,7 @@ def test_offloaded_slices_are_staged_without_blocking_and_updated_on_the_worker(
 
 def test_a_cpu_rank_stages_nothing_and_pins_nothing(monkeypatch):
     """On a CPU rank the slices are in host memory already: no copy, no pinned memory (which needs
-    an accelerator); the worker still applies them when lomo.host_update is "thread"."""
+    an accelerator); the worker still applies them when memory.host_update is "thread"."""
     monkeypatch.setattr(host_updates, "host_buffer", lambda *a, **k: pytest.fail("staged on a CPU rank"))
     assert use_thread("auto", torch.device("cuda:1")) and not use_thread("auto", torch.device("cpu"))
     assert use_thread("thread", torch.device("cpu")) and not use_thread("inline", torch.device("cuda:0"))

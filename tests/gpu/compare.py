@@ -11,6 +11,7 @@ import sys
 
 from lomo_ds.config.run import load_run_config
 from lomo_ds.planning.planner import GIB, plan_for_run
+from tests.tiny import engine_sections  # noqa: E402
 
 MEMORY_TOLERANCE = 0.10  # |predicted - measured| / measured: the planner's promised bound
 STEP_TIME_ORDER = ("floor", "lomo", "deepspeed_sgd")
@@ -43,7 +44,7 @@ def memory_run_config(model_dir: str, micro: int, seq: int, **lomo) -> dict:
     `lomo`: more lomo options (norm clipping and its two_pass_mode)."""
     return {"train_micro_batch_size_per_gpu": micro, "bf16": {"enabled": True},
             "zero_optimization": {"stage": 3},
-            "lomo": {"lr": 1e-3, "stochastic_rounding": True, **lomo},
+            **engine_sections({"lr": 1e-3, "stochastic_rounding": True, **lomo}),
             "model": {"path": model_dir, "gradient_checkpointing": True},
             "tokenizer": {"max_length": seq}}
 

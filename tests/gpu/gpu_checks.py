@@ -57,7 +57,11 @@ from tests.host_memory import checkpoint_and_export_host_memory
 from tests.integrations import dist_hf_checks as H
 from tests.methods.dist_methods_checks import fetch_per_layer, lora_lomo_two_passes
 from tests.ranks import run_checks
-from tests.tiny import global_batch, tiny_llama
+from tests.tiny import (
+    engine_sections,  # noqa: E402
+    global_batch,
+    tiny_llama,
+)
 
 
 def check_offload(pin: bool):
@@ -339,8 +343,8 @@ def check_delayed_window_tail(device: torch.device, sizes: dict, cycles: int = D
     k, lr = 2, 0.05
     ref = llama(sizes).to(device)
     cfg = {"train_micro_batch_size_per_gpu": sizes["micro"], "zero_optimization": {"stage": 3},
-           "lomo": {"lr": lr, "accumulation_steps": k, "accumulate_on": "cpu", "clip_grad_norm": 0.5,
-                    **E.LOMO_DEFAULTS}}
+           **engine_sections({"lr": lr, "accumulation_steps": k, "accumulate_on": "cpu", "clip_grad_norm": 0.5,
+                    **E.LOMO_DEFAULTS})}
     engine = lomo_ds.initialize(llama(sizes), cfg)
     apply = engine._apply_accumulated
 
@@ -384,7 +388,7 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         "adalomo": partial(AD.equivalence, tiny(0), AD.adalomo_cfg()),
         "adalomo_clip_norm": partial(AD.equivalence, tiny(1), AD.adalomo_cfg(clip_grad_norm=0.5), clip_norm=0.5),
         # offload_param cpu: statistics and collectives in the hook on the GPU, the shards' update
-        # on the host-update thread from pinned staging (lomo.host_update auto).
+        # on the host-update thread from pinned staging (memory.host_update auto).
         "adalomo_offload": partial(AD.equivalence, tiny(1), adalomo_offload_cfg(pin=on_gpu), clip_norm=0.5),
         "lora_lomo": partial(lora_lomo_two_passes, **E.LOMO_DEFAULTS),
         # Every method under the shipped configs' per-layer fetch with nothing persistent (LoRA's
@@ -415,7 +419,7 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
                                          clip_grad_norm=1.0, two_pass_mode="recompute"),
         "step_time": partial(check_step_time, device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
         # Gradient accumulation on the GPU: the accumulator beside the shards, and in pinned host
-        # memory (lomo.accumulate_on cpu: slices copied over without blocking, the sum copied back),
+        # memory (memory.accumulate_on cpu: slices copied over without blocking, the sum copied back),
         # fused into the K-th backward and as one pass after it (norm clipping).
         "accumulation": partial(A.equivalence, tiny(0), A.acc_cfg()),
         "accumulation_host": partial(A.equivalence, tiny(0), A.acc_cfg(accumulate_on="cpu")),

@@ -26,7 +26,7 @@ from tests.tiny import global_batch, tiny_llama
 # 2^-9 of a step, far below an ulp.
 BF16_ADALOMO_LR = 0.05
 BF16_WINDOWS = 3
-# (K, lomo.reduce_dtype, lomo.accumulate_dtype): the matrix of issue 48; at K = 1 there is no
+# (K, comm.reduce_dtype, memory.accumulate_dtype): the matrix of issue 48; at K = 1 there is no
 # accumulator, and reduce_dtype fp32 there is one of the routes that overwrote its own gradient.
 BF16_CASES = [(1, "fp32", "fp32"), (1, "bf16", "fp32")] + [
     (k, reduce, acc) for k in (2, 4) for reduce in ("fp32", "bf16") for acc in ("fp32", "bf16")]
@@ -176,7 +176,7 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def check_chunked_loss_precision(device: torch.device, sizes: dict, counts=CHUNK_COUNTS) -> dict:
-    """lomo_ds's chunked loss (lomo.loss_chunk_logits set for `counts` chunks) on a bf16 LLaMA's head
+    """lomo_ds's chunked loss (memory.loss_chunk_logits set for `counts` chunks) on a bf16 LLaMA's head
     against the fp64 reference on the same bf16 hidden states and weight: the relative error of the
     head's weight gradient, of the hidden states' gradient, and of the loss, with the error of the
     fp64 gradients merely rounded to bf16 (the least a bf16 result can have) to hold them to."""

@@ -113,7 +113,7 @@ def test_fp32_matches_sgd_on_cuda(gpu_results, world, check):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_bf16_reduction_is_sgd_up_to_bf16_rounding(gpu_results, world):
-    """lomo.reduce_dtype bf16 on an fp32 model: the payload is bf16 (further from SGD than fp32's
+    """comm.reduce_dtype bf16 on an fp32 model: the payload is bf16 (further from SGD than fp32's
     summation order), the result still SGD's."""
     r = ok(gpu_results(world), "reduce_dtype_bf16")
     print(f"reduce_dtype bf16 on {world} GPU(s): max |LOMO - SGD| = {r['max_abs_diff']:.2e}")
@@ -339,8 +339,7 @@ def test_train_builtin_bf16_norm_clipping_20_steps(tmp_path, results_dir):
     with open(os.path.join(ROOT, "ds_configs", "cpu_default.json")) as f:
         cfg = json.load(f)
     cfg["bf16"] = {"enabled": True}
-    cfg["lomo"].update(clip_grad_norm=1.0, clip_grad_value=None)
-    cfg["train"].update(max_steps=20, zero_shot_eval=False)
+    cfg["train"].update(clip_grad_norm=1.0, clip_grad_value=None, max_steps=20, zero_shot_eval=False)
     cfg["data"]["eval_samples"] = 32
     cfg["output"].update(dir=str(tmp_path / "run"), export_hf=True)
     path = tmp_path / "gpu_builtin.json"

@@ -94,7 +94,7 @@ def test_every_gpu_check_binds_and_its_configs_load(on_gpu, world, tmp_path):
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     with gpu_checks.bucket_path_forced():
         checks = gpu_checks.gpu_checks(device, on_gpu, world, str(tmp_path))
-        assert dist_engine_checks.ds_cfg()["lomo"]["grad_reduction"] == "reduce_scatter"
+        assert dist_engine_checks.ds_cfg()["comm"]["grad_reduction"] == "reduce_scatter"
     assert dist_engine_checks.LOMO_DEFAULTS == {}, "the forcing must end with its block"
     new = {"bucket_path", "sgd_direct", "clip_norm_recompute", "reduce_dtype_bf16", "adalomo", "adalomo_clip_norm",
            "adalomo_offload", "lora_lomo",
@@ -113,8 +113,8 @@ def test_every_gpu_check_binds_and_its_configs_load(on_gpu, world, tmp_path):
     for cfg in configs:
         load_config(cfg)
     direct = checks["sgd_direct"].args[1]
-    assert direct["lomo"]["grad_reduction"] == "auto"
-    assert all(cfg["lomo"]["grad_reduction"] == "reduce_scatter" for cfg in configs if cfg is not direct)
+    assert direct["comm"]["grad_reduction"] == "auto"
+    assert all(cfg["comm"]["grad_reduction"] == "reduce_scatter" for cfg in configs if cfg is not direct)
 
 
 def test_test_gpu_imports_exist():

@@ -74,7 +74,7 @@ def time_worker(host_updates) -> list[float]:
 def check_offload_overlap(device: torch.device, sizes: dict, optimizer: str = "sgd"):
     """offload_param: cpu with the shards' updates on the host-update thread (slices staged in pinned
     memory, the CPU update overlapped with the backward) against the same updates inside the hook
-    (lomo.host_update inline: the serialised path), against no offload, and the floor's forward and
+    (memory.host_update inline: the serialised path), against no offload, and the floor's forward and
     backward gathering from host memory (no update), taking turns step by step.
 
     Figures: per-step times and medians; the updates the worker applied (0 on the serialised path,
@@ -92,8 +92,8 @@ def check_offload_overlap(device: torch.device, sizes: dict, optimizer: str = "s
 
     def engine(host_update):
         return lomo_ds.initialize(llama(sizes), {**(offloaded if host_update else ds),
-                                                 "lomo": {"lr": 1e-3, "host_update": host_update or "auto",
-                                                          "optimizer": optimizer}})
+                                                 "lomo": {"lr": 1e-3, "optimizer": optimizer},
+                                                 "memory": {"host_update": host_update or "auto"}})
 
     engines = {"no_offload": engine(None), "offload_thread": engine("thread"), "offload_inline": engine("inline"),
                "floor_offload": FloorEngine(llama(sizes), offloaded)}

@@ -5,7 +5,7 @@ The references are single-process: torch.optim.SGD (or the reference AdaLomo) st
 window on the window's whole global batch (K micro-batches of every rank), with the Trainer's
 loss (every label token of the window weighs the same: the token sum over num_items_in_batch),
 its global-norm clipping, and its learning-rate schedule (transformers.get_scheduler on the
-reference's optimizer); and lomo_ds's own engine (lomo.loss_normalization "tokens") fed the same
+reference's optimizer); and lomo_ds's own engine (train.loss_normalization "tokens") fed the same
 micro-batches with the same learning rates.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import lomo_ds
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.engine.dist_engine_checks import max_diff
 from tests.ranks import ROOT
-from tests.tiny import VOCAB, tiny_llama
+from tests.tiny import VOCAB, engine_sections, tiny_llama
 
 SEQ = 11
 BATCH = 2  # per_device_train_batch_size
@@ -56,7 +56,7 @@ def ds_config(**lomo) -> dict:
             "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                   "stage3_prefetch_bucket_size": 0},
-            "lomo": {"bucket_size": 700, **lomo}}
+            **engine_sections({"bucket_size": 700, **lomo})}
 
 
 def TrainingArgumentsFor(**kw):  # noqa: N802 (a class, imported late)
@@ -161,8 +161,9 @@ def engine_run(model, data: Samples, optim: str, clip: float | None):
     cfg = {"train_micro_batch_size_per_gpu": BATCH,
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                  "stage3_prefetch_bucket_size": 0},
-           "lomo": {"bucket_size": 700, "lr": LR[optim], "optimizer": "sgd" if optim == "lomo" else "adalomo",
-                    "clip_grad_norm": clip, "accumulation_steps": K, "loss_normalization": "tokens"}}
+           "lomo": {"lr": LR[optim], "optimizer": "sgd" if optim == "lomo" else "adalomo"},
+           "comm": {"bucket_size": 700},
+           "train": {"clip_grad_norm": clip, "accumulation_steps": K, "loss_normalization": "tokens"}}
     engine = lomo_ds.initialize(model, cfg)
     engine.schedule = _ListSchedule(trainer_lrs(LR[optim]))
     world, rank = engine.world, engine.rank

@@ -5,7 +5,7 @@ ZeRO-3 ranks: K = 2 micro-batches, label counts that differ per micro-batch and 
 schedule with warm-up, and norm clipping that is active on some steps and not on others. After the
 run the parameters must equal a single-process reference (torch.optim.SGD, or the reference
 AdaLomo, on each window's whole batch with the Trainer's token-mean loss and schedule) and
-lomo_ds's own engine with lomo.loss_normalization "tokens".
+lomo_ds's own engine with train.loss_normalization "tokens".
 
 Revert checked: without the mixin turning the Trainer's loss (token sum / the window's tokens x
 ranks) back into the micro-batch's token mean, so that the normalisation is applied twice,
@@ -159,7 +159,7 @@ REFUSED = [
     ({"adam_beta2": 0.95}, r"^adam_beta2: an AdamW setting"),
     ({"auto_find_batch_size": True}, r"^auto_find_batch_size: "),
     ({"deepspeed": H.ds_config(lr=0.1)}, r"^learning_rate: gives lomo.lr 0.05, the config's lomo section says 0.1; "),
-    ({"deepspeed": H.ds_config(scheduler={"type": "cosine"})}, r"^deepspeed: lomo.scheduler is set, but under the "),
+    ({"deepspeed": H.ds_config(scheduler={"type": "cosine"})}, r"^deepspeed: train.scheduler is set, but under the "),
     ({"deepspeed": {**H.ds_config(), "optimizer": {"type": "AdamW"}}}, r"^deepspeed: <config>: optimizer: LOMO is"),
 ]
 

@@ -10,7 +10,7 @@ import torch
 from lomo_ds.config.run import LOMO_METHODS, load_run_config
 from lomo_ds.methods import METHODS, Engine, build_engine
 from lomo_ds.storage import checkpoint
-from tests.tiny import global_batch, tiny_llama
+from tests.tiny import engine_sections, global_batch, tiny_llama
 
 BUCKET = 2000  # LOMO reduce-scatter bucket (shard elements)
 DS = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}
@@ -19,12 +19,14 @@ BASELINE_LR = {"adamw": 1e-3, "sgd": 0.1}
 
 
 def run_config(method: str, zero_extra: dict | None = None, accumulation: int = 1, **lomo):
-    lomo = {"lr": 0.05 if method == "lomo" else 1e-3, "bucket_size": BUCKET, **lomo}
-    train = {"method": method, "baseline_lr": BASELINE_LR.get(method, 1e-5), "lora": {"warmup_ratio": 0.25}}
+    sections = engine_sections({"lr": 0.05 if method == "lomo" else 1e-3, "bucket_size": BUCKET, **lomo})
+    # train.lr: the DeepSpeed optimizer's (adamw, sgd), the adapters' (lora, lora_lomo: their default)
+    lr = {"lr": BASELINE_LR.get(method, 1e-5)} if method in ("adamw", "sgd") else {}
+    train = {**sections.pop("train", {}), "method": method, **lr, "lora": {"warmup_ratio": 0.25}}
     zero = {**DS["zero_optimization"], **(zero_extra or {})}
     if method not in LOMO_METHODS:
         zero["reduce_bucket_size"] = DS_BASELINE_BUCKET
-    return load_run_config({**DS, "gradient_accumulation_steps": accumulation, "zero_optimization": zero, "lomo": lomo,
+    return load_run_config({**DS, "gradient_accumulation_steps": accumulation, "zero_optimization": zero, **sections,
                             "model": {"path": "tiny-llama-in-memory"}, "train": train}, check_files=False)
 
 

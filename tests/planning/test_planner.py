@@ -48,6 +48,7 @@ from lomo_ds.planning.planner import (
 )
 from lomo_ds.runtime import ds_compat
 from tests.ranks import ROOT, multi_rank, ok
+from tests.tiny import engine_sections
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -130,7 +131,7 @@ def test_run_config_plan_takes_the_typed_config(tmp_path):
     assert resolve_model(str(d)).n_params == LLAMA["7b"].n_params
     raw = {"model": {"path": str(d), "gradient_checkpointing": False}, "tokenizer": {"max_length": 256},
            "train_micro_batch_size_per_gpu": 3, "fp16": {"enabled": True},
-           "lomo": {"bucket_size": 1000, "fp32_master_weights": True},
+           "lomo": {"fp32_master_weights": True}, "comm": {"bucket_size": 1000},
            "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e8,
                                  "offload_param": {"device": "cpu"}}}
     cfg = load_run_config(raw)
@@ -203,7 +204,7 @@ class _NewStorageBytes(TorchDispatchMode):
                                                    ("fp32", True, False)])
 def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, master, chunk):
     """The planner's count of the update's transient bytes is what ShardUpdater.apply allocates
-    (lomo.update_chunk_elements at a time)."""
+    (memory.update_chunk_elements at a time)."""
     from lomo_ds.engine.update import PassSettings, ShardUpdater
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -231,7 +232,7 @@ def test_update_temporaries_counted_from_the_fused_update(dtype, rounding, maste
 def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, master, chunk):
     """The planner's count of AdaLomo's transient bytes for a bucket is what its update allocates:
     one chunk's fp32 gradient, fp32 weights and rounding at a time (each pass reads the slice in
-    chunks, lomo.update_chunk_elements); beside them, its statistics (rows + columns + a few numbers
+    chunks, memory.update_chunk_elements); beside them, its statistics (rows + columns + a few numbers
     per parameter)."""
     from lomo_ds.config.schema import AdaLomoConfig
     from lomo_ds.engine.update import AdaLomo, PassSettings, ShardGeometries, ShardUpdater
@@ -428,7 +429,7 @@ def test_accumulator_rows(capsys, tmp_path):
     # a run config's accumulation reaches the plan (--dry-run prints it)
     cfg = json.load(open(os.path.join(ROOT, "ds_configs", "llama7b.json")))
     cfg.update({"gradient_accumulation_steps": 4})
-    cfg["lomo"]["accumulate_on"] = "cpu"
+    cfg["memory"]["accumulate_on"] = "cpu"
     (tmp_path / "k4.json").write_text(json.dumps(cfg))
     p = plan_for_run(load_run_config(tmp_path / "k4.json", check_files=False), 8, "7b")
     assert p.run.accumulation == 4 and p.run.accumulate_on_host and p.estimates[("lomo", 8)].host == 8 * 4 * shard
@@ -497,7 +498,7 @@ def _measured_case(name: str) -> dict:
     if ac:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     lomo = {"lr": 1e-3, "bucket_size": BUCKET, "optimizer": "sgd", **lomo_extra}
-    run = load_run_config({**ds, "lomo": lomo, "model": {"path": "tiny"}}, check_files=False)
+    run = load_run_config({**ds, **engine_sections(lomo), "model": {"path": "tiny"}}, check_files=False)
     eng = build_engine(run, model, total_steps=0)
     eng.enable_memory_tracking()
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -536,7 +537,7 @@ def _planned(case: str, world: int):
     zero_extra, ac, lomo_extra, dims = CASES[case]
     ds = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **zero_extra}}
     lomo = {"optimizer": "sgd", **lomo_extra}
-    cfg = load_run_config({**ds, "lomo": lomo, "model": {"path": "tiny"}, "tokenizer": {"max_length": SEQ}},
+    cfg = load_run_config({**ds, **engine_sections(lomo), "model": {"path": "tiny"}, "tokenizer": {"max_length": SEQ}},
                           check_files=False)
     run = replace(run_spec_for(cfg), checkpointing=ac, lomo_bucket=BUCKET)
     spec = ModelSpec("tiny", dims["hidden"], dims["layers"], dims["intermediate"], dims["vocab"], dims["heads"],

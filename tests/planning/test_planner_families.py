@@ -46,7 +46,7 @@ def measured_families() -> dict:
             if ac:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
             ds = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **zero}}
-            run = load_run_config({**ds, "lomo": {"lr": 1e-3, "bucket_size": BUCKET, "optimizer": "sgd"},
+            run = load_run_config({**ds, "lomo": {"lr": 1e-3, "optimizer": "sgd"}, "comm": {"bucket_size": BUCKET},
                                    "model": {"path": "tiny"}}, check_files=False)
             eng = build_engine(run, model, total_steps=0)
             eng.enable_memory_tracking()

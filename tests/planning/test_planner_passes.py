@@ -27,6 +27,7 @@ from lomo_ds.planning.planner import (
     run_spec_for,
 )
 from tests.ranks import ROOT
+from tests.tiny import engine_sections
 
 
 def _allocations(fn) -> tuple[int, int]:
@@ -119,7 +120,8 @@ def test_the_run_config_says_when_a_step_takes_two_backwards(lomo, dtype, expect
     import json
 
     raw = json.load(open(LLAMA_8B))
-    raw["lomo"].update(lomo)
+    for section, options in engine_sections(lomo).items():
+        raw.setdefault(section, {}).update(options)
     if dtype == "fp16":
         raw.pop("bf16")
         raw["fp16"] = {"enabled": True}

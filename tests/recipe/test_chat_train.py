@@ -33,8 +33,8 @@ def write_chat_run(root: pathlib.Path) -> pathlib.Path:
         cfg = json.load(f)
     cfg["model"]["path"] = str(root / "model")
     cfg["tokenizer"]["max_length"] = 48
-    cfg["data"] = {"task": "chat", "source": str(root / "data"), "seed": 3}
-    cfg["train"].update({"max_steps": 4, "epochs": 1, "zero_shot_eval": True})
+    cfg["data"] = {"task": "chat", "source": str(root / "data")}
+    cfg["train"].update({"max_steps": 4, "epochs": 1, "zero_shot_eval": True, "seed": 3})
     cfg["eval"].update({"generate_samples": 5, "max_new_tokens": 4, "batch_size": 2})
     cfg["output"].update({"checkpoint_every": 2, "export_hf": True, "keep_last": 2})
     path = root / "run.json"

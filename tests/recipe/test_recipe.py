@@ -2,8 +2,8 @@
 
 The recipe check runs the training program (launch/train.py's) on the 2-rank launch of the
 multi-rank checks (tests/ranks.py run_here) for a few steps of SmolLM2-135M: the loss must go down
-and never spike. The config's default rule is AdaLomo (lomo.recipes.adalomo); plain LOMO's recipe
-(lomo.recipes.sgd) was checked the same way when it was the default, and the LOMO recipe before it
+and never spike. The config's default rule is AdaLomo (lomo.presets.adalomo); plain LOMO's recipe
+(lomo.presets.sgd) was checked the same way when it was the default, and the LOMO recipe before it
 (lr 0.03, value clipping only) fails it: 7.9, 11.7, 17.6, 5.0, 3.0, 2.4.
 """
 import importlib.util

@@ -174,7 +174,7 @@ def export(tie: str, max_shard_size: int = MAX_SHARD_SIZE) -> dict:
     engine = lomo_ds.initialize(model, {
         "train_micro_batch_size_per_gpu": 2,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
-        "lomo": {"lr": 0.05, "clip_grad_norm": 1.0}})
+        "lomo": {"lr": 0.05}, "train": {"clip_grad_norm": 1.0}})
     for step in range(2):
         engine.train_step(global_batch(step, engine.world)[engine.rank])
     export_hf(engine, None, out_dir, 600.0, max_shard_size=max_shard_size)

@@ -38,7 +38,7 @@ def test_accumulation_quality_runs_validate_and_report():
     aq = _load("accumulation_quality")
     args = aq.parse_args(["--seeds", "42", "43"])  # make demo-chat's recipe
     cfg = load_run_config(args.config, aq.overrides(args, 4, 43, "/tmp/unused"))
-    assert cfg.lomo.accumulation_steps == 4 and cfg.train.seed == 43 and cfg.train.max_steps == 20
+    assert cfg.train.accumulation_steps == 4 and cfg.train.seed == 43 and cfg.train.max_steps == 20
     assert cfg.data.eval_samples == 100 and cfg.eval.generate_samples == 100 and cfg.train.zero_shot_eval is False
     assert cfg.lomo.optimizer == "sgd"  # the rule the recorded figures used, not the config's default
     k1 = {42: {"final_exact_match": 0.8, "minutes": 3.0}, 43: {"final_exact_match": 0.7, "minutes": 3.2}}

@@ -31,7 +31,7 @@ adalomo_math.py:
   apply            each parameter's coefficients, and the update written to the weights (or, for
                    a shard in host memory, handed to the host-update worker: below).
 
-Chunks (lomo.update_chunk_elements, shard.py): a slice whose gradient and weights are both
+Chunks (memory.update_chunk_elements, shard.py): a slice whose gradient and weights are both
 fp32 in place is updated whole, as described, with no temporary. Any other (bf16 weights or
 gradient, an accumulator in another dtype) never has an fp32 copy of the whole slice: each of the
 three phases reads the gradient chunk by chunk (whole rows of a matrix in one chunk), the first

@@ -5,7 +5,7 @@ Shard layout (DeepSpeed ZeRO-3): with `part = ceil(numel / world)`, rank r holds
 [r*part, min((r+1)*part, numel)) of the parameter; the last ranks may carry padding, and a rank
 may hold no real element at all when numel < world.
 
-Chunks (lomo.update_chunk_elements): a slice is updated `chunk` elements at a time, so the update's
+Chunks (memory.update_chunk_elements): a slice is updated `chunk` elements at a time, so the update's
 temporaries (an fp32 copy of the gradient and of the weights where they are not fp32, and the
 stochastic-rounding noise) are bounded by the chunk, not by the largest parameter. Stochastic
 rounding draws its noise chunk by chunk from the same per-device generator, in the slice's order:
@@ -146,7 +146,7 @@ class ShardWeights:
         self.geometry = geometry
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
-        self.chunk = chunk  # lomo.update_chunk_elements
+        self.chunk = chunk  # memory.update_chunk_elements
         self.masters: dict[int, torch.Tensor] = {}  # ds_id -> fp32 copy of the local real elements
         for p in master_params:
             n = self.geometry(p).local

@@ -86,14 +86,16 @@ class ShardUpdater:
         self.shard.load_state_dict(state, module)
 
 
-def build_updater(lomo, module: torch.nn.Module, params: list, group, dtype: torch.dtype, host,
+def build_updater(config, module: torch.nn.Module, params: list, group, dtype: torch.dtype, host,
                   device: torch.device) -> ShardUpdater:
-    """The engine's updater from its `lomo` config: the rule lomo.optimizer names, fp32 masters where
-    asked for and the weights are not fp32. `host`: the HostUpdates worker, or None; `device`: this
-    rank's, where the pass statistics live."""
+    """The engine's updater from its EngineConfig: the rule lomo.optimizer names, fp32 masters where
+    asked for and the weights are not fp32, rounding seeded by train.seed, chunks of
+    memory.update_chunk_elements. `host`: the HostUpdates worker, or None; `device`: this rank's,
+    where the pass statistics live."""
+    lomo = config.lomo
     geometries = ShardGeometries()
     rule = (AdaLomo(lomo.adalomo, module, params, group, geometries, host=host, device=device)
             if lomo.optimizer == "adalomo" else SGD())
     masters = params if lomo.fp32_master_weights and dtype != torch.float32 else ()
-    return ShardUpdater(lomo.stochastic_rounding, lomo.seed, device, geometries, rule, masters,
-                        chunk=lomo.update_chunk_elements)
+    return ShardUpdater(lomo.stochastic_rounding, config.train.seed, device, geometries, rule, masters,
+                        chunk=config.memory.update_chunk_elements)
