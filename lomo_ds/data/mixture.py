@@ -5,7 +5,7 @@ streams the same sources.
 
 The training list holds N examples (data.train_samples; unset: as many as the sources hold
 together), each source's share split by largest remainder: quota_i = N * weight_i / sum(weights).
-A source's quota is the first quota_i of a seeded (data.seed) permutation of its examples; a source
+A source's quota is the first quota_i of a seeded (train.seed) permutation of its examples; a source
 smaller than its quota is repeated (the run's data line says how many times), a larger one sampled.
 
 The order interleaves the sources evenly: source i's j-th example is placed at the virtual time
@@ -139,7 +139,7 @@ def add_eval_sets(out: Datasets, run_cfg, tokenizer, sources: list[Source], chat
             continue
         enc = encoder_for(src, run_cfg, tokenizer, chat, split_long=False)
         examples = [ex for r, where in read_records(src.eval_path) for ex in enc(r, where)]
-        kept = [examples[i] for i in sample_indices(len(examples), d.eval_samples, d.seed)]
+        kept = [examples[i] for i in sample_indices(len(examples), d.eval_samples, run_cfg.train.seed)]
         out.eval_by_source[src.name] = kept
         out.eval_lm += kept
         out.stats["sources"][src.name]["eval"] = {**enc.stats, "sampled": len(kept)}
@@ -167,7 +167,7 @@ def build_mixture_datasets(run_cfg, tokenizer) -> Datasets:
     quotas = apportion(total, [s.weight for s in sources])
     blocks = []
     for i, (src, examples, quota) in enumerate(zip(sources, per_source, quotas, strict=True)):
-        perm = np.random.default_rng([d.seed, _MIX_STREAM, i]).permutation(len(examples))
+        perm = np.random.default_rng([run_cfg.train.seed, _MIX_STREAM, i]).permutation(len(examples))
         start = len(out.train)
         out.train += [examples[int(perm[j % len(examples)])] for j in range(quota)]
         blocks.append(np.arange(start, len(out.train), dtype=np.int64))
@@ -178,7 +178,7 @@ def build_mixture_datasets(run_cfg, tokenizer) -> Datasets:
     out.mixture = Mixture(interleave(quotas), blocks)
     out.stats["train_size"] = len(out.train)
     if d.packing:
-        sequence = [out.train[i] for i in out.mixture.order(d.seed, 0)]
+        sequence = [out.train[i] for i in out.mixture.order(run_cfg.train.seed, 0)]
         out.train = list(pack_stream(sequence, t.max_length))
         out.mixture, out.packed, out.keep_order = None, True, True
         out.stats["train_packed_rows"] = len(out.train)

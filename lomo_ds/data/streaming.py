@@ -6,7 +6,7 @@
 
 The stream, a pure function of the config (so every rank builds the same one, without communication):
   1. each source's records in a seeded shuffle buffer of data.shuffle_buffer records
-     (numpy's generator seeded by (data.seed, source, pass)); at its end a source starts its next
+     (numpy's generator seeded by (train.seed, source, pass)); at its end a source starts its next
      pass, reshuffled: a stream never ends, so a small source repeats as long as the run needs it;
   2. each record tokenized as it comes (data/formats.py; the chat template, the prompt/response
      encoding or the text's tokens);
@@ -125,7 +125,7 @@ class StreamedBatches:
         d = self.cfg.data
         self.encoders = [encoder_for(s, self.cfg, self.tokenizer, self.chat, split_long=d.packing)
                          for s in self.sources]
-        streams = [source_examples(s, i, enc, d.shuffle_buffer, d.seed)
+        streams = [source_examples(s, i, enc, d.shuffle_buffer, self.cfg.train.seed)
                    for i, (s, enc) in enumerate(zip(self.sources, self.encoders, strict=True))]
         examples = interleaved(streams, [s.weight for s in self.sources])
         return pack_stream(examples, self.cfg.tokenizer.max_length) if d.packing else examples

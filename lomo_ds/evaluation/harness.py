@@ -43,7 +43,7 @@ def scored_tasks() -> list[str]:
 
 def write_task(run_cfg, out_dir: str) -> str:
     """Write run_cfg.data.task's eval examples as a harness task under out_dir/<harness name>/;
-    returns the harness name. The records are the ones lomo_ds's evaluation samples (data.seed,
+    returns the harness name. The records are the ones lomo_ds's evaluation samples (train.seed,
     data.eval_samples, eval.split), in the same order."""
     d = run_cfg.data
     if not TASKS[d.task].has_candidates:
@@ -51,7 +51,7 @@ def write_task(run_cfg, out_dir: str) -> str:
                            f"are {', '.join(scored_tasks())}")
     records = load_split(d, "eval", run_cfg.eval.split)
     rows = []
-    for i in sample_indices(len(records), d.eval_samples, d.seed):
+    for i in sample_indices(len(records), d.eval_samples, run_cfg.train.seed):
         ex = format_example(d.task, records[i])
         rows.append({"context": ex.prompt, "choices": list(ex.candidates), "label": ex.label})
     name = TASK_PREFIX + d.task

@@ -60,7 +60,7 @@ def evaluate_export(model_dir: str, cfg, device: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="lomo_ds_harness_") as tmp:
         config, out = os.path.join(tmp, "run.json"), os.path.join(tmp, "results.json")
         with open(config, "w") as f:  # the sections that pick the examples
-            json.dump({"model": {"path": model_dir}, "train": {"method": "zero_shot"},
+            json.dump({"model": {"path": model_dir}, "train": {"method": "zero_shot", "seed": cfg.train.seed},
                        "data": cfg.data.model_dump(mode="json"), "eval": {"split": cfg.eval.split}}, f)
         cmd = [sys.executable, "-m", "lomo_ds.cli", "eval", "--model", model_dir,
                "--tasks", ",".join(cfg.eval.harness_tasks), "--config", config, "--out", out,

@@ -37,9 +37,11 @@ def write_sources(root, n_chat=40, n_pr=30, n_text=20) -> list[dict]:
             {"path": str(root / "c.parquet"), "format": "text", "weight": 1, "columns": {"text": "body"}}]
 
 
-def cfg(sources, max_length=64, train=None, **data):
+def cfg(sources, max_length=64, train=None, seed=None, **data):
+    """A run config over `sources`; `seed`: the run's one seed (train.seed)."""
+    train = {**(train or {}), **({"seed": seed} if seed is not None else {})}
     return load_run_config({"model": {"path": "x"}, "lomo": {"lr": 0.03}, "tokenizer": {"max_length": max_length},
-                            "train": train or {}, "data": {"sources": sources, **data}})
+                            "train": train, "data": {"sources": sources, **data}})
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +77,10 @@ def test_the_order_is_a_function_of_the_seeds(mixed):
         return [tuple(d.train[i]["input_ids"]) for i in train_order(d, train_seed, epoch, 4)]
 
     again = build_datasets(cfg(sources, train_samples=3000, seed=5), tok)
-    other_data_seed = build_datasets(cfg(sources, train_samples=3000, seed=6), tok)
+    other_seed = build_datasets(cfg(sources, train_samples=3000, seed=6), tok)
     assert sequence(again) == sequence(data)
     assert sequence(data, train_seed=43) != sequence(data)  # which example fills a source's slot
-    assert sequence(other_data_seed) != sequence(data)  # which examples a repeated/sampled source gives
+    assert sequence(other_seed) != sequence(data)  # which examples a repeated/sampled source gives
     assert sequence(data, epoch=1) != sequence(data, epoch=0)
     # The pattern of sources is the same in every case: only the examples in a source's slots move.
     pattern = data.mixture.sources_of(train_order(data, 42, 0, 4))

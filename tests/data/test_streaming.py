@@ -18,9 +18,9 @@ from tests.helpers_data import chatml_tokenizer, conversation, write_jsonl
 
 def stream_cfg(sources, micro=2, packing=True, max_length=48, shuffle_buffer=7, seed=3, **data):
     return load_run_config({"train_micro_batch_size_per_gpu": micro, "model": {"path": "x"}, "lomo": {"lr": 0.03},
-                            "tokenizer": {"max_length": max_length}, "train": {"max_steps": 10},
+                            "tokenizer": {"max_length": max_length}, "train": {"max_steps": 10, "seed": seed},
                             "data": {"sources": sources, "streaming": True, "packing": packing,
-                                     "shuffle_buffer": shuffle_buffer, "seed": seed, **data}})
+                                     "shuffle_buffer": shuffle_buffer, **data}})
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,8 @@ def write_mixture_runs(root: pathlib.Path) -> None:
         cfg = json.loads(json.dumps(base))
         cfg["model"]["path"] = str(root / "model")
         cfg["tokenizer"]["max_length"] = 64
-        cfg["data"] = {"sources": sources, "seed": 3, **data}
+        cfg["data"] = {"sources": sources, **data}
+        cfg["train"]["seed"] = 3
         if name == "stream":
             cfg["gradient_accumulation_steps"] = 2
         cfg["train"].update({"max_steps": STEPS, "epochs": 3})

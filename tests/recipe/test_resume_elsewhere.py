@@ -19,8 +19,8 @@ GLOBAL_BATCH = 12
 HOPS = [2, 3, 2, 1, 4, 1]  # the rank count of each leg; every leg trains 2 steps
 STEPS_PER_HOP = 2
 # A constant learning rate: a leg's --max-steps (where it stops) is then not part of its schedule.
-COMMON = ["--set", "lomo.optimizer=adalomo", "--set", "lomo.scheduler.type=constant",
-          "--set", "lomo.scheduler.warmup_ratio=0", "--set", "eval.at_end=false", "--epochs", "3",
+COMMON = ["--set", "lomo.optimizer=adalomo", "--set", "train.scheduler.type=constant",
+          "--set", "train.scheduler.warmup_ratio=0", "--set", "eval.at_end=false", "--epochs", "3",
           "--set", "output.checkpoint_every=null"]
 
 
