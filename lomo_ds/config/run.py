@@ -47,19 +47,26 @@ SECTIONS = ("lomo", "comm", "memory", "model", "tokenizer", "data", "train", "ev
 
 
 class ModelConfig(Section):
-    path: str = Field(min_length=1)  # required: "builtin:smollm2-135m", a local HF directory, or a hub name
-    gguf_file: str | None = None  # a GGUF file inside `path` (set automatically for the builtin)
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
-    # transformers' attention implementation ("sdpa", "eager", "flash_attention_2", ...); None:
-    # transformers' default for the model (sdpa where the model supports it).
-    attn_implementation: str | None = None
-    # The architecture (7b|13b|30b|65b) the memory planner assumes when `path` is not on this
-    # machine yet (the shipped LLaMA configs name placeholder paths); unused by training.
-    planner_size: Literal["7b", "13b", "30b", "65b"] | None = None
-    # Any other architecture: a config.json (path relative to the working directory, as
-    # tokenizer.chat_template's) the planner builds the model from instead; unused by training.
-    planner_config: str | None = None
+    """The model fine-tuned, and what the memory planner assumes of it."""
+
+    path: str = Field(min_length=1, description='"builtin:smollm2-135m", a local Hugging Face directory, '
+                                                'or a hub name')
+    gguf_file: str | None = Field(None, description="a GGUF file inside `path` (set automatically for the "
+                                                    "builtin)")
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward "
+                                                            "instead of keeping them (transformers' gradient "
+                                                            "checkpointing)")
+    trust_remote_code: bool = Field(False, description="let transformers run the model's own code from its "
+                                                       "directory or hub repository")
+    attn_implementation: str | None = Field(None, description=(
+        'transformers\' attention implementation ("sdpa", "eager", "flash_attention_2", ...); null: '
+        "transformers' default for the model (sdpa where the model supports it)"))
+    planner_size: Literal["7b", "13b", "30b", "65b"] | None = Field(None, description=(
+        "the architecture the memory planner assumes when `path` is not on this machine yet (the shipped "
+        "LLaMA configs name placeholder paths); unused by training"))
+    planner_config: str | None = Field(None, description=(
+        "any other architecture: a config.json (path relative to the working directory, as "
+        "tokenizer.chat_template's) the planner builds the model from instead; unused by training"))
 
     @field_validator("path")
     @classmethod
@@ -70,59 +77,71 @@ class ModelConfig(Section):
 
 
 class TokenizerConfig(Section):
-    path: str | None = None  # default: the model's path (and its GGUF file)
-    max_length: Int = Field(512, ge=8)  # tokens per training sequence, answer and EOS included
-    # truncate (drop prompt tokens from the left) | reject (skip the example)
-    overlong: Literal["truncate", "reject"] = "truncate"
-    # chat tasks: a Jinja chat template, inline or the path of a file holding one; replaces the
-    # tokenizer's own (which a tokenizer without one needs). The export carries it.
-    chat_template: str | None = None
+    """The tokenizer, and how examples become token sequences."""
+
+    path: str | None = Field(None, description="null: the model's path (and its GGUF file)")
+    max_length: Int = Field(512, ge=8, description="tokens per training sequence, answer and EOS included")
+    overlong: Literal["truncate", "reject"] = Field("truncate", description=(
+        "an example longer than max_length: truncate drops prompt tokens from the left, reject skips it"))
+    chat_template: str | None = Field(None, description=(
+        "chat tasks: a Jinja chat template, inline or the path of a file holding one; replaces the tokenizer's "
+        "own (which a tokenizer without one needs). The export carries it"))
 
 
 class SourceConfig(Section):
     """One dataset of data.sources: a local file or folder, its record format and its weight."""
 
-    # A .jsonl/.json/.parquet file (the training data), or a folder holding <split>.{jsonl,parquet}
-    # and, for evaluation, <eval_split>.{jsonl,parquet}
-    path: str = Field(min_length=1)
-    # chat: conversations (data/chat.py's formats); prompt_response: {"prompt", "response"} records
-    # (the instruction task's); text: {"text"} records, the loss on every token
-    format: Literal[SOURCE_FORMATS]
-    # Its share of the mixture is weight / the sum of the weights (fractions summing to 1 work too).
-    weight: float = Field(1.0, gt=0, json_schema_extra=expects("a positive number"))
-    name: str | None = Field(None, min_length=1)  # in the run's data line and the eval keys; default: path's stem
-    split: str = Field("train", min_length=1)  # a folder's training split
-    eval_split: str | None = "validation"  # a folder's evaluation split, used where the file exists (null: none)
-    columns: dict[str, str] = Field(default_factory=dict)  # {our field: the dataset's column}, as data.columns
+    path: str = Field(min_length=1, description=(
+        "a .jsonl/.json/.parquet file (the training data), or a folder holding "
+        "<split>.{jsonl,parquet} and, for evaluation, <eval_split>.{jsonl,parquet}"))
+    format: Literal[SOURCE_FORMATS] = Field(description=(
+        'chat = conversations (data/chat.py\'s formats); prompt_response = {"prompt", "response"} '
+        'records (the instruction task\'s); text = {"text"} records, the loss on every token'))
+    weight: float = Field(1.0, gt=0, json_schema_extra=expects("a positive number"), description=(
+        "its share of the mixture is weight / the sum of the weights (fractions summing to 1 work too)"))
+    name: str | None = Field(None, min_length=1, description="in the run's data line and the eval keys (null: "
+                                                             "path's stem)")
+    split: str = Field("train", min_length=1, description="a folder's training split")
+    eval_split: str | None = Field("validation", description="a folder's evaluation split, used where the file "
+                                                             "exists (null: none)")
+    columns: dict[str, str] = Field(default_factory=dict, description="{our field: the dataset's column}, as "
+                                                                      "data.columns")
 
 
 class DataConfig(Section):
-    task: Literal[TASKS] = "builtin"
-    # None: the hub's SuperGLUE (or the shipped builtin files); "hub:NAME": another hub copy of
-    # SuperGLUE; else a local directory ({train,validation}.{jsonl,parquet}) or a single training file
-    source: str | None = None
-    train_file: str | None = None  # explicit files win over `source`
-    eval_file: str | None = None
-    # The first N of a seeded permutation of the split (all of it if fewer). Unset: every record for
-    # the chat and instruction tasks, 1000 for the classification tasks (the paper's protocol).
+    """The training and evaluation data: one task's dataset, or a mixture (sources)."""
+
+    task: Literal[TASKS] = Field("builtin", description="the task: its data format, prompts and scoring "
+                                                        "(lomo_ds/config/tasks.py)")
+    source: str | None = Field(None, description=(
+        'null: the hub\'s SuperGLUE (or the shipped builtin files); "hub:NAME": another hub copy of SuperGLUE '
+        "(chat tasks: a hub dataset); else a local directory ({train,validation}.{jsonl,parquet}) or a single "
+        "training file"))
+    train_file: str | None = Field(None, description="the training file; explicit files win over `source`")
+    eval_file: str | None = Field(None, description="the evaluation file; explicit files win over `source`")
     # (the permutation is seeded by train.seed)
-    train_samples: Int | None = Field(None, ge=1)
-    eval_samples: Int | None = Field(None, ge=1)
-    # chat tasks: {our field: the dataset's column}, e.g. {"messages": "dialog"} or
-    # {"instruction": "question", "output": "answer"} (data/chat.py lists the fields)
-    columns: dict[str, str] = Field(default_factory=dict)
-    hub_subset: str | None = None  # chat tasks from "hub:NAME": the dataset's configuration name
-    hub_train_split: str = "train"  # chat tasks from "hub:NAME": the dataset's split names
-    hub_eval_split: str = "validation"
-    # chat/instruction tasks: concatenate examples into rows of tokenizer.max_length (position ids
-    # restart and attention is block-diagonal per example); off: batches grouped by length
-    packing: bool = False
-    # Several datasets mixed by weight, each in its own format (data/mixture.py); replaces task,
-    # source, train_file, eval_file and columns. train_samples: the mixture's length.
-    sources: list[SourceConfig] | None = Field(None, min_length=1)
-    # Read the training data as a stream (data/streaming.py): never loaded whole; needs train.max_steps.
-    streaming: bool = False
-    shuffle_buffer: Int = Field(10_000, ge=1)  # streaming: records in the seeded shuffle buffer of each source
+    train_samples: Int | None = Field(None, ge=1, description=(
+        "the first N of a seeded permutation of the split (all of it if fewer); null: every record for the chat "
+        "and instruction tasks, 1000 for the classification tasks (the paper's protocol)"))
+    eval_samples: Int | None = Field(None, ge=1, description="as train_samples, for the evaluation split")
+    columns: dict[str, str] = Field(default_factory=dict, description=(
+        'chat tasks: {our field: the dataset\'s column}, e.g. {"messages": "dialog"} or '
+        '{"instruction": "question", "output": "answer"} (data/chat.py lists the fields)'))
+    hub_subset: str | None = Field(None, description='chat tasks from "hub:NAME": the dataset\'s configuration '
+                                                     "name")
+    hub_train_split: str = Field("train", description='chat tasks from "hub:NAME": the dataset\'s training split')
+    hub_eval_split: str = Field("validation", description='chat tasks from "hub:NAME": the dataset\'s '
+                                                          "evaluation split")
+    packing: bool = Field(False, description=(
+        "chat/instruction tasks: concatenate examples into rows of tokenizer.max_length (position ids restart "
+        "and attention is block-diagonal per example); off: batches grouped by length"))
+    sources: list[SourceConfig] | None = Field(None, min_length=1, description=(
+        "several datasets mixed by weight, each in its own format (data/mixture.py); replaces task, source, "
+        "train_file, eval_file and columns. train_samples: the mixture's length"))
+    streaming: bool = Field(False, description="read the training data as a stream (data/streaming.py): never "
+                                               "loaded whole; needs train.max_steps")
+    shuffle_buffer: Int = Field(10_000, ge=1, description="streaming: records in the seeded shuffle buffer of each "
+                                                          "source")
 
     @model_validator(mode="before")
     @classmethod
@@ -134,26 +153,35 @@ class DataConfig(Section):
 
 
 class LoraConfig(Section):
-    rank: Int = Field(2, ge=1)
-    alpha: float = Field(16.0, gt=0, json_schema_extra=expects("a positive number"))
-    targets: tuple[str, ...] = Field(("q_proj", "v_proj"), min_length=1, strict=False)  # module names (a JSON list)
-    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0, json_schema_extra=expects("a fraction in [0, 1)"))
+    """The LoRA adapters of train.method lora and lora_lomo."""
+
+    rank: Int = Field(2, ge=1, description="the adapters' rank")
+    alpha: float = Field(16.0, gt=0, json_schema_extra=expects("a positive number"),
+                         description="LoRA's alpha: the adapters' output is scaled by alpha / rank")
+    targets: tuple[str, ...] = Field(("q_proj", "v_proj"), min_length=1, strict=False,
+                                     description="names of the modules that get adapters (a list)")
+    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0, json_schema_extra=expects("a fraction in [0, 1)"),
+                                description="the adapters' learning-rate warm-up, as a fraction of the run's steps")
 
 
 class TrainConfig(EngineTrainConfig):
     """The run's train section: the keys every method reads (EngineTrainConfig: seed, clipping,
     schedule, accumulation) and the training program's own."""
 
-    method: Literal[METHODS] = "lomo"
-    epochs: Int = Field(10, ge=1)
-    max_steps: Int | None = Field(None, ge=1)  # stop after this many optimizer steps, whatever `epochs` says
-    zero_shot_eval: bool = True  # evaluate once before the first step
+    method: Literal[METHODS] = Field("lomo", description=(
+        "lomo: LOMO's update of the whole model; adamw / sgd: DeepSpeed's optimizer; lora: LoRA adapters stepped "
+        "by DeepSpeed's AdamW; lora_lomo: LOMO on the base weights, the adapters by AdamW; zero_shot: evaluation only"))
+    epochs: Int = Field(10, ge=1, description="passes over the training data")
+    max_steps: Int | None = Field(None, ge=1, description="stop after this many optimizer steps, whatever `epochs` "
+                                                          "says")
+    zero_shot_eval: bool = Field(True, description="evaluate once before the first step")
     lora: LoraConfig = LoraConfig()
-    # The learning rate and weight decay of the optimizer that is not LOMO's: the whole model's
-    # under adamw / sgd, the adapters' under lora and lora_lomo (LOMO's own are lomo.lr and
-    # lomo.weight_decay). lr null: DEFAULT_LR of the method.
-    lr: float | None = Field(None, gt=0, json_schema_extra=expects("a positive learning rate or null"))
-    weight_decay: float = Field(0.0, ge=0)
+    # lr and weight_decay are those of the optimizer that is not LOMO's: the whole model's under adamw / sgd,
+    # the adapters' under lora and lora_lomo (LOMO's own are lomo.lr and lomo.weight_decay).
+    lr: float | None = Field(None, gt=0, json_schema_extra=expects("a positive learning rate or null"), description=(
+        "learning rate of the optimizer that is not LOMO's: adamw/sgd (the whole model), lora and lora_lomo (the "
+        "adapters); null: the method's default (adamw, sgd 1e-5; lora, lora_lomo 5e-4). LOMO's is lomo.lr"))
+    weight_decay: float = Field(0.0, ge=0, description="weight decay of that optimizer (LOMO's is lomo.weight_decay)")
 
     @property
     def optimizer_lr(self) -> float:
@@ -162,48 +190,51 @@ class TrainConfig(EngineTrainConfig):
 
 
 class EvalConfig(Section):
-    batch_size: Int = Field(8, ge=1)  # sequences (prompt + one candidate) per forward
-    every_steps: Int | None = Field(None, ge=1)
-    at_end: bool = True
-    # The split of the task's folder evaluated: "heldout" is the quality benchmark's split for
-    # reporting recipes chosen on "validation" (lomo_ds/config/tasks.py); refused where there is none.
-    split: Literal["validation", "heldout"] = "validation"
-    # chat tasks: greedy replies to this many eval prompts (0: none), scored by exact match and
-    # containment against the reference and written to output.dir/generations/step_N.jsonl
-    generate_samples: Int = Field(0, ge=0)
-    max_new_tokens: Int = Field(32, ge=1)
-    # lm-evaluation-harness on the final export (lomo_ds/evaluation/harness.py): lomo_ds task names
-    # (scored on this run's eval examples) or harness YAML tasks under harness_include; rank 0 loads
-    # the exported model whole on its device after the export.
-    harness_tasks: tuple[str, ...] = Field((), strict=False)
-    harness_include: tuple[str, ...] = Field((), strict=False)
-    harness_limit: Int | None = Field(None, ge=1)  # at most this many examples per harness task
+    """When and how the run is evaluated."""
+
+    batch_size: Int = Field(8, ge=1, description="sequences (prompt + one candidate) per forward")
+    every_steps: Int | None = Field(None, ge=1, description="evaluate every this many optimizer steps (null: not "
+                                                            "during training)")
+    at_end: bool = Field(True, description="evaluate after the last step")
+    split: Literal["validation", "heldout"] = Field("validation", description=(
+        'the split of the task\'s folder evaluated: "heldout" is the quality benchmark\'s split for reporting '
+        'recipes chosen on "validation" (lomo_ds/config/tasks.py); refused where there is none'))
+    generate_samples: Int = Field(0, ge=0, description=(
+        "chat tasks: greedy replies to this many eval prompts (0: none), scored by exact match and containment "
+        "against the reference and written to output.dir/generations/step_N.jsonl"))
+    max_new_tokens: Int = Field(32, ge=1, description="tokens generated at most per reply (generate_samples)")
+    # The harness (lomo_ds/evaluation/harness.py) runs on the final export: rank 0 loads the exported model whole
+    # on its device after the export.
+    harness_tasks: tuple[str, ...] = Field((), strict=False, description=(
+        "lm-evaluation-harness on the final export: lomo_ds task names (scored on this run's eval examples) or "
+        "harness YAML tasks under harness_include"))
+    harness_include: tuple[str, ...] = Field((), strict=False, description="folders of harness YAML tasks "
+                                                                           "(harness_tasks)")
+    harness_limit: Int | None = Field(None, ge=1, description="at most this many examples per harness task")
 
 
 class OutputConfig(Section):
-    dir: str = Field("runs/default", min_length=1)
-    checkpoint_every: Int | None = Field(None, ge=1)
-    keep_last: Int = Field(2, ge=1)  # resumable checkpoints kept on disk
-    export_hf: bool = True  # write a Hugging Face model directory at the end
-    # Preemption (lomo_ds/runtime/preemption.py): on one of these signals every rank stops after the
-    # optimizer step it is in, checkpoints and exits 75; a second signal, or this many seconds after
-    # the first, exits 76 at once, the last whole checkpoint kept. [] ignores them (the default
-    # action of each then applies: SIGTERM ends the process).
-    preempt_signals: tuple[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"], ...] = Field(
-        ("SIGTERM", "SIGUSR1"), strict=False)
-    preempt_deadline_s: float | None = Field(None, gt=0)
-    # Seconds a rank waits for the others while checkpoint or export files are written (a slow disk
-    # must not trip train.collective_timeout: 130 GB at 200 MB/s is 11 minutes).
-    io_timeout: float = Field(4 * 3600, gt=0)
-    metrics_file: str = "metrics.jsonl"  # inside `dir`
-    tensorboard: bool = False
+    """Where the run writes: checkpoints, the export, metrics; and how it stops when preempted."""
 
-    @field_validator("metrics_file")
-    @classmethod
-    def _plain_name(cls, name: str) -> str:
-        if not name or os.path.basename(name) != name:
-            raise ValueError(f"expected a plain file name inside output.dir, got {name!r}")
-        return name
+    dir: str = Field("runs/default", min_length=1, description="the run's folder: checkpoints, export, metrics")
+    checkpoint_every: Int | None = Field(None, ge=1, description="write a resumable checkpoint every this many "
+                                                                 "optimizer steps (null: none during training)")
+    keep_last: Int = Field(2, ge=1, description="resumable checkpoints kept on disk")
+    export_hf: bool = Field(True, description="write a Hugging Face model directory at the end")
+    # Preemption: lomo_ds/runtime/preemption.py.
+    preempt_signals: tuple[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"], ...] = Field(
+        ("SIGTERM", "SIGUSR1"), strict=False, description=(
+            "on one of these signals every rank stops after the optimizer step it is in, checkpoints and exits 75; "
+            "a second signal, or preempt_deadline_s after the first, exits 76 at once, the last whole checkpoint "
+            "kept. []: ignored (each signal's default action applies: SIGTERM ends the process)"))
+    preempt_deadline_s: float | None = Field(None, gt=0, description="seconds after the first signal before the run "
+                                                                     "exits 76 at once (null: no deadline)")
+    # A slow disk must not trip train.collective_timeout: 130 GB at 200 MB/s is 11 minutes.
+    io_timeout: float = Field(4 * 3600, gt=0, description="seconds a rank waits for the others while checkpoint or "
+                                                          "export files are written")
+    metrics_file: str = Field("metrics.jsonl", description="the metrics log, a file name inside `dir`")
+    tensorboard: bool = Field(False, description="also write the metrics as TensorBoard events in "
+                                                  "`dir`/tensorboard (the tensorboard package)")
 
 
 class RunConfig(Section):

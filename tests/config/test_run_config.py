@@ -300,3 +300,35 @@ def test_one_learning_rate_per_method(tmp_path):
     assert load_run_config(write(tmp_path, {**MIN, "train": {"method": "sgd", "lr": 3e-3}})).train.optimizer_lr == 3e-3
     with pytest.raises(ConfigError, match=r"train\.lr: train\.method 'lomo' updates by lomo\.lr"):
         load_run_config(write(tmp_path, {**MIN, "train": {"lr": 1e-3}}))
+
+
+def test_readme_run_options_are_the_models():
+    """docs/configs.md's run reference is generated from RunConfig's own sections (model, tokenizer,
+    data, train, eval, output), a description on every field and a docstring on every section."""
+    from lomo_ds.config.docs import RUN_SECTIONS, run_options_markdown
+    from lomo_ds.config.errors import submodel
+    from lomo_ds.config.sections import EngineTrainConfig
+
+    table = run_options_markdown()
+    assert "| None |" not in table and "None." not in table, "a run option has no description (Field(description=...))"
+    sections = [submodel(RunConfig.model_fields[name].annotation) for name in RUN_SECTIONS]
+    fields = [(cls, name, field) for cls in sections for name, field in _all_fields(cls)]
+    for cls, name, field in fields:
+        sub = submodel(field.annotation)  # a section's row is its docstring; a list of sections' both
+        assert sub is None or sub.__doc__, f"{sub.__name__} ({cls.__name__}.{name}) has no docstring"
+        assert field.annotation is sub or field.description, \
+            f"{cls.__name__}.{name} has no description (Field(description=...))"
+    shared = len(list(_all_fields(EngineTrainConfig)))  # train's engine keys are the engine table's
+    assert table.count("\n") == 2 + len(sections) + len(fields) - shared
+    readme = open(os.path.join(ROOT, "docs", "configs.md")).read()
+    section = readme.split("## Run options\n", 1)[1].split("\n## ", 1)[0]
+    assert table in section, "docs/configs.md is out of date: regenerate its section with run_options_markdown()"
+
+
+def _all_fields(cls):
+    from lomo_ds.config.errors import submodel
+
+    for name, field in cls.model_fields.items():
+        yield name, field
+        if submodel(field.annotation) is not None:
+            yield from _all_fields(submodel(field.annotation))
