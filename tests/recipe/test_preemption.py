@@ -36,20 +36,21 @@ def _args(root, out, optimizer, k):
 
 
 @contextlib.contextmanager
-def _signal_during_training(delay: float, only_rank: int):
-    """SIGTERM to this process `delay` seconds after the run's first step starts, on rank `only_rank`
-    alone: the others learn of it at the next step boundary, through the ranks' agreement."""
+def _signal_during_training(step: int, delay: float, only_rank: int):
+    """SIGTERM to this process `delay` seconds after step `step` (0-based) starts, on rank
+    `only_rank` alone: the others learn of it at the next step boundary, through the ranks'
+    agreement."""
     from lomo_ds.recipe.train import TrainRecipe
 
     timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGTERM))
     train_step = TrainRecipe.train_step
 
-    def first_step_starts_the_clock(recipe, step):
-        if torch.distributed.get_rank() == only_rank and not timer.is_alive() and not timer.finished.is_set():
+    def start_the_clock_at_the_step(recipe, at):
+        if at == step and torch.distributed.get_rank() == only_rank:
             timer.start()
-        return train_step(recipe, step)
+        return train_step(recipe, at)
 
-    TrainRecipe.train_step = first_step_starts_the_clock
+    TrainRecipe.train_step = start_the_clock_at_the_step
     try:
         yield
     finally:
@@ -57,8 +58,8 @@ def _signal_during_training(delay: float, only_rank: int):
         timer.cancel()
 
 
-def _training_seconds(out_dir) -> float:
-    return sum(row["step_seconds"] for row in map(json.loads, open(out_dir / "metrics.jsonl")) if "step_seconds" in row)
+def _step_seconds(out_dir) -> list[float]:
+    return [row["step_seconds"] for row in map(json.loads, open(out_dir / "metrics.jsonl")) if "step_seconds" in row]
 
 
 def preempt_matrix() -> dict:
@@ -73,15 +74,18 @@ def preempt_matrix() -> dict:
     for optimizer, k in MATRIX[world]:
         name = f"{optimizer}_k{k}"
         straight = run_here(main, _args(base, base / f"{name}_straight", optimizer, k))
-        # A moment drawn within the training steps' time (the straight run's): any step, any point in it.
+        # A moment drawn at random: a step, a point within it (as a fraction of the straight run's
+        # typical step), a rank. Never in the last two steps: the stop must come before the run's end.
         rng = random.Random(f"{world}-{name}")
-        delay = rng.uniform(0.0, 0.6) * _training_seconds(base / f"{name}_straight")
-        who = rng.randrange(world)
-        with _signal_during_training(delay, who):
+        step, who = rng.randrange(STEPS - 2), rng.randrange(world)
+        typical = sorted(_step_seconds(base / f"{name}_straight"))[STEPS // 2]
+        delay = rng.uniform(0.0, 1.0) * typical
+        with _signal_during_training(step, delay, who):
             stopped = run_here(main, _args(base, base / f"{name}_stopped", optimizer, k))
         resumed = run_here(main, [*_args(base, base / f"{name}_stopped", optimizer, k), "--resume"])
         out[name] = {"straight": straight["rc"], "stopped": stopped["rc"], "resumed": resumed["rc"],
-                     "delay": delay, "rank": who, "dir": str(base), "resumed_stdout": resumed["stdout"][-2000:]}
+                     "step": step, "delay": delay, "rank": who, "dir": str(base),
+                     "resumed_stdout": resumed["stdout"][-2000:]}
     return out
 
 
@@ -101,8 +105,8 @@ def test_a_signal_at_a_random_moment_then_resume_gives_the_uninterrupted_weights
         assert run["stopped"] == PREEMPTED_EXIT, run  # stopped with a checkpoint, not finished
         rows = [json.loads(line) for line in open(base / f"{name}_stopped" / "metrics.jsonl")]
         (stop,) = [row for row in rows if row.get("phase") == "preempted"]
-        print(f"{world} ranks, {name}: SIGTERM to rank {run['rank']} {run['delay']:.2f} s into training; "
-              f"stopped after step {stop['step']} of {STEPS}")
+        print(f"{world} ranks, {name}: SIGTERM to rank {run['rank']} {run['delay']:.3f} s into step "
+              f"{run['step'] + 1}; stopped after step {stop['step']} of {STEPS}")
         assert 1 <= stop["step"] < STEPS and stop["checkpoint"].endswith(f"step_{stop['step']:08d}")
         assert f"at step {stop['step']}" in run["resumed_stdout"]
         a, b = _export(base / f"{name}_straight"), _export(base / f"{name}_stopped")
