@@ -118,21 +118,22 @@ def test_a_bad_file_fails_before_training(tmp_path):
         build_streamed_datasets(stream_cfg(sources), chatml_tokenizer(), world=1)
 
 
-FILE_MB = 96
+FILE_MB = 64
+SHUFFLE_BUFFER = 1000  # records: a small buffer, so that what the stream holds stays far below the file
 
 
 def test_streaming_a_file_does_not_hold_it_in_memory(tmp_path):
-    """The 1 GB check's code (benchmarks/stream_memory.py) on a 96 MB file, read whole once: holding
+    """The 1 GB check's code (benchmarks/stream_memory.py) on a 64 MB file, read whole once: holding
     the file's records in memory (as loading it whole does) would grow the resident size by more
     than the file's size (its text as Python strings, before any token); a stream holds its shuffle
-    buffer of 10,000 records (about 15 MB of text here), the reader's blocks and the tokenizer's
-    work, about 50 MB whatever the file's size (it was 53 MB for 32 MB, 51 MB for 64 MB).
-    Importing datasets (about 55-80 MB, once) is not the data's and is left out."""
+    buffer of 1,000 records, the reader's blocks and the tokenizer's work: 34 MB here (with the
+    default 10,000-record buffer, about 50 MB whatever the file's size: 53 MB for 32 MB, 51 MB for
+    64 MB). Importing datasets (about 55-80 MB, once) is not the data's and is left out."""
     from benchmarks.stream_memory import stream_file, write_text_jsonl
 
     path = str(tmp_path / "corpus.jsonl")
     records = write_text_jsonl(path, FILE_MB)
-    r = stream_file(path, records)
+    r = stream_file(path, records, shuffle_buffer=SHUFFLE_BUFFER)
     print(r)
     assert r["records_read"] >= records  # the whole file went through
     assert os.path.getsize(path) >= FILE_MB * 2**20

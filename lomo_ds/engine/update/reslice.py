@@ -41,6 +41,10 @@ def _at(node: Any, path: tuple) -> Any:
     return node
 
 
+def _containers_copied(node: Any) -> Any:
+    return {k: _containers_copied(v) for k, v in node.items()} if isinstance(node, dict) else node
+
+
 def _range_of(numel: int, world: int, rank: int) -> tuple[int, int]:
     g = ShardGeometry(numel, world, rank)
     return g.start, g.start + g.local
@@ -77,12 +81,9 @@ def reslice(olds: Sequence[dict[str, Any]], template: dict[str, Any], numels: di
         if old.get("world") != old_world or old.get("rank") != r:
             raise ValueError(f"checkpoint rank file {r} says rank {old.get('rank')} of {old.get('world')}; "
                              f"expected rank {r} of {old_world}")
-    out = {k: v for k, v in olds[0].items() if k not in ("shards", "masters", "adalomo")}
+    # Rank 0's state, its containers copied (their cut tensors are replaced below), its tensors not.
+    out = _containers_copied(olds[0])
     out["world"], out["rank"] = world, rank
-    out["shards"] = dict(olds[0].get("shards") or {})
-    out["masters"] = dict(olds[0].get("masters") or {})
-    adalomo = olds[0].get("adalomo")
-    out["adalomo"] = None if adalomo is None else {n: dict(m) for n, m in adalomo.items()}
     for path, name in list(_sharded(out)):
         if name not in numels:
             continue  # a parameter this model lacks: refused by the load's own check
