@@ -1,6 +1,7 @@
 """The training program end to end on a tiny LLaMA: kill a rank mid-run and resume to the same
 parameters as an uninterrupted run; the exported directory loads in transformers with the
 engine's logits; dry-run and error paths."""
+import importlib.util
 import json
 import os
 import pathlib
@@ -95,11 +96,19 @@ K3 = ["--accumulation-steps", "3", "--epochs", "2", "--set", "train.max_steps=nu
       "--set", "output.checkpoint_every=3"]
 
 
+HAVE_HARNESS = importlib.util.find_spec("lm_eval") is not None
+HARNESS_EXAMPLES = 40  # the final evaluation's examples, scored by the run and by the harness
+# The end of the uninterrupted run, as a user's: with lm-eval, the harness on its export
+# (eval.harness_tasks), over the final evaluation's examples. Neither changes the training.
+HARNESS = (["--set", 'eval.harness_tasks=["builtin"]', "--set", f"data.eval_samples={HARNESS_EXAMPLES}"]
+           if HAVE_HARNESS else [])
+
+
 @pytest.fixture(scope="module")
 def straight_k3(tiny_run):
     root, config = tiny_run
     straight = root / "straight"
-    return straight, run_train(TRAIN_SCRIPT, config, straight, *K3)
+    return straight, run_train(TRAIN_SCRIPT, config, straight, *K3, *HARNESS)
 
 
 def metric_steps(out_dir) -> list[dict]:
@@ -157,6 +166,34 @@ def test_killed_run_resumes_to_identical_parameters(tiny_run, straight_k3):
     la = {r["step"]: (r["micro_batches"], r["loss"]) for r in metric_steps(straight)}
     lb = {r["step"]: (r["micro_batches"], r["loss"]) for r in metric_steps(interrupted)}
     assert [lb[s] for s in (7, 8)] == [la[s] for s in (7, 8)] and la[8][0] == 1
+
+
+@pytest.mark.ranks
+@pytest.mark.skipif(not HAVE_HARNESS, reason="lm-eval not installed")
+def test_the_harness_on_the_export_agrees_with_the_runs_own_evaluation(tiny_run, straight_k3, capsys):
+    """lm-evaluation-harness on the run's export, by the recipe option (eval.harness_tasks) and by
+    `lomo-ds eval` on the same data section, scores the final evaluation's examples as the run did,
+    within one example (the builtin task's candidates are one token each, where the harness's summed
+    log-probability and the run's mean are one measure)."""
+    from lomo_ds.cli import main
+
+    _, config = tiny_run
+    straight, _ = straight_k3
+    rows = [json.loads(line) for line in open(straight / "metrics.jsonl")]
+    own = next(row for row in rows if row.get("phase") == "final")
+    by_recipe = next(row for row in rows if row.get("phase") == "harness")
+    assert own["eval/n"] == by_recipe["harness/lomo_builtin/n"] == HARNESS_EXAMPLES
+    one = 1 / HARNESS_EXAMPLES + 1e-9
+    assert abs(by_recipe["harness/lomo_builtin/acc"] - own["eval/accuracy"]) <= one, (by_recipe, own)
+    assert json.loads((straight / "summary.json").read_text())["harness/lomo_builtin/acc"] == \
+        by_recipe["harness/lomo_builtin/acc"]
+    out_file = straight / "harness.json"
+    rc = main(["eval", "--model", str(straight / "hf_model"), "--tasks", "builtin", "--config", str(config),
+               "--set", f"data.eval_samples={HARNESS_EXAMPLES}", "--out", str(out_file)])
+    assert rc == 0, capsys.readouterr().err
+    by_cli = json.loads(out_file.read_text())["lomo_builtin"]
+    assert by_cli["n"] == HARNESS_EXAMPLES
+    assert abs(by_cli["acc"] - own["eval/accuracy"]) <= one, (by_cli, own)
 
 
 # ----------------------------------------------------------------------------- the Hugging Face export
