@@ -9,9 +9,20 @@ from filelock import FileLock
 
 from tests import ranks
 
+# The long checks (launch after launch: a run moved across rank counts, a second signal during a
+# checkpoint write) run where LOMO_DS_LONG_TESTS=1: in CI (.ci/run), not in a newcomer's `make test`,
+# whose six minutes on two cores they would pass.
+LONG = os.environ.get("LOMO_DS_LONG_TESTS") == "1"
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "ranks: the test starts several ranks itself")
+    config.addinivalue_line("markers", "long: launch after launch; runs with LOMO_DS_LONG_TESTS=1 (CI)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("long") and not LONG:
+        pytest.skip("a long check: LOMO_DS_LONG_TESTS=1 runs it (CI does)")
 
 
 @pytest.hookimpl(wrapper=True)  # around pytest-xdist's own hook, which reads the groups

@@ -4,7 +4,8 @@ A second signal during the checkpoint's write leaves the previous checkpoint who
 
 The matrix runs the training program in the 2- and 3-rank launches of the multi-rank checks
 (tests/ranks.py run_here), the signal sent by a timer thread to this very process; the
-second-signal check is a launch of its own (the process it stops is the launch's).
+second-signal check is a launch of its own (the process it stops is the launch's), a long check
+(LOMO_DS_LONG_TESTS=1, as CI runs it).
 """
 import contextlib
 import json
@@ -145,6 +146,7 @@ SLOW_SEAL_S = 3  # rank 0's checkpoint seal (meta.json) takes this long: the sec
 
 
 @pytest.mark.ranks
+@pytest.mark.long
 def test_a_second_signal_during_the_checkpoint_write_keeps_the_previous_one(tmp_path):
     import psutil
 

@@ -1,11 +1,10 @@
 """A run that moves between rank counts as a cluster's free GPUs come and go: checkpointed on 2
-ranks and resumed on 3 (with LOMO_DS_LONG_TESTS=1: then 2, 1, 4 and 1 again), the global batch kept
-at 12 examples a step (micro-batches of 6, 4, 6, 12, 3, 12), ends within 1e-6 of an uninterrupted
-run, AdaLomo's state cut again at every move. Then a checkpoint of another model is refused by
-name. Where each element goes for every N -> M of 1-4 is tests/engine/test_reslice.py's; this is
-the training program end to end."""
+ranks, resumed on 3, then 2, 1, 4 and 1 again, the global batch kept at 12 examples a step
+(micro-batches of 6, 4, 6, 12, 3, 12), ends within 1e-6 of an uninterrupted run, AdaLomo's state
+cut again at every move. Then a checkpoint of another model is refused by name. A long check (seven
+launches; LOMO_DS_LONG_TESTS=1, as CI runs it). Where each element goes for every N -> M of 1-4 is
+tests/engine/test_reslice.py's, in every suite."""
 import json
-import os
 
 import pytest
 import torch
@@ -18,11 +17,7 @@ from tests.recipe.test_train import TRAIN_SCRIPT, train_args, write_tiny_run
 from tests.tiny import tiny_llama_config
 
 GLOBAL_BATCH = 12
-# The rank count of each leg (every leg trains 2 steps). The default suite moves 2 -> 3 (uneven
-# shards); LOMO_DS_LONG_TESTS=1 runs the whole chain, 2 -> 3 -> 2 -> 1 -> 4 -> 1: a launch costs
-# seconds of start-up, four ranks on a 2-core machine more, and the suite has six minutes. Every
-# N -> M of 1-4 is tests/engine/test_reslice.py's, element by element.
-HOPS = [2, 3, 2, 1, 4, 1] if os.environ.get("LOMO_DS_LONG_TESTS") == "1" else [2, 3]
+HOPS = [2, 3, 2, 1, 4, 1]  # the rank count of each leg; every leg trains 2 steps
 STEPS_PER_HOP = 2
 # A constant learning rate: a leg's --max-steps (where it stops) is then not part of its schedule.
 COMMON = ["--set", "lomo.optimizer=adalomo", "--set", "train.scheduler.type=constant",
@@ -39,6 +34,7 @@ def _run(config, out, world, max_steps, *extra):
 
 
 @pytest.mark.ranks
+@pytest.mark.long
 def test_a_run_moved_between_rank_counts_ends_where_an_uninterrupted_one_does(tmp_path):
     config = write_tiny_run(tmp_path)
     total = STEPS_PER_HOP * len(HOPS)
