@@ -4,7 +4,8 @@ Two kinds of task name:
 - a lomo_ds task with candidates (builtin, rte, the quality tasks...): written here as a harness task
   (YAML plus a JSONL of the run's own eval examples: the same records, prompts and candidates
   lomo_ds's evaluation scores), so the harness's figure can be set beside lomo_ds's;
-- any other name: a harness YAML task found under one of the `include` folders.
+- any other name: a harness YAML task found under one of the `include` folders (the harness's own
+  registry is not read: its tasks' data is on a hub).
 
 The harness scores a candidate by the sum of its tokens' log-probabilities (`acc`) and by that sum
 over the candidate's length in bytes (`acc_norm`); lomo_ds's evaluation takes the mean over tokens.
@@ -92,14 +93,16 @@ def write_task(run_cfg, out_dir: str) -> str:
 
 
 def resolve_tasks(tasks: Sequence[str], include: Sequence[str], written: str | None = None):
-    """A TaskManager that reads `include`, the folder lomo_ds `written` its tasks to, and the harness's
-    own registry; each task name is checked: one that no local folder holds and the harness does not
-    know is refused here."""
+    """A TaskManager that reads `include` and the folder lomo_ds `written` its tasks to; each task name
+    is checked: one that no local folder holds is refused here."""
     _, TaskManager = _lm_eval()
     for folder in include:
         if not os.path.isdir(folder):
             raise HarnessError(f"harness include folder {folder!r} does not exist")
-    manager = TaskManager(include_path=[*include, *([written] if written else [])] or None)
+    # Local folders only: the harness's own registry names thousands of tasks whose data is on a hub
+    # (indexing it costs seconds, and nothing here can fetch them).
+    folders = [*include, *([written] if written else [])]
+    manager = TaskManager(include_path=folders or None, include_defaults=False)
     known = set(manager.all_tasks)
     local = sorted(set(_local_names(include)))
     for name in tasks:

@@ -122,6 +122,7 @@ FILE_MB = 64
 SHUFFLE_BUFFER = 1000  # records: a small buffer, so that what the stream holds stays far below the file
 
 
+@pytest.mark.long  # writes and tokenizes 64 MB: LOMO_DS_LONG_TESTS=1 (CI)
 def test_streaming_a_file_does_not_hold_it_in_memory(tmp_path):
     """The 1 GB check's code (benchmarks/stream_memory.py) on a 64 MB file, read whole once: holding
     the file's records in memory (as loading it whole does) would grow the resident size by more
