@@ -214,3 +214,12 @@ def save_figure(fig, path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
+
+
+def status_kib(key: str) -> int:
+    """A /proc/self/status figure in KiB (VmRSS: resident now, VmHWM: its high-water mark)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {key}")

@@ -18,6 +18,8 @@ import os
 import sys
 import tempfile
 
+from benchmarks.common import status_kib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -38,12 +40,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- on each rank
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 class _Mark:
@@ -55,10 +51,10 @@ class _Mark:
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current resident size
-        self.base = _rss_kib("VmRSS")
+        self.base = status_kib("VmRSS")
 
     def peak_above(self) -> float:
-        return (_rss_kib("VmHWM") - self.base) / 1024
+        return (status_kib("VmHWM") - self.base) / 1024
 
 
 def _model(a):

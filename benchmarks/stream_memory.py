@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import status_kib
+
 WORDS = ("the cat sat on a mat while weather was lovely so we went out because it sunny review "
          "great terrible question answer found correct sentence meaning word pronoun refer dog").split()
 
@@ -63,12 +65,6 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def stream_file(path: str, records: int, batches: int | None = None, world: int = 2, micro: int = 4,
@@ -91,9 +87,9 @@ def stream_file(path: str, records: int, batches: int | None = None, world: int 
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     import datasets  # noqa: F401  counted, but apart: a fixed cost, whatever the file
-    imported = _status_kib("VmRSS")
+    imported = status_kib("VmRSS")
     t0 = time.perf_counter()
     n_batches = tokens = 0
     for batch in stream.global_micro_batches():
@@ -104,7 +100,7 @@ def stream_file(path: str, records: int, batches: int | None = None, world: int 
     seconds = time.perf_counter() - t0
     return {"file_mb": round(os.path.getsize(path) / 2**20, 1), "records": records,
             "records_read": stream.encoders[0].stats["read"], "global_micro_batches": n_batches, "tokens": tokens,
-            "rss_before_mb": round(base / 1024, 1), "rss_growth_mb": round((_status_kib("VmHWM") - base) / 1024, 1),
+            "rss_before_mb": round(base / 1024, 1), "rss_growth_mb": round((status_kib("VmHWM") - base) / 1024, 1),
             "of_which_import_datasets_mb": round((imported - base) / 1024, 1),
             "seconds": round(seconds, 1)}
 

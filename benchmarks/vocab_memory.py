@@ -30,6 +30,8 @@ import os
 import sys
 import weakref
 
+from benchmarks.common import status_kib
+
 MMAP_THRESHOLD = "65536"  # bytes: larger blocks are mmapped and unmapped on free (no dynamic threshold)
 
 
@@ -39,12 +41,6 @@ def _reexec_with_malloc_settings() -> None:
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.vocab_memory", *sys.argv[1:]], env)
 
 
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def _reset_high_water() -> None:
@@ -146,10 +142,10 @@ def measure(vocab: int, optimizer: str, hidden: int, layers: int, seq: int, upda
     for _ in range(2):  # warm-up: everything a step keeps for good is made
         engine.train_step(batch())
     step_batch = batch()
-    steady = _status_kib("VmRSS") * 1024
+    steady = status_kib("VmRSS") * 1024
     _reset_high_water()
     engine.train_step(step_batch)
-    step_extra = _status_kib("VmHWM") * 1024 - steady
+    step_extra = status_kib("VmHWM") * 1024 - steady
 
     counter = RegionCounter()
     saved = (sgd_mod.SGD.apply, adalomo_mod.AdaLomo.apply_bucket,

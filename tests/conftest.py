@@ -9,11 +9,6 @@ from filelock import FileLock
 
 from tests import ranks
 
-# The long checks (launch after launch: a run moved across rank counts, a second signal during a
-# checkpoint write) run where LOMO_DS_LONG_TESTS=1: in CI (.ci/run), not in a newcomer's `make test`,
-# whose six minutes on two cores they would pass.
-LONG = os.environ.get("LOMO_DS_LONG_TESTS") == "1"
-
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "ranks: the test starts several ranks itself")
@@ -21,7 +16,7 @@ def pytest_configure(config):
 
 
 def pytest_runtest_setup(item):
-    if item.get_closest_marker("long") and not LONG:
+    if item.get_closest_marker("long") and not ranks.LONG_TESTS:
         pytest.skip("a long check: LOMO_DS_LONG_TESTS=1 runs it (CI does)")
 
 

@@ -68,6 +68,11 @@ class Check:
         return self.key.split("/", 1)[1]
 
 
+# The long checks (launch after launch, or many runs in a launch) run where LOMO_DS_LONG_TESTS=1: in CI
+# (.ci/run), not in a newcomer's `make test`, whose six minutes on two cores they would pass. A long
+# multi-rank check is declared only where they run, so that no launch spends their time otherwise.
+LONG_TESTS = os.environ.get("LOMO_DS_LONG_TESTS") == "1"
+
 REGISTRY: dict[str, Check] = {}  # in declaration order
 _work_dir: str | None = None
 

@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 
 from tests.integrations import dist_hf_checks as H
-from tests.ranks import multi_rank_checks, ok
+from tests.ranks import LONG_TESTS, multi_rank_checks, ok
 
 TOL = 1e-5
 WORLDS = [1, 2]
@@ -27,7 +27,9 @@ EQUIVALENCE = multi_rank_checks(
     trainer_adalomo=lambda: H.check_equivalence("adalomo"),
 )
 # SFTTrainer, resume and trackers: on 2 ranks (the Trainer's own equivalence covers 1 and 2).
-sft, resume, jit = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume, jit_checkpoint=H.check_jit_checkpoint)
+sft, resume = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume)
+# enable_jit_checkpoint: three Trainer runs in the 2-rank launch, a long check (CI).
+jit = multi_rank_checks([2], jit_checkpoint=H.check_jit_checkpoint)[0] if LONG_TESTS else None
 # save_on_each_node with two nodes that share no storage; use_cpu on CPU ranks.
 each_node, use_cpu = multi_rank_checks([2], save_on_each_node=H.check_save_on_each_node,
                                        trainer_use_cpu=lambda: H.check_equivalence("lomo", use_cpu=True))
@@ -77,6 +79,7 @@ def test_resume_and_save_model(rank_results):
             "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
 
 
+@pytest.mark.long
 def test_jit_checkpoint_on_a_signal_saves_at_the_step_boundary_and_resumes_exactly(rank_results):
     r = ok(rank_results(2), jit)
     print(f"signalled run: exit {r['code']}, checkpoints {r['checkpoints']}; resumed vs uninterrupted "

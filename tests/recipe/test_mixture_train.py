@@ -9,12 +9,13 @@ import os
 import pathlib
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.data.test_mixture import write_sources
 from tests.helpers_data import chatml_tokenizer
-from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
+from tests.ranks import LONG_TESTS, ROOT, multi_rank, ok, run_here, work_dir
 from tests.tiny import tiny_llama_config
 
 STEPS, RESUME_AT = 6, 2
@@ -50,7 +51,6 @@ def write_mixture_runs(root: pathlib.Path) -> None:
         (root / f"{name}.json").write_text(json.dumps(cfg))
 
 
-@multi_rank(worlds=[2])
 def mixture_runs() -> dict:
     """Per variant: a straight run, then one resumed from the straight run's step-2 checkpoint alone."""
     from lomo_ds.recipe.train import main
@@ -78,6 +78,11 @@ def _metrics(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in open(path / "metrics.jsonl")]
 
 
+if LONG_TESTS:  # several runs of the training program in the 2-rank launch: a long check (CI)
+    mixture_runs = multi_rank(worlds=[2])(mixture_runs)
+
+
+@pytest.mark.long
 def test_a_resumed_mixture_run_sees_the_uninterrupted_runs_examples(rank_results):
     r = ok(rank_results(2), mixture_runs)
     root = pathlib.Path(r["root"])

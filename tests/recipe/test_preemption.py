@@ -22,16 +22,13 @@ from safetensors.torch import load_file
 
 from devkit.launch_local import local_ranks
 from lomo_ds.runtime.preemption import PREEMPTED_EXIT, UNSAVED_EXIT, Preemption
-from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
+from tests.ranks import LONG_TESTS, ROOT, multi_rank, ok, run_here, work_dir
 from tests.recipe.test_train import TRAIN_SCRIPT, logged_steps, run_train, train_args, write_tiny_run
 
 STEPS = 6
 # (optimizer, accumulation): SGD and AdaLomo, K = 1 and K = 2, each on 2 and on 3 ranks.
 MATRIX = [("sgd", 1), ("sgd", 2), ("adalomo", 1), ("adalomo", 2)]
-# Every (optimizer, K) on each rank count where LOMO_DS_LONG_TESTS=1 (CI); otherwise the whole matrix on
-# 2 ranks and half of it on 3 (one of each optimizer, each K once), for a newcomer's six minutes.
-LONG = os.environ.get("LOMO_DS_LONG_TESTS") == "1"
-ON = {2: MATRIX, 3: MATRIX if LONG else [("sgd", 2), ("adalomo", 1)]}
+
 
 
 def _args(root, out, optimizer, k):
@@ -76,7 +73,7 @@ def preempt_matrix() -> dict:
         write_tiny_run(base)
     torch.distributed.barrier()
     out = {}
-    for optimizer, k in ON[world]:
+    for optimizer, k in MATRIX:
         name = f"{optimizer}_k{k}"
         straight = run_here(main, _args(base, base / f"{name}_straight", optimizer, k))
         # A moment drawn at random: a step, a point within it (as a fraction of the straight run's
@@ -94,14 +91,15 @@ def preempt_matrix() -> dict:
     return out
 
 
-preempt_matrix = multi_rank(worlds=[2, 3])(preempt_matrix)
+# On 2 ranks in every suite; on 3 ranks too where the long checks run (CI).
+preempt_matrix = multi_rank(worlds=[2, 3] if LONG_TESTS else [2])(preempt_matrix)
 
 
 def _export(path) -> dict:
     return load_file(path / "hf_model" / "model.safetensors")
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.long)])
 def test_a_signal_at_a_random_moment_then_resume_gives_the_uninterrupted_weights(rank_results, world):
     r = ok(rank_results(world), preempt_matrix)
     for name, run in r.items():

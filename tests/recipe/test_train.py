@@ -18,7 +18,7 @@ from devkit.launch_local import local_ranks, run_local
 from lomo_ds.storage.checkpoint import export_hf
 from tests.helpers_data import byte_bpe_tokenizer
 from tests.host_memory import assert_checkpoint_and_export_host_memory, checkpoint_and_export_host_memory
-from tests.ranks import ROOT, multi_rank, multi_rank_checks, ok, run_here, work_dir
+from tests.ranks import LONG_TESTS, ROOT, multi_rank, multi_rank_checks, ok, run_here, work_dir
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -101,7 +101,7 @@ HARNESS_EXAMPLES = 40  # the final evaluation's examples, scored by the run and 
 # The end of the uninterrupted run, as a user's: with lm-eval, the harness on its export
 # (eval.harness_tasks), over the final evaluation's examples. Neither changes the training.
 HARNESS = (["--set", 'eval.harness_tasks=["builtin"]', "--set", f"data.eval_samples={HARNESS_EXAMPLES}"]
-           if HAVE_HARNESS else [])
+           if HAVE_HARNESS and LONG_TESTS else [])  # a long check (CI): a process of its own, a model load
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +169,7 @@ def test_killed_run_resumes_to_identical_parameters(tiny_run, straight_k3):
 
 
 @pytest.mark.ranks
+@pytest.mark.long
 @pytest.mark.skipif(not HAVE_HARNESS, reason="lm-eval not installed")
 def test_the_harness_on_the_export_agrees_with_the_runs_own_evaluation(tiny_run, straight_k3, capsys):
     """lm-evaluation-harness on the run's export, by the recipe option (eval.harness_tasks) and by
