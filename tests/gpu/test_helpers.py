@@ -33,7 +33,7 @@ from tests.gpu.compare import (
     summarize_dir,
     within_tolerance,
 )
-from tests.ranks import multi_rank_checks, ok
+from tests.ranks import LONG_TESTS, multi_rank_checks, ok
 
 
 def forced(check):
@@ -48,9 +48,12 @@ def forced(check):
 # each: a 1-rank launch's two threads fight over a loaded machine's cores on ops this small), forced
 # onto the bucket path as the GPU launch is: they prove the code runs end to end, not how fast it is.
 # One rank's one-rank reduce-scatter is the CPU suite's own (tests/comm/test_buckets.py).
+# A long check (CI, LOMO_DS_LONG_TESTS=1): they run the GPU launch's code tiny in the 2-rank launch, where
+# the CPU suite's own checks already cover the engine; a newcomer's six minutes leave them out.
+LAUNCH = [2] if LONG_TESTS else []
 (gpu_step_time, gpu_offload, gpu_bucket_path, gpu_evaluation, gpu_generation, gpu_offload_two_devices,
  gpu_offload_overlap, gpu_delayed_window_tail) = multi_rank_checks(
-    [2], gpu_step_time=lambda: timing_checks.check_step_time(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
+    LAUNCH, gpu_step_time=lambda: timing_checks.check_step_time(torch.device("cpu"), gpu_checks.STEP_MODEL["smoke"]),
     gpu_offload=lambda: gpu_checks.check_offload(pin=False),
     gpu_bucket_path=forced(gpu_checks.check_bucket_path), gpu_evaluation=forced(gpu_checks.check_evaluation),
     # 3 prompts (one generate call per rank) instead of the GPU's 7: the same code, a CPU's share.
@@ -67,7 +70,7 @@ def forced(check):
 # statistics made where the parameters are).
 BF16_CPU_CASES = [(1, "fp32", "fp32"), (2, "fp32", "fp32"), (4, "bf16", "bf16")]
 gpu_bf16_adalomo, gpu_trainer_bf16, gpu_dpo_on_device = multi_rank_checks(
-    [2], gpu_bf16_adalomo=forced(functools.partial(precision_checks.check_bf16_adalomo_accumulation,
+    LAUNCH, gpu_bf16_adalomo=forced(functools.partial(precision_checks.check_bf16_adalomo_accumulation,
                                                    torch.device("cpu"), BF16_CPU_CASES, windows=2)),
     gpu_trainer_bf16=functools.partial(integration_checks.trainer_bf16_adalomo, use_cpu=True),
     gpu_dpo_on_device=functools.partial(integration_checks.dpo_on_device, "adalomo"))
@@ -185,6 +188,7 @@ def test_summary_names_every_check(tmp_path):
         "steps: loss 2.000 -> 1.500; peak 1.000 GiB (model loading included), planner 0.500 GiB"
 
 
+@pytest.mark.long
 def test_new_checks_run_tiny_on_cpu(rank_results):
     """The step-time comparison (LOMO, the floor, DeepSpeed SGD) and the offload check, tiny, on
     the 2 gloo ranks of the CPU suite's launch."""
@@ -194,6 +198,7 @@ def test_new_checks_run_tiny_on_cpu(rank_results):
     assert all(len(t) == 2 and min(t) > 0 for t in step_time["times"].values())
 
 
+@pytest.mark.long
 def test_gpu_launchs_own_checks_run_tiny_on_cpu_ranks(rank_results):
     """The GPU launch's own checks on 2 gloo ranks, forced onto the bucket path as there: a
     reduce-scatter per bucket, evaluation and generation on the engine after a step equal to the
@@ -221,6 +226,7 @@ def test_gpu_launchs_own_checks_run_tiny_on_cpu_ranks(rank_results):
     assert "shards on ['cpu']" in text and "updates on it" in text
 
 
+@pytest.mark.long
 def test_delayed_window_tail_runs_tiny_on_cpu_ranks(rank_results):
     """The GPU suite's delayed-device accumulation check, tiny on 2 gloo ranks (no device to hold
     back here): the host accumulator's one-pass step with norm clipping equals SGD's."""
@@ -269,6 +275,7 @@ def test_step_time_bound_refuses_lomo_above_the_benchmarks_flag():
             assert_step_time(r)
 
 
+@pytest.mark.long
 def test_offload_overlap_figures_and_a_serialised_worker_refused(rank_results):
     """The overlap check on CPU ranks records the worker's busy time and the floor's backward (a CPU
     has nothing to overlap: its figures are not bounded here); its bound passes a worker that hides
@@ -285,6 +292,7 @@ def test_offload_overlap_figures_and_a_serialised_worker_refused(rank_results):
         assert_offload_overlapped(dict(r, applied=0))
 
 
+@pytest.mark.long
 def test_bf16_adalomo_check_tells_a_micro_batch_added_twice(rank_results):
     """The bf16 AdaLomo check runs on CPU ranks, and its bound bites on real figures: the reference
     with the window's last micro-batch counted twice (an accumulator that adds it again) is many
@@ -299,6 +307,7 @@ def test_bf16_adalomo_check_tells_a_micro_batch_added_twice(rank_results):
                 assert_bf16_adalomo_case(dict(c, ulps=c["ulps_last_doubled"]), k)
 
 
+@pytest.mark.long
 def test_bf16_adalomo_is_its_reference_to_one_ulp_on_cpu_ranks(rank_results):
     """The same bound as on GPUs, on 2 gloo ranks (issue 48, finding 1). With the engine of 9e51f15
     (gradient chunks read as views and overwritten) K = 1 reduced in fp32 was 496 ulps away and
@@ -345,6 +354,7 @@ def test_chunked_loss_check_runs_and_refuses_a_per_chunk_bf16_sum():
         assert_chunked_loss_precise({**r, "chunks": {**r["chunks"], "32": {**r["chunks"]["32"], "dw_rel": old}}})
 
 
+@pytest.mark.long
 def test_trainer_bf16_adalomo_near_fp32_masters_on_cpu_ranks(rank_results):
     """TrainingArguments(optim="adalomo", bf16=True, gradient_accumulation_steps=4) against fp32
     masters on 2 gloo ranks (use_cpu). With the engine of 9e51f15 it was 494 ulps away after 3 steps
@@ -356,6 +366,7 @@ def test_trainer_bf16_adalomo_near_fp32_masters_on_cpu_ranks(rank_results):
         assert_trainer_bf16_near_masters(dict(r, ulps=494.0))
 
 
+@pytest.mark.long
 def test_dpo_with_its_reference_on_the_trainers_device_runs_on_cpu_ranks(rank_results):
     """The GPU launch's DPO check (the CPU suite's, its reference model and batches moved to the
     trainer's device, AdaLomo's statistics made there), here on the CPU: the reference's result."""
