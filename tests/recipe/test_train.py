@@ -472,7 +472,8 @@ SLOW_WRITE_S = 12  # each of rank 0's export files and checkpoint seals takes th
 SHORT_TIMEOUT_S = 8  # the collectives' timeout once the ranks are up: shorter than one write
 
 
-@multi_rank(worlds=[2])
+# Seconds of deliberately slow writes in the 2-rank launch: a long check (CI, LOMO_DS_LONG_TESTS=1).
+@multi_rank(worlds=[2] if LONG_TESTS else [])
 def slow_io_run() -> dict:
     """The training program on the 2-rank launch, its collectives timing out after 8 s while each of
     rank 0's export files and checkpoint seals takes 12 s to write (tests/slow_io_run.py)."""
@@ -494,6 +495,7 @@ def slow_io_run() -> dict:
     return {"rc": run["rc"], "out": str(out), "built_whole_after": all(p.numel() > 0 for p in after.parameters())}
 
 
+@pytest.mark.long
 def test_slow_checkpoint_and_export_writes_outlast_the_collective_timeout(rank_results):
     """A 2-rank run whose collectives time out after 8 s, while each of rank 0's export files and
     checkpoint seals takes 12 s to write (a slow disk; a 65B export at 200 MB/s is 11 minutes): the
