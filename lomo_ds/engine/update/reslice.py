@@ -54,7 +54,8 @@ def _piece(olds: Sequence[dict], path: tuple, numel: int, start: int, stop: int,
            dtype: torch.dtype) -> torch.Tensor:
     """Elements [start, stop) of the flat parameter, gathered from the old ranks' pieces, in a
     tensor of `length` (zeros past stop - start, as a shard's padding)."""
-    out = torch.zeros(length, dtype=dtype)
+    # On the host, as the files' tensors are: the load copies it into the shard wherever that lives.
+    out = torch.zeros(length, dtype=dtype, device="cpu")
     world = len(olds)
     part = math.ceil(numel / world)
     for r in range(start // part if part else 0, world):
