@@ -16,9 +16,10 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lomo_ds
-from lomo_ds.methods.base import load_rank_state, rank_state_file
+from lomo_ds.methods.lomo import load_engine_state
 from lomo_ds.runtime import ds_compat
-from lomo_ds.storage.checkpoint import export_hf, write_atomic
+from lomo_ds.storage.checkpoint import export_hf
+from lomo_ds.storage.engine_state import save_engine_state
 from tests.tiny import global_batch
 
 
@@ -162,11 +163,11 @@ def _measure_checkpoint_and_export(root: str) -> dict:
     os.makedirs(ckpt, exist_ok=True)
     gc.collect()
     with AnonPeak() as probe:  # as LOMO's save_state writes it
-        write_atomic(rank_state_file(ckpt, engine.rank), lambda f: torch.save(engine.shard_state_dict(), f))
+        save_engine_state(ckpt, engine.shard_state_dict(), 600.0)
     out["save"] = probe.above_start
     gc.collect()
     with AnonPeak() as probe:  # as LOMO's load_state reads it
-        engine.load_shard_state_dict(load_rank_state(ckpt, engine.rank))
+        engine.load_shard_state_dict(load_engine_state(engine, ckpt, 600.0))
     out["load"] = probe.above_start
     return out
 

@@ -131,9 +131,9 @@ FIELDS: list[Field] = [
     Field("activation_checkpointing_kwargs", SUPPORTED, "as the Trainer"),
     Field("torch_empty_cache_steps", SUPPORTED, "as the Trainer: the device cache emptied every N steps"),
     # ------------------------------------------------------------------ checkpointing
-    Field("save_strategy", SUPPORTED, "a checkpoint holds the model as save_model writes it, every rank's shard "
-                                      "state (rank_NNNNN.pt: its shards, step, AdaLomo's state), the "
-                                      "scheduler, RNG and Trainer state"),
+    Field("save_strategy", SUPPORTED, "a checkpoint holds the model as save_model writes it, the engine's "
+                                      "state (engine_state/: the shards, step, AdaLomo's state; resumable on "
+                                      "any rank count), the scheduler, RNG and Trainer state"),
     Field("save_steps", SUPPORTED, "as the Trainer"),
     Field("save_total_limit", SUPPORTED, "the Trainer's rotation of checkpoint folders"),
     Field("save_only_model", SUPPORTED, "no shard state is written: such a checkpoint loads with from_pretrained "

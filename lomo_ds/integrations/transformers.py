@@ -47,11 +47,11 @@ from lomo_ds.integrations.training_args import (
     mapped_values,
     merge_mapped,
 )
-from lomo_ds.methods.base import save_rank_state
 from lomo_ds.methods.lomo import load_engine_state
 from lomo_ds.runtime.dist import io_barrier, label_tokens
 from lomo_ds.runtime.preemption import PREEMPTED_EXIT
 from lomo_ds.storage.checkpoint import IO_TIMEOUT_S, write_atomic, write_hf_model
+from lomo_ds.storage.engine_state import save_engine_state
 
 
 def _without_auto(config):
@@ -331,7 +331,10 @@ class LomoTrainerMixin:
 
         engine = self.lomo_engine
         os.makedirs(output_dir, exist_ok=True)
-        save_rank_state(output_dir, engine.rank, {"lomo": engine.shard_state_dict()})  # the recipe's file
+        # The recipe's layout (storage/engine_state.py). With save_on_each_node every node's saving
+        # rank writes the metadata beside its ranks' pieces, on a disk no other node shares.
+        save_engine_state(output_dir, engine.shard_state_dict(), IO_TIMEOUT_S,
+                          every_node=self.args.save_on_each_node and self.args.should_save)
         if self.args.should_save:
             write_atomic(os.path.join(output_dir, SCHEDULER_NAME),
                          lambda f: torch.save(self.lr_scheduler.state_dict(), f))
@@ -349,5 +352,5 @@ class LomoTrainerMixin:
             state = load_engine_state(engine, checkpoint)  # written by any rank count
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{e}: no LOMO shard state (written with save_only_model?)") from None
-        engine.load_shard_state_dict(state["lomo"])
+        engine.load_shard_state_dict(state)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))

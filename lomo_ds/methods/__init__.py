@@ -31,7 +31,9 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
     if method not in METHODS:
         raise ValueError(f"train.method: expected one of {list(METHODS)}, got {method!r}")
     if method == "lomo":
-        return LomoMethodEngine(model, cfg.ds, cfg.engine, total_steps, cfg.precision)
+        engine = LomoMethodEngine(model, cfg.ds, cfg.engine, total_steps, cfg.precision)
+        engine.io_timeout = cfg.output.io_timeout  # its checkpoint's collectives wait on disks
+        return engine
     if method == "zero_shot":
         return ZeroShotEngine(model, cfg.ds, param_gather=cfg.comm.param_gather)
     train = cfg.train
@@ -46,7 +48,9 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module, total_steps: int) -> En
         return DeepSpeedOptimizerEngine(model, cfg.ds, method, "adamw", lr=train.optimizer_lr,
                                         clip=train.clip_grad_norm, total_steps=total_steps, warmup_steps=warmup,
                                         weight_decay=train.weight_decay, param_gather=cfg.comm.param_gather)
-    return LoraLomoEngine(model, cfg.ds, cfg.engine, total_steps, lora_lr=train.optimizer_lr, warmup_steps=warmup,
-                          lora_weight_decay=train.weight_decay, precision=cfg.precision)
+    engine = LoraLomoEngine(model, cfg.ds, cfg.engine, total_steps, lora_lr=train.optimizer_lr, warmup_steps=warmup,
+                            lora_weight_decay=train.weight_decay, precision=cfg.precision)
+    engine.io_timeout = cfg.output.io_timeout
+    return engine
 
 __all__ = ["METHODS", "Engine", "MethodEngine", "build_engine"]

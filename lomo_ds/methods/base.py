@@ -7,12 +7,12 @@
     engine.load_state(directory)  # collective: every rank reads its part back
     engine.supports_resume        # whether save_state/load_state exist for this method
 
-A method whose engine keeps per-rank state (LOMO, LoRA+LOMO) writes one file per rank,
-`rank_NNNNN.pt` (save_rank_state), holding a dict: `"lomo"` is LomoEngine.shard_state_dict() (the
-rank's shards, fp32 masters, the update rule's state, the step counters), beside any entries of the
-method's own. The Trainer integration (lomo_ds.integrations.transformers) writes the same file;
-load_rank_state also reads the name and layout it wrote before, `lomo_rank_NNNNN.pt` holding the
-engine's state alone.
+LOMO's engines (LOMO, LoRA+LOMO) write their engine's state (LomoEngine.shard_state_dict(): the
+rank's shards, fp32 masters, the update rule's state, the step counters) into the checkpoint's
+`engine_state/` (lomo_ds.storage.engine_state: torch.distributed.checkpoint's layout, resumable on
+any rank count); what a method adds (LoRA+LOMO's adapters and their optimizer) goes into one file
+per rank, `rank_NNNNN.pt` (save_rank_state). load_rank_state also reads what the Trainer
+integration wrote before, `lomo_rank_NNNNN.pt` holding the engine's state alone.
 
 Resume goes through a directory rather than a state dict because DeepSpeed's own optimizers
 checkpoint themselves (`save_checkpoint` writes its files into a directory); lomo_ds.storage.checkpoint

@@ -7,30 +7,26 @@ import torch
 
 from lomo_ds.config.lomo import EngineConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
-from lomo_ds.engine.update.reslice import reslice
-from lomo_ds.engine.update.shard import check_shapes
 from lomo_ds.methods.base import MethodEngine, load_rank_state, save_rank_state
-from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.memory import MemoryTracker
+from lomo_ds.storage.checkpoint import IO_TIMEOUT_S
+from lomo_ds.storage.engine_state import has_state, read_engine_state, save_engine_state
 
 
-def load_engine_state(engine: LomoEngine, directory: str) -> dict[str, Any]:
-    """This rank's rank-state file from `directory`, written by this rank count or by any other: the
-    shards cut again for this one (engine/update/reslice.py), the rest as rank 0 wrote it. The
-    recipe's and the Trainer's resume both read through here."""
-    # This rank's own file first: with save_on_each_node a node's folder holds its own ranks' alone.
-    try:
-        mine = load_rank_state(directory, engine.rank)
-    except FileNotFoundError:
-        mine = None  # a rank the writing run did not have
-    if mine is not None and mine["lomo"]["world"] == engine.world:
-        return mine
-    written = (mine or load_rank_state(directory, 0))["lomo"]["world"]
-    files = [load_rank_state(directory, r) for r in range(written)]
-    check_shapes(files[0]["lomo"], engine.module)  # before any range is read for this model
-    numels = {n: ds_compat.full_numel(p) for n, p in engine.module.named_parameters()}
-    return {**files[0], "lomo": reslice([f["lomo"] for f in files], engine.shard_state_dict(), numels,
-                                        engine.world, engine.rank)}
+def load_engine_state(engine: LomoEngine, directory: str, io_timeout: float = IO_TIMEOUT_S) -> dict[str, Any]:
+    """The engine's state in `directory` for this rank (shard_state_dict's layout), written by this
+    rank count or any other (torch.distributed.checkpoint's layout, storage/engine_state.py); or a
+    rank file of the layout before it, on the rank count that wrote it. The recipe's and the
+    Trainer's resume both read through here."""
+    if has_state(directory):
+        def check(state):  # another model's, or one the run's settings cannot take: before any read
+            engine.updater.check_state(state, engine.module, engine.params)
+        return read_engine_state(directory, engine.shard_state_dict(), check, io_timeout)
+    state = load_rank_state(directory, engine.rank)["lomo"]
+    if state["world"] != engine.world:
+        raise ValueError(f"{directory}: rank files of {state['world']} ranks (written before {directory}/"
+                         f"engine_state existed) resume on {state['world']} ranks only, this run has {engine.world}")
+    return state
 
 
 class LomoMethodEngine(MethodEngine):
@@ -66,7 +62,12 @@ class LomoMethodEngine(MethodEngine):
     def full_state_dict(self):
         return self.engine.full_state_dict()
 
-    # ----------------------------------------------------------------- resume: one file per rank
+    # ----------------------------------------------------------------- resume
+    # The engine's state goes into the checkpoint's engine_state/ (any rank count resumes it); what
+    # a subclass adds to state_dict (LoRA+LOMO's adapters and their optimizer, the same on every
+    # rank) into this rank's rank file, which a rank the writing run did not have reads from rank 0's.
+    io_timeout = IO_TIMEOUT_S  # output.io_timeout where the recipe builds the engine
+
     def state_dict(self) -> dict[str, Any]:
         return {"lomo": self.engine.shard_state_dict()}
 
@@ -74,10 +75,19 @@ class LomoMethodEngine(MethodEngine):
         self.engine.load_shard_state_dict(state["lomo"])
 
     def save_state(self, directory: str) -> None:
-        save_rank_state(directory, self.rank, self.state_dict())
+        state = self.state_dict()
+        save_engine_state(directory, state.pop("lomo"), self.io_timeout)
+        if state:
+            save_rank_state(directory, self.rank, state)
 
     def load_state(self, directory: str) -> None:
-        self.load_state_dict(load_engine_state(self.engine, directory))
+        state = {"lomo": load_engine_state(self.engine, directory, self.io_timeout)}
+        if set(self.state_dict()) - {"lomo"}:
+            try:
+                state.update(load_rank_state(directory, self.rank))
+            except FileNotFoundError:
+                state.update(load_rank_state(directory, 0))  # a rank the writing run did not have
+        self.load_state_dict(state)
 
     # ----------------------------------------------------------------- memory accounting
     def _make_tracker(self) -> MemoryTracker:

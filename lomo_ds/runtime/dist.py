@@ -39,19 +39,25 @@ def init_distributed(timeout_s: float | None = None) -> None:
 _IO_GROUPS: dict[float, object] = {}
 
 
-def io_barrier(timeout_s: float) -> None:
-    """Collective: wait for every rank where some rank may spend long on disk (a checkpoint's or an
-    export's files), through a gloo group of its own whose timeout is `timeout_s` (output.io_timeout),
-    not train.collective_timeout: a slow disk must not look like a dead peer to NCCL's watchdog,
-    which would kill the job after training with its export half-written. No NCCL collective is in
-    flight while a rank waits here. The group is made on first use, by every rank at the same call."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return
+def io_group(timeout_s: float):
+    """Collective on first use (every rank at the same call): a gloo group of every rank whose
+    timeout is `timeout_s` (output.io_timeout), for the waits on disk writes and the checkpoint's
+    own planning, whose tensors are host tensors."""
     group = _IO_GROUPS.get(timeout_s)
     if group is None:
         group = _IO_GROUPS[timeout_s] = torch.distributed.new_group(backend="gloo",
                                                                      timeout=timedelta(seconds=timeout_s))
-    torch.distributed.barrier(group=group)
+    return group
+
+
+def io_barrier(timeout_s: float) -> None:
+    """Collective: wait for every rank where some rank may spend long on disk (a checkpoint's or an
+    export's files), through io_group(timeout_s), not train.collective_timeout: a slow disk must not
+    look like a dead peer to NCCL's watchdog, which would kill the job after training with its
+    export half-written. No NCCL collective is in flight while a rank waits here."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return
+    torch.distributed.barrier(group=io_group(timeout_s))
 
 
 def loss_of(outputs) -> torch.Tensor:

@@ -2,8 +2,9 @@
 (sharded safetensors with an index).
 
 Layout under <output.dir>/checkpoints/:
-    step_00000040/...                 the engine's own files (engine.save_state: LOMO's rank_00000.pt
-                                      shards + step state, DeepSpeed's checkpoint for its optimizers)
+    step_00000040/...                 the engine's own files (engine.save_state: LOMO's engine_state/,
+                                      storage/engine_state.py, resumable on any rank count; DeepSpeed's
+                                      checkpoint for its optimizers)
     step_00000040/rng_00000.pt ...    each rank's random state (CPU and device)
     step_00000040/meta.json           written last: world size, step, data position, config
     latest                            the name of the newest complete checkpoint

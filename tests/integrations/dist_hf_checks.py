@@ -297,10 +297,11 @@ def check_resume(optim: str = "adalomo") -> dict:
     trainer, whole = run(whole_dir)
     saved = os.path.join(whole_dir, "final")
     trainer.save_model(saved)
-    _, stopped = run(cut_dir, callbacks=[StopAt()])
+    stopper, stopped = run(cut_dir, callbacks=[StopAt()])
     checkpoint = os.path.join(cut_dir, "checkpoint-2")
     files = sorted(os.listdir(checkpoint))
-    _as_old_trainer_state(checkpoint)  # (save_on_each_node's check resumes from the file as written)
+    # (save_on_each_node's check resumes from the files as written)
+    _as_old_trainer_state(stopper.lomo_engine, checkpoint)
     _, resumed = run(cut_dir, resume=checkpoint)
     if whole is None:
         return None
@@ -351,16 +352,23 @@ def check_jit_checkpoint(optim: str = "adalomo") -> dict:
             "resumed_vs_whole": diff(resumed, whole)}
 
 
-def _as_old_trainer_state(checkpoint: str) -> None:
-    """Turn this rank's state file into what the Trainer integration wrote before it shared the
-    recipe's: `lomo_rank_NNNNN.pt`, the engine's state alone. Such a checkpoint must still resume."""
-    from lomo_ds.methods.base import OLD_TRAINER_STATE, rank_state_file
+def _as_old_trainer_state(engine, checkpoint: str) -> None:
+    """Turn the checkpoint's engine state into what the Trainer integration wrote before it shared
+    the recipe's: `lomo_rank_NNNNN.pt` on each rank, the engine's state alone. Such a checkpoint
+    must still resume (on the rank count that wrote it)."""
+    import shutil
 
-    rank = torch.distributed.get_rank()
-    path = rank_state_file(checkpoint, rank)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    torch.save(state["lomo"], os.path.join(checkpoint, OLD_TRAINER_STATE.format(rank)))
-    os.remove(path)
+    from lomo_ds.methods.base import OLD_TRAINER_STATE
+    from lomo_ds.methods.lomo import load_engine_state
+    from lomo_ds.runtime.dist import io_barrier
+    from lomo_ds.storage.engine_state import state_dir
+
+    state = load_engine_state(engine, checkpoint)
+    torch.save(state, os.path.join(checkpoint, OLD_TRAINER_STATE.format(torch.distributed.get_rank())))
+    io_barrier(60.0)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(state_dir(checkpoint))
+    io_barrier(60.0)
 
 
 def check_save_on_each_node(optim: str = "adalomo") -> dict:

@@ -75,7 +75,7 @@ def test_resume_and_save_model(rank_results):
     assert r["resumed_vs_whole"] == 0.0
     assert r["stopped_vs_whole"] > 1e-4  # the stopped run is really behind: the resume did the rest
     assert r["from_pretrained_vs_trained"] == 0.0
-    assert {"rank_00000.pt", "rank_00001.pt", "scheduler.pt", "trainer_state.json",
+    assert {"engine_state", "scheduler.pt", "trainer_state.json",
             "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
 
 
@@ -92,8 +92,9 @@ def test_jit_checkpoint_on_a_signal_saves_at_the_step_boundary_and_resumes_exact
 
 def test_save_on_each_node_without_shared_storage(rank_results):
     """Two nodes of one rank each, each writing into a folder of its own: both folders hold a whole
-    checkpoint (the model from_pretrained loads, the node's own shard state, the scheduler, the
-    Trainer state), and each node resumes from its own folder alone.
+    checkpoint (the model from_pretrained loads, the engine state: its metadata, the node's own
+    pieces and what every rank holds the same, the scheduler, the Trainer state), and each node
+    resumes from its own folder alone.
 
     Revert checked: with the folder made and the model written on rank 0 only, rank 1 (its node's
     saving rank) fails writing training_args.bin into a folder that does not exist on its disk;
@@ -103,7 +104,7 @@ def test_save_on_each_node_without_shared_storage(rank_results):
     print(f"save_on_each_node: {r['checkpoint_files']}; resumed vs uninterrupted {r['resumed_vs_whole']:.2e}")
     assert r["should_save"] == [True, True]
     for rank, files in enumerate(r["checkpoint_files"]):
-        assert {f"rank_{rank:05d}.pt", f"rng_state_{rank}.pth", "scheduler.pt", "trainer_state.json",
+        assert {"engine_state", f"rng_state_{rank}.pth", "scheduler.pt", "trainer_state.json",
                 "training_args.bin", "model.safetensors", "config.json"} <= set(files), (rank, files)
     assert r["from_pretrained_vs_trained"] == [0.0, 0.0]
     assert r["resumed_vs_whole"] == 0.0

@@ -2,8 +2,8 @@
 ranks, resumed on 3, then 2, 1, 4 and 1 again, the global batch kept at 12 examples a step
 (micro-batches of 6, 4, 6, 12, 3, 12), ends within 1e-6 of an uninterrupted run, AdaLomo's state
 cut again at every move. Then a checkpoint of another model is refused by name. A long check (seven
-launches; LOMO_DS_LONG_TESTS=1, as CI runs it). Where each element goes for every N -> M of 1-4 is
-tests/engine/test_reslice.py's, in every suite."""
+launches; LOMO_DS_LONG_TESTS=1, as CI runs it). Where each element goes for every N -> M of 1-3 is
+tests/storage/test_engine_state.py's, in every suite."""
 import json
 
 import pytest

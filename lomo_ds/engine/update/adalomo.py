@@ -452,14 +452,18 @@ class AdaLomo:
         return {self.names[i]: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in s.items()}
                 for i, s in self.state.items()}
 
-    def load_state_dict(self, state: dict[str, dict[str, Any]] | None) -> None:
+    def check_state(self, state: dict[str, dict[str, Any]] | None) -> None:
         if not state:
             raise ValueError("checkpoint shard has no AdaLomo state (written with lomo.optimizer 'sgd'); "
                              "resume with the optimizer it was written with")
-        by_name = {name: i for i, name in self.names.items()}
-        if set(state) != set(by_name):
-            missing, extra = sorted(set(by_name) - set(state)), sorted(set(state) - set(by_name))
+        by_name = set(self.names.values())
+        if set(state) != by_name:
+            missing, extra = sorted(by_name - set(state)), sorted(set(state) - by_name)
             raise ValueError(f"AdaLomo state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]] | None) -> None:
+        self.check_state(state)
+        by_name = {name: i for i, name in self.names.items()}
         for name, saved in state.items():
             mine = self.state[by_name[name]]
             for key, value in saved.items():

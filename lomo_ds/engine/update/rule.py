@@ -95,9 +95,12 @@ class Rule(Protocol):
     def state_dict(self) -> dict[str, Any] | None:
         """The rule's resumable state on this rank (None: it has none)."""
 
+    def check_state(self, state: dict[str, Any] | None) -> None:
+        """Refuse, naming the setting, a state written by another rule or for another model: from
+        its keys alone (its tensors may not be read yet)."""
+
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore what state_dict gave (the shards are written by the same load); refuses, naming
-        the setting, a state written by another rule."""
+        """Restore what state_dict gave (the shards are written by the same load), after check_state."""
 
     def state_bytes(self) -> int:
         """Bytes of state the rule holds on this rank."""

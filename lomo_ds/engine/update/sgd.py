@@ -57,8 +57,11 @@ class SGD:
     def state_dict(self) -> None:
         return None
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    def check_state(self, state: dict[str, Any] | None) -> None:
         return None  # a checkpoint written by AdaLomo resumes as SGD: its moments are not needed
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        return None
 
     def state_bytes(self) -> int:
         return 0

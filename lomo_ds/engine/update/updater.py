@@ -79,9 +79,15 @@ class ShardUpdater:
         state (under the name checkpoints have always given it; None for SGD)."""
         return {**self.shard.state_dict(module, params), "adalomo": self.rule.state_dict()}
 
+    def check_state(self, state: dict[str, Any], module: torch.nn.Module, params: list) -> None:
+        """Every refusal of a state (another model's, another rule's), from its names and shapes
+        alone: a load that reads the tensors in place calls it before reading any."""
+        self.shard.check_state(state, module, params)
+        self.rule.check_state(state.get("adalomo"))
+
     def load_state_dict(self, state: dict[str, Any], module: torch.nn.Module, params: list) -> None:
         """Every refusal of the shards comes before anything is written."""
-        self.shard.check_state(state, module, params)
+        self.check_state(state, module, params)
         self.rule.load_state_dict(state.get("adalomo"))
         self.shard.load_state_dict(state, module)
 
