@@ -18,6 +18,7 @@ from lomo_ds.planning.specs import (
     ZERO_FIELDS,
     ModelSpec,
     RunSpec,
+    attention_of,
     llama_spec,
 )
 
@@ -76,7 +77,9 @@ def run_spec_for(cfg) -> RunSpec:
                    accumulation=cfg.train.accumulation_steps, accumulate_dtype=cfg.memory.accumulate_dtype,
                    accumulate_on_host=cfg.memory.accumulate_on == "cpu", update_chunk=cfg.memory.update_chunk_elements,
                    chunked_loss=cfg.memory.chunked_loss != "off", loss_chunk=cfg.memory.loss_chunk_logits,
-                   two_pass=cfg.memory.two_pass_mode if two_backwards(cfg, ds["dtype"]) else None)
+                   two_pass=cfg.memory.two_pass_mode if two_backwards(cfg, ds["dtype"]) else None,
+                   attn=attention_of(cfg.model.attn_implementation), tiled_mlp=cfg.memory.tiled_mlp,
+                   mlp_tiles=cfg.memory.mlp_tiles, offload_checkpoints=cfg.memory.offload_checkpoints)
 
 
 def two_backwards(cfg, dtype: str) -> bool:
