@@ -116,7 +116,10 @@ def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
     T, b, h = run.tokens, run.b, m.hidden
     # Every position labelled: the bound for packed chat; the recipe's forward computes the head
     # only from the first labelled position on (keep_labelled_logits).
-    head = T * h * (4 + b) + loss_saved_bytes(m, run) + 2 * run.local_seq * m.d * b
+    # the rotary cos/sin are saved by the layers that use them: not by checkpointed ones (their
+    # forward keeps no graph)
+    rotary = 0 if run.checkpointing else 2 * run.local_seq * m.d * b
+    head = T * h * (4 + b) + loss_saved_bytes(m, run) + rotary
     layer = recomputed_layer_bytes(m, run)
     # The chunked loss's logits exist one chunk at a time, in its forward and in its backward
     # (before any layer is recomputed).

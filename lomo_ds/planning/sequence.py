@@ -15,10 +15,12 @@ With T = micro-batch x seq / sp positions on each rank (RunSpec.tokens), per dec
   the same number of elements as its T positions for H heads.
   norms (sdpa/flash) 2 T (h (4 + 2 b) + 4): each RMSNorm's fp32 input, its inverse RMS, the normalised
       input in the model dtype and the weighted output.
-  MLP  4 T f b (gate, silu(gate), up, their product); tiled: only the layer's input, which the
-      norm keeps already, and in the backward one tile's 4 (T / tiles) f b with the fp32-free
-      gradient of the input it fills, T h b (deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP).
-      tiles: memory.mlp_tiles, or ceil(seq / sp / h) as DeepSpeed's example picks.
+  MLP  4 T f b saved (gate, silu(gate), up, their product), whose gradients in the backward take
+      the place of what it frees. Tiled (deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP):
+      nothing saved but the layer's input, which the norm keeps already; in the backward the
+      input's gradient it fills, T h b, and one tile recomputed and back-propagated,
+      (T / tiles) (6 f + h) b. tiles: memory.mlp_tiles, or ceil(seq / sp / h) as DeepSpeed's
+      example picks.
   checkpointed inputs L T h b; offloaded (memory.offload_checkpoints) they are in host RAM (pinned,
       L T h b per rank) and the GPU holds two layers' inputs (one on its way out, one coming back).
 """
@@ -67,12 +69,18 @@ def mlp_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
     return 0 if run.tiled_mlp else 4 * run.tokens * mlp_width(m) * run.b
 
 
-def mlp_tile_bytes(m: ModelSpec, run: RunSpec) -> int:
-    """The tiled MLP's backward: one tile recomputed with its graph, and the input's gradient it fills."""
-    if not run.tiled_mlp or not mlp_width(m):
+def mlp_backward_bytes(m: ModelSpec, run: RunSpec) -> int:
+    """What the MLP's backward holds beyond the layer's saved tensors (measured on CPU,
+    tests/planning/test_sequence_memory.py). Untiled: nothing counted (the gradients of its
+    intermediates take the place of the saved intermediates it frees: the planner's step peaks are
+    checked so, tests/planning/test_planner.py). Tiled: nothing saved is freed, so all of it: the
+    input's gradient it fills (T h b), and one tile recomputed with its graph and back-propagated:
+    its four intermediates, their gradients and the tile's input gradient, (T / tiles) (6 f + h) b."""
+    f = mlp_width(m)
+    if not f or not run.tiled_mlp:
         return 0
     tile = math.ceil(run.local_seq / mlp_tiles(m, run)) * run.batch
-    return 4 * tile * mlp_width(m) * run.b + run.tokens * m.hidden * run.b
+    return run.tokens * m.hidden * run.b + tile * (6 * f + m.hidden) * run.b
 
 
 def attention_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
@@ -101,9 +109,9 @@ def ulysses_bytes(m: ModelSpec, run: RunSpec) -> int:
 
 
 def layer_transient_bytes(m: ModelSpec, run: RunSpec) -> int:
-    """What one layer holds beyond its saved tensors while its backward runs: the tiled MLP's tile
+    """What one layer holds beyond its saved tensors while its backward runs: the MLP's backward
     and the Ulysses buffers (not both at once: the MLP runs after the attention)."""
-    return max(mlp_tile_bytes(m, run), ulysses_bytes(m, run))
+    return max(mlp_backward_bytes(m, run), ulysses_bytes(m, run))
 
 
 def checkpoint_bytes(m: ModelSpec, run: RunSpec) -> tuple[int, int]:
@@ -121,7 +129,7 @@ def sequence_terms(m: ModelSpec, run: RunSpec) -> dict[str, int]:
            "attention saved per layer": attention_saved_bytes(m, run) if run.attn != "eager" else 0,
            "eager S x S scores per layer": eager_scores_bytes(m, run) if run.attn == "eager" else 0,
            "MLP saved per layer": mlp_saved_bytes(m, run),
-           "MLP tile (backward)": mlp_tile_bytes(m, run),
+           "MLP backward (tiled: one tile's)": mlp_backward_bytes(m, run),
            "Ulysses all-to-all buffers": ulysses_bytes(m, run),
            "checkpointed inputs on the GPU": on_gpu if run.checkpointing else 0,
            "checkpointed inputs in host RAM per rank": on_host}

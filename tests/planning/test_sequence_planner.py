@@ -13,7 +13,7 @@ from lomo_ds.planning import planner as P
 from lomo_ds.planning.sequence import (
     attention_saved_bytes,
     checkpoint_bytes,
-    mlp_tile_bytes,
+    mlp_backward_bytes,
     mlp_tiles,
     sequence_terms,
     ulysses_bytes,
@@ -71,7 +71,8 @@ def test_tiles_and_offloaded_checkpoints():
     m = _spec("Llama-3.1-8B")
     run = P.run_spec(seq=32768, tiled_mlp=True)
     assert mlp_tiles(m, run) == 8  # ceil(32768 / 4096), DeepSpeed's choice
-    assert mlp_tile_bytes(m, run) == 4 * 4096 * m.intermediate * 2 + 32768 * m.hidden * 2
+    assert mlp_backward_bytes(m, run) == 32768 * m.hidden * 2 + 4096 * (6 * m.intermediate + m.hidden) * 2
+    assert mlp_backward_bytes(m, replace(run, tiled_mlp=False)) == 0
     assert mlp_tiles(m, replace(run, mlp_tiles=32)) == 32
     assert sequence_terms(m, run)["MLP saved per layer"] == 0
     off = replace(run, offload_checkpoints=True)
