@@ -69,6 +69,19 @@ def _add_plan(sub) -> None:
                    help="memory.offload_checkpoints: the checkpointed layer inputs in host RAM")
     p.add_argument("--long-context", metavar="MODELS_DIR", default=None,
                    help="the long-context goals table (docs/memory.md) for the config.json files of MODELS_DIR")
+    p.add_argument("--grpo", action="store_true",
+                   help="plan GRPO (TRL's GRPOTrainer, lomo_ds.planning.grpo) for --model: training, generation "
+                        "and reference memory for LOMO, AdaLomo and AdamW")
+    p.add_argument("--prompt", type=int, default=512, help="--grpo: max_prompt_length (default 512)")
+    p.add_argument("--completion", type=int, default=1024, help="--grpo: max_completion_length (default 1024)")
+    p.add_argument("--generations", type=int, default=8, help="--grpo: num_generations (default 8)")
+    p.add_argument("--grpo-batch", type=int, default=1,
+                   help="--grpo: per_device_train_batch_size, completions per micro-batch (default 1)")
+    p.add_argument("--steps-per-generation", type=int, default=None,
+                   help="--grpo: micro-batches per generation batch (default: generations / grpo-batch)")
+    p.add_argument("--beta", type=float, default=0.0, help="--grpo: the KL coefficient (default 0: no reference)")
+    p.add_argument("--reference", choices=["ref_model", "host"], default="host",
+                   help="--grpo with beta > 0: a second ZeRO-3 model, or the starting weights in host RAM")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--models", nargs="+", default=None, metavar="CONFIG",
                    help="HF config.json files: one table of them side by side (micro-batch 1; LOMO and AdaLomo "
@@ -125,6 +138,8 @@ def _run_plan(args) -> int:
             print(f"lomo-ds plan: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.grpo:
+        return _run_grpo(args)
     if args.dpo_pairs is not None:
         from lomo_ds.planning.dpo import format_dpo_for_args
 
@@ -169,6 +184,20 @@ def _run_plan(args) -> int:
             e = p.estimates[(m, args.gpus)]
             print(f"on {args.gpus} GPU(s): {m} needs {e.total / planner.GIB:.2f} GiB per GPU -> "
                   f"{'fits' if p.fits(m, args.gpus) else 'out of memory'}")
+    return 0
+
+
+def _run_grpo(args) -> int:
+    from lomo_ds.planning.grpo import GrpoSpec, format_grpo_for_args
+
+    steps = args.steps_per_generation or max(1, args.generations // args.grpo_batch)
+    g = GrpoSpec(prompt=args.prompt, completion=args.completion, generations=args.generations, batch=args.grpo_batch,
+                 steps_per_generation=steps, beta=args.beta, reference=args.reference)
+    try:
+        print(format_grpo_for_args(args.model, g, args.gpu_mem, _plan_overrides(args)))
+    except (ValueError, ConfigError) as e:
+        print(f"lomo-ds plan: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
