@@ -87,6 +87,7 @@ def test_tiles_are_exact_for_torch_chunk():
             assert 1 <= n <= tiles and len(torch.chunk(torch.empty(rows, device="cpu"), n)) == n, (rows, tiles, n)
 
 
+@pytest.mark.long  # over a second: DeepSpeed's sequence-parallel module is imported
 def test_each_weight_is_handed_over_once_with_its_whole_gradient():
     """One process, no engine: the gradient hooks fire once per weight per backward (after the last
     tile, where ds_compat.grad_is_ready says so), with the untiled gradient."""
