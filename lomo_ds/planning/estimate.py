@@ -351,6 +351,9 @@ def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_
     methods = methods or (FUSED if run.offload else METHODS)
     run = resolve_auto(m, run)
     p = Plan(m, run, gpu_mem_gib, source)
+    if not any(c % run.sp == 0 for c in gpu_counts):
+        raise ValueError(f"sp: {run.sp} sequence-parallel ranks need a GPU count that is a multiple of {run.sp}; "
+                         f"none of {sorted(gpu_counts)} is (give it with --gpus)")
     for method in methods:
         p.min_gpus[method] = None
         for n in sorted(c for c in gpu_counts if c % run.sp == 0):  # the SP ranks are among the GPUs

@@ -103,6 +103,9 @@ def test_cli_prints_each_term_that_grows_with_the_sequence(capsys):
     assert "| lomo | 1 |" not in out  # 1, 2 and 4 GPUs cannot hold 8 sequence-parallel ranks
     assert main(["plan", "--model", "7b", "--seq", "1004", "--sp", "8"]) == 2
     assert "seq: 1004 is not divisible by sp = 8" in capsys.readouterr().err
+    assert main(["plan", "--model", "7b", "--seq", "4096", "--sp", "16"]) == 2
+    assert "none of [1, 2, 4, 8] is (give it with --gpus)" in capsys.readouterr().err
+    assert main(["plan", "--model", "7b", "--seq", "4096", "--sp", "16", "--gpus", "16"]) == 0
 
 
 def test_the_long_context_goals_fit_and_the_docs_table_is_the_planners():
