@@ -45,6 +45,7 @@ def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
                          heads=int(cfg["num_attention_heads"]),
                          kv_heads=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
                          tie=bool(cfg.get("tie_word_embeddings", False)),
+                         softcap=bool(cfg.get("attn_logit_softcapping")),
                          final_softcap=bool(cfg.get("final_logit_softcapping")))
     except KeyError as e:
         raise ValueError(f"{name}: not a LLaMA-style config, missing {e.args[0]!r}") from None

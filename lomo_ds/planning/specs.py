@@ -144,7 +144,11 @@ AUTO = ("auto",)
 
 
 def resolve_auto(m: ModelSpec, run: RunSpec) -> RunSpec:
-    """`run` with leaf_module "auto" replaced by the model's own unsplittable classes."""
+    """`run` with leaf_module "auto" replaced by the model's own unsplittable classes, and the
+    attention the model runs: soft-capped attention scores (Gemma 2) have no sdpa or flash kernel in
+    transformers, which runs them eager."""
+    if m.softcap and run.attn != "eager":
+        run = replace(run, attn="eager")
     return replace(run, leaf_classes=tuple(m.no_split)) if run.leaf_classes == AUTO else run
 
 
