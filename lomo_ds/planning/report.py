@@ -90,9 +90,10 @@ def format_sequence_terms(p: Plan, gpus: int | None = None) -> str:
     if "lomo" not in p.min_gpus or n % run.sp:
         return "\n".join(lines)
     lines.append(f"LOMO on {n} GPU(s) with each option (GiB per GPU; host RAM of the node for offloaded checkpoints):")
-    for label, fields in (("as planned", {}), ("+ tiled MLP", {"tiled_mlp": True}),
-                          ("+ tiled MLP + offloaded checkpoints", {"tiled_mlp": True,
-                                                                   "offload_checkpoints": run.checkpointing})):
+    options = [("as planned", {}), ("+ tiled MLP", {"tiled_mlp": True})]
+    if run.checkpointing:  # offloaded checkpoints need checkpointed layers
+        options.append(("+ tiled MLP + offloaded checkpoints", {"tiled_mlp": True, "offload_checkpoints": True}))
+    for label, fields in options:
         e = estimate(m, "lomo", n, replace(run, **fields))
         fits = "fits" if e.total <= p.gpu_mem_gib * GIB else "OOM"
         host = f", checkpoints {n * e.checkpoints_host / GIB:.1f} GiB host RAM" if e.checkpoints_host else ""
