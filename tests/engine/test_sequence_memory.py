@@ -65,6 +65,31 @@ CHECKS = multi_rank_checks(
 )
 
 
+def _adalomo(**memory):
+    from tests.engine import dist_adalomo_checks as A
+
+    def make():
+        model = tiny_llama(9)
+        model.gradient_checkpointing_enable()
+        return model
+
+    return A.equivalence(make, A.adalomo_cfg(clip_grad_norm=0.5, **memory), clip_norm=0.5)
+
+
+# AdaLomo needs each bucket's statistics before it updates: the whole gradient, after the last tile.
+ADALOMO = multi_rank_checks(WORLDS, adalomo_tiled_offload=lambda: _adalomo(tiled_mlp=True, mlp_tiles=3,
+                                                                          offload_checkpoints=True))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("check", ADALOMO, ids=str)
+def test_adalomo_matches_its_reference_with_the_options(rank_results, world, check):
+    r = ok(rank_results(world), check)
+    assert_matches_reference(r, TOL, f"{check} on {world} rank(s), against the reference AdaLomo")
+    assert r["moved"] > 1000 * TOL
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("check", CHECKS, ids=str)
