@@ -184,7 +184,7 @@ def main(argv=None) -> None:
                 json.dump(ranks, f)
     ds = _ds(a)["zero_optimization"]
     overrides = {**planner.run_overrides_from_ds({"zero_optimization": ds}), "seq": a.seq, "dtype": "fp32",
-                 "checkpointing": False, "lomo_bucket": 25_000_000}
+                 "checkpointing": False, "lomo_bucket": 25_000_000, "attn": "eager"}  # the model built above
     run = planner.run_spec(**overrides)
     spec = _spec(a, ranks[0]["vocab"])
     est = dpo_estimate(spec, a.optim, a.ranks, replace(run, leaf_classes=()), pairs=a.pairs)

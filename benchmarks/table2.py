@@ -91,6 +91,7 @@ def planner_estimate(size: str, method: str, world: int, a) -> float | None:
         spec = CPU_SIZES.get(size) or planner.LLAMA[size]
         run = planner.run_spec(**dict(planner.run_overrides_from_ds(common.ds_config(a.cpu, a.dtype, a.batch)),
                                       seq=a.seq, batch=a.batch, checkpointing=a.ac, dtype=a.dtype,
+                                      attn="eager" if a.cpu else "sdpa",  # the attention run_job builds
                                       lomo_bucket=lomo_cfg(a, False)["bucket_size"]))
         est = planner.estimate(spec, method, world, run)
         return est.accounted if a.cpu else est.total

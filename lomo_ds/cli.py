@@ -21,7 +21,8 @@ from dataclasses import asdict, replace
 from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.run import load_run_config
 from lomo_ds.planning import planner
-from lomo_ds.planning.tables import format_models_table
+from lomo_ds.planning.specs import ATTENTION
+from lomo_ds.planning.tables import format_long_context_table, format_models_table
 from lomo_ds.recipe import generate, harness_eval, train
 from lomo_ds.recipe.train import print_eval_plan
 
@@ -55,6 +56,32 @@ def _add_plan(sub) -> None:
                    help="memory.accumulate_dtype (default fp32)")
     p.add_argument("--accumulate-on", choices=["device", "cpu"], default=None,
                    help="memory.accumulate_on: the accumulator on the GPU (default) or in host RAM")
+    p.add_argument("--sp", type=int, default=None,
+                   help="sequence-parallel ranks (Ulysses): each GPU holds seq / sp positions through the layers "
+                        "(default 1; GPU counts that are not multiples of it are left out)")
+    p.add_argument("--attn", choices=sorted(ATTENTION), default=None,
+                   help="model.attn_implementation (default: sdpa, transformers' default; only eager keeps "
+                        "S x S attention scores)")
+    p.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
+                   help="memory.tiled_mlp: each decoder layer's MLP a tile of positions at a time")
+    p.add_argument("--mlp-tiles", type=int, default=None, help="memory.mlp_tiles (default: ceil(seq / sp / hidden))")
+    p.add_argument("--offload-checkpoints", action=argparse.BooleanOptionalAction, default=None,
+                   help="memory.offload_checkpoints: the checkpointed layer inputs in host RAM")
+    p.add_argument("--long-context", metavar="MODELS_DIR", default=None,
+                   help="the long-context goals table (docs/memory.md) for the config.json files of MODELS_DIR")
+    p.add_argument("--grpo", action="store_true",
+                   help="plan GRPO (TRL's GRPOTrainer, lomo_ds.planning.grpo) for --model: training, generation "
+                        "and reference memory for LOMO, AdaLomo and AdamW")
+    p.add_argument("--prompt", type=int, default=512, help="--grpo: max_prompt_length (default 512)")
+    p.add_argument("--completion", type=int, default=1024, help="--grpo: max_completion_length (default 1024)")
+    p.add_argument("--generations", type=int, default=8, help="--grpo: num_generations (default 8)")
+    p.add_argument("--grpo-batch", type=int, default=1,
+                   help="--grpo: per_device_train_batch_size, completions per micro-batch (default 1)")
+    p.add_argument("--steps-per-generation", type=int, default=None,
+                   help="--grpo: micro-batches per generation batch (default: generations / grpo-batch)")
+    p.add_argument("--beta", type=float, default=0.0, help="--grpo: the KL coefficient (default 0: no reference)")
+    p.add_argument("--reference", choices=["ref_model", "host"], default="host",
+                   help="--grpo with beta > 0: a second ZeRO-3 model, or the starting weights in host RAM")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--models", nargs="+", default=None, metavar="CONFIG",
                    help="HF config.json files: one table of them side by side (micro-batch 1; LOMO and AdaLomo "
@@ -70,7 +97,9 @@ def _plan_overrides(args) -> dict:
     flags = {"seq": args.seq, "batch": args.batch, "dtype": args.dtype, "checkpointing": args.checkpointing,
              "lomo_bucket": args.lomo_bucket, "offload": args.offload or None, "accumulation": args.accumulation,
              "accumulate_dtype": args.accumulate_dtype,
-             "accumulate_on_host": None if args.accumulate_on is None else args.accumulate_on == "cpu"}
+             "accumulate_on_host": None if args.accumulate_on is None else args.accumulate_on == "cpu",
+             "sp": args.sp, "attn": None if args.attn is None else planner.attention_of(args.attn),
+             "tiled_mlp": args.tiled_mlp, "mlp_tiles": args.mlp_tiles, "offload_checkpoints": args.offload_checkpoints}
     return {k: v for k, v in flags.items() if v is not None}
 
 
@@ -93,6 +122,13 @@ def _make_plan(args):
 
 
 def _run_plan(args) -> int:
+    if args.long_context:
+        try:
+            print(format_long_context_table(args.long_context, args.gpu_mem))
+        except ValueError as e:
+            print(f"lomo-ds plan: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.models:
         extra = {k: v for k, v in _plan_overrides(args).items() if k not in ("seq", "offload")}
         try:
@@ -102,6 +138,8 @@ def _run_plan(args) -> int:
             print(f"lomo-ds plan: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.grpo:
+        return _run_grpo(args)
     if args.dpo_pairs is not None:
         from lomo_ds.planning.dpo import format_dpo_for_args
 
@@ -146,6 +184,20 @@ def _run_plan(args) -> int:
             e = p.estimates[(m, args.gpus)]
             print(f"on {args.gpus} GPU(s): {m} needs {e.total / planner.GIB:.2f} GiB per GPU -> "
                   f"{'fits' if p.fits(m, args.gpus) else 'out of memory'}")
+    return 0
+
+
+def _run_grpo(args) -> int:
+    from lomo_ds.planning.grpo import GrpoSpec, format_grpo_for_args
+
+    steps = args.steps_per_generation or max(1, args.generations // args.grpo_batch)
+    g = GrpoSpec(prompt=args.prompt, completion=args.completion, generations=args.generations, batch=args.grpo_batch,
+                 steps_per_generation=steps, beta=args.beta, reference=args.reference)
+    try:
+        print(format_grpo_for_args(args.model, g, args.gpu_mem, _plan_overrides(args)))
+    except (ValueError, ConfigError) as e:
+        print(f"lomo-ds plan: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -337,6 +337,13 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
         raise ConfigError(f"model.attn_implementation: flash attention ({attn!r}) with data.packing needs "
                           f"train_micro_batch_size_per_gpu 1 (got {micro}): with more rows per micro-batch "
                           "packed examples would attend to each other; use 'sdpa', or micro-batches of one row")
+    memory = [k for k in ("tiled_mlp", "offload_checkpoints") if getattr(cfg.memory, k)]
+    if memory and cfg.train.method not in LOMO_METHODS:
+        raise ConfigError(f"memory.{memory[0]}: applied by the fused-update engine (train.method {LOMO_METHODS}), "
+                          f"not by {cfg.train.method!r}")
+    if cfg.memory.offload_checkpoints and not cfg.model.gradient_checkpointing:
+        raise ConfigError("memory.offload_checkpoints: needs model.gradient_checkpointing true (the checkpointed "
+                          "layers' inputs are what it offloads)")
     if cfg.eval.generate_samples and not conversational:
         raise ConfigError(f"eval.generate_samples: generation is evaluated on conversations; task {d.task!r} "
                           f"is not a chat task")

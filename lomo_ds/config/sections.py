@@ -74,6 +74,15 @@ class MemoryConfig(Section):
     two_pass_mode: Literal["retain_graph", "recompute"] = Field(
         "retain_graph", description="how norm clipping's second backward gets its graph: kept from the first, or "
                                     "recomputed by a second forward (less memory)")
+    tiled_mlp: bool = Field(False, description=(
+        "compute each decoder layer's MLP a tile of positions at a time (DeepSpeed's TiledMLP): its forward keeps "
+        "only the input, its backward recomputes one tile at a time, so the MLP's intermediate activations are one "
+        "tile's, not the whole sequence's (lomo_ds/engine/sequence_memory.py)"))
+    mlp_tiles: Int = Field(0, ge=0, description=(
+        "tiles per sequence for memory.tiled_mlp; 0 = ceil(positions / hidden size), DeepSpeed's choice"))
+    offload_checkpoints: bool = Field(False, description=(
+        "keep the checkpointed decoder layers' inputs in host memory from the forward to their recomputation "
+        "(needs model.gradient_checkpointing; copied without blocking through pinned buffers on accelerators)"))
 
 
 class EngineTrainConfig(Section):

@@ -48,6 +48,7 @@ import torch
 from lomo_ds.comm import abandon_param_gather, configure_param_gather, open_step_sums
 from lomo_ds.config import leaf_module
 from lomo_ds.config.lomo import EngineConfig, Precision, load_config
+from lomo_ds.engine import sequence_memory
 from lomo_ds.engine.accumulation import ACCUMULATE_DTYPES, ShardAccumulator, check_window
 from lomo_ds.engine.buckets import GradientBuckets, NoSpans
 from lomo_ds.engine.chunked_loss import causal_lm_loss, head_of
@@ -96,6 +97,7 @@ class LomoEngine:
         # The training loss through the chunked linear + cross-entropy (chunked_loss.py), where the
         # model's head is one it knows; None: the model's own loss.
         self.loss_head = head_of(self.module, config.memory.chunked_loss)
+        sequence_memory.install(self.module, config.memory, torch.distributed.group.WORLD, self.device)
         self.offload = ds_compat.offload_of(self.ds_engine)
         # module.parameters() lists a tied tensor once: it gets one hook and one update with the
         # gradient autograd has already summed over its uses. Parameters matching
@@ -255,6 +257,8 @@ class LomoEngine:
         return lambda p, g, finite: self.updater.apply(p, g, finite)
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not ds_compat.grad_is_ready(param):
+            return  # a tiled MLP's weight between its tiles: its .grad sums them (sequence_memory.py)
         with self.timers.span("hook"):
             if self.memory is not None:
                 self.memory.sample()

@@ -7,6 +7,15 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from lomo_ds.planning.fetch_units import fetch_units, largest_fetch_unit, working_set
+from lomo_ds.planning.sequence import (
+    attention_saved_bytes,
+    check_sequence,
+    checkpoint_bytes,
+    eager_scores_bytes,
+    layer_transient_bytes,
+    mlp_saved_bytes,
+    norm_saved_bytes,
+)
 from lomo_ds.planning.specs import (
     AUTO,
     DTYPE_BYTES,
@@ -41,6 +50,8 @@ class Estimate:
     # the measuring backward's peak, where it keeps its graph for the updating one (LOMO, AdaLomo; 0 with one
     # backward, or a recomputed forward): `total` is the larger of the two backwards'
     measuring: float = 0.0
+    # checkpointed layer inputs offloaded to host RAM (memory.offload_checkpoints), per rank; `host` has the node's
+    checkpoints_host: float = 0.0
 
     @property
     def accounted(self) -> float:
@@ -51,12 +62,20 @@ class Estimate:
 
 
 def layer_activation_bytes(m: ModelSpec, run: RunSpec) -> float:
-    """Bytes one decoder layer saves in the forward without checkpointing (docs/memory.md, "Activations")."""
-    T, b, h, f, d = run.batch * run.seq, run.b, m.hidden, m.intermediate, m.d
+    """Bytes one decoder layer saves in the forward without checkpointing (docs/memory.md, "Activations";
+    sdpa / flash attention and the sequence options: planning/sequence.py)."""
+    T, b, h, d = run.tokens, run.b, m.hidden, m.d
+    mlp = mlp_saved_bytes(m, run)
+    if run.attn != "eager":
+        return norm_saved_bytes(m, run) + attention_saved_bytes(m, run) + mlp + family_layer_bytes(m, run)
     rep = m.heads if m.k < m.heads else m.k
-    attn = run.batch * m.heads * run.seq**2 * (4 + (b if b != 4 else 0))
     return (2 * T * h * (4 + b) + 4 * T * m.heads * d * b + 2 * T * m.k * d * b + 2 * T * rep * d * b
-            + attn + (4 * T * f * b if not m.experts else 0) + family_layer_bytes(m, run))
+            + eager_scores_bytes(m, run) + mlp + family_layer_bytes(m, run))
+
+
+def recomputed_layer_bytes(m: ModelSpec, run: RunSpec) -> float:
+    """One layer's saved bytes and what its backward holds beside them (the MLP's tile, the Ulysses buffers)."""
+    return layer_activation_bytes(m, run) + layer_transient_bytes(m, run)
 
 
 def family_layer_bytes(m: ModelSpec, run: RunSpec) -> float:
@@ -69,12 +88,12 @@ def family_layer_bytes(m: ModelSpec, run: RunSpec) -> float:
       T k (3 h + 4 f_e + 2) b     each token-expert pair's input, gate/up, activation and output
     + 4 T E + 12 T k + 4 T        the router's fp32 probabilities, the top-k indices and weights
     + 4 T f_s b + 2 T h b         a shared expert of width f_s and its gate (Qwen2-MoE)"""
-    T, b, h = run.batch * run.seq, run.b, m.hidden
+    T, b, h = run.tokens, run.b, m.hidden
     out = (m.norms_per_layer - 2) * T * h * (4 + b)
     if m.qk_norm:
         out += T * (m.heads + m.k) * m.d * (4 + b)
-    if m.softcap:
-        out += 4 * run.batch * m.heads * run.seq**2
+    if m.softcap and run.attn == "eager":
+        out += 4 * run.batch * (m.heads // run.sp) * run.seq**2
     if m.experts:
         k = m.experts_per_tok
         out += T * k * (3 * h + 4 * m.expert_intermediate + 2) * b + 4 * T * m.experts + 12 * T * k + 4 * T
@@ -94,19 +113,23 @@ def gathered_expert_bytes(m: ModelSpec, run: RunSpec) -> int:
 
 def activation_bytes(m: ModelSpec, run: RunSpec) -> tuple[float, float]:
     """(forward-saved bytes, recompute bytes added during backward)."""
-    T, b, h = run.batch * run.seq, run.b, m.hidden
+    T, b, h = run.tokens, run.b, m.hidden
     # Every position labelled: the bound for packed chat; the recipe's forward computes the head
     # only from the first labelled position on (keep_labelled_logits).
-    head = T * h * (4 + b) + loss_saved_bytes(m, run) + 2 * run.seq * m.d * b
-    layer = layer_activation_bytes(m, run)
+    # the rotary cos/sin are saved by the layers that use them: not by checkpointed ones (their
+    # forward keeps no graph)
+    rotary = 0 if run.checkpointing else 2 * run.local_seq * m.d * b
+    head = T * h * (4 + b) + loss_saved_bytes(m, run) + rotary
+    layer = recomputed_layer_bytes(m, run)
     # The chunked loss's logits exist one chunk at a time, in its forward and in its backward
     # (before any layer is recomputed).
     loss = loss_transient_bytes(m, run)
     if run.checkpointing:
-        # each checkpointed layer saves its inputs: the hidden states, and the (eager) 4-D causal mask
-        # shared by all layers
-        return m.layers * T * h * b + run.batch * run.seq**2 * b + head, max(layer, loss)
-    return m.layers * layer + head, loss
+        # each checkpointed layer saves its inputs (on the GPU, or offloaded but for the two in
+        # flight), and eager attention the 4-D causal mask shared by all layers
+        mask = run.batch * run.seq**2 * b if run.attn == "eager" else 0
+        return checkpoint_bytes(m, run)[0] + mask + head, max(layer, loss)
+    return m.layers * layer_activation_bytes(m, run) + head, max(loss, layer_transient_bytes(m, run))
 
 
 def loss_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
@@ -115,7 +138,7 @@ def loss_saved_bytes(m: ModelSpec, run: RunSpec) -> int:
     the labelled positions' hidden states (a copy, T h b), their log-sum-exp (4 T), the targets and
     their positions (16 T), and where every position fits in one chunk, that chunk's gradient of the
     logits (4 T V: kept from the forward instead of recomputed, loss_kept_bytes)."""
-    T = run.batch * run.seq
+    T = run.tokens
     if chunked_loss(m, run):
         return T * m.hidden * run.b + 20 * T + loss_kept_bytes(m, run)
     # tanh soft-capping of the fp32 logits (Gemma 2) saves them once more
@@ -127,7 +150,7 @@ def loss_chunk_bytes(m: ModelSpec, run: RunSpec) -> int:
     positions' logits (memory.loss_chunk_logits // V positions, at least one), in the model's dtype
     and in fp32 (6 bytes a logit in bf16, 4 in fp32), with Gemma-2's soft-capping its tanh and the
     capped logits beside them (12)."""
-    c = min(max(1, run.loss_chunk // m.vocab), run.batch * run.seq)
+    c = min(max(1, run.loss_chunk // m.vocab), run.tokens)
     per_logit = 12 if m.final_softcap else 4 + (run.b if run.b != 4 else 0)
     return per_logit * c * m.vocab
 
@@ -142,7 +165,7 @@ def loss_backward_bytes(m: ModelSpec, run: RunSpec) -> int:
     the block's logits cast to it (2 bytes a logit) and the block's product (b T h), which is added
     a slice of rows at a time (a CPU converts each slice to fp32 first: 4 T h / LOSS_ADD_SLICES,
     counted though a GPU converts in its kernel), or the input's gradient cast at the end (b T h)."""
-    T, h = run.batch * run.seq, m.hidden
+    T, h = run.tokens, m.hidden
     chunk = loss_chunk_bytes(m, run)
     if not chunked_loss(m, run) or T <= max(1, run.loss_chunk // m.vocab) or run.b == 4:
         return chunk
@@ -164,7 +187,7 @@ def loss_kept_bytes(m: ModelSpec, run: RunSpec) -> int:
     in place of the forward's fp32 logits (within loss_chunk_bytes) and freed by the loss's backward,
     before any layer's. In fp32 its backward multiplies by it as it is; in a lower dtype it casts it
     into one buffer (2 bytes a logit) an eighth at a time, within loss_chunk_bytes too."""
-    T = run.batch * run.seq
+    T = run.tokens
     one_chunk = T <= max(1, run.loss_chunk // m.vocab)
     return 4 * T * m.vocab if chunked_loss(m, run) and one_chunk else 0
 
@@ -232,6 +255,10 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     run = resolve_auto(m, run)
+    check_sequence(m, run)
+    if gpus % run.sp:
+        raise ValueError(f"sp: {run.sp} sequence-parallel ranks need a GPU count that is a multiple of {run.sp}, "
+                         f"got {gpus}")
     if run.offload and method not in FUSED:
         raise ValueError(f"offload_param: the planner models parameter offload for LOMO and AdaLomo only, "
                          f"not {method!r}")
@@ -279,14 +306,16 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         # The chunked loss's logits are gone before the first gradient is updated; the update runs
         # beside a recomputed layer (the layers' gradients arrive while it is alive).
         loss = loss_transient_bytes(m, run)
-        layer = (layer_activation_bytes(m, run) if run.checkpointing else 0) if chunked_loss(m, run) else recompute
+        layer = ((recomputed_layer_bytes(m, run) if run.checkpointing else layer_transient_bytes(m, run))
+                 if chunked_loss(m, run) else recompute)
         resident = params + grads + masters + state + acts
         # The kept gradient of the logits (saved) is the forward's logits, gone before the layers' backward.
         updating = resident - loss_kept_bytes(m, run) + max(layer + update, loss)
         measuring = measuring_backward_bytes(run, resident, layer, slice_n)
+        ckpt_host = checkpoint_bytes(m, run)[1]
         return Estimate(method, n, float(params), float(grads), float(masters + state), float(acts), float(recompute),
-                        float(update), float(max(updating, measuring)), host, float(accumulator),
-                        on_host and accumulator > 0, float(measuring))
+                        float(update), float(max(updating, measuring)), host + n * ckpt_host, float(accumulator),
+                        on_host and accumulator > 0, float(measuring), float(ckpt_host))
     grad_buf = b * shard_numel + b * run.reduce_bucket
     fp32_grad = 4 * min(shard_numel, run.sub_group)
     optim = 4 * shard_numel
@@ -298,8 +327,9 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     step = params - (b * work if n > 1 else 0) + grad_buf + fp32_grad + optim  # gathered layers are released
     grads = grad_buf + b * max_p + fp32_grad
     total = max(backward, step)
+    ckpt_host = checkpoint_bytes(m, run)[1]
     return Estimate(method, n, float(params), float(grads), float(optim), float(acts), float(recompute), 0.0,
-                    float(total))
+                    float(total), float(n * ckpt_host), checkpoints_host=float(ckpt_host))
 
 
 @dataclass
@@ -321,9 +351,12 @@ def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_
     methods = methods or (FUSED if run.offload else METHODS)
     run = resolve_auto(m, run)
     p = Plan(m, run, gpu_mem_gib, source)
+    if not any(c % run.sp == 0 for c in gpu_counts):
+        raise ValueError(f"sp: {run.sp} sequence-parallel ranks need a GPU count that is a multiple of {run.sp}; "
+                         f"none of {sorted(gpu_counts)} is (give it with --gpus)")
     for method in methods:
         p.min_gpus[method] = None
-        for n in sorted(gpu_counts):
+        for n in sorted(c for c in gpu_counts if c % run.sp == 0):  # the SP ranks are among the GPUs
             est = estimate(m, method, n, run)
             p.estimates[(method, n)] = est
             if p.min_gpus[method] is None and est.total <= gpu_mem_gib * GIB:

@@ -18,6 +18,7 @@ from lomo_ds.planning.specs import (
     ZERO_FIELDS,
     ModelSpec,
     RunSpec,
+    attention_of,
     llama_spec,
 )
 
@@ -44,6 +45,7 @@ def spec_from_hf_config(cfg: dict, name: str = "model") -> ModelSpec:
                          heads=int(cfg["num_attention_heads"]),
                          kv_heads=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
                          tie=bool(cfg.get("tie_word_embeddings", False)),
+                         softcap=bool(cfg.get("attn_logit_softcapping")),
                          final_softcap=bool(cfg.get("final_logit_softcapping")))
     except KeyError as e:
         raise ValueError(f"{name}: not a LLaMA-style config, missing {e.args[0]!r}") from None
@@ -76,7 +78,9 @@ def run_spec_for(cfg) -> RunSpec:
                    accumulation=cfg.train.accumulation_steps, accumulate_dtype=cfg.memory.accumulate_dtype,
                    accumulate_on_host=cfg.memory.accumulate_on == "cpu", update_chunk=cfg.memory.update_chunk_elements,
                    chunked_loss=cfg.memory.chunked_loss != "off", loss_chunk=cfg.memory.loss_chunk_logits,
-                   two_pass=cfg.memory.two_pass_mode if two_backwards(cfg, ds["dtype"]) else None)
+                   two_pass=cfg.memory.two_pass_mode if two_backwards(cfg, ds["dtype"]) else None,
+                   attn=attention_of(cfg.model.attn_implementation), tiled_mlp=cfg.memory.tiled_mlp,
+                   mlp_tiles=cfg.memory.mlp_tiles, offload_checkpoints=cfg.memory.offload_checkpoints)
 
 
 def two_backwards(cfg, dtype: str) -> bool:

@@ -33,6 +33,7 @@ from lomo_ds.planning.estimate import (
     loss_transient_bytes,
     measuring_backward_bytes,
     plan,
+    recomputed_layer_bytes,
     update_temp_bytes,
 )
 from lomo_ds.planning.fetch_units import (
@@ -70,6 +71,7 @@ from lomo_ds.planning.report import (
     shipped_plans,
 )
 from lomo_ds.planning.specs import (
+    ATTENTION,
     AUTO,
     CHUNKED_LOSS_FAMILIES,
     DEEPSPEED_ZERO_DEFAULTS,
@@ -88,13 +90,15 @@ from lomo_ds.planning.specs import (
     ZERO_FIELDS,
     ModelSpec,
     RunSpec,
+    attention_of,
     chunked_loss,
     llama_spec,
     resolve_auto,
 )
 
 __all__ = [
-    "ACCUMULATOR_PLACES", "AUTO", "CHUNKED_LOSS_FAMILIES", "DEEPSPEED_ZERO_DEFAULTS", "DTYPE_BYTES",
+    "ACCUMULATOR_PLACES", "ATTENTION", "AUTO", "attention_of", "recomputed_layer_bytes",
+    "CHUNKED_LOSS_FAMILIES", "DEEPSPEED_ZERO_DEFAULTS", "DTYPE_BYTES",
     "EXPORT_FILE_BYTES", "Estimate", "FUSED", "GIB", "GPU_COUNTS", "GRANULARITIES", "GranularityRow",
     "HOST_STAGED_BUCKETS", "LLAMA", "LOSS_ADD_SLICES", "METHODS", "METHOD_LABELS", "ModelSpec", "ModuleNode",
     "PER_LAYER", "Plan", "RunSpec", "SHIPPED_MICRO_BATCH", "_MAX_LEAF", "ZERO_FIELDS", "_fetch_plan", "_granularity",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lomo_ds.planning.estimate import GRANULARITIES, Plan, granularity_rows, io_host_bytes, plan
+from lomo_ds.planning.estimate import GRANULARITIES, Plan, estimate, granularity_rows, io_host_bytes, plan
 from lomo_ds.planning.inputs import shipped_run
+from lomo_ds.planning.sequence import mlp_tiles, sequence_terms
 from lomo_ds.planning.specs import EXPORT_FILE_BYTES, GIB, LLAMA, METHOD_LABELS, METHODS
 
 
@@ -67,8 +68,36 @@ def format_plan(p: Plan, gpus: int | None = None) -> str:
                  f"{export / GIB:.2f} GiB on rank 0 (one file of at most {EXPORT_FILE_BYTES / 1e9:g} GB and the "
                  f"tensor being gathered); a checkpoint save or resume {per_rank / GIB:.2f} GiB per rank "
                  "(one tensor at a time; resume reads memory-mapped)")
+    lines += ["", format_sequence_terms(p, gpus)]
     if "lomo" in p.min_gpus:
         lines += ["", format_granularity(p, gpus)]
+    return "\n".join(lines)
+
+
+def format_sequence_terms(p: Plan, gpus: int | None = None) -> str:
+    """The terms that grow with the sequence (planning/sequence.py), in GiB per GPU, and LOMO's total
+    with each long-sequence option on the plan's smallest fitting GPU count (or `gpus`)."""
+    m, run = p.model, p.run
+    counts = sorted({n for _, n in p.estimates})
+    n = gpus or p.min_gpus.get("lomo") or counts[-1]
+    terms = sequence_terms(m, run)
+    positions = terms.pop("positions per rank")
+    lines = [f"terms that grow with the sequence: {positions:,} positions per rank through the layers "
+             f"(seq {run.seq:,} / sp {run.sp} x micro-batch {run.batch}), attention {run.attn}"]
+    lines += [f"  {name}: {v / GIB:.3f} GiB" for name, v in terms.items() if v]
+    if run.tiled_mlp:
+        lines.append(f"  MLP tiles: {mlp_tiles(m, run)}")
+    if "lomo" not in p.min_gpus or n % run.sp:
+        return "\n".join(lines)
+    lines.append(f"LOMO on {n} GPU(s) with each option (GiB per GPU; host RAM of the node for offloaded checkpoints):")
+    options = [("as planned", {}), ("+ tiled MLP", {"tiled_mlp": True})]
+    if run.checkpointing:  # offloaded checkpoints need checkpointed layers
+        options.append(("+ tiled MLP + offloaded checkpoints", {"tiled_mlp": True, "offload_checkpoints": True}))
+    for label, fields in options:
+        e = estimate(m, "lomo", n, replace(run, **fields))
+        fits = "fits" if e.total <= p.gpu_mem_gib * GIB else "OOM"
+        host = f", checkpoints {n * e.checkpoints_host / GIB:.1f} GiB host RAM" if e.checkpoints_host else ""
+        lines.append(f"  {label}: {e.total / GIB:.2f} ({fits}){host}")
     return "\n".join(lines)
 
 

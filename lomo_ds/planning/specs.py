@@ -144,7 +144,11 @@ AUTO = ("auto",)
 
 
 def resolve_auto(m: ModelSpec, run: RunSpec) -> RunSpec:
-    """`run` with leaf_module "auto" replaced by the model's own unsplittable classes."""
+    """`run` with leaf_module "auto" replaced by the model's own unsplittable classes, and the
+    attention the model runs: soft-capped attention scores (Gemma 2) have no sdpa or flash kernel in
+    transformers, which runs them eager."""
+    if m.softcap and run.attn != "eager":
+        run = replace(run, attn="eager")
     return replace(run, leaf_classes=tuple(m.no_split)) if run.leaf_classes == AUTO else run
 
 
@@ -181,10 +185,26 @@ class RunSpec:
     # updating one (train.clip_grad_norm set, or fp16 loss scaling): "retain_graph" | "recompute";
     # None: one backward (the shipped GPU configs: AdaLomo, no norm clipping)
     two_pass: str | None = None
+    # What grows with the sequence (planning/sequence.py; docs/memory.md "Long sequences"):
+    attn: str = "sdpa"  # model.attn_implementation as ATTENTION names it: only "eager" keeps S x S scores
+    sp: int = 1  # sequence-parallel ranks (Ulysses): each holds seq / sp tokens through the layers
+    tiled_mlp: bool = False  # memory.tiled_mlp: each decoder layer's MLP computed a tile of positions at a time
+    mlp_tiles: int = 0  # memory.mlp_tiles: tiles per sequence; 0: ceil(seq / sp / hidden), DeepSpeed's choice
+    offload_checkpoints: bool = False  # memory.offload_checkpoints: the layers' checkpointed inputs in host RAM
 
     @property
     def b(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def local_seq(self) -> int:
+        """Positions of a sequence on each rank through the layers (seq / sp)."""
+        return self.seq // self.sp
+
+    @property
+    def tokens(self) -> int:
+        """Positions on each rank through the layers: micro-batch x seq / sp."""
+        return self.batch * self.local_seq
 
     def assumptions(self, batch: bool = True) -> str:
         per_gpu = [f"micro-batch {self.batch} per GPU"] if batch else []
@@ -198,7 +218,19 @@ class RunSpec:
             f"gradient accumulation {self.accumulation}" + (
                 f" ({self.accumulate_dtype} accumulator on the {'host' if self.accumulate_on_host else 'GPU'})"
                 if self.accumulation > 1 else "")] + (
-            [f"two backwards a step (norm clipping or loss scaling, {self.two_pass})"] if self.two_pass else []))
+            [f"two backwards a step (norm clipping or loss scaling, {self.two_pass})"] if self.two_pass else [])
+            + self.sequence_assumptions())
+
+    def sequence_assumptions(self) -> list[str]:
+        """The attention and the long-sequence options, in words (the defaults say only the attention)."""
+        out = [f"attention {self.attn}" + (" (S x S scores)" if self.attn == "eager" else " (no S x S scores)")]
+        if self.sp > 1:
+            out.append(f"sequence parallel {self.sp} (Ulysses: {self.local_seq:,} positions per rank)")
+        if self.tiled_mlp:
+            out.append(f"tiled MLP ({self.mlp_tiles or 'auto'} tiles)")
+        if self.offload_checkpoints:
+            out.append("checkpointed activations offloaded to host RAM")
+        return out
 
     @property
     def fetch_label(self) -> str:
@@ -207,6 +239,21 @@ class RunSpec:
         if self.granularity_threshold:
             parts.append(f"stage3_module_granularity_threshold {self.granularity_threshold:,}")
         return " + ".join(parts) if parts else "per module"
+
+
+# model.attn_implementation -> the planner's attention: eager keeps the fp32 S x S scores and their
+# cast; sdpa and flash attention keep q, k, v, the output and a log-sum-exp per head and position.
+ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flash_attention_2": "flash", "flash_attention_3": "flash",
+             "flex_attention": "sdpa"}
+
+
+def attention_of(attn_implementation: str | None) -> str:
+    """The planner's attention for model.attn_implementation (None: transformers' default, sdpa)."""
+    if attn_implementation is None:
+        return "sdpa"
+    if attn_implementation not in ATTENTION:
+        raise ValueError(f"model.attn_implementation {attn_implementation!r}: the planner knows {sorted(ATTENTION)}")
+    return ATTENTION[attn_implementation]
 
 
 def llama_spec(size: str) -> ModelSpec:

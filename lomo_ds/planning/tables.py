@@ -45,3 +45,42 @@ def format_models_table(paths: list[str], seqs: list[int], gpu_mem_gib: float = 
                 lines.append(f"| {spec.name} | {spec.n_params / 1e9:.2f}B | {seq} | {label} | " + " | ".join(cells)
                              + " |")
     return "\n".join(lines)
+
+
+# The long-context goals (docs/memory.md "Long sequences"): model config, GPUs, sequence length and
+# the settings that make the row fit. Qwen2.5-7B's 28 heads do not divide by 8 Ulysses ranks: it
+# runs SP = 4 x 2 data-parallel on 8 GPUs (ZeRO-3 shards over all 8).
+LONG_CONTEXT = (
+    ("Llama-3.1-8B", 1, 32768, {"tiled_mlp": True, "offload_checkpoints": True}),
+    ("Qwen2.5-7B", 1, 32768, {"tiled_mlp": True, "offload_checkpoints": True}),
+    ("Llama-3.1-8B", 8, 131072, {"sp": 8}),
+    ("Qwen2.5-7B", 8, 131072, {"sp": 4, "tiled_mlp": True}),
+    ("Llama-3.1-70B", 8, 32768, {"sp": 8, "offload": True}),
+)
+
+
+def settings_label(fields: dict) -> str:
+    parts = [f"SP {fields['sp']}"] if fields.get("sp", 1) > 1 else []
+    parts += [label for key, label in (("offload", "offload_param cpu"), ("tiled_mlp", "tiled MLP"),
+                                       ("offload_checkpoints", "offloaded checkpoints")) if fields.get(key)]
+    return ", ".join(parts) or "none"
+
+
+def format_long_context_table(models_dir: str, gpu_mem_gib: float = 24.0) -> str:
+    """`lomo-ds plan --long-context docs/models`: the long-context goals, LOMO and AdaLomo per GPU."""
+    run = replace(planner.RunSpec(), batch=1)
+    lines = [f"# GiB per GPU ({gpu_mem_gib:g} GiB GPUs): {_assumptions(run)}, micro-batch 1", "",
+             "| model | GPUs | seq | settings | LOMO | AdaLomo | host RAM GiB (node) | fits |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, gpus, seq, fields in LONG_CONTEXT:
+        path = os.path.join(models_dir, f"{name}.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--long-context {models_dir!r}: no {name}.json there")
+        spec = replace(planner.resolve_model(path), name=name)
+        r = replace(run, seq=seq, **fields)
+        lomo, ada = (planner.estimate(spec, method, gpus, r) for method in planner.FUSED)
+        fits = all(e.total <= gpu_mem_gib * planner.GIB for e in (lomo, ada))
+        lines.append(f"| {name} | {gpus} | {seq:,} | {settings_label(fields)} | {lomo.total / planner.GIB:.2f} | "
+                     f"{ada.total / planner.GIB:.2f} | {max(lomo.host, ada.host) / planner.GIB:.1f} | "
+                     f"{'yes' if fits else 'no'} |")
+    return "\n".join(lines)

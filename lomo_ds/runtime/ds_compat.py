@@ -45,6 +45,12 @@ def is_persistent(p) -> bool:
     return bool(p.ds_persist)
 
 
+def grad_is_ready(p) -> bool:
+    """False while DeepSpeed's TiledMLP is still adding tiles into p.grad (ds_grad_is_ready, which it
+    sets True at its last tile); True for every other parameter."""
+    return getattr(p, "ds_grad_is_ready", True) is not False
+
+
 def process_group(p):
     return p.ds_process_group
 

@@ -68,7 +68,7 @@ def test_planner_matches_measured_family(rank_results, world, family, case):
     r = ok(rank_results(world), measured_families)[f"{family}/{case}"]
     zero, ac = CASES[case]
     ds = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3, **zero}}
-    run = P.run_spec(**P.run_overrides_from_ds(ds), seq=SEQ, checkpointing=ac, lomo_bucket=BUCKET)
+    run = P.run_spec(**P.run_overrides_from_ds(ds), seq=SEQ, checkpointing=ac, lomo_bucket=BUCKET, attn="eager")
     m = spec(family)
     est = P.estimate(m, "lomo", world, run)
     detail = f"{family} {case} on {world}: measured {r}, predicted {est.gib()}"
