@@ -1,5 +1,6 @@
 """The training program on a 3-source mixture (chat, prompt/response, text), two ranks, loaded whole
-and streamed: a run resumed from its step-2 checkpoint alone sees the uninterrupted run's examples
+and streamed: a run stopped by SIGTERM to one rank at a random moment (the preemption path: the
+ranks agree, checkpoint together and exit 75), then resumed, sees the uninterrupted run's examples
 (the same loss at every later step, and the same weights to the bit), and is evaluated per source.
 
 The runs are the training program's, in the 2-rank launch of the multi-rank checks (tests/ranks.py
@@ -7,18 +8,20 @@ run_here), as tests/recipe/test_chat_train.py's are."""
 import json
 import os
 import pathlib
-import shutil
+import random
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from lomo_ds.runtime.preemption import PREEMPTED_EXIT
 from tests.data.test_mixture import write_sources
 from tests.helpers_data import chatml_tokenizer
 from tests.ranks import LONG_TESTS, ROOT, multi_rank, ok, run_here, work_dir
+from tests.recipe.test_preemption import _signal_during_training, _step_seconds
 from tests.tiny import tiny_llama_config
 
-STEPS, RESUME_AT = 6, 2
+STEPS = 6
 VARIANTS = {
     # 100 examples mixed 2:1:1 from 40 + 30 + 20 records: 50 chat and 25 text ones repeat some.
     "memory": {"train_samples": 100},
@@ -52,7 +55,7 @@ def write_mixture_runs(root: pathlib.Path) -> None:
 
 
 def mixture_runs() -> dict:
-    """Per variant: a straight run, then one resumed from the straight run's step-2 checkpoint alone."""
+    """Per variant: a straight run, then one stopped by a signal at a random moment and resumed."""
     from lomo_ds.recipe.train import main
 
     root = pathlib.Path(work_dir()) / "mixture_runs"
@@ -62,15 +65,15 @@ def mixture_runs() -> dict:
     torch.distributed.barrier()
     out = {"root": str(root)}
     for name in VARIANTS:
-        config, straight, resumed = root / f"{name}.json", root / f"{name}_straight", root / f"{name}_resumed"
+        config, straight, cut = root / f"{name}.json", root / f"{name}_straight", root / f"{name}_cut"
         out[name] = {"straight": run_here(main, ["--config", str(config), "--output-dir", str(straight)])}
-        if torch.distributed.get_rank() == 0:
-            step = f"step_{RESUME_AT:08d}"
-            os.makedirs(resumed / "checkpoints")
-            shutil.copytree(straight / "checkpoints" / step, resumed / "checkpoints" / step)
-            (resumed / "checkpoints" / "latest").write_text(step)
-        torch.distributed.barrier()
-        out[name]["resumed"] = run_here(main, ["--config", str(config), "--output-dir", str(resumed), "--resume"])
+        # Never in the last two steps: the stop must come before the run's end.
+        rng = random.Random(name)
+        step, who = rng.randrange(STEPS - 2), rng.randrange(2)
+        delay = rng.uniform(0.0, 1.0) * sorted(_step_seconds(straight))[STEPS // 2]
+        with _signal_during_training(step, delay, who):
+            out[name]["stopped"] = run_here(main, ["--config", str(config), "--output-dir", str(cut)])
+        out[name]["resumed"] = run_here(main, ["--config", str(config), "--output-dir", str(cut), "--resume"])
     return out
 
 
@@ -87,21 +90,25 @@ def test_a_resumed_mixture_run_sees_the_uninterrupted_runs_examples(rank_results
     r = ok(rank_results(2), mixture_runs)
     root = pathlib.Path(r["root"])
     for name in VARIANTS:
-        straight, resumed = r[name]["straight"], r[name]["resumed"]
+        straight, stopped, resumed = r[name]["straight"], r[name]["stopped"], r[name]["resumed"]
         assert straight["rc"] == 0 and resumed["rc"] == 0, (name, straight["stdout"][-2000:], resumed["stdout"][-2000:])
-        assert f"at step {RESUME_AT}" in resumed["stdout"]
+        assert stopped["rc"] == PREEMPTED_EXIT, (name, stopped["stdout"][-2000:])
+        (stop,) = [m for m in _metrics(root / f"{name}_cut") if m.get("phase") == "preempted"]
+        at = stop["step"]
+        assert 1 <= at < STEPS and f"at step {at}" in resumed["stdout"], (at, resumed["stdout"][-2000:])
         data_line = next(line for line in straight["stdout"].splitlines() if line.startswith("data: "))
         if name == "memory":
             assert data_line.count('"repeated": "1.25x"') == 2  # 50 of 40 conversations, 25 of 20 texts
         else:
             assert "streamed, 6 steps of 2 micro-batches each" in data_line
         a = {m["step"]: m["loss"] for m in _metrics(root / f"{name}_straight") if "loss" in m}
-        b = {m["step"]: m["loss"] for m in _metrics(root / f"{name}_resumed") if "loss" in m}
-        assert sorted(a) == list(range(1, STEPS + 1)) and sorted(b) == list(range(RESUME_AT + 1, STEPS + 1))
+        # The cut run's rows: its steps before the stop, then the resumed run's after it.
+        b = {m["step"]: m["loss"] for m in _metrics(root / f"{name}_cut") if "loss" in m}
+        assert sorted(a) == list(range(1, STEPS + 1)) and sorted(b) == list(range(1, STEPS + 1)), (a, b)
         assert [b[s] for s in sorted(b)] == [a[s] for s in sorted(b)], name  # the same examples, step by step
         assert len(set(a.values())) == STEPS  # the steps' batches differ
         wa, wb = (load_file(root / f"{name}_{run}" / "hf_model" / "model.safetensors")
-                  for run in ("straight", "resumed"))
+                  for run in ("straight", "cut"))
         assert max((wa[k] - wb[k]).abs().max().item() for k in wa) == 0.0, name
         final = next(m for m in _metrics(root / f"{name}_straight") if m.get("phase") == "final")
         assert {"eval/loss", "eval/loss/a"} <= set(final) and final["eval/loss"] == final["eval/loss/a"]
