@@ -37,15 +37,16 @@ CHUNK_GRAD_FACTOR = 2.0
 CHUNK_LOSS_REL = 1e-3
 
 
-def memory_run_config(model_dir: str, micro: int, seq: int, **lomo) -> dict:
+def memory_run_config(model_dir: str, micro: int, seq: int, attn: str | None = None, **lomo) -> dict:
     """The run the memory check trains and the planner predicts: bf16 with stochastic rounding and
     activation checkpointing, as the shipped GPU configs; a model small enough for any GPU whose
     model states still dwarf the allocator's fixed costs. `model_dir` holds its config.json;
-    `lomo`: more lomo options (norm clipping and its two_pass_mode)."""
+    `attn`: model.attn_implementation (None: transformers' default, sdpa); `lomo`: more lomo options
+    (norm clipping and its two_pass_mode)."""
     return {"train_micro_batch_size_per_gpu": micro, "bf16": {"enabled": True},
             "zero_optimization": {"stage": 3},
             **engine_sections({"lr": 1e-3, "stochastic_rounding": True, **lomo}),
-            "model": {"path": model_dir, "gradient_checkpointing": True},
+            "model": {"path": model_dir, "gradient_checkpointing": True, "attn_implementation": attn},
             "tokenizer": {"max_length": seq}}
 
 

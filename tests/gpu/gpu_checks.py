@@ -295,7 +295,7 @@ def check_memory(device: torch.device, workdir: str, sizes: dict = MEMORY_MODEL[
     if rank == 0:
         llama_config(sizes).save_pretrained(model_dir)  # the planner reads the architecture from it
     torch.distributed.barrier()
-    run = memory_run_config(model_dir, sizes["micro"], sizes["seq"], **lomo)
+    run = memory_run_config(model_dir, sizes["micro"], sizes["seq"], sizes.get("attn_implementation"), **lomo)
     # cuBLAS keeps a workspace per thread (the autograd thread's included) once it has multiplied:
     # make both exist before the baseline, so the measured peak is this run's own memory.
     for dtype in (torch.float32, torch.bfloat16):

@@ -13,9 +13,11 @@ MEMORY_MODEL = {"gpu": dict(vocab_size=8192, hidden_size=2048, intermediate_size
 # and a 32k vocabulary whose 1023 labelled positions fit one chunk of the loss (2^25 logits), so
 # the chunk's kept fp32 gradient of the logits (125 MiB) is about 40% of the planned peak. How long
 # norm clipping's measuring backward keeps it alive (issue 48, finding 4) then decides the peak,
-# instead of hiding under the model states as it does in the memory model.
+# instead of hiding under the model states as it does in the memory model. It runs eager attention:
+# under sdpa the logits' recompute outgrows the measuring backward's retained graph, so the peak would
+# be the same with clipping and without, and a clipping that kept too much could not show.
 CLIP_MEMORY_MODEL = {"gpu": dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
-                                 num_attention_heads=8, micro=1, seq=1024)}
+                                 num_attention_heads=8, micro=1, seq=1024, attn_implementation="eager")}
 STEP_MODEL = {"gpu": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                           num_attention_heads=16, micro=4, seq=512, warmup=3, steps=10),
               "smoke": dict(vocab_size=97, hidden_size=40, intermediate_size=83, num_hidden_layers=2,
@@ -23,13 +25,16 @@ STEP_MODEL = {"gpu": dict(vocab_size=32000, hidden_size=1024, intermediate_size=
 
 
 def llama_config(sizes: dict) -> LlamaConfig:
-    arch = {k: v for k, v in sizes.items() if k not in ("micro", "seq", "warmup", "steps")}
+    arch = {k: v for k, v in sizes.items() if k not in ("micro", "seq", "warmup", "steps", "attn_implementation")}
     return LlamaConfig(**arch, max_position_embeddings=sizes["seq"], tie_word_embeddings=False, use_cache=False)
 
 
 def llama(sizes: dict, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(sizes))
+    config = llama_config(sizes)
+    if "attn_implementation" in sizes:
+        config._attn_implementation = sizes["attn_implementation"]
+    return LlamaForCausalLM(config)
 
 
 def random_batch(sizes: dict, device: torch.device, seed: int) -> dict:

@@ -383,8 +383,10 @@ def test_clipping_memory_model_puts_the_loss_beyond_the_tolerance(tmp_path):
 
     sizes = gpu_checks.CLIP_MEMORY_MODEL["gpu"]
     gpu_checks.llama_config(sizes).save_pretrained(tmp_path)
-    plain = memory_run_config(str(tmp_path), sizes["micro"], sizes["seq"])
-    retained = memory_run_config(str(tmp_path), sizes["micro"], sizes["seq"], clip_grad_norm=1.0,
+    attn = sizes["attn_implementation"]
+    assert attn == "eager" and gpu_checks.llama(sizes).config._attn_implementation == attn
+    plain = memory_run_config(str(tmp_path), sizes["micro"], sizes["seq"], attn)
+    retained = memory_run_config(str(tmp_path), sizes["micro"], sizes["seq"], attn, clip_grad_norm=1.0,
                                  two_pass_mode="retain_graph")
     kept = 4 * sizes["micro"] * (sizes["seq"] - 1) * sizes["vocab_size"]
     with open(tmp_path / "config.json") as f:
