@@ -61,6 +61,22 @@ def split_batch(batch: dict[str, Any], sp_rank: int, sp_size: int) -> dict[str, 
     return {"input_ids": ids[:, part], "position_ids": positions[:, part], "shift_labels": targets[:, part]}
 
 
+def pad_to_multiple(batch: dict[str, Any], sp_size: int, pad_id: int) -> dict[str, Any]:
+    """Right-pad a collated batch's rows to a multiple of `sp_size` positions: pad ids, mask 0,
+    labels -100 (nothing learns from them, and no real token attends to them)."""
+    extra = -batch["input_ids"].shape[-1] % sp_size
+    if not extra:
+        return batch
+    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE}
+    out = dict(batch)
+    for key, value in fill.items():
+        if key in batch:
+            t = batch[key]
+            pad = torch.full((*t.shape[:-1], extra), value, dtype=t.dtype, device=t.device)
+            out[key] = torch.cat([t, pad], dim=-1)
+    return out
+
+
 def target_tokens(batch: dict[str, Any]) -> int:
     """The whole batch's target tokens (what its SP slices' shift_labels count together)."""
     labels = batch.get("labels")
