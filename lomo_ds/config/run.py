@@ -341,6 +341,7 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
     if memory and cfg.train.method not in LOMO_METHODS:
         raise ConfigError(f"memory.{memory[0]}: applied by the fused-update engine (train.method {LOMO_METHODS}), "
                           f"not by {cfg.train.method!r}")
+    _check_sequence_parallel(cfg)
     if cfg.memory.offload_checkpoints and not cfg.model.gradient_checkpointing:
         raise ConfigError("memory.offload_checkpoints: needs model.gradient_checkpointing true (the checkpointed "
                           "layers' inputs are what it offloads)")
@@ -374,6 +375,26 @@ def _check_run(cfg: RunConfig, raw: dict, check_files: bool) -> None:
                           f"train.method {cfg.train.method!r} steps DeepSpeed's optimizer, whose accumulation "
                           "averages the micro-batches' losses: expected 'mean'")
     # fp16 on a CPU (DeepSpeed refuses it there) is checked when the accelerator is known: at run time.
+
+
+def _check_sequence_parallel(cfg: RunConfig) -> None:
+    """What train.sequence_parallel_size needs of the run, known before any rank starts (the ranks,
+    the model's heads and its attention are checked by the recipe before the model is built)."""
+    sp = cfg.train.sequence_parallel_size
+    if sp == 1:
+        return
+    if cfg.train.method != "lomo":
+        raise ConfigError(f"train.sequence_parallel_size: {sp} ranks a sequence is LOMO's fused update (train.method "
+                          f"'lomo'); train.method {cfg.train.method!r} cannot split its sequences")
+    if cfg.tokenizer.max_length % sp:
+        raise ConfigError(f"tokenizer.max_length: {cfg.tokenizer.max_length} is not divisible by "
+                          f"train.sequence_parallel_size {sp} (each rank holds max_length / sp positions)")
+    if cfg.data.packing:
+        raise ConfigError("data.packing: with train.sequence_parallel_size the attention is causal over the whole "
+                          "row (Ulysses drops the mask), so packed examples would attend to each other")
+    if cfg.model.attn_implementation in ("eager", "paged|eager"):
+        raise ConfigError(f"model.attn_implementation: {cfg.model.attn_implementation!r} builds the S x S mask "
+                          "Ulysses cannot split; use 'sdpa' with train.sequence_parallel_size")
 
 
 def _check_harness(cfg: RunConfig, check_files: bool) -> None:

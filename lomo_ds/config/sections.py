@@ -105,6 +105,11 @@ class EngineTrainConfig(Section):
         "how a step weighs its micro-batches: mean = each micro-batch's token mean, averaged over the window's "
         "micro-batches x ranks (DeepSpeed's); tokens = every label token of the window weighs the same (LOMO's "
         "methods only)"))
+    sequence_parallel_size: Int = Field(1, ge=1, description=(
+        "ranks that share each sequence, its positions split between them, attention through DeepSpeed's Ulysses "
+        "all-to-all (lomo_ds/runtime/sequence_parallel.py); world / this ranks are data-parallel replicas. Must "
+        "divide the ranks, the sequence length, the attention heads and the key/value heads (or be divided by them); "
+        "needs attn_implementation sdpa (flash attention on CUDA); LOMO's methods only"))
     collective_timeout: float = Field(600.0, gt=0, description="seconds a collective may wait on a peer before the "
                                                                "run fails (NCCL's watchdog, gloo's timeout, the "
                                                                "shared-memory transport's); a dead peer is detected "

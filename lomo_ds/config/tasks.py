@@ -12,6 +12,8 @@ scores every candidate by its mean token log-probability. The prompts are MeZO's
   valence      the quality benchmark (benchmarks/quality.py), BoolQ's schema, shipped in
   spelling     lomo_ds/data/builtin/<name>/ with a third split, heldout.jsonl, that tuning never
   syllables    reads (eval.split: heldout); written by datagen/make_<name>_task.py
+  long_context a key near the start of a long passage, asked for at its end (BoolQ's schema;
+               lomo_ds/data/builtin/long_context/, datagen/make_long_context_task.py)
   instruction  {"prompt", "response"} records with no candidates: trained on the response, and
                evaluated by the mean token loss on an eval file
   chat         conversations (messages, ShareGPT, Alpaca or prompt/response records: data/chat.py)
@@ -95,6 +97,10 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     *(Task(name, _BOOLQ_FIELDS, _boolq_prompt, answer=_yes_when(1), values=_BINARY,
            default_source=os.path.join(BUILTIN_DIR, name), title=title)
       for name, title in QUALITY_TASKS.items()),
+    # The long-context demo's (datagen/make_long_context_task.py): the answer hangs on a key at
+    # the start of a long passage, asked for at its end.
+    Task("long_context", _BOOLQ_FIELDS, _boolq_prompt, answer=_yes_when(1), values=_BINARY,
+         default_source=os.path.join(BUILTIN_DIR, "long_context"), title="long context"),
     Task("rte", {"premise": _STR, "hypothesis": _STR, "label": _LABEL},
          lambda r: f'{r["premise"]}\nDoes this mean that "{r["hypothesis"]}" is true? Yes or No?\n',
          answer=_yes_when(0), values=_BINARY, hub_config="rte", title="RTE"),  # label 0 = entailment

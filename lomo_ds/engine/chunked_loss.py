@@ -108,7 +108,9 @@ def causal_lm_loss(model: torch.nn.Module, head: Head, batch: dict[str, Any], ch
     forward does."""
     chunk = chunk_positions(chunk_logits, model.lm_head.out_features)
     inputs = dict(batch)
-    labels = inputs.pop("labels")
+    # A sequence-parallel slice carries its targets already shifted (data/sequence_split.py).
+    shifted = inputs.pop("shift_labels", None)
+    labels = inputs.pop("labels") if shifted is None else shifted
     keep = inputs.pop("logits_to_keep", 0)
     if not isinstance(keep, int):
         raise ValueError(f"logits_to_keep: the chunked loss takes an int, got {type(keep).__name__}")
@@ -118,7 +120,7 @@ def causal_lm_loss(model: torch.nn.Module, head: Head, batch: dict[str, Any], ch
         hidden = out[0]
         if keep:
             hidden = hidden[:, -keep:]
-        return _head_loss(model.lm_head, head, hidden, labels, chunk, reduction)
+        return _head_loss(model.lm_head, head, hidden, labels, chunk, reduction, shifted is not None)
 
     return ChunkedLossOutput(loss=_call_as(model, forward, **inputs))
 
@@ -135,9 +137,9 @@ def _call_as(module: torch.nn.Module, forward, *args, **kwargs) -> Any:
 
 
 def _head_loss(lm_head: torch.nn.Linear, head: Head, hidden: torch.Tensor, labels: torch.Tensor, chunk: int,
-               reduction: str) -> torch.Tensor:
+               reduction: str, shifted: bool = False) -> torch.Tensor:
     # Position t predicts labels[t + 1]; the last position predicts nothing (transformers pads it).
-    targets = torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE)], dim=1)
+    targets = labels if shifted else torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE)], dim=1)
     targets = targets.to(hidden.device).reshape(-1)
     picked = (targets != IGNORE).nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.size(-1)).index_select(0, picked)  # the labelled positions only

@@ -55,9 +55,11 @@ from lomo_ds.engine.chunked_loss import causal_lm_loss, head_of
 from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.engine.precision import DynamicLossScaler
 from lomo_ds.engine.schedule import schedule_of
+from lomo_ds.engine.sequence_loss import sp_loss
 from lomo_ds.engine.update import PassSettings, PassStats, build_updater
 from lomo_ds.engine.window import Agreed, BucketMode, Window
 from lomo_ds.runtime import ds_compat
+from lomo_ds.runtime import sequence_parallel as seqpar
 from lomo_ds.runtime.device import accelerator_device, capture_rng, move_batch, restore_rng
 from lomo_ds.runtime.dist import gather_full_state_dict, has_labelled_tokens, init_distributed, label_tokens, loss_of
 from lomo_ds.runtime.memory import MemoryTracker
@@ -84,6 +86,9 @@ class LomoEngine:
         init_distributed(timeout_s=config.train.collective_timeout)
         # Before DeepSpeed partitions the model: every ZeRO-3 gather from here on takes this route.
         self.param_gather = configure_param_gather(config.comm.param_gather, config.train.collective_timeout)
+        # Sequence parallelism: checked before DeepSpeed partitions anything.
+        self.sp = seqpar.groups(config.train.sequence_parallel_size)
+        seqpar.check_model_config(getattr(model, "config", None), self.sp.size, accelerator_device().type)
         self.config = config
         self.ds_config = ds_config
         self.dtype = (precision or Precision.of(ds_config)).torch_dtype
@@ -98,6 +103,7 @@ class LomoEngine:
         # model's head is one it knows; None: the model's own loss.
         self.loss_head = head_of(self.module, config.memory.chunked_loss)
         sequence_memory.install(self.module, config.memory, torch.distributed.group.WORLD, self.device)
+        seqpar.install(self.module, self.sp)
         self.offload = ds_compat.offload_of(self.ds_engine)
         # module.parameters() lists a tied tensor once: it gets one hook and one update with the
         # gradient autograd has already summed over its uses. Parameters matching
@@ -311,13 +317,25 @@ class LomoEngine:
             return causal_lm_loss(self.module, self.loss_head, batch, self.config.memory.loss_chunk_logits)
         return self.module(**batch)
 
+    def _loss_of(self, batch: dict[str, Any]) -> tuple[torch.Tensor, bool, int]:
+        """The forward's loss, whether the batch has a label, and its label tokens (1 unless
+        loss_normalization is "tokens"). Sequence-parallel: this rank's slice of the whole batch,
+        weighed so that the SP group's losses add up to the batch's (engine/sequence_loss.py)."""
+        normalization = self.config.train.loss_normalization
+        if self.sp.size > 1:
+            return sp_loss(self.module, self.loss_head, self.config.memory.loss_chunk_logits, batch, self.sp,
+                           normalization)
+        tokens = label_tokens(batch) if normalization == "tokens" else 1
+        return loss_of(self.forward(batch)), has_labelled_tokens(batch), tokens
+
     def _agree_on_loss(self, loss: torch.Tensor, labelled: bool, tokens: int) -> "Agreed":
         """Before any backward, ONE all-reduce of three fp32 numbers: the summed loss of the ranks
         with labelled tokens, how many such ranks, and how many of them have a non-finite loss;
         with loss_normalization "tokens", two more: the token-weighted loss and the label tokens."""
         value = float(loss.detach()) if labelled else 0.0  # an unlabelled batch's loss is 0/0
         finite = math.isfinite(value)
-        values = [value if finite else 0.0, float(labelled), float(not finite)]
+        # An SP group's ranks share one batch: together they count as one labelled batch.
+        values = [value if finite else 0.0, float(labelled) / self.sp.size, float(not finite)]
         by_tokens = self.config.train.loss_normalization == "tokens"
         if by_tokens:
             tokens = tokens if labelled and finite else 0
@@ -370,9 +388,7 @@ class LomoEngine:
         measure = one and self.two_passes
         rng = capture_rng(self.device) if measure and self.config.memory.two_pass_mode == "recompute" else None
 
-        labelled = has_labelled_tokens(batch)
-        tokens = label_tokens(batch) if self.config.train.loss_normalization == "tokens" else 1
-        raw_loss = loss_of(self.forward(batch))
+        raw_loss, labelled, tokens = self._loss_of(batch)
         agreed = self._agree_on_loss(raw_loss, labelled, tokens)
         window.note(agreed)
         if window.per_token is None and agreed.tokens > 0:
@@ -442,7 +458,7 @@ class LomoEngine:
         del loss
         # The same random draws (dropout) as the measured forward: the same graph.
         restore_rng(rng, self.device)
-        return self._backward_loss(loss_of(self.forward(batch)), labelled, tokens, 1.0, per_token), grad_scale
+        return self._backward_loss(self._loss_of(batch)[0], labelled, tokens, 1.0, per_token), grad_scale
 
     def _sum_over_ranks(self, values, name: str) -> list[float]:
         """Element-wise sums over the ranks of a few numbers (fp32) or a short 1-D tensor (its
@@ -451,8 +467,9 @@ class LomoEngine:
 
     def _normalizer(self, micro_batches: int, tokens: float) -> float:
         """What the summed gradient of a step is divided by: its micro-batches x ranks ("mean"),
-        or its label tokens over every rank and micro-batch ("tokens")."""
-        return tokens if self.config.train.loss_normalization == "tokens" else micro_batches * self.world
+        or its label tokens over every rank and micro-batch ("tokens"). Under sequence
+        parallelism the replicas are the data-parallel ones: an SP group's ranks share batches."""
+        return tokens if self.config.train.loss_normalization == "tokens" else micro_batches * self.sp.dp_size
 
     def _end_window(self, result: dict[str, Any], applied: bool) -> dict[str, Any]:
         """The window's last micro-batch is in: apply the step from the accumulated gradient (or,

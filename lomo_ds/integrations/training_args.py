@@ -102,8 +102,12 @@ FIELDS: list[Field] = [
     Field("use_liger_kernel", REFUSED, "not tested with the fused gradient hooks", _unless(False)),
     Field("neftune_noise_alpha", REFUSED, "not tested with the fused update", _unless(None)),
     Field("fsdp", REFUSED, "LOMO runs on DeepSpeed ZeRO-3 (the deepspeed argument)", lambda v: bool(v)),
-    Field("parallelism_config", REFUSED, "tensor, context and sequence parallelism are not supported: every rank "
-                                         "is a data-parallel rank", _unless(None)),
+    Field("parallelism_config", MAPPED, "accelerate's ParallelismConfig: `sp_size` with `sp_backend` 'deepspeed' -> "
+                                        "train.sequence_parallel_size (Ulysses attention; the Trainer's batches "
+                                        "split by DeepSpeed's UlyssesSPDataLoaderAdapter, the loss lomo_ds's own); "
+                                        "tp_size, cp_size and dp_shard_size above 1 are refused (ZeRO-3 is the "
+                                        "sharding; no tensor or context parallelism)",
+          lambda v: parallelism_refusal(v) is not None, maps_to="train.sequence_parallel_size"),
     Field("deepspeed", MAPPED, "required: a DeepSpeed ZeRO-3 config (dict or file) whose optional `lomo`, `comm`, "
                                "`memory` and `train` sections hold LOMO's other options; checked like lomo_ds's "
                                "own configs",
@@ -222,19 +226,49 @@ def check_training_arguments(args) -> None:
                 raise TrainingArgumentsError(f"use_cpu: expected False where DeepSpeed's accelerator is {device!r} "
                                              f"(got True; the ranks would train on {device} anyway): to train on the "
                                              f"CPU, {_USE_CPU_INSTEAD}; to train on {device}, set use_cpu=False")
+            if f.name == "parallelism_config":
+                raise TrainingArgumentsError(parallelism_refusal(value))
             raise TrainingArgumentsError(f"{f.name}: {f.what} (got {shown!r})")
+
+
+def parallelism_refusal(pc) -> str | None:
+    """Why a ParallelismConfig cannot be honoured (naming its field), or None."""
+    if pc is None:
+        return None
+    for name, why in (("tp_size", "tensor parallelism is not supported"),
+                      ("cp_size", "context parallelism other than Ulysses (sp_size) is not supported"),
+                      ("dp_shard_size", "ZeRO-3 (the deepspeed config) already shards every parameter over "
+                                        "the ranks")):
+        size = getattr(pc, name, 1) or 1
+        if size > 1:
+            return f"parallelism_config.{name}: {why} (got {size})"
+    sp_size = getattr(pc, "sp_size", 1) or 1
+    backend = getattr(pc, "sp_backend", None)
+    if sp_size > 1 and backend not in (None, "deepspeed"):
+        return (f"parallelism_config.sp_backend: only 'deepspeed' (Ulysses) sequence parallelism is supported "
+                f"(got {backend!r})")
+    return None
+
+
+def sequence_parallel_size(args) -> int:
+    """train.sequence_parallel_size as TrainingArguments' parallelism_config gives it (1: none)."""
+    pc = getattr(args, "parallelism_config", None)
+    return int(getattr(pc, "sp_size", 1) or 1) if pc is not None else 1
 
 
 def mapped_values(args, tokens: bool) -> dict[str, Any]:
     """What the mapped fields set, by dotted config key. `tokens`: whether the Trainer's loss is
     normalised by num_items_in_batch (the model takes it, or a compute_loss_func does)."""
-    return {
+    mapped = {
         "lomo.optimizer": OPTIMIZERS[_str(args.optim)],
         "lomo.lr": float(args.learning_rate),
         "train.clip_grad_norm": float(args.max_grad_norm) if args.max_grad_norm > 0 else None,
         "train.accumulation_steps": int(args.gradient_accumulation_steps),
         "train.loss_normalization": "tokens" if tokens else "mean",
     }
+    if getattr(args, "parallelism_config", None) is not None:  # else the config's own value stands
+        mapped["train.sequence_parallel_size"] = sequence_parallel_size(args)
+    return mapped
 
 
 # Keys of a config's own sections the Trainer decides (they would be ignored otherwise).

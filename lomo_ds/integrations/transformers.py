@@ -46,8 +46,11 @@ from lomo_ds.integrations.training_args import (
     check_training_arguments,
     mapped_values,
     merge_mapped,
+    sequence_parallel_size,
 )
 from lomo_ds.methods.lomo import load_engine_state
+from lomo_ds.runtime import sequence_parallel
+from lomo_ds.runtime.device import group_device
 from lomo_ds.runtime.dist import io_barrier, label_tokens
 from lomo_ds.runtime.preemption import PREEMPTED_EXIT
 from lomo_ds.storage.checkpoint import IO_TIMEOUT_S, write_atomic, write_hf_model
@@ -106,6 +109,28 @@ class TrainerLomoEngine(LomoEngine):
         return super().forward(batch) if self.loss_fn is None else self.loss_fn(batch)
 
 
+class WithPositions:
+    """A loader whose batches get whole-row position ids where they have none (what DeepSpeed's
+    Ulysses data-loader adapter requires before it splits the rows)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __getattr__(self, name):  # set_epoch, sampler, ... of the loader
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        for batch in self.loader:
+            if "position_ids" not in batch:
+                ids = batch["input_ids"]
+                positions = torch.arange(ids.shape[-1], device=ids.device)
+                batch = {**batch, "position_ids": positions.expand_as(ids).contiguous()}
+            yield batch
+
+
 class _TrainerSchedule:
     """The engine's schedule, read from the Trainer's scheduler: the lr of the step being taken."""
 
@@ -153,7 +178,15 @@ class LomoTrainerMixin:
         jit = bool(getattr(training_args, "enable_jit_checkpoint", False))
         if jit:
             training_args.enable_jit_checkpoint = False
-        super().__init__(*args, **kwargs)
+        # parallelism_config's sp_size is the engine's train.sequence_parallel_size: the engine
+        # owns Ulysses and its groups, so accelerate is built without it (it would wrap the
+        # attention a second time and compute the loss its own way).
+        parallelism = getattr(training_args, "parallelism_config", None)
+        training_args.parallelism_config = None
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            training_args.parallelism_config = parallelism
         self._preemption = PreemptionCallback() if jit else None
         if jit:
             training_args.enable_jit_checkpoint = True  # as the caller gave it (saved with the checkpoint)
@@ -243,6 +276,20 @@ class LomoTrainerMixin:
             self._load_lomo_checkpoint(resume_from_checkpoint)
         return model, train_dataloader
 
+    def get_train_dataloader(self):
+        """The Trainer's loader; under sequence parallelism wrapped in DeepSpeed's
+        UlyssesSPDataLoaderAdapter over the engine's SP group: each SP rank gets its slice of one
+        rank's batch in turn (position ids whole-row, labels shifted before the split)."""
+        loader = super().get_train_dataloader()
+        size = sequence_parallel_size(self.args)
+        if size == 1:
+            return loader
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+        sp = sequence_parallel.groups(size)
+        return UlyssesSPDataLoaderAdapter(WithPositions(loader), sp_rank=sp.rank, sp_group=sp.group,
+                                          sp_world_size=size, device=group_device(sp.group))
+
     # ------------------------------------------------------------------ the step
     def _label_count(self, inputs: dict[str, Any]) -> int:
         """This micro-batch's label tokens as the Trainer counts them for num_items_in_batch."""
@@ -263,6 +310,9 @@ class LomoTrainerMixin:
         inputs = self._prepare_inputs(inputs)
         by_tokens = engine.config.train.loss_normalization == "tokens"
         scale = None
+        if engine.sp.size > 1:
+            # A slice of a sequence: the engine's own loss weighs it (engine/sequence_loss.py).
+            return self._lomo_step(engine, inputs, None)
         if by_tokens and num_items_in_batch is not None:
             mine = self._label_count(inputs)
             if mine != label_tokens(inputs):
@@ -282,6 +332,9 @@ class LomoTrainerMixin:
                 loss = self.compute_loss(engine.module, dict(batch), num_items_in_batch=num_items_in_batch)
             return loss if scale is None else loss * scale
 
+        return self._lomo_step(engine, inputs, loss_fn)
+
+    def _lomo_step(self, engine, inputs: dict[str, Any], loss_fn) -> torch.Tensor:
         engine.loss_fn = loss_fn
         try:
             out = engine.train_step(inputs)

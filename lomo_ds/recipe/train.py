@@ -34,6 +34,7 @@ from lomo_ds.data.errors import DataError
 from lomo_ds.data.loading import build_datasets
 from lomo_ds.data.order import batches_for_step, position_of_step, steps_per_epoch, window_of_step
 from lomo_ds.data.packing import make_batch, padding_fraction, train_order
+from lomo_ds.data.sequence_split import pad_to_multiple
 from lomo_ds.data.streaming import build_streamed_datasets
 from lomo_ds.evaluation import harness
 from lomo_ds.evaluation.generation import evaluate_generation, write_generations
@@ -43,13 +44,14 @@ from lomo_ds.planning import inference, planner
 from lomo_ds.planning.model_tree import hf_config, meta_model
 from lomo_ds.recipe import harness_eval
 from lomo_ds.recipe.metrics import Metrics
+from lomo_ds.runtime import sequence_parallel as seqpar
 from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
 from lomo_ds.runtime.dist import accepts_logits_to_keep, init_distributed, io_barrier, keep_labelled_logits
 from lomo_ds.runtime.host_malloc import keep_freed_memory
 from lomo_ds.runtime.memory import cuda_peak_bytes, process_peak_rss_bytes
 from lomo_ds.runtime.preemption import PREEMPTED_EXIT, Preempted, Preemption
 from lomo_ds.storage import checkpoint
-from lomo_ds.storage.models import load_model, load_tokenizer, release_model_build_config
+from lomo_ds.storage.models import load_model, load_tokenizer, model_config, release_model_build_config
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -265,6 +267,11 @@ class TrainRecipe:
         torch.manual_seed(self.cfg.train.seed)
         init_distributed(timeout_s=self.cfg.train.collective_timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        # Sequence parallelism: the ranks of an SP group train on the same rows (each its slice of
+        # positions), so the data is dealt to the data-parallel replicas, world / sp of them.
+        sp = self.cfg.train.sequence_parallel_size
+        seqpar.check_world(sp, self.world)
+        self.dp_world, self.dp_rank = self.world // sp, self.rank // sp
         self.barrier = torch.distributed.barrier
         # Waits on other ranks' disk writes (checkpoints): under output.io_timeout, not the collectives'.
         self.io_barrier = partial(io_barrier, self.cfg.output.io_timeout)
@@ -292,7 +299,7 @@ class TrainRecipe:
         self.tokenizer = load_tokenizer(self.cfg, self.rank, self.barrier)
         self.stream = None  # data.streaming: the training rows, read as the steps need them
         if self.cfg.data.streaming:
-            self.stream, self.data = build_streamed_datasets(self.cfg, self.tokenizer, self.world)
+            self.stream, self.data = build_streamed_datasets(self.cfg, self.tokenizer, self.dp_world)
         else:
             self.data = build_datasets(self.cfg, self.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
@@ -306,11 +313,14 @@ class TrainRecipe:
             self.steps_per_epoch = max(1, self.total_steps)
             self.say(f"data: {json.dumps(self.data.stats)}; streamed, {self.total_steps} steps{accumulation}")
             return
-        self.steps_per_epoch, self.total_steps = planned_steps(self.cfg, len(self.data.train), self.world)
+        self.steps_per_epoch, self.total_steps = planned_steps(self.cfg, len(self.data.train), self.dp_world)
         self.say(f"data: {json.dumps(self.data.stats)}; {self.steps_per_epoch} steps/epoch{accumulation}, "
                  f"{self.total_steps} steps in all")
 
     def setup_engine(self) -> None:
+        if self.cfg.train.sequence_parallel_size > 1:  # before any rank allocates the model
+            seqpar.check_model_config(model_config(self.cfg), self.cfg.train.sequence_parallel_size,
+                                      accelerator_device().type)
         model = load_model(self.cfg, self.cfg.ds, self.rank, self.barrier)
         self.engine = build_engine(self.cfg, model, self.total_steps)
         self.labelled_logits_only = accepts_logits_to_keep(model)  # see keep_labelled_logits
@@ -338,7 +348,7 @@ class TrainRecipe:
 
     @property
     def global_batch(self) -> int:
-        return self.world * self.cfg.micro_batch * self.cfg.accumulation_steps
+        return self.dp_world * self.cfg.micro_batch * self.cfg.accumulation_steps
 
     def data_position_after_resume(self, written_batch: int | None) -> str:
         """What a resume on another rank count does to the data order, in words."""
@@ -395,11 +405,14 @@ class TrainRecipe:
             self.engine.start_window(len(window))
         t0, tokens, padding = time.perf_counter(), 0, []
         for micro in window:  # every rank's micro-batch, for the padding figure; this rank trains on its own
-            batch = make_batch(micro[self.rank], self.pad_id, self.data.packed)
-            if self.labelled_logits_only:
+            batch = make_batch(micro[self.dp_rank], self.pad_id, self.data.packed)
+            sp = self.cfg.train.sequence_parallel_size
+            if sp > 1:
+                batch = pad_to_multiple(batch, sp, self.pad_id)
+            elif self.labelled_logits_only:
                 batch = keep_labelled_logits(batch)
             out = self.engine.train_step(batch)
-            tokens += sum(len(e["input_ids"]) for e in micro[self.rank])
+            tokens += sum(len(e["input_ids"]) for e in micro[self.dp_rank])
             padding.append(padding_fraction(micro))
         if not out["stepped"]:
             raise RuntimeError(f"step {step + 1}: its window of {len(window)} micro-batches ended without an "
@@ -424,10 +437,10 @@ class TrainRecipe:
         epoch, step_in_epoch = position_of_step(step, self.steps_per_epoch)
         # Grouped by length for chat/instruction data that is not packed, the mixture's order for
         # data.sources; a pure function of (seed, epoch) either way, so a resumed run replays it.
-        order = train_order(self.data, cfg.train.seed, epoch, self.world * cfg.micro_batch)
-        window = window_of_step(step_in_epoch, len(self.data.train), self.world, cfg.micro_batch, k)
-        return epoch, [[[self.data.train[i] for i in batches_for_step(order, m, self.world, cfg.micro_batch, r)]
-                        for r in range(self.world)] for m in window]
+        order = train_order(self.data, cfg.train.seed, epoch, self.dp_world * cfg.micro_batch)
+        window = window_of_step(step_in_epoch, len(self.data.train), self.dp_world, cfg.micro_batch, k)
+        return epoch, [[[self.data.train[i] for i in batches_for_step(order, m, self.dp_world, cfg.micro_batch, r)]
+                        for r in range(self.dp_world)] for m in window]
 
     # ---------------------------------------------------------------- evaluate
     def evaluate(self, tag: str, step: int) -> dict:

@@ -129,6 +129,22 @@ def load_model(cfg: RunConfig, ds_config: dict, rank: int = 0, barrier=None) -> 
     return model
 
 
+def model_config(cfg: RunConfig):
+    """The model's transformers config, read without building the model (None for a GGUF file not
+    converted yet: the engine checks the built model then), its attention as it will be loaded with."""
+    from transformers import AutoConfig
+
+    source, gguf = resolve_model_source(cfg.model.path, cfg.model.gguf_file)
+    if gguf:  # its converted folder, once a run has made it
+        source = _cache_dir("models", source, gguf)
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            return None
+    config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
+    # transformers' default where the model supports it, as from_pretrained would choose.
+    config._attn_implementation = cfg.model.attn_implementation or "sdpa"
+    return config
+
+
 def release_model_build_config() -> None:
     """End what load_model began: transformers stops building models partitioned under ZeRO-3.
     Without it every model the process builds later (a reference model, a second run's) is built

@@ -443,6 +443,7 @@ def test_bad_presets_name_the_key(presets, needle):
 SHIPPED = {  # config: its default rule, (LOMO's lr, clip, warm-up, schedule), (AdaLomo's)
     "cpu_default.json": ("adalomo", (0.2, 1.0, 0.1, "cosine"), (1e-3, 1.0, 0.1, "cosine")),
     "cpu_chat.json": ("sgd", (0.05, 1.0, 0.1, "linear"), (1e-3, 1.0, 0.1, "linear")),
+    "cpu_long_context.json": ("adalomo", (0.2, 1.0, 0.1, "cosine"), (1e-3, 1.0, 0.1, "cosine")),
     **{f"llama{size}.json": ("adalomo", (0.03, 1.0, 0.05, "linear"), (5e-4, None, 0.03, "linear"))
        for size in ("7b", "13b", "30b", "65b", "7b_chat")},
 }

@@ -523,3 +523,38 @@ def _out(name: str) -> str:
 
 
 __all__ = ["check_equivalence", "max_diff"]
+
+
+class SequenceSamples(Samples):
+    """Samples with rows of SEQ + 1 positions: divisible by 2 SP ranks."""
+
+    def __getitem__(self, i):
+        row = super().__getitem__(i)
+        g = torch.Generator().manual_seed(900 + i)
+        extra = torch.randint(0, VOCAB, (1,), generator=g)
+        return {"input_ids": torch.cat([row["input_ids"], extra]), "labels": torch.cat([row["labels"], extra])}
+
+
+def check_sequence_parallel(optim: str = "lomo", seed: int = 0) -> dict:
+    """parallelism_config(sp_size=2, sp_backend="deepspeed") on 2 ranks: one data-parallel replica
+    whose every window is K of the loader's batches (DeepSpeed's adapter hands each SP rank its
+    slice of one rank's batch in turn), against the single-process reference on those whole rows."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from tests.engine.dist_sp_checks import sdpa_llama
+
+    clip = 1.0
+    data = SequenceSamples(STEPS * K * BATCH)
+    ref = sdpa_llama(seed)
+    with trainer_session():
+        args = training_args(_out("sequence_parallel"), optim=optim, max_grad_norm=clip,
+                             parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))
+        trainer = lomo_trainer_class()(model=copy.deepcopy(ref), args=args, train_dataset=data)
+        trainer.train()
+        trained = full_params(trainer)
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        sp = trainer.lomo_engine.sp
+    ref_losses, ref_norms = reference_run(ref, data, 1, optim, clip)
+    reference = {n: p.detach() for n, p in ref.named_parameters()} if trained is not None else None
+    return {"max_abs_diff": diff(trained, reference), "loss": [h["loss"] for h in logs], "ref_loss": ref_losses,
+            "grad_norm": [h.get("grad_norm") for h in logs], "ref_grad_norm": ref_norms, "sp": [sp.size, sp.dp_size]}

@@ -28,6 +28,9 @@ EQUIVALENCE = multi_rank_checks(
 )
 # SFTTrainer, resume and trackers: on 2 ranks (the Trainer's own equivalence covers 1 and 2).
 sft, resume = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume)
+sequence_parallel, sequence_parallel_adalomo = multi_rank_checks(
+    [2], sequence_parallel=H.check_sequence_parallel,
+    sequence_parallel_adalomo=lambda: H.check_sequence_parallel("adalomo"))
 # enable_jit_checkpoint: three Trainer runs in the 2-rank launch, a long check (CI).
 jit = multi_rank_checks([2], jit_checkpoint=H.check_jit_checkpoint)[0] if LONG_TESTS else None
 # save_on_each_node with two nodes that share no storage; use_cpu on CPU ranks.
@@ -53,6 +56,36 @@ def test_trainer_matches_reference(rank_results, world, check):
     assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
     clipped = [n > H.CLIP[world] for n in r["ref_grad_norm"]]
     assert any(clipped) and not all(clipped), r["ref_grad_norm"]  # the clip acts on some steps only
+
+
+@pytest.mark.parametrize("check", ["sequence_parallel", "sequence_parallel_adalomo"])
+def test_sequence_parallel_trainer_matches_reference(rank_results, check):
+    """parallelism_config(sp_size=2) on 2 ranks: the engine's Ulysses, DeepSpeed's data-loader
+    adapter, the whole rows' token-mean reference with clipping and K = 2."""
+    r = ok(rank_results(2), globals()[check])
+    print(f"{check}: max |Trainer (SP 2) - reference| = {r['max_abs_diff']:.2e}")
+    assert r["sp"] == [2, 1]
+    assert r["max_abs_diff"] <= TOL
+    assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-5)
+    assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
+    assert all(n > 1.0 for n in r["ref_grad_norm"])  # the clip bit
+
+
+def test_parallelism_config_refusals_name_the_field():
+    from types import SimpleNamespace as NS
+
+    from lomo_ds.integrations.training_args import mapped_values, parallelism_refusal
+
+    assert parallelism_refusal(None) is None
+    assert parallelism_refusal(NS(tp_size=1, cp_size=1, dp_shard_size=1, sp_size=2, sp_backend="deepspeed")) is None
+    assert parallelism_refusal(NS(tp_size=2)).startswith("parallelism_config.tp_size: tensor parallelism")
+    assert parallelism_refusal(NS(cp_size=2)).startswith("parallelism_config.cp_size: context parallelism other")
+    assert parallelism_refusal(NS(dp_shard_size=2)).startswith("parallelism_config.dp_shard_size: ZeRO-3")
+    assert parallelism_refusal(NS(sp_size=2, sp_backend="ring")).startswith("parallelism_config.sp_backend")
+    args = NS(optim="lomo", learning_rate=0.1, max_grad_norm=0.0, gradient_accumulation_steps=1,
+              parallelism_config=NS(sp_size=3, sp_backend="deepspeed"))
+    assert mapped_values(args, True)["train.sequence_parallel_size"] == 3
+    assert "train.sequence_parallel_size" not in mapped_values(NS(**{**vars(args), "parallelism_config": None}), True)
 
 
 def test_sft_trainer_matches_reference(rank_results):

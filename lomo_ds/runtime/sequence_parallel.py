@@ -1,0 +1,139 @@
+"""Sequence parallelism (train.sequence_parallel_size): the groups and DeepSpeed's Ulysses attention.
+
+Ranks are cut into SP groups of consecutive ranks (0..sp-1, sp..2sp-1, ...; DeepSpeed's layout):
+the ranks of one group hold slices of the same sequences, and world / sp groups are the
+data-parallel replicas. ZeRO-3 keeps sharding every parameter over the whole world, and the
+gradient is reduce-scattered over the whole world too: each SP rank's gradient is that of its own
+slice of positions, so the world's sum is the sum over data-parallel groups of whole sequences'
+gradients, exactly what the update needs (nothing is reduced twice).
+
+Attention is the one place where positions meet: DeepSpeed's UlyssesSPAttentionHF exchanges
+query/key/value heads for positions (all-to-all) around the model's own core attention, and back.
+It is installed as a dispatcher under the model's attention name in transformers' registry:
+modules of a model given to `install` go through their own Ulysses instance while training; any
+other model, and evaluation (whole sequences on every rank), calls the original function.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Attention that Ulysses can wrap on this machine: eager builds the S x S mask DeepSpeed refuses;
+# flash attention runs on CUDA only.
+_NEEDS_CUDA = ("flash_attention_2", "flash_attention_3")
+_ORIGINAL: dict[str, Any] = {}  # attention name -> transformers' own function, before the dispatcher
+_GROUPS: dict[int, tuple] = {}  # sp size -> (this rank's group, every group's ranks)
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    size: int  # ranks per sequence
+    group: Any  # this rank's SP group (None when size is 1)
+    rank: int  # this rank's place in it
+    dp_size: int  # data-parallel replicas: world / size
+    dp_rank: int
+
+
+def check_world(sp_size: int, world: int) -> None:
+    if world % sp_size:
+        raise ValueError(f"train.sequence_parallel_size {sp_size} does not divide the {world} ranks: the "
+                         f"data-parallel groups would be uneven; use a divisor of {world}")
+
+
+def check_model_config(hf_config: Any, sp_size: int, device_type: str = "cpu") -> None:
+    """Refuse, before any model is built, a model Ulysses cannot split over `sp_size` ranks."""
+    if sp_size == 1:
+        return
+    if hf_config is None:
+        raise ValueError(f"train.sequence_parallel_size {sp_size}: Ulysses attention needs a transformers model "
+                         "(one with a config naming its attention heads)")
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads is None:
+        raise ValueError(f"train.sequence_parallel_size {sp_size}: the model's config names no "
+                         "num_attention_heads; Ulysses splits attention by heads")
+    if heads % sp_size:
+        raise ValueError(f"train.sequence_parallel_size {sp_size}: the model's {heads} attention heads are not "
+                         f"divisible by it (Ulysses gives each SP rank heads / sp heads); use a divisor of {heads}")
+    if kv % sp_size and sp_size % kv:
+        raise ValueError(f"train.sequence_parallel_size {sp_size}: the model's {kv} key/value heads neither divide "
+                         f"nor are divided by it (Ulysses splits or replicates them); use a divisor of {kv}")
+    check_attention(getattr(cfg, "_attn_implementation", None) or "eager", sp_size, device_type)
+
+
+def check_attention(name: str, sp_size: int, device_type: str) -> None:
+    if sp_size == 1:
+        return
+    if name in ("eager", "paged|eager"):
+        raise ValueError(f"train.sequence_parallel_size {sp_size}: attention '{name}' builds the whole sequence's "
+                         "S x S mask, which Ulysses cannot split; load the model with attn_implementation='sdpa'")
+    if name in _NEEDS_CUDA and device_type != "cuda":
+        raise ValueError(f"train.sequence_parallel_size {sp_size}: attention '{name}' needs CUDA, and these ranks "
+                         f"run on '{device_type}'; Ulysses needs another attention here: 'sdpa'")
+
+
+def groups(sp_size: int) -> SequenceParallel:
+    """Collective on first use for a size (every rank makes every group, in the same order)."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    check_world(sp_size, world)
+    if sp_size == 1:
+        return SequenceParallel(1, None, 0, world, rank)
+    if sp_size not in _GROUPS:
+        mine = None
+        for first in range(0, world, sp_size):
+            ranks = list(range(first, first + sp_size))
+            group = torch.distributed.new_group(ranks)
+            if rank in ranks:
+                mine = group
+        _GROUPS[sp_size] = mine
+    return SequenceParallel(sp_size, _GROUPS[sp_size], rank % sp_size, world // sp_size, rank // sp_size)
+
+
+def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
+    """Route `model`'s attention through Ulysses over `sp.group` while it trains."""
+    if sp.size == 1:
+        return
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cfg = model.config.get_text_config()
+    name = cfg._attn_implementation
+    check_model_config(model.config, sp.size, _device_type())
+    if name not in _ORIGINAL:
+        _ORIGINAL[name] = ALL_ATTENTION_FUNCTIONS[name]
+        ALL_ATTENTION_FUNCTIONS[name] = _dispatcher(name)
+    core = _ORIGINAL[name]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    by_batch: dict[int, UlyssesSPAttentionHF] = {}
+
+    def ulysses(batch_size: int) -> UlyssesSPAttentionHF:
+        # Its shapes are fixed per batch size (the positions vary): one instance each.
+        if batch_size not in by_batch:
+            by_batch[batch_size] = UlyssesSPAttentionHF(
+                attn=core, batch_size=batch_size, attn_head_count=cfg.num_attention_heads, attn_head_size=head_dim,
+                kv_head_count=cfg.num_key_value_heads or cfg.num_attention_heads,
+                num_hidden_layers=cfg.num_hidden_layers, process_group=sp.group, seq_length_is_variable=True)
+        return by_batch[batch_size]
+
+    for module in model.modules():
+        module._lomo_ds_ulysses = ulysses
+
+
+def _dispatcher(name: str):
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        ulysses = getattr(module, "_lomo_ds_ulysses", None)
+        if ulysses is None or not module.training:
+            return _ORIGINAL[name](module, query, key, value, attention_mask, *args, **kwargs)
+        # The mask transformers built is the local slice's; causal order comes from the gathered
+        # position ids instead (right-padded rows: data/sequence_split.py).
+        return ulysses(query.shape[0])(module, query, key, value, None, *args, **kwargs)
+    return attention
+
+
+def _device_type() -> str:
+    from lomo_ds.runtime.device import accelerator_device
+
+    return accelerator_device().type

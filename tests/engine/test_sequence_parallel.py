@@ -1,0 +1,112 @@
+"""Sequence parallelism (train.sequence_parallel_size) with the fused update: on 2 ranks (SP = 2)
+and 4 ranks (SP = 2 x DP = 2) the parameters equal one process's torch.optim.SGD (or the reference
+AdaLomo) on the same whole sequences, with norm clipping that bites and accumulation K = 2, in both
+loss normalisations, and the loss equals the unsplit loss. The 4-rank launch is a long check
+(CI: LOMO_DS_LONG_TESTS=1). The split itself and the refusals are checked without ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lomo_ds.data.sequence_split import shift_labels, split_batch, target_tokens
+from lomo_ds.runtime import sequence_parallel as seqpar
+from tests.engine import dist_sp_checks as S
+from tests.ranks import LONG_TESTS, assert_matches_reference, multi_rank_checks, ok
+from tests.tiny import tiny_llama_config
+
+TOL = 1e-5  # fp32, 3 steps of 2 micro-batches; the attention's sums run in another order
+WORLDS = [2, 4] if LONG_TESTS else [2]
+
+CHECKS = multi_rank_checks(
+    WORLDS,
+    sp_sgd_mean=lambda: S.equivalence(2, normalization="mean"),
+    sp_sgd_tokens=lambda: S.equivalence(2, normalization="tokens"),
+    sp_adalomo=lambda: S.equivalence(2, optimizer="adalomo", normalization="tokens"),
+)
+(UNSPLIT,) = multi_rank_checks(WORLDS, sp_unsplit_loss=lambda: S.unsplit_loss(2))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("check", CHECKS, ids=str)
+def test_matches_whole_sequence_reference(rank_results, world, check):
+    r = ok(rank_results(world), check)
+    assert (r["sp"], r["dp"]) == (2, world // 2)
+    assert_matches_reference(r, TOL, f"{check} on {world} ranks (SP 2 x DP {world // 2}), against one process")
+    assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
+    assert all(n > 0.5 for n in r["ref_grad_norm"])  # the clip bit
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_loss_is_the_unsplit_loss(rank_results, world):
+    r = ok(rank_results(world), UNSPLIT)
+    for normalization, (got, want) in r.items():
+        assert got == pytest.approx(want, abs=1e-6), normalization
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_normalisations_differ_on_these_rows(rank_results, world):
+    # Prompted and whole rows in one window: "mean" and "tokens" weigh them differently, so each
+    # check above tells a wrong normalisation from the right one.
+    mean, tokens = (ok(rank_results(world), c)["ref_grad_norm"] for c in CHECKS[:2])
+    assert all(m != pytest.approx(t, rel=1e-2) for m, t in zip(mean, tokens, strict=True))
+
+
+def _batch(seq=12, prompt=0):
+    ids = torch.arange(2 * seq).reshape(2, seq) % 97
+    labels = ids.clone()
+    labels[:, :prompt] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("sp", [2, 3, 4])
+@pytest.mark.parametrize("prompt", [0, 5])
+def test_split_keeps_every_label_once_and_global_positions(sp, prompt):
+    batch = _batch(prompt=prompt)
+    parts = [split_batch(batch, r, sp) for r in range(sp)]
+    # Concatenated, the slices are the whole row shifted once: the label after each boundary is
+    # the target of the last position before it, neither dropped nor repeated.
+    joined = torch.cat([p["shift_labels"] for p in parts], dim=1)
+    assert torch.equal(joined, shift_labels(batch["labels"]))
+    assert torch.equal(joined[:, :-1], batch["labels"][:, 1:])
+    assert int((joined != -100).sum()) == target_tokens(batch)
+    assert torch.equal(torch.cat([p["position_ids"] for p in parts], dim=1), torch.arange(12).expand(2, 12))
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts], dim=1), batch["input_ids"])
+    chunk = 12 // sp
+    for r, p in enumerate(parts[:-1]):  # each boundary's target is the next slice's first label
+        assert torch.equal(p["shift_labels"][:, -1], batch["labels"][:, (r + 1) * chunk])
+
+
+def test_split_keeps_packed_position_ids():
+    batch = {**_batch(), "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1]] * 2)}
+    assert split_batch(batch, 1, 2)["position_ids"].tolist() == [[2, 3, 4, 5, 0, 1]] * 2
+
+
+def test_split_refusals():
+    with pytest.raises(ValueError, match="sequence length 12 is not divisible by it"):
+        split_batch(_batch(), 0, 5)
+    left = {**_batch(), "attention_mask": torch.tensor([[0] * 2 + [1] * 10] * 2)}
+    with pytest.raises(ValueError, match="right-padded"):
+        split_batch(left, 0, 2)
+    right = {**_batch(), "attention_mask": torch.tensor([[1] * 10 + [0] * 2] * 2)}
+    assert split_batch(right, 1, 2)["input_ids"].shape == (2, 6)
+
+
+def test_model_refusals():
+    cfg = tiny_llama_config()  # 4 heads, 2 key/value heads
+    cfg._attn_implementation = "sdpa"
+    seqpar.check_model_config(cfg, 2)
+    with pytest.raises(ValueError, match="4 attention heads are not divisible"):
+        seqpar.check_model_config(cfg, 3)
+    cfg.num_key_value_heads, cfg.num_attention_heads = 3, 6
+    with pytest.raises(ValueError, match="3 key/value heads neither divide"):
+        seqpar.check_model_config(cfg, 2)
+    cfg.num_key_value_heads, cfg.num_attention_heads = 2, 4
+    cfg._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        seqpar.check_model_config(cfg, 2)
+    cfg._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="needs another attention here: 'sdpa'"):
+        seqpar.check_model_config(cfg, 2, "cpu")
+    seqpar.check_model_config(cfg, 2, "cuda")
+    with pytest.raises(ValueError, match="does not divide the 3 ranks"):
+        seqpar.check_world(2, 3)
