@@ -47,16 +47,14 @@ def check_grpo_arguments(args, model, kwargs: dict) -> None:
 
 
 def _check_generation_batch(args) -> None:
-    """GRPOConfig checks the generation batch against the processes accelerate saw when the config
-    was built; on CPU ranks that can be one process where the launch has N (see
-    complete_distributed_state). Checked again against the launch's own rank count."""
+    """GRPOConfig derives the generation batch from the processes accelerate saw when the config was
+    built; on CPU ranks that can be one process where the launch has N (complete_distributed_state
+    corrects accelerate only later). The batch is derived again from the launch's own rank count,
+    keeping steps_per_generation (the micro-batches each generation batch is split into, TRL's
+    default gradient_accumulation_steps), and num_generations must divide it."""
     world = _world()
     generation = args.per_device_train_batch_size * world * args.steps_per_generation
-    if args.generation_batch_size != generation:
-        raise TrainingArgumentsError(
-            f"generation_batch_size: {args.generation_batch_size} but per_device_train_batch_size "
-            f"{args.per_device_train_batch_size} x {world} ranks x steps_per_generation {args.steps_per_generation} "
-            f"is {generation} (build the GRPOConfig after the ranks have started, or set steps_per_generation)")
+    args.generation_batch_size = generation
     if generation % args.num_generations:
         raise TrainingArgumentsError(
             f"num_generations: {args.num_generations} does not divide the generation batch of {generation} "

@@ -23,13 +23,13 @@ import torch
 
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.integrations.dist_dpo_checks import built_on_every_rank, tiny_policy
-from tests.integrations.dist_hf_checks import diff, ds_config, full_params, trainer_lrs, trainer_session
+from tests.integrations.dist_hf_checks import diff, ds_config, full_params, trainer_session
 from tests.ranks import ROOT
 
 CHAT = os.path.join(ROOT, "lomo_ds", "data", "builtin", "chat", "train.jsonl")
 BATCH = 2  # completions per rank and micro-batch
 K = 2  # gradient_accumulation_steps
-STEPS = 4  # trainer_lrs' schedule: linear, 2 warm-up steps
+STEPS = 4
 G = 2  # num_generations
 LR = {"lomo": 0.05, "adalomo": 0.01}
 PROMPT_TOKENS = 12
@@ -73,12 +73,17 @@ def reward_mod3(completions, completion_ids, **kw):
 def grpo_config(out_dir: str, optim: str, clip: float, **kw):
     from trl import GRPOConfig
 
-    base = dict(output_dir=out_dir, optim=optim, deepspeed=ds_config(), learning_rate=LR[optim],
+    base = dict(output_dir=out_dir, optim=optim, deepspeed=ds_config(), learning_rate=LR.get(optim, LR["lomo"]),
                 per_device_train_batch_size=BATCH, gradient_accumulation_steps=K, max_steps=STEPS,
-                lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=clip, logging_steps=1, report_to=[],
+                lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=clip, logging_steps=1, report_to=[],
                 save_strategy="no", seed=0, disable_tqdm=True, bf16=False, num_generations=G,
                 max_completion_length=8, beta=0.0, loss_type="grpo", shuffle_dataset=False)
     return GRPOConfig(**{**base, **kw})
+
+
+def trainer_lrs(lr: float) -> list[float]:
+    """The Trainer's learning rate of each step (linear decay, no warm-up: the first step moves)."""
+    return [lr * (STEPS - s) / STEPS for s in range(STEPS)]
 
 
 def _cloned(batch: dict) -> dict:
@@ -183,3 +188,32 @@ def check_equivalence(optim: str = "lomo", clip: dict | None = None, **kw) -> di
             "generations": sum(1 for h in logs if "reward" in h), "rewards": [h.get("reward") for h in logs],
             "kl_logged": [h.get("kl") for h in logs], "micro_batches": len(seen),
             "rows_per_micro_batch": int(seen[0]["completion_ids"].size(0)) if seen else 0}
+
+
+def check_reward_raises() -> dict:
+    """A reward function that raises on one rank's rows only: every rank raises RewardFunctionError
+    (none is left waiting in TRL's gather of the rewards)."""
+    from lomo_ds.integrations.grpo import LomoGRPOTrainer
+    from tests.helpers_data import chatml_tokenizer
+    from tests.integrations.dist_hf_checks import _out
+
+    rank = torch.distributed.get_rank()
+
+    def picky_reward(completions, completion_ids, **kw):
+        if rank == 1 and len(completion_ids) > 1:
+            raise ValueError("no 7 please")
+        return [0.0] * len(completion_ids)
+
+    tok = chatml_tokenizer()
+    raised, message = None, ""
+    with trainer_session():
+        args = grpo_config(_out("grpo_reward_raises"), "lomo", 1.0)
+        trainer = LomoGRPOTrainer(model=tiny_policy(len(tok)), reward_funcs=[picky_reward], args=args,
+                                  train_dataset=prompts(64), processing_class=tok, rollout_func=fixed_rollouts(tok))
+        try:
+            trainer.train()
+        except Exception as e:  # noqa: BLE001 (the figure)
+            raised, message = type(e).__name__, str(e)
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, raised)
+    return {"raised": every, "message": message}
