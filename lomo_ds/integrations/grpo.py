@@ -124,6 +124,16 @@ class LomoGRPOTrainer(LomoTrainerMixin, GRPOTrainer):
         """TRL's GRPO losses are normalised within TRL (module docstring): `mean` here."""
         return False
 
+    def engine_before_training(self):
+        """Collective: the LomoEngine, built now if train() has not built it (to evaluate the
+        starting model through its ZeRO-3 module); train() then uses this one."""
+        if self.lomo_engine is None:
+            # deepspeed_init fills the model-dependent `auto` values when train() builds the engine;
+            # here they are filled first (the same values: its second fill is a no-op), as for DPO.
+            hf_ds = self.accelerator.state.deepspeed_plugin.hf_ds_config
+            hf_ds.trainer_config_finalize(self.args, self.model, max(1, self.args.max_steps))
+        return self._build_lomo_engine()
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         out = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self.host_reference is not None:
