@@ -54,7 +54,8 @@ def main() -> None:
         for optim in a.optims:
             r = run(optim, seed, a)
             results.append(r)
-            print(f"{optim:8s} seed {seed}: held-out reward {r['heldout_reward'][0]:.3f} -> {r['heldout_reward'][1]:.3f}, "
+            before, after = r["heldout_reward"]
+            print(f"{optim:8s} seed {seed}: held-out reward {before:.3f} -> {after:.3f}, "
                   f"exact match {r['exact_match'][0]:.3f} -> {r['exact_match'][1]:.3f} ({r['seconds']} s)", flush=True)
     os.makedirs(a.output_dir, exist_ok=True)
     with open(os.path.join(a.output_dir, "results.json"), "w") as f:
