@@ -5,10 +5,14 @@ DeepSpeed ZeRO-3 ranks with fixed completions and compare with a single-process 
 GRPO loss on an unpartitioned copy of the starting model, torch.optim.SGD (or the reference AdaLomo),
 on each window's micro-batches of every rank, with the Trainer's schedule and global-norm clipping.
 
-Reverts checked (1 rank unless said):
+Reverts checked (1 rank, 2026-12-06):
 - without the window factor in LomoGRPOTrainer.compute_loss (the engine's `mean` then divides TRL's
-  already-divided loss by K again): REVERT_WINDOW;
-- the host reference not swapped in (the reference log-probs are the live policy's): REVERT_HOST.
+  already-divided loss by K again): parameters differ from the reference by 5.6e-3 (grpo, LOMO) and
+  1.6e-4 (AdaLomo);
+- the host reference's starting shards not swapped in (the "reference" is the live policy): the
+  reference log-probs differ from the starting model's by 5.5e-2, the parameters by 5.3e-5;
+- without the generation batch derived again from the launch's ranks (grpo_checks), every 2-rank
+  check stops: TRL sized the generation batch for the one process accelerate saw (4, not 8).
 """
 import pytest
 
