@@ -11,8 +11,8 @@ Reverts checked (1 rank, 2026-12-06):
   1.6e-4 (AdaLomo);
 - the host reference's starting shards not swapped in (the "reference" is the live policy): the
   reference log-probs differ from the starting model's by 5.5e-2, the parameters by 5.3e-5;
-- without the generation batch derived again from the launch's ranks (grpo_checks), every 2-rank
-  check stops: TRL sized the generation batch for the one process accelerate saw (4, not 8).
+- the generation batch checked against the launch's ranks but not derived again (grpo_checks): every
+  2-rank check stopped, TRL having sized it for the one process accelerate saw (4, not 8).
 """
 import pytest
 
