@@ -68,18 +68,18 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="builtin:smollm2-135m", help="a hub name, a folder, or lomo_ds's built-in")
     ap.add_argument("--optim", choices=["lomo", "adalomo", "adamw"], default="lomo",
                     help="adamw: TRL's own GRPOTrainer with DeepSpeed ZeRO-3 AdamW (the baseline of the study)")
-    ap.add_argument("--lr", type=float, help="default: 0.02 LOMO, 0.001 AdaLomo, 1e-5 AdamW")
-    ap.add_argument("--max-steps", type=int, default=40)
+    ap.add_argument("--lr", type=float, help="default: 0.05 LOMO, 0.001 AdaLomo, 1e-5 AdamW")
+    ap.add_argument("--max-steps", type=int, default=20)
     ap.add_argument("--generations", type=int, default=4, help="num_generations: replies per prompt")
     ap.add_argument("--batch", type=int, default=4, help="completions per rank and micro-batch")
     ap.add_argument("--accumulation", type=int, default=1)
-    ap.add_argument("--max-completion", type=int, default=16)
+    ap.add_argument("--max-completion", type=int, default=12)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--beta", type=float, default=0.0, help="KL to the starting weights (host reference)")
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--eval-split", choices=["report", "dev"], default="report")
-    ap.add_argument("--eval-prompts", type=int, default=70, help="held-out prompts scored (at most the split's)")
+    ap.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts scored (at most the split's)")
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--output-dir", default="runs/grpo_lomo")
     ap.add_argument("--report-to", default="none")
@@ -110,7 +110,7 @@ def main(argv=None) -> dict | None:
     train = records(os.path.join(CHAT, "train.jsonl"))
     valid = records(os.path.join(CHAT, "validation.jsonl"))
     valid = (valid[:DEV_ROWS] if a.eval_split == "dev" else valid[DEV_ROWS:])[: a.eval_prompts]
-    lr = a.lr or {"lomo": 0.02, "adalomo": 0.001, "adamw": 1e-5}[a.optim]
+    lr = a.lr or {"lomo": 0.05, "adalomo": 0.001, "adamw": 1e-5}[a.optim]
     ds = DEEPSPEED if a.optim != "adamw" else {k: v for k, v in DEEPSPEED.items() if k != "lomo"}
     args = GRPOConfig(
         output_dir=a.output_dir, optim=a.optim if a.optim != "adamw" else "adamw_torch", deepspeed=ds,
