@@ -18,7 +18,8 @@ SUPPORTED, MAPPED, REFUSED = "supported", "mapped", "refused"
 # The Trainer classes the mixin has been tested with (by class name and defining package).
 TESTED_TRAINERS = {("transformers", "Trainer"), ("trl", "SFTTrainer")}
 # Library trainers that need more than the mixin: tested through lomo_ds's own subclass only.
-THROUGH_SUBCLASS = {("trl", "DPOTrainer"): "lomo_ds.integrations.dpo.LomoDPOTrainer"}
+THROUGH_SUBCLASS = {("trl", "DPOTrainer"): "lomo_ds.integrations.dpo.LomoDPOTrainer",
+                    ("trl", "GRPOTrainer"): "lomo_ds.integrations.grpo.LomoGRPOTrainer"}
 OPTIMIZERS = {"lomo": "sgd", "adalomo": "adalomo"}
 
 
