@@ -39,6 +39,7 @@ def parse_args(argv=None):
 
 def engine_config(sp: int, rows: int) -> dict:
     cfg = common.ds_config(cpu=True, dtype="fp32", batch=rows)
+    cfg["zero_optimization"].pop("reduce_bucket_size")  # DeepSpeed's; LOMO's buckets: comm.bucket_size
     cfg.update(lomo={"lr": 1e-3}, comm={"bucket_size": 1_000_000}, train={"sequence_parallel_size": sp})
     return cfg
 

@@ -65,13 +65,17 @@ def split(rng: random.Random, words: list[str], n: int) -> list[dict]:
     return records
 
 
-def main() -> None:
+def generate() -> dict[str, list[dict]]:
+    """The splits by name, the same every time."""
     rng = random.Random(SEED)
     words = WORDS[:]
     rng.shuffle(words)
     cut = len(words) * 3 // 4
-    write_yes_no_splits(OUT_DIR, {"train": split(rng, words[:cut], N_TRAIN),
-                                  "validation": split(rng, words[cut:], N_VALIDATION)})
+    return {"train": split(rng, words[:cut], N_TRAIN), "validation": split(rng, words[cut:], N_VALIDATION)}
+
+
+def main() -> None:
+    write_yes_no_splits(OUT_DIR, generate())
 
 
 if __name__ == "__main__":

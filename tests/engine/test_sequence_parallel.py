@@ -91,6 +91,18 @@ def test_split_refusals():
     assert split_batch(right, 1, 2)["input_ids"].shape == (2, 6)
 
 
+def test_pad_to_multiple_pads_right_with_nothing_to_learn():
+    from lomo_ds.data.sequence_split import pad_to_multiple
+
+    batch = {"input_ids": torch.ones(2, 10, dtype=torch.long), "attention_mask": torch.ones(2, 10, dtype=torch.long),
+             "labels": torch.ones(2, 10, dtype=torch.long)}
+    out = pad_to_multiple(batch, 3, pad_id=7)
+    assert out["input_ids"].shape == (2, 12) and out["input_ids"][:, 10:].eq(7).all()
+    assert out["attention_mask"][:, 10:].eq(0).all() and out["labels"][:, 10:].eq(-100).all()
+    assert target_tokens(out) == target_tokens(batch)
+    assert pad_to_multiple(batch, 5, pad_id=7) is batch
+
+
 def test_model_refusals():
     cfg = tiny_llama_config()  # 4 heads, 2 key/value heads
     cfg._attn_implementation = "sdpa"
@@ -110,3 +122,32 @@ def test_model_refusals():
     seqpar.check_model_config(cfg, 2, "cuda")
     with pytest.raises(ValueError, match="does not divide the 3 ranks"):
         seqpar.check_world(2, 3)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"train.method": "adamw"}, r"train.sequence_parallel_size: .*train.method 'adamw' cannot split"),
+    ({"tokenizer.max_length": 130}, r"tokenizer.max_length: 130 is not divisible by train.sequence_parallel_size 3"),
+    ({"data.packing": True, "data.task": "builtin_chat"}, r"data.packing: with train.sequence_parallel_size"),
+    ({"model.attn_implementation": "eager"}, r"model.attn_implementation: 'eager' builds the S x S mask"),
+    ({"train.sequence_parallel_size": 0}, r"train.sequence_parallel_size"),
+])
+def test_run_config_refusals_on_load(overrides, message):
+    """A bad sequence-parallel run config fails when it is loaded, before any rank starts."""
+    import os
+
+    from lomo_ds.config.errors import ConfigError
+    from lomo_ds.config.run import load_run_config
+    from tests.ranks import ROOT
+
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(os.path.join(ROOT, "ds_configs", "cpu_long_context.json"), overrides)
+
+
+def test_shipped_long_context_config_loads():
+    import os
+
+    from lomo_ds.config.run import load_run_config
+    from tests.ranks import ROOT
+
+    cfg = load_run_config(os.path.join(ROOT, "ds_configs", "cpu_long_context.json"))
+    assert cfg.train.sequence_parallel_size == 3 and cfg.tokenizer.max_length % 3 == 0
