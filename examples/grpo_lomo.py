@@ -120,6 +120,7 @@ def main(argv=None) -> dict | None:
         bf16=a.bf16, logging_steps=5, report_to=a.report_to, save_strategy="no", seed=a.seed,
         disable_tqdm=rank != 0, use_cpu=accelerator_device().type == "cpu" and a.bf16,
     )
+    complete_distributed_state()  # again: building the arguments set accelerate's state up anew
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if a.bf16 else torch.float32)
     cls = LomoGRPOTrainer if a.optim != "adamw" else GRPOTrainer
@@ -130,16 +131,27 @@ def main(argv=None) -> dict | None:
     prompts = [{"prompt_ids": chat.ids(r["prompt"], generation_prompt=True), "messages": r["prompt"],
                 "reference": r["answer"]} for r in valid]
 
-    def held_out(module) -> tuple[float, float, list]:
-        metrics, rows = evaluate_generation(module, prompts, tokenizer, stop_ids=chat.stop_ids,
-                                            pad_id=tokenizer.pad_token_id, max_new_tokens=a.max_completion,
-                                            batch_size=8, rank=rank, world=world, device=accelerator_device())
+    def held_out(module, whole: bool = False) -> tuple[float, float, list]:
+        """Greedy replies' mean reward and exact match. `whole`: a model loaded partitioned (zero.Init)
+        that no DeepSpeed engine has hooked yet, gathered whole for the evaluation."""
+        import contextlib
+
+        import deepspeed
+
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params) if whole else contextlib.nullcontext():
+            metrics, rows = evaluate_generation(module, prompts, tokenizer, stop_ids=chat.stop_ids,
+                                                pad_id=tokenizer.pad_token_id, max_new_tokens=a.max_completion,
+                                                batch_size=8, rank=rank, world=world, device=accelerator_device())
         reward = [reply_reward(r["reply"], r["reference"]) for r in rows] if rows else [0.0]
         return sum(reward) / len(reward), metrics["exact_match"], rows
 
-    before = held_out(held_out_module(trainer, before_training=True))
+    lomo = isinstance(trainer, LomoGRPOTrainer)
+    # LOMO: the engine's ZeRO-3 module (built before the first step); TRL's trainer: the model as
+    # from_pretrained partitioned it, gathered whole, and after training DeepSpeed's hooked module.
+    before = held_out(trainer.engine_before_training().module if lomo else trainer.model, whole=not lomo)
     trainer.train()
-    after = held_out(held_out_module(trainer, before_training=False))
+    after = held_out(trainer.lomo_engine.module if lomo else trainer.model)
     if rank != 0:
         return None
     logged = [h for h in trainer.state.log_history if "reward" in h]
@@ -157,17 +169,6 @@ def main(argv=None) -> dict | None:
         print(f"  {r['messages'][-1]['content']!r} -> {r['reply']!r} (reference {r['reference']!r})")
     print("RESULT " + json.dumps(result))
     return result
-
-
-def held_out_module(trainer, before_training: bool):
-    """The module greedy replies come from: lomo_ds's ZeRO-3 module (its engine built before the
-    first step if need be), or, for TRL's own trainer, the model DeepSpeed wraps (the plain model
-    before training)."""
-    from lomo_ds.integrations.grpo import LomoGRPOTrainer
-
-    if isinstance(trainer, LomoGRPOTrainer):
-        return trainer.engine_before_training().module
-    return trainer.model
 
 
 if __name__ == "__main__":
