@@ -25,13 +25,13 @@ def pytest_collection_modifyitems(config, items):
     # Under `pytest -n N --dist loadgroup` (make test) each launch's tests go to one worker when
     # pytest-xdist honours the groups. The 2-rank launch (most checks: the longest) is a group of its
     # own; the 1-rank launch another (it takes one core, like a single-process test); the 3-rank launch
-    # and the tests that start ranks themselves a third. The 2-rank launch leaves part of the cores
-    # idle while one rank waits on the other, so the other worker's launches and tests run beside it
-    # instead of after it.
+    # (the 4-rank one too, under LOMO_DS_LONG_TESTS) and the tests that start ranks themselves a third.
+    # The 2-rank launch leaves part of the cores idle while one rank waits on the other, so the other
+    # worker's launches and tests run beside it instead of after it.
     for item in items:
         if "rank_results" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ranks"):
             world = item.callspec.params.get("world") if getattr(item, "callspec", None) is not None else None
-            if item.get_closest_marker("ranks") or world == 3:
+            if item.get_closest_marker("ranks") or world in (3, 4):
                 group = "ranks_own"
             else:
                 group = "rank1" if world == 1 else "ranks2"

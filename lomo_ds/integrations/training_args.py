@@ -107,7 +107,8 @@ FIELDS: list[Field] = [
                                         "train.sequence_parallel_size (Ulysses attention; the Trainer's batches "
                                         "split by DeepSpeed's UlyssesSPDataLoaderAdapter, the loss lomo_ds's own); "
                                         "tp_size, cp_size and dp_shard_size above 1 are refused (ZeRO-3 is the "
-                                        "sharding; no tensor or context parallelism)",
+                                        "sharding; no tensor or context parallelism), and so is sp_size with a "
+                                        "trainer that computes its own loss (SFTTrainer, DPO, compute_loss_func)",
           lambda v: parallelism_refusal(v) is not None, maps_to="train.sequence_parallel_size"),
     Field("deepspeed", MAPPED, "required: a DeepSpeed ZeRO-3 config (dict or file) whose optional `lomo`, `comm`, "
                                "`memory` and `train` sections hold LOMO's other options; checked like lomo_ds's "

@@ -109,6 +109,20 @@ class TrainerLomoEngine(LomoEngine):
         return super().forward(batch) if self.loss_fn is None else self.loss_fn(batch)
 
 
+def _check_sequence_parallel_loss(cls, args, compute_loss_func) -> None:
+    """Under sequence parallelism each rank's loss is lomo_ds's causal-LM loss of its slice
+    (engine/sequence_loss.py): a trainer with a loss of its own would be silently replaced."""
+    from transformers import Trainer
+
+    if sequence_parallel_size(args) == 1:
+        return
+    if compute_loss_func is not None or cls.compute_loss is not Trainer.compute_loss:
+        raise TrainingArgumentsError(
+            "parallelism_config.sp_size: under sequence parallelism the loss is lomo_ds's causal-LM loss of each "
+            f"rank's slice of the rows; {cls.__name__} computes its own (compute_loss or compute_loss_func), "
+            "which is not supported with it: use LomoTrainerMixin with transformers' Trainer")
+
+
 class WithPositions:
     """A loader whose batches get whole-row position ids where they have none (what DeepSpeed's
     Ulysses data-loader adapter requires before it splits the rows)."""
@@ -181,6 +195,7 @@ class LomoTrainerMixin:
         # parallelism_config's sp_size is the engine's train.sequence_parallel_size: the engine
         # owns Ulysses and its groups, so accelerate is built without it (it would wrap the
         # attention a second time and compute the loss its own way).
+        _check_sequence_parallel_loss(type(self), training_args, kwargs.get("compute_loss_func"))
         parallelism = getattr(training_args, "parallelism_config", None)
         training_args.parallelism_config = None
         try:

@@ -262,3 +262,25 @@ def test_table_is_generated_and_complete():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "docs", "training_arguments.md")) as f:
         assert options_markdown() in f.read()
+
+
+def test_sequence_parallel_refused_with_a_loss_of_the_trainers_own(hf_args):
+    """SFTTrainer / DPO / a compute_loss_func compute their own loss; under sequence parallelism the
+    engine's slice loss would replace it silently: refused in the constructor, naming the field."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import Trainer
+
+    from lomo_ds.integrations.training_args import TrainingArgumentsError
+    from lomo_ds.integrations.transformers import LomoTrainerMixin
+    from tests.tiny import tiny_llama
+
+    args = hf_args(learning_rate=0.05, parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))
+
+    class OwnLoss(LomoTrainerMixin, Trainer):
+        def compute_loss(self, model, inputs, **kw):
+            return super().compute_loss(model, inputs, **kw)
+
+    with pytest.raises(TrainingArgumentsError, match=r"^parallelism_config.sp_size: .*OwnLoss computes its own"):
+        OwnLoss(model=tiny_llama(0), args=args)
+    with pytest.raises(TrainingArgumentsError, match=r"^parallelism_config.sp_size: "):
+        H.lomo_trainer_class()(model=tiny_llama(0), args=args, compute_loss_func=lambda *a, **k: 0)
