@@ -80,7 +80,8 @@ def run_spec_for(cfg) -> RunSpec:
                    chunked_loss=cfg.memory.chunked_loss != "off", loss_chunk=cfg.memory.loss_chunk_logits,
                    two_pass=cfg.memory.two_pass_mode if two_backwards(cfg, ds["dtype"]) else None,
                    attn=attention_of(cfg.model.attn_implementation), tiled_mlp=cfg.memory.tiled_mlp,
-                   mlp_tiles=cfg.memory.mlp_tiles, offload_checkpoints=cfg.memory.offload_checkpoints)
+                   mlp_tiles=cfg.memory.mlp_tiles, offload_checkpoints=cfg.memory.offload_checkpoints,
+                   sp=cfg.train.sequence_parallel_size)
 
 
 def two_backwards(cfg, dtype: str) -> bool:

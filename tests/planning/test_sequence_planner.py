@@ -52,6 +52,12 @@ def test_the_run_config_names_the_attention_and_the_options():
     assert P.run_spec_for(load_run_config(plain, check_files=False)).attn == "sdpa"
     flash = {"model": {"path": "tiny", "attn_implementation": "flash_attention_2"}, "lomo": {"lr": 1e-3}}
     assert P.run_spec_for(load_run_config(flash, check_files=False)).attn == "flash"
+    # train.sequence_parallel_size is the planner's sp (--dry-run plans what the run trains)
+    split = {"model": {"path": "tiny"}, "lomo": {"lr": 1e-3}, "train": {"sequence_parallel_size": 2},
+             "tokenizer": {"max_length": 1024}}
+    run = P.run_spec_for(load_run_config(split, check_files=False))
+    whole = P.run_spec_for(load_run_config({**split, "train": {}}, check_files=False))
+    assert (run.sp, whole.sp) == (2, 1) and run.tokens == whole.tokens // 2 == 512
 
 
 def test_sequence_parallel_divides_what_the_layers_see():
