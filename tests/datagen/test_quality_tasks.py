@@ -52,7 +52,7 @@ def _importorskip(task: str) -> None:
 def test_the_registry_lists_every_generated_task():
     assert sorted(QUALITY_TASKS) == sorted(PACKAGES)
     assert {n[len("make_"):-len("_task.py")] for n in os.listdir(os.path.dirname(datagen.__file__))
-            if n.startswith("make_") and n.endswith("_task.py")} == set(PACKAGES) | {"builtin", "chat"}
+            if n.startswith("make_") and n.endswith("_task.py")} == set(PACKAGES) | {"builtin", "chat", "long_context"}
 
 
 @pytest.mark.parametrize("task", sorted(QUALITY_TASKS))

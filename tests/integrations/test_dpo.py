@@ -15,7 +15,7 @@ import json
 import pytest
 
 from tests.integrations import dist_dpo_checks as D
-from tests.ranks import ROOT, multi_rank_checks, ok
+from tests.ranks import LONG_TESTS, ROOT, multi_rank_checks, ok
 
 TOL = 1e-5
 WORLDS = [1, 2]
@@ -24,8 +24,10 @@ EQUIVALENCE = multi_rank_checks(
     dpo_lomo=lambda: D.check_equivalence("lomo"),
     dpo_adalomo=lambda: D.check_equivalence("adalomo"),
 )
-# The same pairs as a Dataset.from_list (no cache files, which TRL keys its precomputed reference by).
-(IN_MEMORY,) = multi_rank_checks([2], dpo_in_memory=lambda: D.check_equivalence("lomo", in_memory=True))
+# The same pairs as a Dataset.from_list (no cache files, which TRL keys its precomputed reference by):
+# a long check (CI).
+IN_MEMORY = (multi_rank_checks([2], dpo_in_memory=lambda: D.check_equivalence("lomo", in_memory=True))[0]
+             if LONG_TESTS else None)
 
 
 @pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
@@ -46,6 +48,7 @@ def test_dpo_matches_reference(rank_results, world, check):
     assert all(a is not None for a in r["reward_accuracy_logged"])  # TRL's metrics reach the logs
 
 
+@pytest.mark.long
 def test_dpo_in_memory_dataset_on_two_ranks(rank_results):
     """Pairs given as Dataset.from_list train on 2 ranks as the reference does, with the precomputed
     reference log-probs of the same pairs read from a file (and of a direct computation).

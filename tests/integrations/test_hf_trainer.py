@@ -33,9 +33,10 @@ sequence_parallel, sequence_parallel_adalomo = multi_rank_checks(
     sequence_parallel_adalomo=lambda: H.check_sequence_parallel("adalomo"))
 # enable_jit_checkpoint: three Trainer runs in the 2-rank launch, a long check (CI).
 jit = multi_rank_checks([2], jit_checkpoint=H.check_jit_checkpoint)[0] if LONG_TESTS else None
-# save_on_each_node with two nodes that share no storage; use_cpu on CPU ranks.
-each_node, use_cpu = multi_rank_checks([2], save_on_each_node=H.check_save_on_each_node,
-                                       trainer_use_cpu=lambda: H.check_equivalence("lomo", use_cpu=True))
+# save_on_each_node with two nodes that share no storage (two Trainer runs and a resume: a long
+# check, CI); use_cpu on CPU ranks.
+(use_cpu,) = multi_rank_checks([2], trainer_use_cpu=lambda: H.check_equivalence("lomo", use_cpu=True))
+each_node = multi_rank_checks([2], save_on_each_node=H.check_save_on_each_node)[0] if LONG_TESTS else None
 # The trackers are the `trackers` extra's (CI installs it; `make install` does not): their check is
 # declared only where they are, so that a launch without them does not fail it.
 NO_TRACKERS = [m for m in ("tensorboard", "wandb") if importlib.util.find_spec(m) is None]
@@ -123,6 +124,7 @@ def test_jit_checkpoint_on_a_signal_saves_at_the_step_boundary_and_resumes_exact
     assert r["resumed_vs_whole"] == 0.0
 
 
+@pytest.mark.long
 def test_save_on_each_node_without_shared_storage(rank_results):
     """Two nodes of one rank each, each writing into a folder of its own: both folders hold a whole
     checkpoint (the model from_pretrained loads, the engine state: its metadata, the node's own

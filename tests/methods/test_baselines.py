@@ -8,14 +8,17 @@ import torch
 
 from lomo_ds.methods import METHODS
 from tests.methods import dist_methods_checks as M
-from tests.ranks import multi_rank_checks, ok
+from tests.ranks import LONG_TESTS, multi_rank_checks, ok
 
-(interface, resume, lora_lomo_two_passes, fetch_per_layer, accumulation, labelled_logits,
- lora_writes_before_gathers) = multi_rank_checks(
-    [2], interface=lambda: {m: M.interface_and_memory(m) for m in METHODS}, resume=M.resume_every_method,
+(interface, lora_lomo_two_passes, fetch_per_layer, lora_writes_before_gathers) = multi_rank_checks(
+    [2], interface=lambda: {m: M.interface_and_memory(m) for m in METHODS},
     lora_lomo_two_passes=M.lora_lomo_two_passes, fetch_per_layer=M.fetch_per_layer,
-    accumulation=M.accumulation_every_method, labelled_logits=M.labelled_logits_every_method,
     lora_writes_before_gathers=M.lora_writes_before_gathers)
+# Every method resumed, accumulated and stepped on the labelled logits: a minute of the 2-rank
+# launch, long checks (CI: LOMO_DS_LONG_TESTS=1); LOMO's own are in every suite (tests/engine).
+resume, accumulation, labelled_logits = multi_rank_checks(
+    [2] if LONG_TESTS else [], resume=M.resume_every_method, accumulation=M.accumulation_every_method,
+    labelled_logits=M.labelled_logits_every_method)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,7 @@ def test_every_method_is_an_engine_on_the_accelerator_device(results):
     assert "lora_grad_norm" in results["lora_lomo"]["step_keys"]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "zero_shot"])
 def test_resume_equals_an_uninterrupted_run(rank_results, method):
     """2 steps, checkpoint, a fresh engine (other LoRA adapters) loads it, 2 more steps == 4 steps
@@ -132,6 +136,7 @@ def test_every_method_fetches_as_the_config_says(rank_results, method):
         assert r["loss_after"] < r["loss_before"], r
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "zero_shot"])
 def test_accumulation_equals_the_concatenated_micro_batches(rank_results, method):
     """gradient_accumulation_steps 2 (windows of 2, 1 and 2 micro-batches) equals the same method
@@ -145,10 +150,12 @@ def test_accumulation_equals_the_concatenated_micro_batches(rank_results, method
     assert r["accumulation_steps"] == 2
 
 
+@pytest.mark.long
 def test_zero_shot_ignores_accumulation(rank_results):
     assert ok(rank_results(2), accumulation)["zero_shot"] == {"accumulation_steps": 1, "boundary": True}
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_steps_alike_on_the_labelled_logits_alone(rank_results, method):
     """The recipe asks every engine for the logits of labelled positions only (keep_labelled_logits):
