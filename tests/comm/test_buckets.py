@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.comm import dist_bucket_checks as B
-from tests.ranks import multi_rank_checks, ok
+from tests.ranks import LONG_TESTS, multi_rank_checks, ok
 
 WORLDS = [1, 2, 3]
 TOL = 1e-6  # fp32, as the engine's equivalence tests
@@ -57,9 +57,10 @@ def bench_step_report(extra: tuple = ()) -> dict:
     return {"stdout": out.getvalue()}
 
 
-bench_step, bench_step_accumulation = multi_rank_checks(
-    [2], bench_step=lambda: bench_step_report(("--offload",)),
-    bench_step_accumulation=lambda: bench_step_report(("--accumulation", "2", "--engines", "floor,lomo,lomo clipped")))
+# The benchmark with offload runs ten engines: a long check (CI).
+bench_step = multi_rank_checks([2], bench_step=lambda: bench_step_report(("--offload",)))[0] if LONG_TESTS else None
+(bench_step_accumulation,) = multi_rank_checks([2], bench_step_accumulation=lambda: bench_step_report(
+    ("--accumulation", "2", "--engines", "floor,lomo,lomo clipped")))
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -186,6 +187,7 @@ def test_a_group_of_another_size_is_refused(rank_results, world):
     assert message is not None and "process group of 1 ranks" in message and f"over {world}" in message
 
 
+@pytest.mark.long
 def test_bench_step_prints_ratios_and_breakdown(rank_results):
     """The step-time benchmark that ships with the project (benchmarks/bench_step.py) runs end to
     end: a tiny model on the 2-rank launch; it proves the code runs, not how fast it is."""

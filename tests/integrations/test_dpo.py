@@ -19,19 +19,18 @@ from tests.ranks import LONG_TESTS, ROOT, multi_rank_checks, ok
 
 TOL = 1e-5
 WORLDS = [1, 2]
-EQUIVALENCE = multi_rank_checks(
-    WORLDS,
-    dpo_lomo=lambda: D.check_equivalence("lomo"),
-    dpo_adalomo=lambda: D.check_equivalence("adalomo"),
-)
+# AdaLomo on 2 ranks with the long checks (CI): LOMO's on 2 and AdaLomo's on 1 run in every suite.
+EQUIVALENCE = [*multi_rank_checks(WORLDS, dpo_lomo=lambda: D.check_equivalence("lomo")),
+               *multi_rank_checks(WORLDS if LONG_TESTS else [1], dpo_adalomo=lambda: D.check_equivalence("adalomo"))]
+PAIRS = [pytest.param(world, check, marks=[] if world in check.worlds else [pytest.mark.long])
+         for world in WORLDS for check in EQUIVALENCE]
 # The same pairs as a Dataset.from_list (no cache files, which TRL keys its precomputed reference by):
 # a long check (CI).
 IN_MEMORY = (multi_rank_checks([2], dpo_in_memory=lambda: D.check_equivalence("lomo", in_memory=True))[0]
              if LONG_TESTS else None)
 
 
-@pytest.mark.parametrize("check", EQUIVALENCE, ids=str)
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(("world", "check"), PAIRS, ids=str)
 def test_dpo_matches_reference(rank_results, world, check):
     r = ok(rank_results(world), check)
     print(f"{check} on {world}: max |DPO - reference| = {r['max_abs_diff']:.2e}, reference log-probs "

@@ -27,15 +27,19 @@ EQUIVALENCE = multi_rank_checks(
     trainer_adalomo=lambda: H.check_equivalence("adalomo"),
 )
 # SFTTrainer, resume and trackers: on 2 ranks (the Trainer's own equivalence covers 1 and 2).
-sft, resume = multi_rank_checks([2], sft=H.check_sft, resume=H.check_resume)
+(sft,) = multi_rank_checks([2], sft=H.check_sft)
+# Three Trainer runs and a resume in the 2-rank launch: a long check (CI); the engine state's layout
+# is read on every rank count in every suite (tests/storage/test_engine_state.py).
+resume = multi_rank_checks([2], resume=H.check_resume)[0] if LONG_TESTS else None
 sequence_parallel, sequence_parallel_adalomo = multi_rank_checks(
     [2], sequence_parallel=H.check_sequence_parallel,
     sequence_parallel_adalomo=lambda: H.check_sequence_parallel("adalomo"))
 # enable_jit_checkpoint: three Trainer runs in the 2-rank launch, a long check (CI).
 jit = multi_rank_checks([2], jit_checkpoint=H.check_jit_checkpoint)[0] if LONG_TESTS else None
 # save_on_each_node with two nodes that share no storage (two Trainer runs and a resume: a long
-# check, CI); use_cpu on CPU ranks.
-(use_cpu,) = multi_rank_checks([2], trainer_use_cpu=lambda: H.check_equivalence("lomo", use_cpu=True))
+# check, CI); use_cpu on CPU ranks (the Trainer's equivalence again: a long check too).
+use_cpu = (multi_rank_checks([2], trainer_use_cpu=lambda: H.check_equivalence("lomo", use_cpu=True))[0]
+           if LONG_TESTS else None)
 each_node = multi_rank_checks([2], save_on_each_node=H.check_save_on_each_node)[0] if LONG_TESTS else None
 # The trackers are the `trackers` extra's (CI installs it; `make install` does not): their check is
 # declared only where they are, so that a launch without them does not fail it.
@@ -101,6 +105,7 @@ def test_sft_trainer_matches_reference(rank_results):
     assert len({c for window in r["label_counts"] for c in window}) > 1  # micro-batches differ in label count
 
 
+@pytest.mark.long
 def test_resume_and_save_model(rank_results):
     """Stopped after the step-2 checkpoint and resumed (AdaLomo: its statistics are in the shard
     state) = uninterrupted; save_model() loads with from_pretrained."""
@@ -145,6 +150,7 @@ def test_save_on_each_node_without_shared_storage(rank_results):
     assert r["resumed_vs_whole"] == 0.0
 
 
+@pytest.mark.long
 def test_use_cpu_on_cpu_ranks(rank_results):
     """use_cpu=True on CPU ranks (DeepSpeed's CPU accelerator) trains as the reference, as without it.
 

@@ -223,10 +223,13 @@ def export(tie: str, max_shard_size: int = MAX_SHARD_SIZE) -> dict:
     return {"dir": out_dir, "max_shard_size": max_shard_size}
 
 
-EXPORTS = multi_rank_checks([2], untied=lambda: export("untied"), tied=lambda: export("tied"))
+# The untied export (one more training run in the 2-rank launch) is a long check (CI).
+EXPORTS = [multi_rank_checks([2] if LONG_TESTS or tie == "tied" else [], **{tie: lambda tie=tie: export(tie)})[0]
+           for tie in ("untied", "tied")]
 
 
-@pytest.mark.parametrize("check", EXPORTS, ids=str)
+@pytest.mark.parametrize("check", [pytest.param(c, marks=[] if c.worlds else [pytest.mark.long]) for c in EXPORTS],
+                         ids=str)
 def test_export_loads_in_transformers_with_engine_logits(rank_results, check):
     """The export of a tied and an untied model, on the 2-rank launch, loads in transformers and
     gives the engine's logits; the tied model's config names a GGUF source, as the built-in model's
@@ -259,9 +262,12 @@ def test_export_loads_in_transformers_with_engine_logits(rank_results, check):
 
 
 # ----------------------------------------------------------------------------- host memory of checkpoint and export
-(HOST_MEMORY,) = multi_rank_checks([2], host_memory=lambda: checkpoint_and_export_host_memory(work_dir()))
+# Host memory of a checkpoint and an export, measured: a long check (CI).
+HOST_MEMORY = (multi_rank_checks([2], host_memory=lambda: checkpoint_and_export_host_memory(work_dir()))[0]
+               if LONG_TESTS else None)
 
 
+@pytest.mark.long
 def test_checkpoint_and_export_hold_one_tensor_or_file_of_host_memory(rank_results):
     """The export holds at most one file's tensors on rank 0 (plus the tensor being gathered), not
     the whole model; a checkpoint's save and load hold no copy of the rank's shards."""
