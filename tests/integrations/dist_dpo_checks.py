@@ -33,6 +33,19 @@ MAX_LENGTH = 160  # the longest pair of the checks' conversations is 150 tokens 
 CLIP = {1: 2.5, 2: 1.95}
 
 
+def reference_step(ref, opt, optim: str, loss, clip: float, lr: float) -> float:
+    """One step of a single-process reference: `loss`'s gradient clipped to the global norm `clip`,
+    then SGD (optim "lomo") or the reference AdaLomo at `lr`. Returns the norm before clipping."""
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item()
+    if optim == "lomo":
+        opt.param_groups[0]["lr"] = lr
+    else:
+        opt.lr = lr
+    opt.step()
+    return norm
+
+
 def pairs_file(world: int) -> str:
     """Hard pairs of the chat task's first conversations, written by rank 0 into the launch's folder."""
     import json
@@ -153,13 +166,7 @@ def check_equivalence(optim: str = "lomo", in_memory: bool = False) -> dict:
             mbs = [everyone[r][step * K + m] for m in range(K) for r in range(world)]
             ref.zero_grad()
             loss = sum(trainer._compute_loss(ref, mb, False) for mb in mbs) / len(mbs)
-            loss.backward()
-            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
-            if optim == "lomo":
-                opt.param_groups[0]["lr"] = lrs[step]
-            else:
-                opt.lr = lrs[step]
-            opt.step()
+            ref_norms.append(reference_step(ref, opt, optim, loss, clip, lrs[step]))
             ref_losses.append(loss.item())
     if trained is None:
         return None

@@ -22,7 +22,7 @@ import zlib
 import torch
 
 from tests.adalomo_reference import ReferenceAdaLomo
-from tests.integrations.dist_dpo_checks import built_on_every_rank, tiny_policy
+from tests.integrations.dist_dpo_checks import built_on_every_rank, reference_step, tiny_policy
 from tests.integrations.dist_hf_checks import diff, ds_config, full_params, trainer_session
 from tests.ranks import ROOT
 
@@ -170,13 +170,7 @@ def check_equivalence(optim: str = "lomo", clip: dict | None = None, **kw) -> di
                     mbs.append(mb)
             ref.zero_grad()
             loss = sum(trainer._compute_loss(ref, mb) for mb in mbs) / world
-            loss.backward()
-            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item())
-            if optim == "lomo":
-                opt.param_groups[0]["lr"] = lrs[step]
-            else:
-                opt.lr = lrs[step]
-            opt.step()
+            ref_norms.append(reference_step(ref, opt, optim, loss, max_norm, lrs[step]))
             ref_losses.append(loss.item())
     if trained is None:
         return None
