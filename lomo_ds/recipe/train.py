@@ -150,6 +150,16 @@ def check_fetch_unit(cfg) -> None:
         raise ConfigError(f"{cfg.source_path or '<config>'}: {e} (model.path {cfg.model.path!r})") from None
 
 
+def check_sequence_parallel_model(cfg) -> None:
+    """train.sequence_parallel_size against the model's heads and attention, from its config alone.
+    A GGUF model not converted yet has no config to read: the engine checks the built model then."""
+    if cfg.train.sequence_parallel_size == 1:
+        return
+    config = model_config(cfg)
+    if config is not None:
+        seqpar.check_model_config(config, cfg.train.sequence_parallel_size, accelerator_device().type)
+
+
 def show_what_matters(rank: int) -> None:
     """Rank 0 prints progress, results, and each library warning once; the other ranks print only
     errors (every rank would otherwise repeat the same DeepSpeed/torch/transformers messages).
@@ -318,9 +328,7 @@ class TrainRecipe:
                  f"{self.total_steps} steps in all")
 
     def setup_engine(self) -> None:
-        if self.cfg.train.sequence_parallel_size > 1:  # before any rank allocates the model
-            seqpar.check_model_config(model_config(self.cfg), self.cfg.train.sequence_parallel_size,
-                                      accelerator_device().type)
+        check_sequence_parallel_model(self.cfg)  # before any rank allocates the model
         model = load_model(self.cfg, self.cfg.ds, self.rank, self.barrier)
         self.engine = build_engine(self.cfg, model, self.total_steps)
         self.labelled_logits_only = accepts_logits_to_keep(model)  # see keep_labelled_logits
