@@ -50,6 +50,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lomo_ds.data.sequence_split import IGNORE, shift_labels
+
 log = logging.getLogger(__name__)
 
 # transformers' causal LMs whose forward is: hidden = self.model(...); logits = self.lm_head(hidden
@@ -57,7 +59,6 @@ log = logging.getLogger(__name__)
 # the mean cross-entropy of the labels shifted by one, -100 ignored.
 HEADS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
          "Gemma2ForCausalLM", "Phi3ForCausalLM")
-IGNORE = -100
 
 
 class Head(NamedTuple):
@@ -139,7 +140,7 @@ def _call_as(module: torch.nn.Module, forward, *args, **kwargs) -> Any:
 def _head_loss(lm_head: torch.nn.Linear, head: Head, hidden: torch.Tensor, labels: torch.Tensor, chunk: int,
                reduction: str, shifted: bool = False) -> torch.Tensor:
     # Position t predicts labels[t + 1]; the last position predicts nothing (transformers pads it).
-    targets = labels if shifted else torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE)], dim=1)
+    targets = labels if shifted else shift_labels(labels)
     targets = targets.to(hidden.device).reshape(-1)
     picked = (targets != IGNORE).nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.size(-1)).index_select(0, picked)  # the labelled positions only

@@ -45,15 +45,12 @@ def slice_sum(module: torch.nn.Module, head, chunk_logits: int, part: dict[str, 
 def sp_loss(module: torch.nn.Module, head, chunk_logits: int, batch: dict[str, Any], sp: SequenceParallel,
             normalization: str) -> tuple[torch.Tensor, bool, int]:
     """(loss, whether the whole batch has a target, tokens) as the engine's train_step reads them."""
-    if "shift_labels" in batch:
-        part = {k: batch[k] for k in ("input_ids", "position_ids", "shift_labels")}
-        mine = int((part["shift_labels"] != IGNORE).sum())
-        whole = int(all_reduce_sum(torch.tensor([float(mine)], device=group_device(sp.group)), sp.size, sp.group,
-                                   "sequence-parallel target tokens")[0])
-    else:
-        whole = target_tokens(batch)
-        part = split_batch(batch, sp.rank, sp.size)
-        mine = int((part["shift_labels"] != IGNORE).sum())
+    pre_split = "shift_labels" in batch
+    part = ({k: batch[k] for k in ("input_ids", "position_ids", "shift_labels")} if pre_split
+            else split_batch(batch, sp.rank, sp.size))
+    mine = int((part["shift_labels"] != IGNORE).sum())
+    whole = (int(all_reduce_sum(torch.tensor([float(mine)], device=group_device(sp.group)), sp.size, sp.group,
+                                "sequence-parallel target tokens")[0]) if pre_split else target_tokens(batch))
     total = slice_sum(module, head, chunk_logits, part)
     if normalization == "tokens":
         return total / max(mine, 1), whole > 0, mine

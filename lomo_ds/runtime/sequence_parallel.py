@@ -24,7 +24,7 @@ import torch
 # flash attention runs on CUDA only.
 _NEEDS_CUDA = ("flash_attention_2", "flash_attention_3")
 _ORIGINAL: dict[str, Any] = {}  # attention name -> transformers' own function, before the dispatcher
-_GROUPS: dict[int, tuple] = {}  # sp size -> (this rank's group, every group's ranks)
+_GROUPS: dict[int, Any] = {}  # sp size -> this rank's SP group
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,7 @@ def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     cfg = model.config.get_text_config()
-    name = cfg._attn_implementation
-    check_model_config(model.config, sp.size, _device_type())
+    name = cfg._attn_implementation  # checked by the engine (check_model_config) before it partitioned the model
     if name not in _ORIGINAL:
         _ORIGINAL[name] = ALL_ATTENTION_FUNCTIONS[name]
         ALL_ATTENTION_FUNCTIONS[name] = _dispatcher(name)
@@ -131,9 +130,3 @@ def _dispatcher(name: str):
         # position ids instead (right-padded rows: data/sequence_split.py).
         return ulysses(query.shape[0])(module, query, key, value, None, *args, **kwargs)
     return attention
-
-
-def _device_type() -> str:
-    from lomo_ds.runtime.device import accelerator_device
-
-    return accelerator_device().type
