@@ -17,8 +17,6 @@ import subprocess
 import sys
 from typing import Iterator
 
-from lomo_ds.runtime.ds_compat import shm_allreduce_path
-
 ADDR = "127.0.0.1"
 
 
@@ -35,8 +33,7 @@ def rank_env(nproc: int, cpu: bool = True, env: dict | None = None) -> dict[str,
     # LOCAL_SIZE as DeepSpeed's own launcher sets it (torch.distributed.run sets only LOCAL_WORLD_SIZE):
     # without it DeepSpeed's CPU accelerator runs `numactl --hardware` in a subprocess on every
     # device_count() call, i.e. on every reduce-scatter bucket of its ZeRO-3 optimizer; with it the
-    # launch starts as a `deepspeed` one does (DeepSpeed's /dev/shm all-reduce, lomo's shared_memory
-    # transport under "auto").
+    # launch starts as a `deepspeed` one does (lomo's shared_memory transport under "auto").
     out["LOCAL_SIZE"] = str(nproc)
     out.setdefault("PYTHONUNBUFFERED", "1")
     if cpu:
@@ -60,9 +57,10 @@ def torchrun_command(program: list[str], nproc: int, port: int) -> list[str]:
 
 
 def remove_shm_buffers(port: int) -> None:
-    """DeepSpeed's all-reduce buffers of the launch on `port`: lomo_ds.init_distributed removes their
-    names once every rank has started, but a launch that failed before then leaves them behind."""
-    for leftover in glob.glob(shm_allreduce_path(ADDR, port, "*", uid="*")):
+    """DeepSpeed's shared-memory all-reduce buffers of the launch on `port`, which it never removes:
+    lomo_ds.init_distributed starts DeepSpeed without them (ds_compat.skip_shm_allreduce_op), but a
+    program whose process group something else starts (accelerate, for a Trainer) still maps them."""
+    for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{ADDR}_{port}_*"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(leftover)
 

@@ -31,6 +31,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "rank_results" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ranks"):
             world = item.callspec.params.get("world") if getattr(item, "callspec", None) is not None else None
+            if world is None and "rank_results" in item.fixturenames:
+                _only_two_ranks(item)
             if item.get_closest_marker("ranks") or world in (3, 4):
                 group = "ranks_own"
             else:
@@ -47,6 +49,19 @@ def pytest_collection_modifyitems(config, items):
                 f"pytest-xdist did not group {len(lost)} tests by xdist_group (e.g. {lost[0]}): each launch's "
                 "tests may wait on other workers; pytest<9.2 groups them"), stacklevel=1)
     return result
+
+
+def _only_two_ranks(item) -> None:
+    """A test without a `world` parameter is grouped with the 2-rank launch: one that reads another
+    launch would wait, in the 2-rank launch's worker, for the worker that runs it."""
+    import inspect
+    import re
+
+    other = sorted(set(re.findall(r"rank_results\((\d+)\)", inspect.getsource(item.function))) - {"2"})
+    if other:
+        raise pytest.UsageError(f"{item.nodeid} reads rank_results({other[0]}) without a `world` parameter: "
+                                f'parametrize it (@pytest.mark.parametrize("world", [{other[0]}])) so that it '
+                                "runs in that launch's group")
 
 
 @pytest.fixture(scope="session", autouse=True)

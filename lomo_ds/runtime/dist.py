@@ -26,10 +26,8 @@ def init_distributed(timeout_s: float | None = None) -> None:
     if not torch.distributed.is_initialized():
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        ds_compat.skip_shm_allreduce_op()
         deepspeed.init_distributed(**kwargs)
-        if torch.distributed.get_backend() == "gloo":
-            torch.distributed.barrier()  # every rank has mapped its peers' shared memory
-            ds_compat.forget_shm_allreduce_names()
     # After DeepSpeed's start: under an MPI-style launcher (mpirun, SLURM's srun) its discovery is
     # what sets LOCAL_RANK, so before it every rank would pick the first GPU. NCCL makes its
     # communicators at the first collective, by then on this rank's device.

@@ -10,7 +10,6 @@ from __future__ import annotations
 # CLI and the config checks start without them, and recipe/train.py's show_what_matters sets the
 # ranks' logging before their first import.
 import contextlib
-import os
 
 import torch
 
@@ -127,21 +126,22 @@ def broadcast_from_first(tensor: torch.Tensor, group, name: str = "broadcast ten
     dist.broadcast(tensor, src=torch.distributed.get_global_rank(group, 0), group=group)
 
 
-def shm_allreduce_path(addr: str, port: int | str, rank: int | str, uid: int | str | None = None) -> str:
-    """The /dev/shm file DeepSpeed's CPU communication backend creates per rank for its shared-memory
-    all-reduce (68 MB) when every rank is on one node ("*" for any part makes a glob pattern)."""
-    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid() if uid is None else uid}_{addr}_{port}_{rank}"
+def skip_shm_allreduce_op() -> None:
+    """Before deepspeed.init_distributed: DeepSpeed's CPU backend starts without its shared-memory
+    all-reduce op. It serves DeepSpeed's inference all-reduce (inference_all_reduce) alone, which
+    lomo_ds never calls (its CPU ranks reduce through lomo_ds.comm.shm_transport), yet on a CPU the
+    backend compiles it (about a minute of one core's C++ build, again in every new environment) and
+    maps 68 MB of /dev/shm per rank whose names it never removes. Without it, inference_all_reduce
+    falls back to torch.distributed.all_reduce."""
+    _ds_torch_backend().build_shm_op = lambda: None
 
 
-def forget_shm_allreduce_names() -> None:
-    """DeepSpeed never removes its shared-memory all-reduce files (shm_allreduce_path): every CPU run
-    would leave its files behind until /dev/shm is full. Call on every rank once every rank has
-    finished deepspeed.init_distributed (by then each has mapped its peers' files): the names go,
-    the memory stays mapped until the process exits."""
-    path = shm_allreduce_path(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
-                              torch.distributed.get_rank())
-    if os.path.exists(path):
-        os.remove(path)
+def _ds_torch_backend():
+    # importlib, not `import deepspeed.comm.torch as m`: deepspeed.comm's star import leaves the name
+    # `torch` on the package bound to torch itself, which that statement would return.
+    import importlib
+
+    return importlib.import_module("deepspeed.comm.torch")
 
 
 def offload_of(engine):
@@ -286,6 +286,9 @@ def check_internals() -> list[str]:
             problems.append(f"ZeroParamStatus.{status}")
     import deepspeed.comm as dist
 
+    ds_torch = _ds_torch_backend()
+    if not hasattr(ds_torch, "build_shm_op") or "build_shm_op" not in ds_torch.TorchBackend.__init__.__code__.co_names:
+        problems.append("deepspeed.comm.torch.build_shm_op (TorchBackend's shared-memory op)")
     for fn in ("reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_gather_into_tensor", "broadcast",
                "is_initialized", "ReduceOp"):
         if not hasattr(dist, fn):

@@ -287,8 +287,10 @@ def check_transport():
     stems = tuple(getattr(engine.buckets.transport, "file_stems", ()))  # none on one rank (no buffers)
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(stems)
                  or (f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f)]
+    from deepspeed.comm import comm as ds_comm
+
     return {"auto": engine.buckets.route, "local_size": os.environ.get("LOCAL_SIZE"), "refused": error,
-            "rng_untouched": rng_untouched,
+            "rng_untouched": rng_untouched, "ds_shm_op": getattr(ds_comm.cdb, "shm_comm_op", None) is not None,
             "shm_bytes": engine.buckets.transport.nbytes, "shm_files_left": leftovers}
 
 

@@ -186,8 +186,9 @@ def test_host_update_thread_applies_every_slice_on_the_worker(rank_results, worl
     assert r["host_updates"] == (r["slice_updates"] if check in THREAD else 0)
 
 
-def test_host_update_thread_is_the_inline_update_bit_for_bit(rank_results):
-    r = ok(rank_results(3), thread_bitwise)
+@pytest.mark.parametrize("world", [3])  # the 3-rank launch's group (tests/conftest.py)
+def test_host_update_thread_is_the_inline_update_bit_for_bit(rank_results, world):
+    r = ok(rank_results(world), thread_bitwise)
     assert r["bitwise_equal"] is True and r["moved"] == len(list(tiny_llama(11).parameters()))
     assert r["thread_applied"] > 0
 

@@ -77,10 +77,11 @@ def test_padding_does_not_change_scores():
     assert alone["accuracy"] == 1.0 and together["accuracy"] == 1.0
 
 
-def test_equal_forward_calls_across_ranks(rank_results):
+@pytest.mark.parametrize("world", [3])  # the 3-rank launch's group (tests/conftest.py)
+def test_equal_forward_calls_across_ranks(rank_results, world):
     # 7 examples on 3 ranks: 3/2/2 examples -> 3/2/2 rows (one per single-token-answer example)
     # -> 2/1/1 batches; every rank must run 2 (ranks 1 and 2 pad with a dummy forward).
-    r = ok(rank_results(3), forward_calls)
+    r = ok(rank_results(world), forward_calls)
     assert r["forward_calls"] == [2, 2, 2]
     assert r["n"] == 7 and r["accuracy"] == pytest.approx(4 / 7)  # label 0 (token 2) is right 4 times
     assert r["loss_tokens"] == 7

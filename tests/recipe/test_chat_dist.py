@@ -148,8 +148,9 @@ def test_lora_exports_hold_the_merged_adapters(rank_results):
     assert sum(not torch.equal(lora_lomo[k], base[k]) for k in lora_lomo) > len(changed)  # LOMO trained the rest
 
 
-def test_generation_over_three_ranks_matches_each_prompt_alone(rank_results):
-    r = ok(rank_results(3), generation)
+@pytest.mark.parametrize("world", [3])  # the 3-rank launch's group (tests/conftest.py)
+def test_generation_over_three_ranks_matches_each_prompt_alone(rank_results, world):
+    r = ok(rank_results(world), generation)
     assert r["world"] == 3 and r["metrics"]["n"] == 7
     assert r["replies"] == r["reference"]
     assert r["lengths"][0] == 2 and len(set(r["lengths"])) > 1  # replies stop at different lengths

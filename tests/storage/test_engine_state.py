@@ -7,6 +7,7 @@ tests/recipe/test_resume_elsewhere.py (long)."""
 import math
 import os
 
+import pytest
 import torch
 
 from lomo_ds.storage.engine_state import read_engine_state, save_engine_state
@@ -122,15 +123,17 @@ def pickled_code_is_refused():
     return {"refused": None, "ran": os.path.exists(marker)}
 
 
-def test_every_rank_count_reads_what_any_other_wrote(rank_results):
-    r = ok(rank_results(3), every_rank_count_reads_every_other)
+@pytest.mark.parametrize("world", [3])  # the 3-rank launch's group (tests/conftest.py)
+def test_every_rank_count_reads_what_any_other_wrote(rank_results, world):
+    r = ok(rank_results(world), every_rank_count_reads_every_other)
     # rank 0 reads in every one of the 9 pairs: 4 parameters x 4 tensors each
     assert r["tensors_checked"] == len(WORLDS) ** 2 * len(NUMELS) * 4, r
     assert r["max_abs_diff"] == 0.0, r
 
 
-def test_another_model_is_refused_before_any_tensor_is_read(rank_results):
-    r = ok(rank_results(3), another_model_is_refused_before_any_read)
+@pytest.mark.parametrize("world", [3])  # the 3-rank launch's group (tests/conftest.py)
+def test_another_model_is_refused_before_any_tensor_is_read(rank_results, world):
+    r = ok(rank_results(world), another_model_is_refused_before_any_read)
     assert r["refusal"] and "a.weight" in r["refusal"], r
     assert r["untouched"], r
 
@@ -141,7 +144,8 @@ def test_the_pieces_are_zero3s_partition():
     assert _piece(torch.arange(2.0), 3, 2).tolist() == [0.0]
 
 
-def test_a_checkpoint_carrying_pickled_code_is_refused(rank_results):
-    r = ok(rank_results(3), pickled_code_is_refused)
+@pytest.mark.parametrize("world", [3])  # the 3-rank launch's group (tests/conftest.py)
+def test_a_checkpoint_carrying_pickled_code_is_refused(rank_results, world):
+    r = ok(rank_results(world), pickled_code_is_refused)
     assert r["refused"] and "carrying_code" in r["refused"] and "weights_only" in r["refused"].lower(), r
     assert not r["ran"], r
