@@ -35,12 +35,15 @@ ALIGN = 64  # bytes: a cache line, and a multiple of every dtype's size
 _PEER_CHECK_S = 0.5
 # A waiting rank first spins, yielding the core between looks, for up to _SPIN_S: a peer that is
 # about to post is seen at once. After that, or from the start when this host has more ranks than
-# cores for them, it sleeps _SLEEP_S between looks: Linux's scheduler hands a yielding task its
-# core straight back, so spinning ranks would keep the rank they wait for (or any other job, such as
-# a second launch beside this one) off the cores. 3 ranks on 2 cores ran 2.7x slower than 2 ranks
-# with yielding alone; the sleep costs a waiting rank at most one _SLEEP_S of latency.
+# cores for them, it sleeps between looks, _SLEEP_S at first and twice as long after each look up to
+# _MAX_SLEEP_S: Linux's scheduler hands a yielding task its core straight back, so spinning ranks
+# would keep the rank they wait for (or any other job, such as a second launch beside this one) off
+# the cores, and every wake-up of a rank that still has to wait takes a core from one that works.
+# 3 ranks on 2 cores ran 2.7x slower than 2 ranks with yielding alone; the sleeps cost a waiting
+# rank at most one _MAX_SLEEP_S of latency, and a short wait only the first naps.
 _SPIN_S = 1e-3
-_SLEEP_S = 50e-6  # how often a waiting rank looks whether the rank it waits for is still alive
+_SLEEP_S = 50e-6  # how often a waiting rank looks whether the rank it waits for is still alive, at first
+_MAX_SLEEP_S = 1e-3
 
 
 def aligned(nbytes: int) -> int:
@@ -150,6 +153,7 @@ class SharedMemorySlots:
         """Wait until ready(r) for every rank r: spin, then sleep between looks (see _SPIN_S); fail,
         naming the rank, once it has died, abandoned its step, or kept us waiting too long."""
         start = next_check = spin_until = None
+        nap = _SLEEP_S
         for r in range(self.world):
             while not ready(r):
                 now = time.monotonic()
@@ -162,7 +166,8 @@ class SharedMemorySlots:
                 if now < spin_until:
                     os.sched_yield()
                 else:
-                    time.sleep(_SLEEP_S)
+                    time.sleep(nap)
+                    nap = min(2 * nap, _MAX_SLEEP_S)
 
     def _check_peer(self, r: int, seq: int, what: str, waited: float) -> None:
         header = self.flags[r]
