@@ -436,8 +436,8 @@ def test_a_live_peer_that_never_posts_times_out_by_the_config(transport):
 @pytest.mark.parametrize("cores", [1, 2])
 def test_a_waiting_rank_spins_briefly_then_sleeps(cores, monkeypatch):
     """A yielding rank gets its core straight back from Linux's scheduler: a rank that waits long
-    must sleep, or it keeps the rank it waits for (or another job) off the cores; with more ranks
-    than cores (2 ranks, 1 core) it sleeps from the start."""
+    must sleep, ever longer naps, or it keeps the rank it waits for (or another job) off the cores;
+    with more ranks than cores (2 ranks, 1 core) it sleeps from the start."""
     from lomo_ds.comm import shm_transport
 
     monkeypatch.setattr(shm_transport.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
@@ -456,8 +456,9 @@ def test_a_waiting_rank_spins_briefly_then_sleeps(cores, monkeypatch):
     error = _waiting_rank({}, timeout_s=0.5)
     waited = time.monotonic() - t0
     assert error is not None and "train.collective_timeout" in str(error)  # it waited, then gave up
-    # Sleeping: a few thousand looks in half a second (a spinning rank makes hundreds of thousands).
-    assert 0 < calls["sleep"] < waited / shm_transport._SLEEP_S, calls
+    # Sleeping, its naps growing to _MAX_SLEEP_S: about 500 looks in half a second at most (naps of
+    # _SLEEP_S alone make thousands, a spinning rank hundreds of thousands).
+    assert 0 < calls["sleep"] <= waited / shm_transport._MAX_SLEEP_S + 10, calls
     assert (calls["yield"] > 0) == (cores == 2), calls
 
 
