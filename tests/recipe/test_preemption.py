@@ -43,15 +43,26 @@ def _args(root, out, optimizer, k):
 def _signal_during_training(step: int, delay: float, only_rank: int):
     """SIGTERM to this process `delay` seconds after step `step` (0-based) starts, on rank
     `only_rank` alone: the others learn of it at the next step boundary, through the ranks'
-    agreement."""
+    agreement. At the start of the second-last step at the latest: steps quicker than the
+    straight run's (whose step time set `delay`) must not carry the signal past the run's end."""
     from lomo_ds.recipe.train import TrainRecipe
 
-    timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    sent = threading.Lock()
+
+    def send():
+        if sent.acquire(blocking=False):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    timer = threading.Timer(delay, send)
     train_step = TrainRecipe.train_step
 
     def start_the_clock_at_the_step(recipe, at):
-        if at == step and torch.distributed.get_rank() == only_rank:
-            timer.start()
+        if torch.distributed.get_rank() == only_rank:
+            if at == step:
+                timer.start()
+            elif at > step and at >= STEPS - 2:
+                timer.cancel()
+                send()
         return train_step(recipe, at)
 
     TrainRecipe.train_step = start_the_clock_at_the_step
