@@ -130,8 +130,12 @@ def _measure_checkpoint_and_export(root: str) -> dict:
     the whole model, or a save or load that copied the whole shard state, shows as a multiple of
     what a streamed one holds (one file of the export, one tensor beyond the shards)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
-                                         num_attention_heads=6, num_key_value_heads=6, tie_word_embeddings=False))
+    # Four layers a rank: each rank's shard is about 28 MB whatever the rank count (8 GPUs included),
+    # well above the bound a save or load is held to, so that holding a copy of it shows.
+    layers = 4 * torch.distributed.get_world_size()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=384, intermediate_size=1024,
+                                         num_hidden_layers=layers, num_attention_heads=6, num_key_value_heads=6,
+                                         tie_word_embeddings=False))
     engine = lomo_ds.initialize(model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
                                         "lomo": {"lr": 0.01}})
     del model
@@ -174,7 +178,10 @@ def _measure_checkpoint_and_export(root: str) -> dict:
 
 def assert_checkpoint_and_export_host_memory(r: dict) -> None:
     """What checkpoint_and_export_host_memory's figures must show (the CPU suite's and the GPU suite's)."""
-    slack = 8 << 20  # the allocator's and Python's own, independent of the model's size
+    # The allocator's, Python's and the process group's threads' own, independent of the model's size;
+    # it varies by several MiB between runs of the same save or load. Still far below the shard,
+    # which a save or load holding a copy of it would add whole.
+    slack = 16 << 20
     print({k: f"{v / 2**20:.1f} MiB" for k, v in r.items() if k != "_seconds"})
     # Rank 0 held one file's tensors at each write, nothing more.
     assert 0 < r["export_live"] <= r["file_limit"] + r["largest_tensor"], r
