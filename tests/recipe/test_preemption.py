@@ -40,32 +40,36 @@ def _args(root, out, optimizer, k):
 
 
 @contextlib.contextmanager
-def _signal_during_training(step: int, delay: float, only_rank: int):
+def _signal_during_training(step: int, delay: float, only_rank: int, last: int):
     """SIGTERM to this process `delay` seconds after step `step` (0-based) starts, on rank
     `only_rank` alone: the others learn of it at the next step boundary, through the ranks'
-    agreement. At the start of the second-last step at the latest: steps quicker than the
-    straight run's (whose step time set `delay`) must not carry the signal past the run's end."""
+    agreement. By the end of step `last` at the latest (before that boundary's agreement): steps
+    quicker than the straight run's (whose step time set `delay`) must not carry the signal into
+    the run's final step, after which nothing stops it."""
     from lomo_ds.recipe.train import TrainRecipe
 
     sent = threading.Lock()
 
-    def send():
+    def send():  # once, from the timer or at the end of step `last`, whichever comes first
         if sent.acquire(blocking=False):
             os.kill(os.getpid(), signal.SIGTERM)
 
     timer = threading.Timer(delay, send)
     train_step = TrainRecipe.train_step
 
-    def start_the_clock_at_the_step(recipe, at):
-        if torch.distributed.get_rank() == only_rank:
-            if at == step:
-                timer.start()
-            elif at > step and at >= STEPS - 2:
-                timer.cancel()
-                send()
-        return train_step(recipe, at)
+    def the_clock_runs_from_the_step(recipe, at):
+        signalled = torch.distributed.get_rank() == only_rank
+        if signalled and at == step:
+            timer.start()
+        record = train_step(recipe, at)
+        if signalled and at == last:
+            timer.cancel()
+            if timer.is_alive():
+                timer.join()  # a signal the timer is sending now lands before the agreement
+            send()
+        return record
 
-    TrainRecipe.train_step = start_the_clock_at_the_step
+    TrainRecipe.train_step = the_clock_runs_from_the_step
     try:
         yield
     finally:
@@ -90,16 +94,17 @@ def preempt_matrix() -> dict:
         name = f"{optimizer}_k{k}"
         straight = run_here(main, _args(base, base / f"{name}_straight", optimizer, k))
         # A moment drawn at random: a step, a point within it (as a fraction of the straight run's
-        # typical step), a rank. Never in the last two steps: the stop must come before the run's end.
+        # typical step), a rank. Never in the run's last step (K = 2 runs have fewer steps than
+        # STEPS: the epoch ends first): the stop must come before the run's end.
+        seconds = _step_seconds(base / f"{name}_straight")
         rng = random.Random(f"{world}-{name}")
-        step, who = rng.randrange(STEPS - 2), rng.randrange(world)
-        typical = sorted(_step_seconds(base / f"{name}_straight"))[STEPS // 2]
-        delay = rng.uniform(0.0, 1.0) * typical
-        with _signal_during_training(step, delay, who):
+        step, who = rng.randrange(len(seconds) - 1), rng.randrange(world)
+        delay = rng.uniform(0.0, 1.0) * sorted(seconds)[len(seconds) // 2]
+        with _signal_during_training(step, delay, who, last=len(seconds) - 2):
             stopped = run_here(main, _args(base, base / f"{name}_stopped", optimizer, k))
         resumed = run_here(main, [*_args(base, base / f"{name}_stopped", optimizer, k), "--resume"])
         out[name] = {"straight": straight["rc"], "stopped": stopped["rc"], "resumed": resumed["rc"],
-                     "step": step, "delay": delay, "rank": who, "dir": str(base),
+                     "step": step, "delay": delay, "rank": who, "dir": str(base), "steps": len(seconds),
                      "resumed_stdout": resumed["stdout"][-2000:]}
     return out
 
@@ -122,8 +127,8 @@ def test_a_signal_at_a_random_moment_then_resume_gives_the_uninterrupted_weights
         rows = [json.loads(line) for line in open(base / f"{name}_stopped" / "metrics.jsonl")]
         (stop,) = [row for row in rows if row.get("phase") == "preempted"]
         print(f"{world} ranks, {name}: SIGTERM to rank {run['rank']} {run['delay']:.3f} s into step "
-              f"{run['step'] + 1}; stopped after step {stop['step']} of {STEPS}")
-        assert 1 <= stop["step"] < STEPS and stop["checkpoint"].endswith(f"step_{stop['step']:08d}")
+              f"{run['step'] + 1}; stopped after step {stop['step']} of {run['steps']}")
+        assert 1 <= stop["step"] < run["steps"] and stop["checkpoint"].endswith(f"step_{stop['step']:08d}")
         assert f"at step {stop['step']}" in run["resumed_stdout"]
         a, b = _export(base / f"{name}_straight"), _export(base / f"{name}_stopped")
         assert a.keys() == b.keys()
