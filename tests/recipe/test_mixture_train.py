@@ -8,7 +8,6 @@ run_here), as tests/recipe/test_chat_train.py's are."""
 import json
 import os
 import pathlib
-import random
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from lomo_ds.runtime.preemption import PREEMPTED_EXIT
 from tests.data.test_mixture import write_sources
 from tests.helpers_data import chatml_tokenizer
 from tests.ranks import LONG_TESTS, ROOT, multi_rank, ok, run_here, work_dir
-from tests.recipe.test_preemption import _signal_during_training, _step_seconds
+from tests.recipe.test_preemption import random_moment, signal_during_training
 from tests.tiny import tiny_llama_config
 
 STEPS = 6
@@ -67,11 +66,7 @@ def mixture_runs() -> dict:
     for name in VARIANTS:
         config, straight, cut = root / f"{name}.json", root / f"{name}_straight", root / f"{name}_cut"
         out[name] = {"straight": run_here(main, ["--config", str(config), "--output-dir", str(straight)])}
-        # Never in the last two steps: the stop must come before the run's end.
-        rng = random.Random(name)
-        step, who = rng.randrange(STEPS - 2), rng.randrange(2)
-        delay = rng.uniform(0.0, 1.0) * sorted(_step_seconds(straight))[STEPS // 2]
-        with _signal_during_training(step, delay, who):
+        with signal_during_training(random_moment(name, straight, 2)):
             out[name]["stopped"] = run_here(main, ["--config", str(config), "--output-dir", str(cut)])
         out[name]["resumed"] = run_here(main, ["--config", str(config), "--output-dir", str(cut), "--resume"])
     return out

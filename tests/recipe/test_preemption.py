@@ -39,14 +39,27 @@ def _args(root, out, optimizer, k):
             "--set", "output.checkpoint_every=100", "--set", "eval.at_end=false"]
 
 
+def random_moment(key: str, straight, world: int) -> dict:
+    """A moment drawn at random (seeded by `key`) in a run like the finished one in `straight`: a
+    step, a point within it (a fraction of that run's typical step), a rank. Never in the run's last
+    step (a run with K = 2 ends its epoch before --max-steps): the stop must come before its end."""
+    seconds = _step_seconds(straight)
+    rng = random.Random(key)
+    step, who = rng.randrange(len(seconds) - 1), rng.randrange(world)
+    delay = rng.uniform(0.0, 1.0) * sorted(seconds)[len(seconds) // 2]
+    return {"step": step, "delay": delay, "rank": who, "steps": len(seconds)}
+
+
 @contextlib.contextmanager
-def _signal_during_training(step: int, delay: float, only_rank: int, last: int):
-    """SIGTERM to this process `delay` seconds after step `step` (0-based) starts, on rank
-    `only_rank` alone: the others learn of it at the next step boundary, through the ranks'
-    agreement. By the end of step `last` at the latest (before that boundary's agreement): steps
-    quicker than the straight run's (whose step time set `delay`) must not carry the signal into
-    the run's final step, after which nothing stops it."""
+def signal_during_training(moment: dict):
+    """SIGTERM to this process `delay` seconds after step `step` (0-based) starts, on rank `rank`
+    alone (random_moment's): the others learn of it at the next step boundary, through the ranks'
+    agreement. By the end of the second-last step at the latest (before that boundary's agreement):
+    steps quicker than the straight run's (whose step time set `delay`) must not carry the signal
+    into the run's final step, after which nothing stops it."""
     from lomo_ds.recipe.train import TrainRecipe
+
+    step, delay, only_rank, last = moment["step"], moment["delay"], moment["rank"], moment["steps"] - 2
 
     sent = threading.Lock()
 
@@ -93,18 +106,12 @@ def preempt_matrix() -> dict:
     for optimizer, k in MATRIX:
         name = f"{optimizer}_k{k}"
         straight = run_here(main, _args(base, base / f"{name}_straight", optimizer, k))
-        # A moment drawn at random: a step, a point within it (as a fraction of the straight run's
-        # typical step), a rank. Never in the run's last step (K = 2 runs have fewer steps than
-        # STEPS: the epoch ends first): the stop must come before the run's end.
-        seconds = _step_seconds(base / f"{name}_straight")
-        rng = random.Random(f"{world}-{name}")
-        step, who = rng.randrange(len(seconds) - 1), rng.randrange(world)
-        delay = rng.uniform(0.0, 1.0) * sorted(seconds)[len(seconds) // 2]
-        with _signal_during_training(step, delay, who, last=len(seconds) - 2):
+        moment = random_moment(f"{world}-{name}", base / f"{name}_straight", world)
+        with signal_during_training(moment):
             stopped = run_here(main, _args(base, base / f"{name}_stopped", optimizer, k))
         resumed = run_here(main, [*_args(base, base / f"{name}_stopped", optimizer, k), "--resume"])
         out[name] = {"straight": straight["rc"], "stopped": stopped["rc"], "resumed": resumed["rc"],
-                     "step": step, "delay": delay, "rank": who, "dir": str(base), "steps": len(seconds),
+                     **moment, "dir": str(base),
                      "resumed_stdout": resumed["stdout"][-2000:]}
     return out
 
