@@ -113,6 +113,15 @@ def multi_rank_checks(worlds: Iterable[int], **fns: Callable[[], Any]) -> list[C
     return [_register(name, fn, worlds, False) for name, fn in fns.items()]
 
 
+def long_unless_declared(check: Check, world: int | None = None) -> list:
+    """The marks of a test of `check` on `world` (on any rank count if None): long where this suite
+    did not declare the check there (a long check is declared only where the long checks run)."""
+    import pytest  # the pytest side only: ranks import this module too
+
+    declared = bool(check.worlds) if world is None else world in check.worlds
+    return [] if declared else [pytest.mark.long]
+
+
 def work_dir() -> str:
     """A folder of this launch that the pytest side can read after it (the results file's)."""
     if _work_dir is None:

@@ -15,14 +15,14 @@ import json
 import pytest
 
 from tests.integrations import dist_dpo_checks as D
-from tests.ranks import LONG_TESTS, ROOT, multi_rank_checks, ok
+from tests.ranks import LONG_TESTS, ROOT, long_unless_declared, multi_rank_checks, ok
 
 TOL = 1e-5
 WORLDS = [1, 2]
 # AdaLomo on 2 ranks with the long checks (CI): LOMO's on 2 and AdaLomo's on 1 run in every suite.
 EQUIVALENCE = [*multi_rank_checks(WORLDS, dpo_lomo=lambda: D.check_equivalence("lomo")),
                *multi_rank_checks(WORLDS if LONG_TESTS else [1], dpo_adalomo=lambda: D.check_equivalence("adalomo"))]
-PAIRS = [pytest.param(world, check, marks=[] if world in check.worlds else [pytest.mark.long])
+PAIRS = [pytest.param(world, check, marks=long_unless_declared(check, world))
          for world in WORLDS for check in EQUIVALENCE]
 # The same pairs as a Dataset.from_list (no cache files, which TRL keys its precomputed reference by):
 # a long check (CI).

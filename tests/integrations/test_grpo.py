@@ -19,7 +19,7 @@ import re
 import pytest
 
 from tests.integrations import dist_grpo_checks as D
-from tests.ranks import LONG_TESTS, multi_rank_checks, ok
+from tests.ranks import LONG_TESTS, long_unless_declared, multi_rank_checks, ok
 
 TOL = 1e-5
 WORLDS = [1, 2]
@@ -41,7 +41,7 @@ EQUIVALENCE = [
     multi_rank_checks(WORLDS if name in ON_TWO or LONG_TESTS else [1],
                       **{f"grpo_{name}": lambda kw=kw, clip=clip: D.check_equivalence(clip=clip, **kw)})[0]
     for name, (kw, clip) in CASES.items()]
-PAIRS = [pytest.param(world, check, marks=[] if world in check.worlds else [pytest.mark.long])
+PAIRS = [pytest.param(world, check, marks=long_unless_declared(check, world))
          for world in WORLDS for check in EQUIVALENCE]
 (REWARD_RAISES,) = multi_rank_checks([2], grpo_reward_raises=D.check_reward_raises)
 

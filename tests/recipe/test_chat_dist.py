@@ -24,7 +24,7 @@ from lomo_ds.methods import METHODS
 from lomo_ds.storage.checkpoint import export_hf
 from tests.helpers_data import CHATML, chatml_tokenizer
 from tests.methods.dist_methods_checks import batch_for, fresh_engine, run_config
-from tests.ranks import LONG_TESTS, multi_rank, multi_rank_checks, ok, work_dir
+from tests.ranks import LONG_TESTS, long_unless_declared, multi_rank, multi_rank_checks, ok, work_dir
 from tests.tiny import tiny_llama
 
 PROBE = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4, 5, 23]])
@@ -117,7 +117,7 @@ EXPORTS = [multi_rank_checks([2] if LONG_TESTS or m not in ("adamw", "sgd") else
                              **{m: lambda m=m: export_method(m)})[0] for m in METHODS]
 
 
-@pytest.mark.parametrize("check", [pytest.param(c, marks=[] if c.worlds else [pytest.mark.long]) for c in EXPORTS],
+@pytest.mark.parametrize("check", [pytest.param(c, marks=long_unless_declared(c)) for c in EXPORTS],
                          ids=str)
 def test_export_of_every_method_loads_with_the_engine_logits_and_the_chat_template(rank_results, check):
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -18,7 +18,7 @@ from devkit.launch_local import local_ranks, run_local
 from lomo_ds.storage.checkpoint import export_hf
 from tests.helpers_data import byte_bpe_tokenizer
 from tests.host_memory import assert_checkpoint_and_export_host_memory, checkpoint_and_export_host_memory
-from tests.ranks import LONG_TESTS, ROOT, multi_rank, multi_rank_checks, ok, run_here, work_dir
+from tests.ranks import LONG_TESTS, ROOT, long_unless_declared, multi_rank, multi_rank_checks, ok, run_here, work_dir
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -228,7 +228,7 @@ EXPORTS = [multi_rank_checks([2] if LONG_TESTS or tie == "tied" else [], **{tie:
            for tie in ("untied", "tied")]
 
 
-@pytest.mark.parametrize("check", [pytest.param(c, marks=[] if c.worlds else [pytest.mark.long]) for c in EXPORTS],
+@pytest.mark.parametrize("check", [pytest.param(c, marks=long_unless_declared(c)) for c in EXPORTS],
                          ids=str)
 def test_export_loads_in_transformers_with_engine_logits(rank_results, check):
     """The export of a tied and an untied model, on the 2-rank launch, loads in transformers and
