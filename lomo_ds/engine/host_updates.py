@@ -90,15 +90,21 @@ class HostUpdates:
         # Staging, pinned buffers and the copy stream exist only where an accelerator computes.
         self.staged = device.type != "cpu"
         self.pin = False
+        self.device_index: int | None = None
         if self.staged:
             from deepspeed.accelerator import get_accelerator
 
             self.accelerator = get_accelerator()
             self.stream = self.accelerator.Stream()
             self.pin = _can_pin()
+            # An accelerator's current device is per thread, and a new thread starts on the first
+            # one: the worker sets this rank's first (_run), or the first call it makes without
+            # naming a device (an event's wait) would open a context on another rank's GPU, memory
+            # no allocator statistic of this rank shows. Read here, on the thread that set it.
+            self.device_index = device.index if device.index is not None else self.accelerator.current_device()
         self._jobs: queue.Queue | None = None
         self._thread: threading.Thread | None = None
-        self._failure: tuple[torch.nn.Parameter, BaseException] | None = None
+        self._failure: tuple[torch.nn.Parameter | None, BaseException] | None = None
         self.applied = 0  # slices the worker has applied (a figure for tests and benchmarks)
 
     @staticmethod
@@ -156,6 +162,11 @@ class HostUpdates:
         return _Job(staged, host_flag[0], event, apply)
 
     def _run(self, jobs: queue.Queue) -> None:
+        if self.device_index is not None:
+            try:
+                self.accelerator.set_device(self.device_index)  # this rank's device (__init__)
+            except BaseException as error:  # raised by join, on the caller's thread
+                self._failure = (None, error)
         while True:
             job = jobs.get()
             if job is None:

@@ -658,6 +658,64 @@ def test_a_cpu_rank_stages_nothing_and_pins_nothing(monkeypatch):
     assert torch.equal(params[0].ds_tensor, torch.full((8,), -0.5, device="cpu"))
 
 
+
+class PerThreadDevice(FakeAccelerator):
+    """CUDA's rule for the current device: each thread has its own, and a new thread starts on the
+    first device (where a call that names none, an event's wait for one, then opens a context)."""
+
+    def __init__(self):
+        self._local = threading.local()
+        super().__init__()
+
+    @property
+    def index(self):
+        return getattr(self._local, "index", 0)
+
+    @index.setter
+    def index(self, value):
+        self._local.index = value
+
+    def current_device(self):
+        return self.index
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "cuda"])
+def test_the_host_update_worker_runs_on_the_ranks_device(device, monkeypatch):
+    """Rank 1 on cuda:1 (set on the main thread, as set_rank_device does; "cuda": the engine's device
+    without an index, the main thread's current one): the worker's thread reads cuda:1 as its
+    current device when it waits for its copies and when it applies, on every pass's new thread.
+    Without set_device on the worker it reads cuda:0: on a GPU, every rank but the first would hold
+    a context on the first GPU (tests/gpu: test_no_rank_holds_a_context_on_another_ranks_gpu)."""
+    fake = PerThreadDevice()
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: fake)
+    monkeypatch.setattr(host_updates, "host_buffer",  # no page-locked memory without a real accelerator
+                        lambda numel, dtype, pin: torch.empty(numel, dtype=dtype, device="cpu"))
+    seen = []
+
+    class Event(FakeEvent):
+        def synchronize(self):
+            seen.append(("copies waited on", threading.current_thread().name, fake.current_device_name()))
+
+    fake.Event = Event
+    fake.set_device(1)
+    params = _zero_params(2)
+    updater = ShardUpdater(stochastic_rounding=False, seed=0, stats_device=torch.device("cpu"))
+    host = HostUpdates(torch.device(device), name_of=lambda p: f"p{p.ds_id}")
+
+    def apply(param, g, finite):
+        seen.append(("applied on", threading.current_thread().name, fake.current_device_name()))
+        updater.apply(param, g, finite)
+
+    for _ in range(2):  # a worker thread per pass
+        stats = updater.begin_pass(PassSettings(lr=1.0))
+        host.submit([(p, torch.ones(8, device="cpu")) for p in params], stats.finite, apply)
+        host.join()
+    worker = [("copies waited on", "lomo-host-update", "cuda:1")] + [("applied on", "lomo-host-update", "cuda:1")] * 2
+    assert seen == worker * 2, seen
+    assert fake.current_device_name() == "cuda:1" and fake.set_calls == [1, 1, 1]
+    assert all(torch.equal(p.ds_tensor, torch.full((8,), -2.0, device="cpu")) for p in params)
+
+
 def _offloaded_engine():
     import lomo_ds
     from tests.engine.dist_engine_checks import offload_cfg

@@ -51,6 +51,7 @@ from tests.engine.dist_engine_checks import check_bf16, check_overflow, ds_cfg, 
 from tests.gpu import integration_checks as I
 from tests.gpu import precision_checks as P
 from tests.gpu.compare import memory_run_config, predicted_peak_bytes
+from tests.gpu.device_checks import by_owner, check_worker_contexts, sync_owner, worker_copy_wait
 from tests.gpu.models import CLIP_MEMORY_MODEL, MEMORY_MODEL, STEP_MODEL, llama, llama_config, random_batch, sync
 from tests.gpu.timing_checks import check_offload_overlap, check_step_time
 from tests.host_memory import checkpoint_and_export_host_memory
@@ -134,20 +135,16 @@ def check_host_syncs():
     hooks; the backward kernels', which autograd replays at the `.backward(` call). One pass, norm
     clipping, AdaLomo on the bucket path (and with offload_param cpu: the hook's part on the GPU,
     the shards' update on the host-update thread, whose own waits for its copies are reported
-    apart: they keep that thread, not the backward, waiting), and one rank's direct path."""
+    apart: they keep that thread, not the backward, waiting), and one rank's direct path. Each
+    call is lomo_ds's or not by its stack, whatever thread made it (device_checks.sync_owner): on
+    CUDA the gradient hooks run on autograd's device thread, and the host-update worker's other
+    syncs are lomo_ds's too."""
     if not torch.cuda.is_available():
         return {"skipped": "CUDA's sync debug mode needs CUDA"}
     torch_dir = os.path.dirname(torch.__file__)
 
     def owner(stack) -> str:
-        for frame in reversed(stack):
-            if frame.filename.startswith(torch_dir) or frame.filename.endswith("warnings.py"):
-                continue
-            where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
-            if ".backward(" in (frame.line or ""):
-                return f"backward kernels (replayed at {where})"
-            return where if f"{os.sep}lomo_ds{os.sep}" in frame.filename else f"other: {where}"
-        return "other: torch"
+        return sync_owner(stack, threading.current_thread().name, torch_dir)
 
     out = {}
     for name, lomo in {"sgd": {}, "clip_norm": {"clip_grad_norm": 0.5}, "adalomo": {"optimizer": "adalomo"},
@@ -167,20 +164,14 @@ def check_host_syncs():
         found = []
 
         def record(message, category, filename, lineno, file=None, line=None, _found=found):
-            where = owner(traceback.extract_stack()[:-1])
-            if threading.current_thread() is not threading.main_thread():
-                where = f"other: {threading.current_thread().name} thread, {where}"
-            _found.append(where)
+            _found.append(owner(traceback.extract_stack()[:-1]))
 
         # CUDA's sync debug mode does not see an event's synchronize: counted apart, by its caller.
         event_waits = []
         event_sync = torch.cuda.Event.synchronize
 
         def counted(event, _waits=event_waits, _sync=event_sync):
-            where = owner(traceback.extract_stack()[:-1])
-            if threading.current_thread() is not threading.main_thread():
-                where = f"other: {threading.current_thread().name} thread, {where}"
-            _waits.append(where)
+            _waits.append(owner(traceback.extract_stack()[:-1]))
             return _sync(event)
 
         def watched(*args, _backward=engine._backward, _record=record, _counted=counted, _sync=event_sync,
@@ -199,10 +190,11 @@ def check_host_syncs():
         engine._backward = watched
         for i in range(engine.accumulation_steps):
             engine.train_step(global_batch(10 + i, engine.world)[engine.rank])
-        out[name] = {"lomo_ds": sorted({f for f in found if not f.startswith(("other", "backward"))}),
-                     "others": sorted({f for f in found if f.startswith(("other", "backward"))}),
-                     "event_waits_lomo_ds": sorted({f for f in event_waits if not f.startswith("other")}),
-                     "event_waits_others": sorted({f for f in event_waits if f.startswith("other")})}
+        syncs, others = by_owner(found)
+        waits, other_waits = by_owner([w for w in event_waits if not worker_copy_wait(w)])
+        out[name] = {"lomo_ds": syncs, "others": others, "event_waits_lomo_ds": waits,
+                     "event_waits_others": other_waits,
+                     "event_waits_worker_copies": sorted({w for w in event_waits if worker_copy_wait(w)})}
         del engine
     return out
 
@@ -407,6 +399,8 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         "adalomo_offload_overlap": partial(check_offload_overlap, device, STEP_MODEL["gpu" if on_gpu else "smoke"],
                                            optimizer="adalomo"),
         "host_syncs": partial(check_host_syncs),
+        # offload_param cpu on several GPUs: no rank's process (its host-update thread) on another's GPU.
+        "worker_contexts": partial(check_worker_contexts),
         # A sum that overflows only inside the fp16 reduction (several ranks).
         "reduction_overflow": partial(E.check_reduction_overflow, "fp16" if on_gpu else None),
         "memory": partial(check_memory, device, workdir),
@@ -433,7 +427,7 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         **precision_and_integration_checks(device, on_gpu),
     }
     if not on_gpu:  # DeepSpeed refuses fp16 on a CPU, and only CUDA reports allocator peaks and syncs
-        checks.pop("overflow"), checks.pop("host_syncs")
+        checks.pop("overflow"), checks.pop("host_syncs"), checks.pop("worker_contexts")
         for name in [n for n in checks if n.startswith("memory")]:
             checks.pop(name)
     if world < 2:

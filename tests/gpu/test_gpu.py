@@ -203,6 +203,22 @@ def test_no_host_sync_from_lomo_ds_inside_the_backward(gpu_results, world):
     assert {"accumulate_host", "accumulate_host_clip_norm", "accumulate_clip_norm"} <= set(r)
 
 
+@pytest.mark.skipif(N_GPUS < 2, reason="a context on another rank's GPU needs 2 or more GPUs")
+def test_no_rank_holds_a_context_on_another_ranks_gpu(gpu_results):
+    """offload_param cpu on every GPU, the host-update worker updating the shards: the driver lists
+    each rank's process on its own GPU and on no other. Fails where the worker thread is left on the
+    first device (every other rank's process then listed on GPU 0 too, with the context's memory)."""
+    r = ok(gpu_results(N_GPUS), "worker_contexts")
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    print(f"{N_GPUS} GPUs, offload_param cpu: processes per GPU {r['processes']}; on another rank's GPU {r['foreign']}")
+    if not all(r["own_listed"]):
+        pytest.skip(f"the driver's process list does not show this launch's ranks on their own GPUs ({r['ranks']}, "
+                    f"{r['processes']}): another PID namespace; nothing to compare")
+    assert all(x["worker"] and x["applied"] > 0 for x in r["ranks"]), r["ranks"]
+    assert r["foreign"] == [], f"ranks hold contexts on other ranks' GPUs: {r['foreign']}"
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_host_accumulator_sums_survive_a_delayed_device(gpu_results, world):
     """accumulate_on cpu, norm clipping, the step-time model, the device held back by

@@ -397,6 +397,77 @@ def test_clipping_memory_model_puts_the_loss_beyond_the_tolerance(tmp_path):
         assert predicted_peak_bytes(retained, world) > predicted_peak_bytes(plain, world)
 
 
+def _stacks_at_adds(run) -> list[tuple[list, str]]:
+    """The stacks (without this probe's frame) and threads of every Tensor.add_ while `run()` runs."""
+    import threading
+    import traceback
+
+    seen, add = [], torch.Tensor.add_
+
+    def probe(self, *args, **kwargs):
+        seen.append((traceback.extract_stack()[:-1], threading.current_thread().name))
+        return add(self, *args, **kwargs)
+
+    torch.Tensor.add_ = probe
+    try:
+        run()
+    finally:
+        torch.Tensor.add_ = add
+    return seen
+
+
+def test_a_sync_is_lomo_ds_by_its_stack_on_whatever_thread():
+    """The host-syncs check's classifier on real stacks. An add inside lomo_ds's update on the
+    host-update worker's own thread (memory.host_update thread on a CPU rank) is lomo_ds's, as a
+    sync in a gradient hook on autograd's device thread is on CUDA (not "another thread's", which
+    no lomo_ds sync could ever fail the check as); one at a `.backward(` call on the main thread is
+    the backward kernels'; one from another thread without a lomo_ds frame is another's."""
+    import os
+    import re
+    import threading
+
+    from lomo_ds.engine.host_updates import HostUpdates
+    from lomo_ds.engine.update import PassSettings, ShardUpdater
+    from tests.gpu.device_checks import by_owner, sync_owner, worker_copy_wait
+
+    torch_dir = os.path.dirname(torch.__file__)
+    p = torch.nn.Parameter(torch.empty(0))
+    p.ds_tensor, p.ds_numel, p.ds_id = torch.zeros(8, device="cpu"), 8, 0
+    updater = ShardUpdater(stochastic_rounding=False, seed=0, stats_device=torch.device("cpu"))
+    host = HostUpdates(torch.device("cpu"), name_of=str)
+
+    finite = updater.begin_pass(PassSettings(lr=1.0)).finite
+
+    def update_on_the_worker():
+        host.submit([(p, torch.ones(8, device="cpu"))], finite, updater.apply)
+        host.join()
+
+    worker = _stacks_at_adds(update_on_the_worker)
+    assert {thread for _, thread in worker} == {"lomo-host-update"}
+    labels = [sync_owner(stack, thread, torch_dir) for stack, thread in worker]
+    mine = r"lomo_ds: sgd\.py:\d+ \(lomo-host-update thread\)"
+    assert labels and all(re.fullmatch(mine, x) for x in labels), labels
+    assert not any(worker_copy_wait(x) for x in labels)  # the worker's one exempt wait is for its copies
+
+    x = torch.ones(3, requires_grad=True)
+    x.register_hook(lambda g: g.clone().add_(g))
+    main = _stacks_at_adds(lambda: (x * 2).sum().backward())
+    backward_at = next(f.lineno for f in main[0][0] if ".backward(" in (f.line or ""))
+    assert [sync_owner(stack, thread, torch_dir) for stack, thread in main] == \
+        [f"backward kernels (replayed at test_helpers.py:{backward_at})"]
+
+    def elsewhere():
+        torch.zeros(2).add_(torch.ones(2))
+
+    other = []
+    thread = threading.Thread(target=lambda: other.extend(_stacks_at_adds(elsewhere)), name="other-thread")
+    thread.start()
+    thread.join()
+    label = sync_owner(*other[0], torch_dir)
+    assert re.fullmatch(r"other: test_helpers\.py:\d+ \(other-thread thread\)", label), label
+    assert by_owner(labels + [label]) == (sorted(set(labels)), [label])
+
+
 def test_summary_names_the_new_checks():
     r = {"bf16_adalomo_accumulation": {"k2_reduce_fp32_acc_fp32": {"ulps": [1.0, 1.0], "moved_ulps": [5.0, 4.5]}},
          "chunked_loss_precision": {"chunks": {"32": {"dw_rel": 2e-3, "dw_rounding_rel": 1e-3, "loss_rel": 1e-6}}},
