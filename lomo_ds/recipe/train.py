@@ -224,10 +224,10 @@ def run(args: argparse.Namespace) -> int:
     recipe = TrainRecipe(cfg, resume=args.resume)
     try:
         recipe.setup()
-    except DataError as e:
-        return stop_every_rank(rank, f"data error: {e}")
-    except checkpoint.CheckpointError as e:
-        return stop_every_rank(rank, f"checkpoint error: {e}")
+    except (DataError, checkpoint.CheckpointError) as e:
+        if recipe.preemption is not None:  # a launcher's SIGTERM must end stop_every_rank's wait
+            recipe.preemption.restore()
+        return stop_every_rank(rank, f"{'data' if isinstance(e, DataError) else 'checkpoint'} error: {e}")
     try:
         recipe.train()
         recipe.finish()
@@ -273,7 +273,8 @@ class TrainRecipe:
     def setup(self) -> None:
         out = self.cfg.output
         # First: a signal from here on stops the run at a step boundary (before: nothing to lose).
-        self.preemption = Preemption(out.preempt_signals, out.preempt_deadline_s)
+        self.preemption = Preemption(out.preempt_signals, out.preempt_deadline_s,
+                                     marker_dir=out.dir if os.environ.get("RANK", "0") == "0" else None)
         torch.manual_seed(self.cfg.train.seed)
         init_distributed(timeout_s=self.cfg.train.collective_timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -399,6 +400,7 @@ class TrainRecipe:
         if self.engine.supports_resume and not saved:
             self.save()
         where = checkpoint.latest_checkpoint(self.cfg.output.dir) if self.engine.supports_resume else None
+        self.preemption.stopped(done, where)  # the marker; from now on a signal just exits 75
         self.metrics.log({"step": done, "phase": "preempted", "checkpoint": where})
         self.say(f"preempted after step {done}: " + (f"checkpoint {where}; run again with --resume" if where else
                                                      f"train.method={self.cfg.train.method} has nothing to resume"))
@@ -580,11 +582,12 @@ class TrainRecipe:
         """Close the metrics (flushed to disk) and wait for every rank; models the process builds
         after the run are built whole again (release_model_build_config)."""
         release_model_build_config()
-        if self.preemption is not None:
-            self.preemption.restore()
         if self.metrics is not None:
             self.metrics.close()
-            self.barrier()
+            if not (self.preemption and self.preemption.saved):  # stopped, saved: no peer to wait on
+                self.barrier()
+        if self.preemption is not None:  # last: until here a launcher's forward is the same request
+            self.preemption.restore()
 
     def say(self, msg: str) -> None:
         if self.rank == 0:

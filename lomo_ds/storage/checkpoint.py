@@ -83,9 +83,14 @@ def save_checkpoint(output_dir: str, engine, extra: dict[str, Any], keep_last: i
         _fsync_dir(staging)
         if os.path.exists(final):  # a re-save of the same step (e.g. the end of a resumed run)
             shutil.rmtree(final)
+        # `latest`'s new text is on disk before the checkpoint is sealed, so that the two renames
+        # follow each other at once: a checkpoint is `latest` as soon as it is whole (a process
+        # killed between them: latest_checkpoint takes the newer whole checkpoint).
+        pointer = os.path.join(root, "latest")
+        write_atomic(f"{pointer}.next", lambda f: f.write(name.encode()))
         os.replace(staging, final)
+        os.replace(f"{pointer}.next", pointer)
         _fsync_dir(root)
-        write_atomic(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
         _prune(root, keep_last)
     barrier()
     return final
@@ -110,12 +115,14 @@ def _prune(root: str, keep_last: int) -> None:
 def latest_checkpoint(output_dir: str) -> str | None:
     root = os.path.join(output_dir, CKPT_DIR)
     pointer = os.path.join(root, "latest")
+    done = _complete_checkpoints(root)
     if os.path.exists(pointer):
         with open(pointer) as f:
             name = f.read().strip()
-        if os.path.exists(os.path.join(root, name, "meta.json")):
+        # Not one older than the newest whole checkpoint: a process killed between sealing a
+        # checkpoint and replacing the pointer leaves the pointer one behind.
+        if os.path.exists(os.path.join(root, name, "meta.json")) and not (done and done[-1] > name):
             return os.path.join(root, name)
-    done = _complete_checkpoints(root)
     return os.path.join(root, done[-1]) if done else None
 
 

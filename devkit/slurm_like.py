@@ -1,0 +1,82 @@
+"""A job as SLURM runs one, on this machine, for tests and rehearsals of a batch script's
+preemption: every process of the job is signalled (SLURM signals all the processes of a job step,
+whatever their session), and what is left after the grace period (SLURM's KillWait) is SIGKILLed.
+
+    python -m devkit.slurm_like --time-limit 600 --signal USR1@120 --kill-wait 30 -- CMD ARGS...
+
+runs CMD; at time-limit minus 120 s sends SIGUSR1 to each of its processes (`--signal=USR1@120`
+without `B:`), at the time limit SIGTERM to each, KillWait later SIGKILL; exits with CMD's status
+(128 + the signal's number if a signal ended it). Tests drive a Job themselves (signal_all, end)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from devkit.launch_local import _descendants
+
+
+class Job:
+    """CMD started in a session of its own (as slurmstepd starts a step's tasks)."""
+
+    def __init__(self, cmd: list[str], **popen):
+        self.proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+
+    def processes(self) -> list[int]:
+        """The job's processes now: CMD and everything below it (torchrun's ranks run in sessions of
+        their own: a process group's signal would miss them, SLURM's does not)."""
+        return [self.proc.pid, *_descendants(self.proc.pid)]
+
+    def signal_all(self, sig: int) -> None:
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def end(self, kill_wait: float) -> int:
+        """SLURM's end of a job: SIGTERM to every process, SIGKILL to what is left `kill_wait`
+        seconds later; CMD's exit status."""
+        self.signal_all(signal.SIGTERM)
+        return self.wait(kill_wait)
+
+    def wait(self, grace: float) -> int:
+        """CMD's exit status, once it and the processes below it are gone; what is left after
+        `grace` seconds is SIGKILLed."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (self.proc.poll() is None or _descendants(self.proc.pid)):
+            time.sleep(0.1)
+        if self.proc.poll() is None or _descendants(self.proc.pid):
+            self.signal_all(signal.SIGKILL)
+        rc = self.proc.wait()
+        return 128 - rc if rc < 0 else rc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--time-limit", type=float, required=True, help="seconds the job may run")
+    ap.add_argument("--signal", default=None, help="SIG@SECONDS: SIG to every process SECONDS before the limit")
+    ap.add_argument("--kill-wait", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL (KillWait)")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    job = Job(cmd)
+    start = time.monotonic()
+    if args.signal:
+        name, _, before = args.signal.partition("@")
+        at = start + args.time_limit - float(before or 60)
+        while job.proc.poll() is None and time.monotonic() < at:
+            time.sleep(0.1)
+        if job.proc.poll() is None:
+            job.signal_all(getattr(signal, name if name.startswith("SIG") else f"SIG{name}"))
+    while job.proc.poll() is None and time.monotonic() < start + args.time_limit:
+        time.sleep(0.1)
+    if job.proc.poll() is None:
+        return job.end(args.kill_wait)
+    return job.wait(args.kill_wait)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

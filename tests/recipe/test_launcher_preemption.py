@@ -1,0 +1,151 @@
+"""Preemption under the launchers users run (lomo_ds/runtime/preemption.py, docs/cluster.md): the
+real `deepspeed` command (its runner, DeepSpeed's launch.py, the ranks), torchrun, and a job as
+SLURM runs one (devkit/slurm_like.py: every process of the job signalled). The signal goes to one
+rank, to the launcher, or to every process of the job (SLURM's end of a job; with `deepspeed` the
+whole process group); the documented route for a long notice, SIGUSR1 to the ranks while the
+launcher ignores it (examples/slurm_preempt.sbatch), is a case of its own.
+
+Each case: every rank exits 75 (tests/rank_status_run.py writes each rank's status), the stop's
+checkpoint is whole and `latest`, the PREEMPTED marker names it, and the run resumed from it ends
+with the uninterrupted run's weights. Where the job's signal reaches a rank twice (directly and
+through its launcher), rank 0's checkpoint seal is slowed so that the copy lands during the write:
+a copy is the same request, not the user's second signal. Launches of their own: long checks
+(LOMO_DS_LONG_TESTS=1, as CI runs them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from devkit.launch_local import free_port, rank_env, remove_shm_buffers, run_local, torchrun_command
+from devkit.slurm_like import Job
+from lomo_ds.runtime.preemption import MARKER, PREEMPTED_EXIT
+from tests.ranks import ROOT
+from tests.recipe.test_train import TRAIN_SCRIPT, logged_steps, write_tiny_run
+
+pytestmark = [pytest.mark.ranks, pytest.mark.long]
+
+STEPS = 12
+SIGNAL_AFTER = 2  # steps logged before the signal goes
+SLOW_SEAL_S = 3  # where a copy of the signal must land during the checkpoint's write (well within 30 s)
+
+
+def _args(base: pathlib.Path, out: pathlib.Path, *extra) -> list[str]:
+    return ["--config", str(base / "run.json"), "--output-dir", str(out), "--max-steps", str(STEPS),
+            "--set", "output.checkpoint_every=100", "--set", "eval.at_end=false", *extra]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny run's config and its uninterrupted run (torchrun, 2 ranks)."""
+    base = tmp_path_factory.mktemp("launcher_preemption")
+    write_tiny_run(base)
+    proc = run_local([*TRAIN_SCRIPT, *_args(base, base / "straight")], 2, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return base
+
+
+def _command(launcher: str, program: list[str], port: int, ignore_usr1: bool) -> list[str]:
+    if launcher == "deepspeed":
+        cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", *program]
+    else:
+        cmd = torchrun_command(["-m", *program], 2, port)
+    if ignore_usr1:  # as examples/slurm_preempt.sbatch starts the launcher: SIGUSR1 is for the ranks
+        cmd = ["bash", "-c", "trap '' USR1; exec \"$@\"", "bash", *cmd]
+    return cmd
+
+
+def _ranks(job: Job) -> dict[int, int]:
+    out = {}
+    for pid in job.processes():
+        try:
+            rank = psutil.Process(pid).environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "rank_status_run" in " ".join(psutil.Process(pid).cmdline()):
+            out[int(rank)] = pid
+    return out
+
+
+def _launcher(job: Job, launcher: str) -> int:
+    """The process that starts and signals the ranks: DeepSpeed's launch.py (the `deepspeed`
+    runner's child), or torchrun itself."""
+    for pid in job.processes():
+        with_args = " ".join(psutil.Process(pid).cmdline())
+        if launcher == "deepspeed" and "deepspeed.launcher.launch" in with_args:
+            return pid
+        if launcher == "torchrun" and "torch.distributed.run" in with_args:
+            return pid
+    raise AssertionError(f"no {launcher} process among {job.processes()}")
+
+
+def _send(job: Job, launcher: str, target: str) -> None:
+    if target == "rank":
+        os.kill(_ranks(job)[1], signal.SIGTERM)
+    elif target == "launcher":
+        os.kill(_launcher(job, launcher), signal.SIGTERM)
+    elif target == "job":  # SLURM's end of a job: every process, the launcher's forward comes on top
+        job.signal_all(signal.SIGTERM)
+    elif target == "group":  # a terminal's or a wrapper's signal to the process group (`deepspeed` keeps one)
+        os.killpg(job.proc.pid, signal.SIGTERM)
+    elif target == "usr1":  # `--signal=USR1@N` without B: every process; the launcher ignores it
+        job.signal_all(signal.SIGUSR1)
+
+
+CASES = [
+    ("deepspeed", "rank"), ("deepspeed", "launcher"), ("deepspeed", "group"), ("deepspeed", "usr1"),
+    ("torchrun", "rank"), ("torchrun", "launcher"), ("torchrun", "job"), ("torchrun", "usr1"),
+]
+
+
+@pytest.mark.parametrize("launcher,target", CASES)
+def test_every_rank_exits_75_with_a_whole_checkpoint_whatever_the_launcher(tiny, tmp_path, launcher, target):
+    out, status = tmp_path / "run", tmp_path / "status"
+    status.mkdir()
+    slow = SLOW_SEAL_S if target in ("job", "group") else 0
+    program = ["tests.rank_status_run", str(status), str(slow), *_args(tiny, out)]
+    port = free_port()
+    env = {**rank_env(2), "PYTHONPATH": ROOT}
+    with open(tmp_path / "launch.log", "w") as log:
+        job = Job(_command(launcher, program, port, target == "usr1"), cwd=ROOT, env=env, stdout=log,
+                  stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 600
+            while SIGNAL_AFTER not in logged_steps(out):
+                assert job.proc.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+                time.sleep(0.05)
+            sent = time.monotonic()
+            _send(job, launcher, target)
+            rc = job.wait(120)  # past every launcher's own SIGKILL (30 s)
+            took = time.monotonic() - sent
+        finally:
+            job.signal_all(signal.SIGKILL)
+            remove_shm_buffers(port)
+    log = (tmp_path / "launch.log").read_text()
+    statuses = {p.name: json.loads(p.read_text())["status"] for p in status.glob("rank_*.json")}
+    print(f"{launcher}, SIGTERM/USR1 to the {target}: launcher exit {rc}, ranks {statuses}, {took:.1f} s")
+    assert statuses == {"rank_0.json": PREEMPTED_EXIT, "rank_1.json": PREEMPTED_EXIT}, log[-6000:]
+    marker = json.loads((out / MARKER).read_text())
+    step = marker["step"]
+    assert marker["exit"] == PREEMPTED_EXIT and SIGNAL_AFTER <= step < STEPS, marker
+    ckpts = out / "checkpoints"
+    name = f"step_{step:08d}"
+    assert (ckpts / "latest").read_text() == name and marker["checkpoint"] == str(ckpts / name)
+    assert (ckpts / f"step_{step:08d}" / "meta.json").exists()
+    assert not [n for n in os.listdir(ckpts) if n.endswith(".partial")]
+    resumed = run_local([*TRAIN_SCRIPT, *_args(tiny, out), "--resume"], 2, timeout=900, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"at step {step}" in resumed.stdout
+    assert not (out / MARKER).exists()  # a finished run leaves nothing to requeue
+    a = load_file(tiny / "straight" / "hf_model" / "model.safetensors")
+    b = load_file(out / "hf_model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
