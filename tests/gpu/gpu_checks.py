@@ -52,10 +52,20 @@ from tests.gpu import integration_checks as I
 from tests.gpu import precision_checks as P
 from tests.gpu.compare import memory_run_config, predicted_peak_bytes
 from tests.gpu.device_checks import by_owner, check_worker_contexts, sync_owner, worker_copy_wait
-from tests.gpu.models import CLIP_MEMORY_MODEL, MEMORY_MODEL, STEP_MODEL, llama, llama_config, random_batch, sync
+from tests.gpu.models import (
+    CLIP_MEMORY_MODEL,
+    LONG_ROWS_MODEL,
+    MEMORY_MODEL,
+    STEP_MODEL,
+    llama,
+    llama_config,
+    random_batch,
+    sync,
+)
 from tests.gpu.timing_checks import check_offload_overlap, check_step_time
 from tests.host_memory import checkpoint_and_export_host_memory
 from tests.integrations import dist_hf_checks as H
+from tests.integrations.dist_grpo_generation_checks import check_generation as check_grpo_generation
 from tests.methods.dist_methods_checks import fetch_per_layer, lora_lomo_two_passes
 from tests.ranks import run_checks
 from tests.tiny import (
@@ -363,6 +373,16 @@ def check_delayed_window_tail(device: torch.device, sizes: dict, cycles: int = D
             "delayed": device.type == "cuda", "model": sizes}
 
 
+def checkpointed_llama(seed: int):
+    model = tiny_llama(seed)
+    model.gradient_checkpointing_enable()  # offload_checkpoints moves what checkpointing keeps
+    return model
+
+
+def long_rows(step: int, world: int) -> list[dict]:
+    return global_batch(step, world, seq=90)  # 90 positions, hidden 40: the MLP in ceil(90 / 40) = 3 tiles
+
+
 def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smoke: bool = False) -> dict:
     """The checks of this launch by name, as partials (tests/gpu/test_helpers.py binds each one's
     arguments to its function's signature and validates its config without running it)."""
@@ -411,6 +431,16 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
                                             clip_grad_norm=1.0, two_pass_mode="retain_graph"),
         "memory_clip_recompute": partial(check_memory, device, workdir, CLIP_MEMORY_MODEL["gpu"],
                                          clip_grad_norm=1.0, two_pass_mode="recompute"),
+        # The long-row options (memory.tiled_mlp, memory.offload_checkpoints) on the device: the
+        # layer inputs go out to pinned host memory and come back for the recompute, the MLP runs in
+        # tiles. Equal to SGD; and the long-row model's peak without and with them against the
+        # planner's long-sequence terms (test_gpu.py also asks that the options save what is planned).
+        "sequence_memory_sgd": partial(equivalence, partial(checkpointed_llama, 9),
+                                       ds_cfg(clip_grad_norm=0.5, tiled_mlp=True, offload_checkpoints=True),
+                                       {"clip_norm": 0.5}, batches=long_rows),
+        "memory_long_rows": partial(check_memory, device, workdir, LONG_ROWS_MODEL["gpu"]),
+        "memory_long_rows_tiled_offload": partial(check_memory, device, workdir, LONG_ROWS_MODEL["gpu"],
+                                                  tiled_mlp=True, offload_checkpoints=True),
         "step_time": partial(check_step_time, device, STEP_MODEL["gpu" if on_gpu else "smoke"]),
         # Gradient accumulation on the GPU: the accumulator beside the shards, and in pinned host
         # memory (memory.accumulate_on cpu: slices copied over without blocking, the sum copied back),
@@ -451,6 +481,8 @@ def precision_and_integration_checks(device: torch.device, on_gpu: bool) -> dict
         "sft": partial(H.check_sft),
         "dpo_lomo": partial(I.dpo_on_device, "lomo"),
         "dpo_adalomo": partial(I.dpo_on_device, "adalomo"),
+        # GRPO's generation: TRL samples from the gathered engine as a plain model with its weights does.
+        "grpo_generation": partial(check_grpo_generation),
     }
 
 

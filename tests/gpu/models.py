@@ -18,6 +18,12 @@ MEMORY_MODEL = {"gpu": dict(vocab_size=8192, hidden_size=2048, intermediate_size
 # be the same with clipping and without, and a clipping that kept too much could not show.
 CLIP_MEMORY_MODEL = {"gpu": dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
                                  num_attention_heads=8, micro=1, seq=1024, attn_implementation="eager")}
+# The long-row model: 16k positions of a layer small enough for any GPU. Its checkpointed layer
+# inputs (32 MiB a layer in bf16) and the MLP's recomputed intermediates (about 0.4 GiB at once)
+# outweigh its states (0.3 GiB), so memory.tiled_mlp and memory.offload_checkpoints decide its peak
+# and a planner that mis-counts either, or an option that saves nothing, shows.
+LONG_ROWS_MODEL = {"gpu": dict(vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                               num_attention_heads=8, micro=1, seq=16384)}
 STEP_MODEL = {"gpu": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                           num_attention_heads=16, micro=4, seq=512, warmup=3, steps=10),
               "smoke": dict(vocab_size=97, hidden_size=40, intermediate_size=83, num_hidden_layers=2,

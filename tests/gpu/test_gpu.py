@@ -286,6 +286,35 @@ def test_peak_memory_matches_planner(gpu_results, world, check):
         f"planner off by {100 * gap:+.1f}% (> {MEMORY_TOLERANCE:.0%})"
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_long_row_options_match_sgd_and_save_the_planned_memory(gpu_results, world):
+    """memory.tiled_mlp and memory.offload_checkpoints on the device: the update equals SGD (the
+    layer inputs come back from pinned host memory for the recompute), and on 16k-position rows each
+    peak is the planner's within the tolerance and the options save at least half what it plans."""
+    r = ok(gpu_results(world), "sequence_memory_sgd")
+    assert r["max_abs_diff"] <= GPU_TOL, r
+    plain, opts = ok(gpu_results(world), "memory_long_rows"), ok(gpu_results(world), "memory_long_rows_tiled_offload")
+    for name, m in (("without the options", plain), ("tiled MLP, offloaded checkpoints", opts)):
+        gap = relative_gap(m["measured"], m["predicted"])
+        print(f"long rows, {name}, {world} GPU(s): peak {m['measured'] / 2**30:.3f} GiB measured, "
+              f"{m['predicted'] / 2**30:.3f} GiB predicted ({100 * gap:+.1f}%)")
+        assert within_tolerance(m["measured"], m["predicted"]), f"{name}: planner off by {100 * gap:+.1f}%"
+    planned, saved = plain["predicted"] - opts["predicted"], plain["measured"] - opts["measured"]
+    assert planned > 0 and saved >= 0.5 * planned, \
+        f"the options saved {saved / 2**20:.0f} MiB of the {planned / 2**20:.0f} MiB planned"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_grpo_generation_on_gpus_samples_as_the_plain_model_with_the_engines_weights(gpu_results, world):
+    """TRL's sampling from the gathered ZeRO-3 model at each generation batch, against a plain copy
+    with the engine's weights after the previous step and the same random state (CUDA's included)."""
+    r = ok(gpu_results(world), "grpo_generation")
+    assert r["weights_moved"] > 0
+    for rank, batches in enumerate(r["per_rank"]):
+        assert len(batches) == r["steps"] and all(b["same"] for b in batches), (rank, batches)
+    assert any(batches[1]["stale_differs"] for batches in r["per_rank"]), "a stale gather could not have shown"
+
+
 @pytest.mark.skipif(N_GPUS < 2, reason="step time side by side needs 2 or more GPUs")
 def test_step_time_lomo_floor_deepspeed_sgd(gpu_results):
     r = ok(gpu_results(N_GPUS), "step_time")

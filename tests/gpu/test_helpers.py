@@ -397,6 +397,21 @@ def test_clipping_memory_model_puts_the_loss_beyond_the_tolerance(tmp_path):
         assert predicted_peak_bytes(retained, world) > predicted_peak_bytes(plain, world)
 
 
+def test_long_rows_model_is_decided_by_the_options_it_checks(tmp_path):
+    """The long-row memory checks' model: what the planner says tiled MLP and offloaded checkpoints
+    save is more than twice the tolerance of the planned peak on 1 and 8 GPUs, so an option that
+    saves nothing, or a term the planner mis-counts, cannot hide inside the 10%."""
+    sizes = gpu_checks.LONG_ROWS_MODEL["gpu"]
+    gpu_checks.llama_config(sizes).save_pretrained(tmp_path)
+    plain = memory_run_config(str(tmp_path), sizes["micro"], sizes["seq"])
+    opts = memory_run_config(str(tmp_path), sizes["micro"], sizes["seq"], tiled_mlp=True, offload_checkpoints=True)
+    assert opts["memory"] == {"tiled_mlp": True, "offload_checkpoints": True}
+    for world in (1, 8):
+        saved = predicted_peak_bytes(plain, world) - predicted_peak_bytes(opts, world)
+        assert saved > 2 * MEMORY_TOLERANCE * predicted_peak_bytes(plain, world), (world, saved)
+
+
+
 def _stacks_at_adds(run) -> list[tuple[list, str]]:
     """The stacks (without this probe's frame) and threads of every Tensor.add_ while `run()` runs."""
     import threading
