@@ -12,6 +12,16 @@ query/key/value heads for positions (all-to-all) around the model's own core att
 It is installed as a dispatcher under the model's attention name in transformers' registry:
 modules of a model given to `install` go through their own Ulysses instance while training; any
 other model, and evaluation (whole sequences on every rank), calls the original function.
+
+Two things of the model's own attention must survive the exchange:
+
+- a sliding window (Mistral, Phi-3, Qwen2 with use_sliding_window, the local layers of Gemma 2 and
+  3): the mask transformers built is the local slice's and is dropped; flash attention takes the
+  window as its own `sliding_window` keyword, but sdpa reads it only from the mask, so under sdpa
+  the core attention is given the causal sliding-window mask of the gathered row (`_windowed`);
+- `num_key_value_groups`: where SP exceeds the key/value heads, DeepSpeed replicates them and sets
+  the module's groups to the local ratio without restoring it, and evaluation's whole rows would
+  then repeat the key/value heads too few times; the dispatcher puts it back after each call.
 """
 from __future__ import annotations
 
@@ -23,6 +33,10 @@ import torch
 # Attention that Ulysses can wrap on this machine: eager builds the S x S mask DeepSpeed refuses;
 # flash attention runs on CUDA only.
 _NEEDS_CUDA = ("flash_attention_2", "flash_attention_3")
+# Ulysses drops the model's mask: an attention has to be causal and windowed without it (sdpa: its
+# is_causal path, and the window mask `_windowed` builds; flash: its own keywords). flex_attention
+# with no block mask attends to the whole row, later tokens included.
+_SUPPORTED = ("sdpa", *_NEEDS_CUDA)
 _ORIGINAL: dict[str, Any] = {}  # attention name -> transformers' own function, before the dispatcher
 _GROUPS: dict[int, Any] = {}  # sp size -> this rank's SP group
 
@@ -70,6 +84,10 @@ def check_attention(name: str, sp_size: int, device_type: str) -> None:
     if name in ("eager", "paged|eager"):
         raise ValueError(f"train.sequence_parallel_size {sp_size}: attention '{name}' builds the whole sequence's "
                          "S x S mask, which Ulysses cannot split; load the model with attn_implementation='sdpa'")
+    if name not in _SUPPORTED:
+        raise ValueError(f"train.sequence_parallel_size {sp_size}: attention '{name}' reads the model's mask, which "
+                         "Ulysses drops (it is the local slice's), so it would attend to later tokens; use 'sdpa' "
+                         "(or flash_attention_2 on CUDA)")
     if name in _NEEDS_CUDA and device_type != "cuda":
         raise ValueError(f"train.sequence_parallel_size {sp_size}: attention '{name}' needs CUDA, and these ranks "
                          f"run on '{device_type}'; Ulysses needs another attention here: 'sdpa'")
@@ -104,7 +122,7 @@ def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
     if name not in _ORIGINAL:
         _ORIGINAL[name] = ALL_ATTENTION_FUNCTIONS[name]
         ALL_ATTENTION_FUNCTIONS[name] = _dispatcher(name)
-    core = _ORIGINAL[name]
+    core = _windowed(_ORIGINAL[name]) if name == "sdpa" else _ORIGINAL[name]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     by_batch: dict[int, UlyssesSPAttentionHF] = {}
 
@@ -127,6 +145,38 @@ def _dispatcher(name: str):
         if ulysses is None or not module.training:
             return _ORIGINAL[name](module, query, key, value, attention_mask, *args, **kwargs)
         # The mask transformers built is the local slice's; causal order comes from the gathered
-        # position ids instead (right-padded rows: data/sequence_split.py).
-        return ulysses(query.shape[0])(module, query, key, value, None, *args, **kwargs)
+        # position ids instead (right-padded rows: data/sequence_split.py), the window from `_windowed`.
+        groups = getattr(module, "num_key_value_groups", None)
+        try:
+            return ulysses(query.shape[0])(module, query, key, value, None, *args, **kwargs)
+        finally:
+            if groups is not None:  # DeepSpeed sets it to its local ratio when it replicates key/value heads
+                module.num_key_value_groups = groups
     return attention
+
+
+def _windowed(core):
+    """sdpa that applies the layer's sliding window to the gathered row: a query at position q sees
+    keys q - window < k <= q (transformers' sliding_window_causal_mask_function). The window is the
+    `sliding_window` keyword the model passes (None on a global layer), else the module's own
+    attribute (Qwen2-MoE passes none); a window at least the row's length is plain causal."""
+    cached: dict[tuple, torch.Tensor] = {}
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+        seq = key.shape[-2]
+        if attention_mask is None and window and window < seq:
+            attention_mask = _window_mask(seq, window, key.device, cached)
+        return core(module, query, key, value, attention_mask, *args, **kwargs)
+    return attention
+
+
+def _window_mask(seq: int, window: int, device: torch.device, cached: dict) -> torch.Tensor:
+    # One S x S boolean mask per row length, shared by the layers (the last one kept).
+    key = (seq, window, str(device))
+    if key not in cached:
+        cached.clear()
+        i = torch.arange(seq, device=device)
+        back = i[:, None] - i[None, :]  # how far behind the query each key is
+        cached[key] = ((back >= 0) & (back < window))[None, None]
+    return cached[key]

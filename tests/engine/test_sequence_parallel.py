@@ -2,7 +2,17 @@
 and 4 ranks (SP = 2 x DP = 2) the parameters equal one process's torch.optim.SGD (or the reference
 AdaLomo) on the same whole sequences, with norm clipping that bites and accumulation K = 2, in both
 loss normalisations, and the loss equals the unsplit loss. The 4-rank launch is a long check
-(CI: LOMO_DS_LONG_TESTS=1). The split itself and the refusals are checked without ranks."""
+(CI: LOMO_DS_LONG_TESTS=1). The split itself and the refusals are checked without ranks.
+
+Two things of the model's attention Ulysses loses unless lomo_ds keeps them
+(lomo_ds/runtime/sequence_parallel.py), each checked against the whole rows in one process:
+- a sliding window shorter than the row (Mistral, window 3 of 12): under sdpa the window lived only
+  in the dropped mask. Reverted (no window mask), the parameters differ by 2.4e-3.
+- fewer key/value heads than SP (1 for SP 2): DeepSpeed's replication left the module's
+  num_key_value_groups at 2 instead of 4, and evaluation after a training step failed in sdpa
+  ("The size of tensor a (4) must match the size of tensor b (2)").
+Where the long checks run, every model family (tests/families.py) with SGD and AdaLomo, in fp32
+and bf16: tests/engine/test_sequence_parallel_families.py."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +21,7 @@ import torch
 from lomo_ds.data.sequence_split import shift_labels, split_batch, target_tokens
 from lomo_ds.runtime import sequence_parallel as seqpar
 from tests.engine import dist_sp_checks as S
+from tests.families import sdpa_family
 from tests.ranks import LONG_TESTS, assert_matches_reference, multi_rank_checks, ok
 from tests.tiny import tiny_llama_config
 
@@ -24,6 +35,12 @@ CHECKS = multi_rank_checks(
     sp_adalomo=lambda: S.equivalence(2, optimizer="adalomo", normalization="tokens"),
 )
 (UNSPLIT,) = multi_rank_checks(WORLDS, sp_unsplit_loss=lambda: S.unsplit_loss(2))
+WINDOW, FEW_KV = multi_rank_checks(
+    WORLDS,
+    sp_sliding_window=lambda: S.equivalence(2, build=lambda seed: sdpa_family("mistral", seed, window=3)),
+    sp_fewer_kv_heads_then_eval=lambda: S.equivalence(2, build=lambda seed: sdpa_family("llama", seed),
+                                                      evaluate=True),
+)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -34,6 +51,28 @@ def test_matches_whole_sequence_reference(rank_results, world, check):
     assert_matches_reference(r, TOL, f"{check} on {world} ranks (SP 2 x DP {world // 2}), against one process")
     assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-5)
     assert all(n > 0.5 for n in r["ref_grad_norm"])  # the clip bit
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sliding_window_matches_whole_rows(rank_results, world):
+    r = ok(rank_results(world), WINDOW)
+    assert_matches_reference(r, TOL, f"Mistral, window 3 of {S.SEQ}, on {world} ranks, against one process")
+
+
+def test_the_window_changes_these_rows():
+    # Else the check above could not tell a dropped window from a kept one.
+    batch = S.micro_batch(0, 0, 0)
+    with torch.no_grad():
+        windowed, whole = (sdpa_family("mistral", 1, window=w)(**batch).loss.item() for w in (3, S.SEQ))
+    assert abs(windowed - whole) > 1e-3
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fewer_kv_heads_than_sp_then_evaluation(rank_results, world):
+    r = ok(rank_results(world), FEW_KV)
+    assert_matches_reference(r, TOL, f"LLaMA, 1 key/value head, SP 2, on {world} ranks, against one process")
+    assert r["eval_loss"] == pytest.approx(r["ref_eval_loss"], rel=1e-5)
+    assert r["replies"] == r["ref_replies"] and all(r["replies"])
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -120,6 +159,9 @@ def test_model_refusals():
     with pytest.raises(ValueError, match="needs another attention here: 'sdpa'"):
         seqpar.check_model_config(cfg, 2, "cpu")
     seqpar.check_model_config(cfg, 2, "cuda")
+    cfg._attn_implementation = "flex_attention"  # with no block mask it would attend to later tokens
+    with pytest.raises(ValueError, match="attention 'flex_attention' reads the model's mask"):
+        seqpar.check_model_config(cfg, 2, "cuda")
     with pytest.raises(ValueError, match="does not divide the 3 ranks"):
         seqpar.check_world(2, 3)
 
