@@ -26,8 +26,9 @@ The reference (beta > 0). TRL would load a second model from the policy's name a
 DeepSpeed engine of its own. Here the starting weights are kept instead: each rank copies its own
 1/N shard of every parameter to host memory before the first step (StartingWeights), and the
 reference log-probs of each generation batch are computed by the policy's own ZeRO-3 module with
-those shards swapped in (and the trained ones swapped back after). Exact, one model, 1/N of the
-weights in host RAM per rank (the planner's reference="host").
+those shards swapped in (each copied into its live shard in place; the trained ones wait in host
+memory meanwhile and are copied back after). Exact, one model: 1/N of the weights in host RAM per
+rank, twice that while the reference's forward runs (the planner's reference="host").
 
 Refused with one line naming the field (TrainingArgumentsError) before DeepSpeed starts: see
 grpo_checks.py. A reward function that raises is re-raised on every rank (the others would wait
@@ -63,7 +64,8 @@ class StartingWeights:
     @contextlib.contextmanager
     def swapped_in(self):
         """The module computes with the starting weights inside the block. Every gathered copy is
-        released first and after (the next gather reads the shard in place then)."""
+        released first and after (the next gather reads the shard in place then). The live shards
+        wait in host memory meanwhile: a second host copy of this rank's shards for the block."""
         offload = self.engine.offload
         ds_compat.release_all(offload)
         live = []
@@ -72,12 +74,16 @@ class StartingWeights:
                 s = ds_compat.shard(p)
                 live.append(s.to("cpu", copy=True))
                 s.copy_(start.to(s.device))
+            # The writes are queued on the compute stream; ZeRO-3 gathers on a stream of its own:
+            # order it after them, or the reference's forward may gather shards half-written.
+            ds_compat.gathers_wait_for_updates(offload)
             yield
         finally:
             ds_compat.release_all(offload)
             for p, kept in zip(self.engine.params, live, strict=False):
                 s = ds_compat.shard(p)
                 s.copy_(kept.to(s.device))
+            ds_compat.gathers_wait_for_updates(offload)  # the next forward gathers the live shards whole
 
 
 class HostReference:

@@ -20,9 +20,13 @@ A step is two phases, one after the other, on each rank:
                loss reads: dpo.trl_head_bytes) in place of lomo_ds's chunked loss, as for DPO. An
                upper bound: the head is costed over every position, not the completion's only.
   reference    beta = 0 (TRL's default): none. beta > 0: "ref_model", a second ZeRO-3 model (b P / N
-               + its working set on N > 1, dpo.reference_bytes), or "host": the starting weights in
-               host RAM (b P on the node) streamed to the GPU a decoder layer at a time for the
-               reference forward (two layers: one computed, one arriving).
+               + its working set on N > 1, dpo.reference_bytes), or "host" (integrations/grpo.py
+               StartingWeights): each rank keeps its starting shards in host RAM and, for the
+               reference's forward, copies them over its live shards in place, the live ones
+               waiting in host RAM meanwhile: 2 b P / N per rank, 2 b P on the node. On the GPU
+               nothing stays; the forward is the policy's own ZeRO-3 forward, its gathered
+               layers (two fetch units: one computed, one arriving) counted beside training's
+               peak, an upper bound (it runs when the generation batch is scored).
 
 The default micro-batch is one completion and one step per micro-batch (gradient_accumulation_steps
 1, steps_per_generation = generations): each generation's group of completions is scored once and
@@ -144,7 +148,7 @@ def grpo_estimate(m: planner.ModelSpec, method: str, gpus: int, g: GrpoSpec = Gr
             ref = reference_bytes(m, run, gpus, "ref_model")
         else:
             ref = float(2 * b * largest_fetch_unit(m, planner.resolve_auto(m, run))[1])
-            ref_host = float(b * P)
+            ref_host = float(2 * b * P)  # the starting shards, and the live ones during the swap
     return GrpoEstimate(method, gpus, resident, gathered, kv, prefill, float(training), ref, ref_host)
 
 

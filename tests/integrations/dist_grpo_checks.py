@@ -211,3 +211,87 @@ def check_reward_raises() -> dict:
     every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, raised)
     return {"raised": every, "message": message}
+
+
+class HostAllocations:
+    """A dispatch mode recording every new host tensor an op makes inside it (not views, not
+    in-place results); `held()`: the bytes of those still alive."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        record = self._record
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu" \
+                            and t.untyped_storage().data_ptr() not in inputs:
+                        record(t)
+                return out
+
+        self.mode = Mode()
+        self._made: list = []
+
+    def _record(self, t: torch.Tensor) -> None:
+        import weakref
+
+        self._made.append(weakref.ref(t))
+
+    def held(self) -> int:
+        storages = {}
+        for ref in self._made:
+            t = ref()
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+
+def check_host_reference_swap() -> dict:
+    """The host reference's swap (StartingWeights.swapped_in) on a real ZeRO-3 engine whose live
+    shards have moved one step from the starting ones: the host bytes the swap itself allocates and
+    still holds when the reference's forward starts (beside the starting shards it keeps for the
+    whole run), and the order of its shard writes against ZeRO-3's gather stream
+    (ds_compat.gathers_wait_for_updates, recorded with what the shards hold when it is called)."""
+    import lomo_ds
+    from lomo_ds.integrations.grpo import StartingWeights
+    from lomo_ds.runtime import ds_compat
+    from tests.engine.dist_engine_checks import ds_cfg
+    from tests.tiny import global_batch, tiny_llama
+
+    engine = lomo_ds.initialize(tiny_llama(0), ds_cfg())
+    weights = StartingWeights(engine)
+    engine.train_step(global_batch(0, engine.world)[engine.rank])
+    trained = [ds_compat.shard(p).clone() for p in engine.params]
+
+    def holds(values) -> bool:
+        return all(torch.equal(ds_compat.shard(p), v) for p, v in zip(engine.params, values, strict=True))
+
+    orders, inner = [], ds_compat.gathers_wait_for_updates
+
+    def recorded(offload):
+        orders.append("start" if holds(weights.shards) else "trained" if holds(trained) else "neither")
+        inner(offload)
+
+    allocations = HostAllocations()
+    ds_compat.gathers_wait_for_updates = recorded
+    try:
+        swap = weights.swapped_in()
+        with allocations.mode:
+            swap.__enter__()
+        swap_bytes, in_block = allocations.held(), list(orders)
+        ids = global_batch(1, engine.world)[engine.rank]["input_ids"]
+        with torch.no_grad():
+            engine.module(input_ids=ids)
+        swap.__exit__(None, None, None)
+    finally:
+        ds_compat.gathers_wait_for_updates = inner
+    return {"swap_host_bytes": swap_bytes, "starting_host_bytes": weights.nbytes(),
+            "shard_bytes": sum(t.numel() * t.element_size() for t in trained),
+            "dtype": str(trained[0].dtype), "world": engine.world,
+            "orders_in_block": in_block, "orders_after": orders[len(in_block):],
+            "moved": not holds(weights.shards), "restored": holds(trained)}

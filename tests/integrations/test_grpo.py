@@ -142,3 +142,17 @@ def test_grpo_trainer_only_through_lomo_subclass():
     with pytest.raises(TrainingArgumentsError, match=r"^GRPOTrainer: .*lomo_ds.integrations.grpo.LomoGRPOTrainer"):
         check_trainer_class(type("Mine", (LomoTrainerMixin, GRPOTrainer), {}))
     check_trainer_class(LomoGRPOTrainer)
+
+
+@pytest.mark.parametrize("world", [1])
+def test_host_reference_swap_orders_the_gathers_after_each_copy(rank_results, world):
+    """The host reference's swap writes every shard (the starting values in, the live ones back):
+    ZeRO-3's gather stream must be ordered after each set of writes, or on a GPU the reference's
+    forward, and the next training forward, could gather shards half-written (a CPU records the
+    order: what the shards hold each time the gathers are ordered)."""
+    from tests.planning.test_grpo_planner import HOST_REFERENCE_SWAP
+
+    r = ok(rank_results(world), HOST_REFERENCE_SWAP)
+    assert r["moved"] and r["restored"], r
+    assert r["orders_in_block"][-1:] == ["start"], f"the forward's gathers not ordered after the starting shards: {r}"
+    assert r["orders_after"][-1:] == ["trained"], f"the next gathers not ordered after the live shards' return: {r}"

@@ -11,9 +11,13 @@ import pytest
 from lomo_ds.cli import main
 from lomo_ds.planning import planner as P
 from lomo_ds.planning.grpo import GrpoSpec, format_grpo, grpo_estimate
-from tests.ranks import ROOT
+from tests.integrations import dist_grpo_checks as D
+from tests.ranks import ROOT, multi_rank_checks, ok
 
 MODELS = os.path.join(ROOT, "docs", "models")
+# The host reference's swap on a real one-rank engine (its host bytes; its order against the gathers:
+# tests/integrations/test_grpo.py asserts on that).
+(HOST_REFERENCE_SWAP,) = multi_rank_checks([1], grpo_host_reference_swap=D.check_host_reference_swap)
 
 
 def _spec(name: str) -> P.ModelSpec:
@@ -43,7 +47,8 @@ def test_the_phases_terms():
     ref = grpo_estimate(m, "lomo", 1, replace(g, beta=0.04, reference="ref_model"))
     host = grpo_estimate(m, "lomo", 1, replace(g, beta=0.04, reference="host"))
     assert ref.reference == 2 * m.n_params  # a second model, whole on one GPU
-    assert host.reference_host == 2 * m.n_params and host.reference < 0.2 * ref.reference
+    # the starting shards and, while the reference's forward runs, the live ones: b P twice on the node
+    assert host.reference_host == 2 * 2 * m.n_params and host.reference < 0.2 * ref.reference
 
 
 @pytest.mark.parametrize("fields, gpus, message", [
@@ -69,3 +74,20 @@ def test_the_docs_tables_are_the_planners():
     for name in ("Llama-3.1-8B", "Qwen2.5-7B"):
         assert format_grpo(_spec(name), GrpoSpec()) in doc, \
             f"docs/memory.md is out of date: regenerate it with lomo-ds plan --model docs/models/{name}.json --grpo"
+
+
+@pytest.mark.parametrize("world", [1])
+def test_host_reference_is_planned_as_the_swap_holds_it(rank_results, world):
+    """The host reference's host RAM as the planner counts it, against what the swap holds, measured
+    (every new host tensor it makes, alive when the reference's forward starts): the starting
+    shards, and a copy of the live ones beside them, 2 b P / N per rank."""
+    from tests.tiny import tiny_llama
+
+    r = ok(rank_results(world), HOST_REFERENCE_SWAP)
+    print(f"host reference on {r['world']} rank: starting shards {r['starting_host_bytes']} bytes, "
+          f"the swap's own {r['swap_host_bytes']} bytes ({r['dtype']})")
+    assert r["starting_host_bytes"] == r["shard_bytes"] > 0 and r["dtype"] == "torch.float32"
+    assert r["swap_host_bytes"] == r["shard_bytes"], "the swap keeps one host copy of the live shards"
+    m = P.spec_from_hf_config(tiny_llama(0).config.to_dict())
+    e = grpo_estimate(m, "lomo", 1, replace(GrpoSpec(), beta=0.1, reference="host"), run=P.RunSpec(dtype="fp32"))
+    assert e.reference_host == r["starting_host_bytes"] + r["swap_host_bytes"], (e.reference_host, r)
