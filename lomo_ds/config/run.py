@@ -203,8 +203,9 @@ class EvalConfig(Section):
         "chat tasks: greedy replies to this many eval prompts (0: none), scored by exact match and containment "
         "against the reference and written to output.dir/generations/step_N.jsonl"))
     max_new_tokens: Int = Field(32, ge=1, description="tokens generated at most per reply (generate_samples)")
-    # The harness (lomo_ds/evaluation/harness.py) runs on the final export: rank 0 loads the exported model whole
-    # on its device after the export.
+    # The harness (lomo_ds/evaluation/harness.py) runs on the final export: once every rank has freed its engine,
+    # rank 0 loads the exported model whole on its device in the training dtype. Whether that fits the device is
+    # checked before training (lomo_ds/recipe/harness_eval.py: check_memory), where the device is known.
     harness_tasks: tuple[str, ...] = Field((), strict=False, description=(
         "lm-evaluation-harness on the final export: lomo_ds task names (scored on this run's eval examples) or "
         "harness YAML tasks under harness_include"))

@@ -126,11 +126,17 @@ def _local_names(include: Sequence[str]) -> list[str]:
     return names
 
 
+# The harness's names of the run's precisions (lomo_ds.config.schema.Precision.dtype).
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def run(model_dir: str, tasks: Sequence[str], include: Sequence[str] = (), written: str | None = None,
-        batch_size: int = 8,
-        device: str = "cpu", limit: int | None = None, dtype: str = "float32") -> dict[str, dict[str, Any]]:
-    """The harness's metrics per task: {task: {"acc": .., "acc_stderr": .., "n": ..}}, model_dir being an
-    exported Hugging Face folder (output.dir/hf_model)."""
+        batch_size: int = 8, device: str = "cpu", limit: int | None = None,
+        dtype: str = "auto") -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The harness's metrics per task, {task: {"acc": .., "acc_stderr": .., "n": ..}}, and the model as
+    the harness loaded it, {"dtype": "bfloat16", "params": ..}; model_dir being an exported Hugging
+    Face folder (output.dir/hf_model). `dtype`: the harness's name of a torch dtype, or "auto" (the
+    folder's config.json torch_dtype: an export's is its run's training dtype)."""
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise HarnessError(f"--model {model_dir!r} is not a Hugging Face model folder (no config.json); "
                            f"a run exports one to output.dir/hf_model")
@@ -144,7 +150,11 @@ def run(model_dir: str, tasks: Sequence[str], include: Sequence[str] = (), writt
         clean = {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float))}
         clean["n"] = int(clean.pop("sample_len", 0))
         results[task] = clean
-    return results
+    # What lm-eval's model is (its parameters' dtype), not what it was asked for.
+    loaded = out["config"].get("model_dtype")
+    model = {"dtype": str(loaded).removeprefix("torch.") if loaded is not None else None,
+             "params": out["config"].get("model_num_parameters"), "device": device}
+    return results, model
 
 
 def flat_metrics(results: dict[str, dict[str, Any]]) -> dict[str, float]:

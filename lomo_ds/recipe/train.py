@@ -524,22 +524,22 @@ class TrainRecipe:
             self.write_summary()
 
     def evaluate_export(self, path: str, step: int) -> None:
-        """lm-evaluation-harness on the export, run by rank 0 in a process of its own while the others
-        wait; the figures go to the metrics (and TensorBoard) and summary.json. A failure is raised
-        on rank 0 after the others are released."""
-        cfg, failed = self.cfg, None
+        """lm-evaluation-harness on the export by rank 0 in a process of its own, once every rank freed
+        its engine (gone after), while the others wait; the figures go to the metrics (and TensorBoard)
+        and summary.json. A failure is raised on rank 0 after the others are released."""
+        cfg, failed, device = self.cfg, None, str(self.engine.device)
+        self.say(harness_eval.release(self.engine))  # the harness loads the whole model on rank 0's device
+        self.engine = None
         if self.rank == 0:
             t0 = time.perf_counter()
             try:
-                results = harness_eval.evaluate_export(path, cfg, str(self.engine.device))
+                results = harness_eval.evaluate_export(path, cfg, device, self.say)
             except harness.HarnessError as e:
                 failed = e
             else:
                 flat = harness.flat_metrics(results)
                 self.metrics.log({"step": step, "phase": "harness", **flat, "eval_seconds": time.perf_counter() - t0})
                 self.results["harness"] = flat
-                for task, m in results.items():
-                    self.say(f"harness {task}: acc {m.get('acc', float('nan')):.4f} ({m.get('n', 0)} examples)")
         self.io_barrier()  # the others wait as for a checkpoint: under output.io_timeout
         if failed is not None:
             raise failed

@@ -5,6 +5,7 @@ computes that from the same examples' token ids with the model itself. The demo-
 export of a trained run against the run's own evaluation) is tests/recipe/test_recipe.py's.
 """
 import importlib.util
+import json
 import os
 
 import pytest
@@ -60,7 +61,8 @@ def test_a_lomo_task_written_for_the_harness_scores_its_examples_like_the_refere
     cfg = _cfg(model_dir)
     name = harness.write_task(cfg, str(tmp_path))
     # Read back as any user's YAML task: by its name, from an include folder.
-    res = harness.run(model_dir, [name], include=[str(tmp_path)], batch_size=8)
+    res, model = harness.run(model_dir, [name], include=[str(tmp_path)], batch_size=8)
+    assert model["dtype"] == "float32"  # "auto": the folder's own (saved in fp32)
     assert res[name]["n"] == EXAMPLES
     assert abs(res[name]["acc"] - _summed_logprob_accuracy(model_dir, cfg)) <= 1 / EXAMPLES + 1e-9, res
 
@@ -75,6 +77,34 @@ def test_the_cli_refuses_what_it_cannot_read_in_one_line(model_dir, tmp_path, ca
     assert "harness include folder" in capsys.readouterr().err
     assert main(["eval", "--model", str(tmp_path), "--tasks", "builtin"]) == 2
     assert "not a Hugging Face model folder" in capsys.readouterr().err
+
+
+def _bf16_run(model_dir):
+    return load_run_config({"bf16": {"enabled": True}, "model": {"path": model_dir}, "train": {"method": "zero_shot"},
+                            "data": {"task": "builtin", "eval_samples": 4}, "eval": {"harness_tasks": ["builtin"]}})
+
+
+def test_the_run_asks_the_harness_for_its_training_dtype(model_dir, tmp_path):
+    """The recipe's harness command (the process evaluate_export starts) loads a bf16 run's export in
+    bf16, an fp32 run's in fp32: not fp32 whatever the run, twice a bf16 model's bytes."""
+    from lomo_ds.recipe import harness_eval
+
+    cmd, _, _ = harness_eval.export_command(model_dir, _bf16_run(model_dir), "cpu", str(tmp_path))
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16", cmd
+    fp32 = load_run_config({"model": {"path": model_dir}, "train": {"method": "zero_shot"}})
+    cmd, _, _ = harness_eval.export_command(model_dir, fp32, "cpu", str(tmp_path))
+    assert cmd[cmd.index("--dtype") + 1] == "float32", cmd
+
+
+def test_lomo_ds_eval_loads_the_model_in_the_dtype_it_is_given(model_dir, tmp_path, capsys):
+    """What lm-eval's model is once loaded (its parameters' dtype), as that command reports it."""
+    from lomo_ds.cli import main
+
+    loaded = tmp_path / "model.json"
+    assert main(["eval", "--model", model_dir, "--tasks", "builtin", "--limit", "2", "--dtype", "bfloat16",
+                 "--model-out", str(loaded)]) == 0
+    assert "the model loaded in bfloat16 on cpu" in capsys.readouterr().out
+    assert json.loads(loaded.read_text())["dtype"] == "bfloat16"
 
 
 def test_the_recipe_option_is_checked_on_load(model_dir, tmp_path):
