@@ -4,6 +4,10 @@ DeepSpeed's accelerator names this rank's device (`cuda:<local rank>` on GPUs, `
 tensor lomo_ds creates for training goes there, except the update of an offloaded shard, which
 runs where the shard lives (see lomo_ds/engine/update/shard.py). Collectives take tensors on their group's
 device: gloo reduces CPU tensors, NCCL only accelerator ones.
+
+LOMO_DS_EMULATE_DEVICE_COPY=1 (tests): host_resident says no tensor is in host memory, so a CPU run
+takes the path an accelerator's shards take through a checkpoint, host copies included, and the CPU
+suite tests that path and measures its host memory.
 """
 from __future__ import annotations
 
@@ -27,6 +31,17 @@ def set_rank_device() -> None:
     local_rank = os.environ.get("LOCAL_RANK")
     if local_rank is not None and accelerator.device_name() != "cpu":
         accelerator.set_device(int(local_rank))
+
+
+EMULATE_DEVICE_COPY = "LOMO_DS_EMULATE_DEVICE_COPY"
+
+
+def host_resident(t: torch.Tensor) -> bool:
+    """Whether `t` lives in host memory, where a checkpoint writes it from and reads it into in
+    place; anything else (an accelerator's shard) needs a host copy to reach a file. The one place
+    that decides it, so that LOMO_DS_EMULATE_DEVICE_COPY=1 can say False for every tensor: on a
+    CPU run the storage code then copies as it does on a GPU, and the CPU suite sees those copies."""
+    return t.device.type == "cpu" and os.environ.get(EMULATE_DEVICE_COPY) != "1"
 
 
 def accelerator_device() -> torch.device:

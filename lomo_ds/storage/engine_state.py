@@ -21,9 +21,27 @@ Keys are the state's paths joined by "/" (parameter names hold dots, never slash
 disk is readable by key (`shards/model.layers.0.mlp.up_proj.weight`).
 
 The collectives go through the gloo group the disk waits use (runtime.dist.io_group): its timeout
-is output.io_timeout's, and its tensors are host tensors, as the files' are. Host-resident tensors
-(every one on a CPU run, offloaded shards and masters on an accelerator) are written from and read
-into in place; a device-resident shard passes through a host copy.
+is output.io_timeout's, and its tensors are host tensors, as the files' are.
+
+Host memory: one piece at a time, never the rank's whole state. The planning takes each piece as a
+DTensor on that gloo ("cpu") mesh whose local tensor is a stand-in: a host tensor of the piece's
+length and dtype over one element (expand), which gives the planners the shapes and offsets they
+plan from without a copy of the data (a device tensor would be copied to the mesh's device whole,
+and a meta one is materialised by the load planner). The data goes through the planners' own hooks,
+which the file writer and reader call one item after another:
+- save (PieceSaver.resolve_data, in _planners): a host-resident piece (on a CPU run, offloaded shards and masters
+  on an accelerator) is written as it is; any other (a device-resident shard, or a padded shard's
+  real part, a view the writer would clone) through a host copy of that one piece. The writer keeps
+  every tensor it was handed until its file is closed (for the safetensors format, which this does
+  not write), so the planner frees the previous copy's memory when asked for the next piece:
+  FileSystemWriter with thread_count=1 and per_thread_copy_ahead=0 asks for a piece only after
+  writing the one before. A writer that asked ahead would have written a freed copy:
+  _check_written refuses such a checkpoint by its recorded lengths.
+- load (PieceLoader.resolve_tensor): the reader copies each item it read from the file (a host
+  tensor) straight into the destination's range of the live tensor, wherever it lives; nothing else
+  is allocated.
+runtime.device.host_resident decides what is host memory; LOMO_DS_EMULATE_DEVICE_COPY=1 makes a CPU
+run copy as an accelerator's does (tests/host_memory.py measures both).
 """
 from __future__ import annotations
 
@@ -34,6 +52,7 @@ from typing import Any, Iterator
 import torch
 
 from lomo_ds.engine.update.shard import ShardGeometry
+from lomo_ds.runtime.device import host_resident
 from lomo_ds.runtime.dist import io_group
 from lomo_ds.storage.checkpoint import CheckpointError, write_atomic
 
@@ -88,15 +107,66 @@ def _mesh(group):
     return DeviceMesh.from_group(group, "cpu")
 
 
-def _piece(local: torch.Tensor, numel: int, world: int, rank: int, mesh):
-    """`local` (this rank's shard, padding included) as its piece of the flat global tensor."""
-    from torch.distributed.tensor import DTensor, Shard
-
+def _piece(local: torch.Tensor, numel: int, world: int, rank: int) -> torch.Tensor:
+    """The real elements of `local` (this rank's shard, padding included): its piece of the flat
+    global tensor of `numel` elements."""
     real = ShardGeometry(numel, world, rank).local
     if local.numel() < real:
         raise ValueError(f"a shard of {local.numel()} elements for {real} of a {numel}-element parameter")
-    return DTensor.from_local(local.reshape(-1)[:real], mesh, [Shard(0)], run_check=False,
-                              shape=torch.Size([numel]), stride=(1,))
+    return local.detach().reshape(-1)[:real]
+
+
+def _planned(piece: torch.Tensor, numel: int, mesh):
+    """A DTensor the planners plan `piece` from: its length, dtype and place in the global tensor,
+    over a one-element host stand-in (the data goes through the planners' hooks, not through it)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    stand_in = torch.empty(1, dtype=piece.dtype, device="cpu").expand(piece.numel())
+    return DTensor.from_local(stand_in, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+def _planners():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    class PieceSaver(DefaultSavePlanner):
+        """Hands the writer each piece as a host tensor, copying only the one being written."""
+
+        def __init__(self, pieces: dict[str, torch.Tensor]):
+            super().__init__()
+            self.pieces, self.copy, self.copied = pieces, None, {}
+
+        def resolve_data(self, write_item):
+            if self.copy is not None:  # written: the writer asks for a piece after writing the last
+                self.copy.untyped_storage().resize_(0)
+                self.copy = None
+            piece = self.pieces[write_item.index.fqn]
+            if host_resident(piece) and piece.untyped_storage().nbytes() == piece.nbytes:
+                return piece
+            self.copy = piece.to("cpu", copy=True)
+            self.copied[write_item.index] = piece.nbytes
+            return self.copy
+
+    class PieceLoader(DefaultLoadPlanner):
+        """Reads each item into its range of the live tensor, wherever that lives."""
+
+        def __init__(self, pieces: dict[str, torch.Tensor]):
+            super().__init__()
+            self.pieces = pieces
+
+        def resolve_tensor(self, read_item):
+            return self.transform_tensor(read_item, self.pieces[read_item.dest_index.fqn])  # its range
+
+    return PieceSaver, PieceLoader
+
+
+def _check_written(metadata, copied: dict, folder: str) -> None:
+    """Refuse a checkpoint in which a copied piece was not written whole (a writer that asked for a
+    piece before writing the one before it would have written a freed copy)."""
+    for index, nbytes in copied.items():
+        info = metadata.storage_data.get(index)
+        if info is not None and info.length < nbytes:
+            raise CheckpointError(f"{folder}: {index.fqn} was written as {info.length} bytes of its {nbytes}: "
+                                  "torch.distributed.checkpoint's writer asked for pieces ahead of writing them")
 
 
 def _numel(state: dict[str, Any], name: str) -> int:
@@ -134,16 +204,20 @@ def save_engine_state(directory: str, state: dict[str, Any], io_timeout: float,
     group = group or io_group(io_timeout)
     mesh = _mesh(group)
     cut, rest = _split(state)
-    pieces = {}
+    pieces, planned = {}, {}
     for path, value in cut.items():
-        # The group is gloo: the pieces it plans over are host tensors.
-        value = value.detach() if value.device.type == "cpu" else value.detach().cpu()
-        pieces[SEP.join(path)] = _piece(value, _numel(state, path[1]), world, rank, mesh)
+        key, numel = SEP.join(path), _numel(state, path[1])
+        pieces[key] = _piece(value, numel, world, rank)
+        planned[key] = _planned(pieces[key], numel, mesh)
     folder = state_dir(directory)
     os.makedirs(folder, exist_ok=True)
     if rank == 0 or every_node:
         write_atomic(os.path.join(folder, REST), lambda f: torch.save(rest, f))
-    metadata = dcp.save(pieces, storage_writer=FileSystemWriter(folder, sync_files=True), process_group=group)
+    saver = _planners()[0](pieces)
+    # One thread, nothing copied ahead: the writer asks for a piece after writing the one before.
+    writer = FileSystemWriter(folder, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+    metadata = dcp.save(planned, storage_writer=writer, planner=saver, process_group=group)
+    _check_written(metadata, saver.copied, folder)
     if every_node and rank != 0:
         from torch.distributed.checkpoint.storage import WriteResult
 
@@ -161,14 +235,14 @@ def _read_rest(folder: str) -> dict[str, Any]:
                               f"(a weights_only load; {str(e).splitlines()[0][:80]})") from None
 
 
-def _load(state: dict[str, Any], reader, group) -> None:
+def _load(state: dict[str, Any], reader, planner, group) -> None:
     """torch.distributed.checkpoint's load into `state`; a failure on any rank (every rank hears of
     it) as a CheckpointError naming the folder and the first rank's cause."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state, storage_reader=reader, process_group=group)
+        dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
     except CheckpointException as e:
         rank, failure = sorted(e.failures.items())[0]
         cause = failure[0] if isinstance(failure, tuple) else failure
@@ -180,9 +254,10 @@ def read_engine_state(directory: str, template: dict[str, Any], check, io_timeou
                       group=None) -> dict[str, Any]:
     """Collective: the state in `directory`/engine_state for this rank, in shard_state_dict's layout,
     written by any rank count. `template`: this rank's own shard_state_dict (its keys, lengths and
-    dtypes; host tensors in it are read into in place). `check(state)`: refuses a state that does not
-    fit this run, called with the checkpoint's parameter names, shapes and counters (the pieces
-    named, not yet read) before any piece is read. `group`: as save_engine_state's."""
+    dtypes): its tensors are read into in place, wherever they live, and are the state returned.
+    `check(state)`: refuses a state that does not fit this run, called with the checkpoint's
+    parameter names, shapes and counters (the pieces named, not yet read) before any piece is read.
+    `group`: as save_engine_state's."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     world, rank = template["world"], template["rank"]
@@ -194,17 +269,17 @@ def read_engine_state(directory: str, template: dict[str, Any], check, io_timeou
     flat.update({tuple(k.split(SEP)): None for k in saved})  # named, not read yet
     check(_unflatten(flat))
     mine, _ = _split(template)
-    mesh, reads = _mesh(group), {}
+    mesh, pieces, planned = _mesh(group), {}, {}
     for key, meta in saved.items():
         path = tuple(key.split(SEP))
         target = mine.get(path)
         if target is None:
             del flat[path]  # kept by the writing run, not by this one (fp32 masters it does not keep)
             continue
-        host = target if target.device.type == "cpu" else torch.zeros_like(target, device="cpu")
-        reads[key] = _piece(host, meta.size[0], world, rank, mesh)
-        flat[path] = host
-    _load(reads, reader, group)
+        pieces[key] = _piece(target, meta.size[0], world, rank)
+        planned[key] = _planned(pieces[key], meta.size[0], mesh)
+        flat[path] = target
+    _load(planned, reader, _planners()[1](pieces), group)
     state = _unflatten(flat)
     state["world"], state["rank"] = world, rank
     return state

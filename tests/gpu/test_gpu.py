@@ -234,8 +234,9 @@ def test_host_accumulator_sums_survive_a_delayed_device(gpu_results, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_checkpoint_and_export_host_memory_on_gpus(gpu_results, world):
-    """Rank 0's host memory around an export (one file's tensors at a time), a checkpoint save (each
-    shard copied to the host one at a time by torch.save) and its load (memory-mapped)."""
+    """Rank 0's host memory around an export (one file's tensors at a time), a checkpoint save (the
+    piece being written copied to the host, one at a time) and its load (each piece read copied
+    into its shard)."""
     from tests.host_memory import assert_checkpoint_and_export_host_memory
 
     assert_checkpoint_and_export_host_memory(ok(gpu_results(world), "host_memory"))

@@ -9,7 +9,14 @@ import torch
 from lomo_ds.data.types import EvalExample
 from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 from lomo_ds.runtime import ds_compat
-from lomo_ds.runtime.device import capture_rng, move_batch, restore_rng, set_cpu_threads
+from lomo_ds.runtime.device import (
+    EMULATE_DEVICE_COPY,
+    capture_rng,
+    host_resident,
+    move_batch,
+    restore_rng,
+    set_cpu_threads,
+)
 
 V = 7
 
@@ -21,6 +28,15 @@ class Recording(torch.Tensor):
     def to(self, *args, **kwargs):
         Recording.moves.append(torch.device(args[0] if args else kwargs["device"]))
         return super().to(*args, **kwargs).as_subclass(torch.Tensor)
+
+
+def test_no_tensor_is_host_memory_where_device_copies_are_emulated(monkeypatch):
+    """LOMO_DS_EMULATE_DEVICE_COPY=1 sends a CPU run's checkpoint through an accelerator's host copies."""
+    on_host, elsewhere = torch.zeros(2, device="cpu"), torch.zeros(2, device="meta")
+    monkeypatch.delenv(EMULATE_DEVICE_COPY, raising=False)
+    assert host_resident(on_host) and not host_resident(elsewhere)
+    monkeypatch.setenv(EMULATE_DEVICE_COPY, "1")
+    assert not host_resident(on_host) and not host_resident(elsewhere)
 
 
 def test_move_batch_moves_every_tensor_and_keeps_the_rest():

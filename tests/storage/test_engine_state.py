@@ -2,8 +2,10 @@
 written by N ranks, read by M, for every N, M of 1-3 inside one 3-rank launch (subgroups of its
 ranks write and read). Parameters of 1 to 11 elements, fewer than the ranks included, so pieces are
 uneven and some empty; every rank's read is compared element by element with the piece ZeRO-3's
-partition gives it, padding zeros included. Whole runs moved between 1-4 ranks:
-tests/recipe/test_resume_elsewhere.py (long)."""
+partition gives it, padding zeros included; again with LOMO_DS_EMULATE_DEVICE_COPY=1, where every
+piece goes through a host copy as an accelerator's shards do. Whole runs moved between 1-4 ranks:
+tests/recipe/test_resume_elsewhere.py (long). The host memory a save and a load hold:
+tests/host_memory.py (long)."""
 import math
 import os
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from lomo_ds.storage.engine_state import read_engine_state, save_engine_state
+from tests.host_memory import emulated_device_copy
 from tests.ranks import multi_rank, ok, work_dir
 
 NUMELS = {"a.weight": 11, "b.weight": 2, "c.bias": 1, "d.weight": 7}
@@ -46,13 +49,13 @@ def _state(world: int, rank: int, filled: bool) -> dict:
             "loss_scaler": None}
 
 
-@multi_rank(worlds=[3])
-def every_rank_count_reads_every_other():
+def _reads_every_other(folder: str) -> dict:
+    """Every rank count of 1-3 writes its state under `folder`; every rank count reads each back."""
     rank = torch.distributed.get_rank()
     groups = {n: torch.distributed.new_group(list(range(n)), backend="gloo") for n in WORLDS}
-    worst, checked = 0.0, 0
+    worst, checked, unequal = 0.0, 0, []
     for n in WORLDS:
-        path = os.path.join(work_dir(), f"written_by_{n}")
+        path = os.path.join(work_dir(), folder, f"written_by_{n}")
         if rank < n:
             save_engine_state(path, _state(n, rank, True), 60.0, group=groups[n])
         torch.distributed.barrier()
@@ -72,10 +75,25 @@ def every_rank_count_reads_every_other():
                 for a, b in pairs:
                     assert a.shape == b.shape, (n, m, name, a.shape, b.shape)
                     worst = max(worst, (a - b).abs().max().item() if a.numel() else 0.0)
+                    if not torch.equal(a, b):  # bit for bit
+                        unequal.append(f"{n} -> {m} ranks: {name}")
                     checked += 1
                 assert got["adalomo"][name]["step"] == 3
             torch.distributed.barrier()
-    return {"max_abs_diff": worst, "tensors_checked": checked}
+    return {"max_abs_diff": worst, "tensors_checked": checked, "unequal": unequal[:5]}
+
+
+@multi_rank(worlds=[3])
+def every_rank_count_reads_every_other():
+    return _reads_every_other("host")
+
+
+@multi_rank(worlds=[3])
+def every_rank_count_reads_every_other_through_host_copies():
+    """As on an accelerator: no piece is host memory (runtime.device.host_resident), so the save
+    copies each piece to the host as it writes it and the load reads into the live tensors' ranges."""
+    with emulated_device_copy():
+        return _reads_every_other("emulated_device")
 
 
 @multi_rank(worlds=[3])
@@ -128,7 +146,14 @@ def test_every_rank_count_reads_what_any_other_wrote(rank_results, world):
     r = ok(rank_results(world), every_rank_count_reads_every_other)
     # rank 0 reads in every one of the 9 pairs: 4 parameters x 4 tensors each
     assert r["tensors_checked"] == len(WORLDS) ** 2 * len(NUMELS) * 4, r
-    assert r["max_abs_diff"] == 0.0, r
+    assert r["max_abs_diff"] == 0.0 and not r["unequal"], r
+
+
+@pytest.mark.parametrize("world", [3])  # the 3-rank launch's group (tests/conftest.py)
+def test_every_rank_count_reads_what_any_other_wrote_through_host_copies(rank_results, world):
+    r = ok(rank_results(world), every_rank_count_reads_every_other_through_host_copies)
+    assert r["tensors_checked"] == len(WORLDS) ** 2 * len(NUMELS) * 4, r
+    assert r["max_abs_diff"] == 0.0 and not r["unequal"], r
 
 
 @pytest.mark.parametrize("world", [3])  # the 3-rank launch's group (tests/conftest.py)
