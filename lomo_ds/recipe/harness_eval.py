@@ -105,12 +105,12 @@ def describe_model(model: dict) -> str:
 
 
 def check_tasks(cfg) -> None:
-    """Raise HarnessError unless lm-eval is installed, each of cfg.eval.harness_tasks is a lomo_ds
-    task or a harness task under cfg.eval.harness_include, and the harness's model fits this
-    machine's accelerator (check_memory; no model is loaded)."""
+    """Raise HarnessError unless the harness's model fits this machine's accelerator (check_memory),
+    lm-eval is installed and each of cfg.eval.harness_tasks is a lomo_ds task or a harness task
+    under cfg.eval.harness_include (no model is loaded)."""
+    check_memory(cfg, _accelerator_bytes())
     names = [t for t in cfg.eval.harness_tasks if t not in harness.scored_tasks()]
     harness.resolve_tasks(names, list(cfg.eval.harness_include))
-    check_memory(cfg, _accelerator_bytes())
 
 
 def _accelerator_bytes() -> int | None:

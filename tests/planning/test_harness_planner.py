@@ -85,7 +85,6 @@ def test_the_refusal_comes_from_the_runs_own_check_naming_the_option(monkeypatch
     from lomo_ds.config.errors import ConfigError
     from lomo_ds.recipe.train import check_runtime
 
-    pytest.importorskip("lm_eval")  # the tasks are checked first
     monkeypatch.setattr(harness_eval, "_accelerator_bytes", lambda: 24 * GIB)
     with pytest.raises(ConfigError, match=r"eval\.harness_tasks: lm-evaluation-harness loads the whole exported "
                                           r"model on rank 0's GPU .* more than the GPU's 24\.00 GiB"):
