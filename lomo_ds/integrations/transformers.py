@@ -49,12 +49,19 @@ from lomo_ds.integrations.training_args import (
     sequence_parallel_size,
 )
 from lomo_ds.methods.lomo import load_engine_state
-from lomo_ds.runtime import sequence_parallel
+from lomo_ds.runtime import ds_compat, sequence_parallel
 from lomo_ds.runtime.device import group_device
 from lomo_ds.runtime.dist import io_barrier, label_tokens
 from lomo_ds.runtime.preemption import PREEMPTED_EXIT
 from lomo_ds.storage.checkpoint import IO_TIMEOUT_S, write_atomic, write_hf_model
 from lomo_ds.storage.engine_state import save_engine_state
+
+# A Trainer script's process group is started by accelerate (TrainingArguments, `accelerate launch`),
+# not by lomo_ds.init_distributed: DeepSpeed's CPU backend must start without its shared-memory
+# all-reduce op there too (lomo_ds never calls it; on a CPU its first use is a C++ build of
+# minutes). Here, at import, since a script imports the mixin before it builds its arguments;
+# idempotent, and nothing but a module attribute until a process group starts.
+ds_compat.skip_shm_allreduce_op()
 
 
 def _without_auto(config):
