@@ -9,10 +9,11 @@ Instead, for the shards in host memory:
           bucket, are copied without blocking into page-locked host buffers, on a copy stream that
           first waits for the compute stream (the slices were reduced there); an event is
           recorded after the copies. The hook returns at once.
-  update  one worker thread takes the staged buckets first in, first out, waits for each one's
-          event (on its own thread: the backward never waits for a copy) and applies the update
-          in host memory. At most MAX_STAGED buckets wait for it (host memory stays O(bucket));
-          beyond that the hook waits for the worker.
+  update  one worker thread, put on the rank's device first (a new thread starts on the first),
+          takes the staged buckets first in, first out, waits for each one's event (on its own
+          thread: the backward never waits for a copy) and applies the update in host memory. At
+          most MAX_STAGED buckets wait for it (host memory stays O(bucket)); beyond that the hook
+          waits for the worker.
   join    the engine joins the worker at the end of every backward pass, after the buckets'
           flush: before the pass's statistics are read and before the next forward gathers the
           updated shards. An error raised in the worker is raised there, naming the parameter.
