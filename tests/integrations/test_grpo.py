@@ -19,6 +19,7 @@ import re
 import pytest
 
 from tests.integrations import dist_grpo_checks as D
+from tests.planning.test_grpo_planner import HOST_REFERENCE_SWAP  # declared with the planner's test of its bytes
 from tests.ranks import LONG_TESTS, long_unless_declared, multi_rank_checks, ok
 
 TOL = 1e-5
@@ -150,8 +151,6 @@ def test_host_reference_swap_orders_the_gathers_after_each_copy(rank_results, wo
     ZeRO-3's gather stream must be ordered after each set of writes, or on a GPU the reference's
     forward, and the next training forward, could gather shards half-written (a CPU records the
     order: what the shards hold each time the gathers are ordered)."""
-    from tests.planning.test_grpo_planner import HOST_REFERENCE_SWAP
-
     r = ok(rank_results(world), HOST_REFERENCE_SWAP)
     assert r["moved"] and r["restored"], r
     assert r["orders_in_block"][-1:] == ["start"], f"the forward's gathers not ordered after the starting shards: {r}"
