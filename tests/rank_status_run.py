@@ -16,7 +16,9 @@ import time
 
 
 def main() -> None:
-    status_dir, slow, argv = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+    # DeepSpeed's launcher puts --local_rank=N first (the training program takes it anywhere).
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    status_dir, slow, argv = args[0], float(args[1]), args[2:]
     rank = os.environ.get("RANK", "0")
     real_exit = os._exit
 

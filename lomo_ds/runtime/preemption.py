@@ -113,10 +113,12 @@ class Preemption:
             os.remove(os.path.join(marker_dir, MARKER))  # a previous run's: this one decides anew
         self._wake_r = self._wake_w = -1
         self._previous_wakeup = -1
+        self._seen = 0  # signals the watcher has acted on
+        self._timer: threading.Timer | None = None
         if self.signals:
             self._start_watcher()
         for name in self.signals:
-            self._previous[name] = signal.signal(getattr(signal, name), _wake_only)
+            self._previous[name] = signal.signal(getattr(signal, name), self._flag)
 
     @property
     def enabled(self) -> bool:
@@ -157,18 +159,26 @@ class Preemption:
             if self.saved:
                 self.exit_now(PREEMPTED_EXIT)
                 return
-            if self.requested_at is None:
-                self.requested_at = now
+            self._seen += 1
+            if self._seen == 1:
+                self.requested_at = self.requested_at or now  # _flag may have been first
                 self.say(f"{name}: stopping after this optimizer step with a checkpoint")
                 if self.deadline_s is not None:
-                    timer = threading.Timer(self.deadline_s, self._deadline)
-                    timer.daemon = True  # never keeps a finished run alive
-                    timer.start()
+                    self._timer = threading.Timer(self.deadline_s, self._deadline)
+                    self._timer.daemon = True  # never keeps a finished run alive
+                    self._timer.start()
                 return
             if now - self.requested_at < self.repeat_window_s:
                 return  # a copy of the same request (a launcher forwarding it)
             self.say(f"{name} again: stopping now; the last whole checkpoint is the one to resume from")
             self._unsaved_exit()
+
+    def _flag(self, signum, frame) -> None:
+        """The Python-level handler (main thread, between bytecodes): the request's flag only, so
+        that a step boundary right after it sees it; the watcher does the rest (no lock here: the
+        main thread may hold it)."""
+        if self.requested_at is None:
+            self.requested_at = time.monotonic()
 
     def _deadline(self) -> None:
         with self._lock:
@@ -217,14 +227,12 @@ class Preemption:
                 previous = _exit_preempted
             signal.signal(getattr(signal, name), previous)
         self._previous = {}
+        if self._timer is not None:  # the run is over: its deadline must not end a library caller
+            self._timer.cancel()
         if self._wake_w >= 0:
             signal.set_wakeup_fd(self._previous_wakeup)
             os.close(self._wake_w)  # the watcher reads its end, then closes it
             self._wake_w = -1
-
-
-def _wake_only(signum, frame) -> None:
-    """The Python-level handler: nothing; the watcher thread acts (on the wakeup fd's byte)."""
 
 
 def _exit_preempted(signum, frame) -> None:

@@ -149,3 +149,54 @@ def test_every_rank_exits_75_with_a_whole_checkpoint_whatever_the_launcher(tiny,
     b = load_file(out / "hf_model" / "model.safetensors")
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+def test_the_sbatch_example_requeues_on_the_marker_and_the_requeued_job_finishes(tiny, tmp_path):
+    """examples/slurm_preempt.sbatch as SLURM runs it (devkit/slurm_like.py; `srun` runs its command,
+    `scontrol` records what it is asked): SIGUSR1 to the job step's processes (not the batch shell)
+    mid-run; the launcher ignores it, the ranks stop with a checkpoint, the script reads the marker
+    and requeues the job. The requeued job resumes, finishes with the uninterrupted weights, and
+    does not requeue."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    out, port = tmp_path / "run", free_port()
+    env = {**rank_env(2), "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": ROOT, "SLURM_JOB_ID": "4242",
+           "CONFIG": str(tiny / "run.json"), "OUT": str(out), "GPUS": "2", "MASTER_PORT": str(port)}
+    extra = ["--max-steps", str(STEPS), "--set", "output.checkpoint_every=100", "--set", "eval.at_end=false"]
+
+    def job(signalled: bool, log_name: str) -> int:
+        with open(tmp_path / log_name, "w") as log:
+            job = Job(["bash", os.path.join(ROOT, "examples", "slurm_preempt.sbatch"), *extra], cwd=ROOT, env=env,
+                      stdout=log, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 600
+                while signalled and SIGNAL_AFTER not in logged_steps(out):
+                    assert job.proc.poll() is None and time.monotonic() < deadline, "ended before the signal"
+                    time.sleep(0.05)
+                if signalled:
+                    job.signal_steps(signal.SIGUSR1)
+                return job.wait(600)
+            finally:
+                job.signal_all(signal.SIGKILL)
+                remove_shm_buffers(port)
+
+    rc = job(True, "first.log")
+    log = (tmp_path / "first.log").read_text()
+    assert rc == 0 and (tmp_path / "scontrol.log").read_text() == "requeue 4242\n", log[-6000:]
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["exit"] == PREEMPTED_EXIT and SIGNAL_AFTER <= marker["step"] < STEPS, marker
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{marker['step']:08d}"
+    print(f"sbatch example: SIGUSR1 to the step after step {SIGNAL_AFTER}; stopped after step {marker['step']}, "
+          f"requeued")
+    rc = job(False, "requeued.log")
+    log = (tmp_path / "requeued.log").read_text()
+    assert rc == 0 and f"at step {marker['step']}" in log, log[-6000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # not requeued again
+    assert not (out / MARKER).exists()
+    a = load_file(tiny / "straight" / "hf_model" / "model.safetensors")
+    b = load_file(out / "hf_model" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
