@@ -178,3 +178,25 @@ def bf16_steps(sp: int, optimizer: str, build, seed: int = 1, accumulation: int 
         raise AssertionError(f"the reference failed:\n{error}")
     return {"max_ulps": worst, "max_abs_diff": abs_diff, "moved_ulps": moved, "step_rel": rel,
             "dtype": str(next(iter(full.values())).dtype) if full else None}
+
+
+def unsplit_loss(sp: int) -> dict:
+    """The loss an SP group reports for one batch, against the same model's loss of the whole rows
+    in one process, in both normalisations (read before the step's update), for whole rows (a
+    label crosses every slice boundary) and prompted ones (a rank without any target)."""
+    ref = sdpa_llama(3)
+    out = {}
+    for normalization in ("mean", "tokens"):
+        for k, rows in ((0, "whole"), (1, "prompted")):
+            engine = lomo_ds.initialize(copy.deepcopy(ref), ds_cfg(sequence_parallel_size=sp,
+                                                                   loss_normalization=normalization))
+            mbs = [micro_batch(0, k, g) for g in range(engine.sp.dp_size)]
+            got = engine.train_step(mbs[engine.sp.dp_rank])["loss"]
+            with torch.no_grad():
+                if normalization == "tokens":
+                    want = (sum(token_sum(ref, mb) for mb in mbs)
+                            / sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in mbs)).item()
+                else:
+                    want = (sum(ref(**mb).loss for mb in mbs) / len(mbs)).item()
+            out[f"{normalization} {rows}"] = [got, want]
+    return out
