@@ -135,15 +135,19 @@ def _bf16_reference(model, optimizer: str, clip_norm: float | None):
 
 
 def bf16_steps(sp: int, optimizer: str, build, seed: int = 1, accumulation: int = 2,
-               clip_norm: float | None = 0.5) -> dict:
+               clip_norm: float | None = 0.5, engine_attn: str | None = None) -> dict:
     """bf16 shards (no fp32 masters) with round-to-nearest write-back, step by step against
     `_bf16_reference` on the same bf16 weights: each reference step starts from the engine's
     weights, so the figure is one step's difference, not a run's drift. The reference runs on rank 0
-    alone: an error there is raised after the engine's steps, which every rank takes."""
+    alone: an error there is raised after the engine's steps, which every rank takes.
+    `engine_attn`: the engine's model attends with this implementation (flash_attention_2 on a GPU),
+    the reference with the one `build` gives."""
     from tests.engine.bf16_checks import bf16_cfg
 
     model = build(seed).to(torch.bfloat16)
     ref = _bf16_reference(copy.deepcopy(model), optimizer, clip_norm)
+    if engine_attn is not None:
+        model.config._attn_implementation = engine_attn
     engine = lomo_ds.initialize(model, bf16_cfg(optimizer, accumulation, "fp32", sequence_parallel_size=sp,
                                                 clip_grad_norm=clip_norm, loss_normalization="mean"))
     dp, d = engine.sp.dp_size, engine.sp.dp_rank

@@ -62,6 +62,7 @@ from tests.gpu.models import (
     random_batch,
     sync,
 )
+from tests.gpu.sequence_parallel_checks import sequence_parallel_checks
 from tests.gpu.timing_checks import check_offload_overlap, check_step_time
 from tests.host_memory import checkpoint_and_export_host_memory
 from tests.integrations import dist_hf_checks as H
@@ -455,6 +456,8 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         # Rank 0's host memory around an export, a checkpoint save and its load (tests/host_memory.py).
         "host_memory": partial(checkpoint_and_export_host_memory, workdir),
         **precision_and_integration_checks(device, on_gpu),
+        # Sequence parallelism on the device, sdpa and flash attention (2 or more GPUs).
+        **sequence_parallel_checks(world),
     }
     if not on_gpu:  # DeepSpeed refuses fp16 on a CPU, and only CUDA reports allocator peaks and syncs
         checks.pop("overflow"), checks.pop("host_syncs"), checks.pop("worker_contexts")

@@ -316,6 +316,36 @@ def test_grpo_generation_on_gpus_samples_as_the_plain_model_with_the_engines_wei
     assert any(batches[1]["stale_differs"] for batches in r["per_rank"]), "a stale gather could not have shown"
 
 
+@pytest.mark.skipif(N_GPUS < 2, reason="sequence parallelism over 2 ranks needs 2 or more GPUs")
+@pytest.mark.parametrize("check", ["sp_sdpa_window", "sp_sdpa_window_adalomo", "sp_sdpa_one_kv_then_eval"])
+def test_sequence_parallel_sdpa_on_gpus_matches_whole_rows(gpu_results, check):
+    """Ulysses under sdpa on CUDA: a sliding window shorter than the row, and one key/value head
+    then evaluation and generation on whole rows, against one process on the whole rows (fp32)."""
+    r = ok(gpu_results(N_GPUS), check)
+    assert (r["sp"], r["dp"]) == (2, N_GPUS // 2)
+    assert r["max_abs_diff"] <= GPU_TOL, f"{check}: max |LOMO - reference| = {r['max_abs_diff']:.2e}"
+    if "eval_loss" in r:
+        assert r["eval_loss"] == pytest.approx(r["ref_eval_loss"], rel=GPU_TOL)
+        assert r["replies"] == r["ref_replies"] and all(r["replies"])
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="sequence parallelism over 2 ranks needs 2 or more GPUs")
+@pytest.mark.parametrize("optimizer", ["sgd", "adalomo"])
+def test_sequence_parallel_flash_attention_keeps_the_window(gpu_results, optimizer):
+    """Ulysses under flash_attention_2 (bf16), the window passed to the kernel, step by step against
+    whole rows on the same bf16 weights (tests/gpu/sequence_parallel_checks.py: the bounds)."""
+    r = ok(gpu_results(N_GPUS), f"sp_flash_window_{optimizer}")
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    print(f"flash, SP 2, {optimizer}: {r['max_ulps']:.2f} ulps, |diff| / |step| {r['step_rel']:.3f}, "
+          f"moved {r['moved_ulps']:.0f} ulps")
+    assert r["dtype"] == "torch.bfloat16" and r["moved_ulps"] >= 2
+    if optimizer == "sgd":
+        assert r["max_ulps"] <= 1 + r["moved_ulps"] / 64
+    else:
+        assert r["step_rel"] <= 0.5
+
+
 @pytest.mark.skipif(N_GPUS < 2, reason="step time side by side needs 2 or more GPUs")
 def test_step_time_lomo_floor_deepspeed_sgd(gpu_results):
     r = ok(gpu_results(N_GPUS), "step_time")

@@ -104,8 +104,11 @@ def test_every_gpu_check_binds_and_its_configs_load(on_gpu, world, tmp_path):
            "fetch_per_layer", "experts", "evaluation", "generation", "offload_two_devices",
            "offload_overlap", "adalomo_offload_overlap", "delayed_window_tail", "host_memory",
            "bf16_adalomo_accumulation", "chunked_loss_precision", "trainer_lomo", "trainer_adalomo",
-           "trainer_bf16_adalomo", "sft", "dpo_lomo", "dpo_adalomo"}
+           "trainer_bf16_adalomo", "sft", "dpo_lomo", "dpo_adalomo", "sequence_memory_sgd", "grpo_generation"}
     assert new <= set(checks)
+    sp = {"sp_sdpa_window", "sp_sdpa_window_adalomo", "sp_sdpa_one_kv_then_eval", "sp_flash_window_sgd",
+          "sp_flash_window_adalomo"}
+    assert (sp <= set(checks)) == (world > 1) and (not sp & set(checks)) == (world == 1)
     memory = {"memory", "memory_loss_heavy", "memory_clip_retain_graph", "memory_clip_recompute"}
     assert ("overflow" in checks) == (memory <= set(checks)) == ("host_syncs" in checks) == on_gpu
     assert ("step_time" in checks) == ("reduction_overflow" in checks) == (world > 1)
