@@ -15,6 +15,13 @@ def tiny_llama_config(tie: bool = False, layers: int = 2, hidden: int = 40, voca
                        attn_implementation="eager")
 
 
+def save_tiny_model(path, tok) -> None:
+    """A tiny LLaMA sized for `tok` (seed 0) and the tokenizer, saved as a Hugging Face folder."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(vocab=len(tok))).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
 def tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, hidden: int = 40) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(tie=tie, layers=layers, hidden=hidden))

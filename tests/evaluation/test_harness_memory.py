@@ -61,18 +61,15 @@ def test_releasing_an_engine_frees_its_shards_and_optimizer_state(rank_results, 
 
 
 def harness_after_training() -> dict:
-    from transformers import LlamaForCausalLM
 
     from lomo_ds.recipe.train import main
     from tests.helpers_data import byte_bpe_tokenizer
-    from tests.tiny import tiny_llama_config
+    from tests.tiny import save_tiny_model
 
     root = pathlib.Path(work_dir())
     if torch.distributed.get_rank() == 0:
         tok = byte_bpe_tokenizer()
-        torch.manual_seed(0)
-        LlamaForCausalLM(tiny_llama_config(vocab=len(tok))).save_pretrained(root / "harness_model")
-        tok.save_pretrained(root / "harness_model")
+        save_tiny_model(root / "harness_model", tok)
     torch.distributed.barrier()
     with open(os.path.join(ROOT, "ds_configs", "tiny_cpu.json")) as f:
         config = {**json.load(f), "bf16": {"enabled": True}}

@@ -14,17 +14,13 @@ from safetensors.torch import load_file
 
 from tests.helpers_data import CHATML, chatml_tokenizer, conversation, write_jsonl
 from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
-from tests.tiny import tiny_llama_config
+from tests.tiny import save_tiny_model
 
 
 def write_chat_run(root: pathlib.Path) -> pathlib.Path:
     """The tiny model and its tokenizer, the chat data and the run config, under `root` (rank 0)."""
     tok = chatml_tokenizer()
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_llama_config(vocab=len(tok))).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    save_tiny_model(root / "model", tok)
     words = ["the cat", "sat on", "the mat", "was lovely", "went out", "it was sunny"]
     train = [conversation(*[words[(i + k) % 6] for k in range(2 + 2 * (i % 2))]) for i in range(24)]
     write_jsonl(str(root / "data" / "train.jsonl"), train)

@@ -18,7 +18,7 @@ from tests.data.test_mixture import write_sources
 from tests.helpers_data import chatml_tokenizer
 from tests.ranks import LONG_TESTS, ROOT, multi_rank, ok, run_here, work_dir
 from tests.recipe.test_preemption import random_moment, signal_during_training
-from tests.tiny import tiny_llama_config
+from tests.tiny import save_tiny_model
 
 STEPS = 6
 VARIANTS = {
@@ -31,12 +31,9 @@ VARIANTS = {
 
 def write_mixture_runs(root: pathlib.Path) -> None:
     """The tiny model and its tokenizer, the three sources and a run config per variant (rank 0)."""
-    from transformers import LlamaForCausalLM
 
     tok = chatml_tokenizer()
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_llama_config(vocab=len(tok))).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    save_tiny_model(root / "model", tok)
     sources = write_sources(root / "data")
     with open(os.path.join(ROOT, "ds_configs", "tiny_cpu.json")) as f:
         base = json.load(f)

@@ -15,16 +15,12 @@ from tests.ranks import ROOT, multi_rank, ok, run_here, work_dir
 
 
 def _write(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    import torch
-    from transformers import LlamaForCausalLM
 
     from tests.helpers_data import chatml_tokenizer
-    from tests.tiny import tiny_llama_config
+    from tests.tiny import save_tiny_model
 
     tok = chatml_tokenizer(template=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_llama_config(vocab=len(tok))).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    save_tiny_model(root / "model", tok)
     with open(os.path.join(ROOT, "ds_configs", "tiny_cpu.json")) as f:
         base = json.load(f)
     configs = {}

@@ -19,7 +19,7 @@ from lomo_ds.storage.checkpoint import export_hf
 from tests.helpers_data import byte_bpe_tokenizer
 from tests.host_memory import assert_checkpoint_and_export_host_memory, checkpoint_and_export_host_memory
 from tests.ranks import LONG_TESTS, ROOT, long_unless_declared, multi_rank, multi_rank_checks, ok, run_here, work_dir
-from tests.tiny import global_batch, tiny_llama, tiny_llama_config
+from tests.tiny import global_batch, save_tiny_model, tiny_llama, tiny_llama_config
 
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 
@@ -279,17 +279,13 @@ def test_checkpoint_and_export_hold_one_tensor_or_file_of_host_memory(rank_resul
 def recipe_parts() -> dict:
     """TrainRecipe's parts one at a time on 2 ranks: setup, an evaluation, one step, a checkpoint;
     then a second recipe resumes from it and runs train, finish and cleanup."""
-    from transformers import LlamaForCausalLM
-
     from lomo_ds.config.run import load_run_config
     from lomo_ds.recipe.train import TrainRecipe
 
     root = pathlib.Path(work_dir())
     if torch.distributed.get_rank() == 0:
         tok = byte_bpe_tokenizer()
-        torch.manual_seed(0)
-        LlamaForCausalLM(tiny_llama_config(vocab=len(tok))).save_pretrained(root / "recipe_model")
-        tok.save_pretrained(root / "recipe_model")
+        save_tiny_model(root / "recipe_model", tok)
     torch.distributed.barrier()
     cfg = load_run_config(os.path.join(ROOT, "ds_configs", "tiny_cpu.json"), {
         "model.path": str(root / "recipe_model"), "output.dir": str(root / "recipe_run"), "train.max_steps": 2,
