@@ -31,8 +31,9 @@ class Job:
 
     def processes(self) -> list[int]:
         """The job's live processes: CMD, everything below it, and what was below a process of the
-        job once (SLURM's cgroup keeps them: a launcher killed outright leaves its ranks running,
-        and torchrun's ranks run in sessions of their own, out of a process group's reach)."""
+        job at an earlier call (SLURM's cgroup keeps them: a launcher killed outright leaves its ranks
+        running, and torchrun's ranks run in sessions of their own, out of a process group's reach).
+        Call it while the job runs, so that it learns them."""
         for pid in list(self._seen):
             self._seen.update(_descendants(pid))
         return [pid for pid in sorted(self._seen) if _alive(pid)]
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
         name, _, before = args.signal.partition("@")
         at = start + args.time_limit - float(before or 60)
         while job.proc.poll() is None and time.monotonic() < at:
+            job.processes()  # learnt while they run: a process orphaned later is still the job's
             time.sleep(0.1)
         shell_only = name.startswith("B:")
         name = name.removeprefix("B:")
@@ -101,6 +103,7 @@ def main(argv=None) -> int:
             else:
                 job.signal_steps(sig)
     while job.proc.poll() is None and time.monotonic() < start + args.time_limit:
+        job.processes()
         time.sleep(0.1)
     if job.proc.poll() is None:
         return job.end(args.kill_wait)

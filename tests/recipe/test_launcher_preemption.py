@@ -121,6 +121,7 @@ def test_every_rank_exits_75_with_a_whole_checkpoint_whatever_the_launcher(tiny,
             deadline = time.monotonic() + 600
             while SIGNAL_AFTER not in logged_steps(out):
                 assert job.proc.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+                job.processes()  # learnt while they run, as SLURM's cgroup knows them
                 time.sleep(0.05)
             sent = time.monotonic()
             _send(job, launcher, target)
