@@ -346,6 +346,27 @@ def test_sequence_parallel_flash_attention_keeps_the_window(gpu_results, optimiz
         assert r["step_rel"] <= 0.5
 
 
+@pytest.fixture(scope="module")
+def launcher_run(tmp_path_factory):
+    """The launcher preemption tests' tiny run and its uninterrupted run, on 2 GPUs."""
+    from tests.recipe.test_launcher_preemption import tiny_and_straight
+
+    return tiny_and_straight(tmp_path_factory.mktemp("gpu_launcher_preemption"), cpu=False)
+
+
+@pytest.mark.skipif(N_GPUS < 2, reason="the launcher's two ranks need 2 GPUs")
+@pytest.mark.parametrize("target", ["rank", "launcher", "group"])
+def test_preemption_under_the_deepspeed_launcher_on_gpus(launcher_run, tmp_path, target):
+    """The `deepspeed` command on 2 GPUs, SIGTERM to a rank, to DeepSpeed's launch.py, or to the
+    whole process group (a copy reaching each rank twice, the checkpoint's seal slowed): every rank
+    exits 75, the stop's checkpoint is whole and `latest`, the marker names it, and the run resumed
+    on the GPUs ends within fp32 rounding of the uninterrupted one (tests/recipe/test_launcher_preemption.py's
+    cases on CPU ranks, where the resumed run is the same to the bit)."""
+    from tests.recipe.test_launcher_preemption import assert_preempted, preempted_under
+
+    assert_preempted(preempted_under("deepspeed", target, launcher_run, tmp_path, cpu=False), tol=GPU_TOL)
+
+
 @pytest.mark.skipif(N_GPUS < 2, reason="step time side by side needs 2 or more GPUs")
 def test_step_time_lomo_floor_deepspeed_sgd(gpu_results):
     r = ok(gpu_results(N_GPUS), "step_time")

@@ -43,14 +43,18 @@ def _args(base: pathlib.Path, out: pathlib.Path, *extra) -> list[str]:
             "--set", "output.checkpoint_every=100", "--set", "eval.at_end=false", *extra]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The tiny run's config and its uninterrupted run (torchrun, 2 ranks)."""
-    base = tmp_path_factory.mktemp("launcher_preemption")
+def tiny_and_straight(base: pathlib.Path, cpu: bool = True) -> pathlib.Path:
+    """The tiny run's config under `base`, and its uninterrupted run (torchrun, 2 ranks; on 2 GPUs
+    where `cpu` is False)."""
     write_tiny_run(base)
-    proc = run_local([*TRAIN_SCRIPT, *_args(base, base / "straight")], 2, timeout=900, cwd=ROOT)
+    proc = run_local([*TRAIN_SCRIPT, *_args(base, base / "straight")], 2, timeout=900, cpu=cpu, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return base
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_and_straight(tmp_path_factory.mktemp("launcher_preemption"))
 
 
 def _command(launcher: str, program: list[str], port: int, ignore_usr1: bool) -> list[str]:
@@ -106,14 +110,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("launcher,target", CASES)
-def test_every_rank_exits_75_with_a_whole_checkpoint_whatever_the_launcher(tiny, tmp_path, launcher, target):
+def preempted_under(launcher: str, target: str, base: pathlib.Path, tmp_path: pathlib.Path,
+                    cpu: bool = True) -> dict:
+    """The run of `base` started by `launcher` on 2 ranks (2 GPUs where `cpu` is False), signalled at
+    `target` after step SIGNAL_AFTER, then resumed by torchrun: what each rank exited with, the
+    marker, the checkpoints left, and the resumed run's largest difference from the straight one."""
     out, status = tmp_path / "run", tmp_path / "status"
     status.mkdir()
     slow = SLOW_SEAL_S if target in ("job", "group") else 0
-    program = ["tests.rank_status_run", str(status), str(slow), *_args(tiny, out)]
+    program = ["tests.rank_status_run", str(status), str(slow), *_args(base, out)]
     port = free_port()
-    env = {**rank_env(2), "PYTHONPATH": ROOT}
+    env = {**rank_env(2, cpu=cpu), "PYTHONPATH": ROOT}
     with open(tmp_path / "launch.log", "w") as log:
         job = Job(_command(launcher, program, port, target == "usr1"), cwd=ROOT, env=env, stdout=log,
                   stderr=subprocess.STDOUT)
@@ -135,21 +142,36 @@ def test_every_rank_exits_75_with_a_whole_checkpoint_whatever_the_launcher(tiny,
     print(f"{launcher}, SIGTERM/USR1 to the {target}: launcher exit {rc}, ranks {statuses}, {took:.1f} s")
     assert statuses == {"rank_0.json": PREEMPTED_EXIT, "rank_1.json": PREEMPTED_EXIT}, log[-6000:]
     marker = json.loads((out / MARKER).read_text())
-    step = marker["step"]
-    assert marker["exit"] == PREEMPTED_EXIT and SIGNAL_AFTER <= step < STEPS, marker
     ckpts = out / "checkpoints"
-    name = f"step_{step:08d}"
-    assert (ckpts / "latest").read_text() == name and marker["checkpoint"] == str(ckpts / name)
-    assert (ckpts / f"step_{step:08d}" / "meta.json").exists()
-    assert not [n for n in os.listdir(ckpts) if n.endswith(".partial")]
-    resumed = run_local([*TRAIN_SCRIPT, *_args(tiny, out), "--resume"], 2, timeout=900, cwd=ROOT)
+    found = {"marker": marker, "latest": (ckpts / "latest").read_text(),
+             "meta": (ckpts / f"step_{marker['step']:08d}" / "meta.json").exists(),
+             "partials": [n for n in os.listdir(ckpts) if n.endswith(".partial")]}
+    resumed = run_local([*TRAIN_SCRIPT, *_args(base, out), "--resume"], 2, timeout=900, cpu=cpu, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"at step {step}" in resumed.stdout
-    assert not (out / MARKER).exists()  # a finished run leaves nothing to requeue
-    a = load_file(tiny / "straight" / "hf_model" / "model.safetensors")
+    a = load_file(base / "straight" / "hf_model" / "model.safetensors")
     b = load_file(out / "hf_model" / "model.safetensors")
     assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    return {**found, "resumed_at_step": f"at step {marker['step']}" in resumed.stdout,
+            "marker_after_resume": (out / MARKER).exists(), "max_abs_diff": max((a[k] - b[k]).abs().max().item()
+                                                                               for k in a), "checkpoints": str(ckpts)}
+
+
+def assert_preempted(r: dict, tol: float = 0.0) -> None:
+    """preempted_under's figures: a whole checkpoint of the stopped step is `latest`, the marker
+    names it, the resumed run went on from it and left no marker, and ended within `tol` of the
+    uninterrupted run (0: the same bits on CPU ranks)."""
+    marker, step = r["marker"], r["marker"]["step"]
+    assert marker["exit"] == PREEMPTED_EXIT and SIGNAL_AFTER <= step < STEPS, marker
+    name = f"step_{step:08d}"
+    assert r["latest"] == name and marker["checkpoint"] == os.path.join(r["checkpoints"], name), r
+    assert r["meta"] and not r["partials"], r
+    assert r["resumed_at_step"] and not r["marker_after_resume"], r  # a finished run leaves nothing to requeue
+    assert r["max_abs_diff"] <= tol, r
+
+
+@pytest.mark.parametrize("launcher,target", CASES)
+def test_every_rank_exits_75_with_a_whole_checkpoint_whatever_the_launcher(tiny, tmp_path, launcher, target):
+    assert_preempted(preempted_under(launcher, target, tiny, tmp_path))
 
 
 def test_the_sbatch_example_requeues_on_the_marker_and_the_requeued_job_finishes(tiny, tmp_path):
