@@ -409,8 +409,9 @@ def io_host_bytes(m: ModelSpec, run: RunSpec, gpus: int) -> tuple[float, float]:
     """Host RAM that saving and exporting add to a run's (not in the GPU totals, nor in `host`):
     (the export's, on rank 0: one file of at most EXPORT_FILE_BYTES plus the tensor being gathered;
     a checkpoint save's or resume's, per rank: one shard tensor on its way to or from disk, in the
-    parameters' dtype and, with fp32 masters, the master's; nothing more: resume reads its file
-    memory-mapped). With offload_param the shards are in host memory already: a save copies nothing."""
+    parameters' dtype and, with fp32 masters, the master's; nothing more: torch.distributed.checkpoint's
+    planners pass one piece at a time, and a resume reads into the live shards). With offload_param the
+    shards are in host memory already: a save copies nothing."""
     b, max_p = run.b, max(m.param_numels())
     export = min(EXPORT_FILE_BYTES, b * m.n_params) + b * max_p
     slice_n = math.ceil(max_p / gpus)

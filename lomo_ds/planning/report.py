@@ -67,7 +67,7 @@ def format_plan(p: Plan, gpus: int | None = None) -> str:
     lines.append(f"host RAM for checkpoints and the export (beyond training's, on {n} GPU(s)): the export "
                  f"{export / GIB:.2f} GiB on rank 0 (one file of at most {EXPORT_FILE_BYTES / 1e9:g} GB and the "
                  f"tensor being gathered); a checkpoint save or resume {per_rank / GIB:.2f} GiB per rank "
-                 "(one tensor at a time; resume reads memory-mapped)")
+                 "(one piece at a time, read into the live shards on resume)")
     lines += ["", format_sequence_terms(p, gpus)]
     if "lomo" in p.min_gpus:
         lines += ["", format_granularity(p, gpus)]
