@@ -320,7 +320,7 @@ def check_jit_checkpoint(optim: str = "adalomo") -> dict:
 
     from transformers import TrainerCallback
 
-    from lomo_ds.runtime.preemption import PREEMPTED_EXIT
+    from lomo_ds.runtime.preemption import PREEMPTED_EXIT, read_marker
 
     world = torch.distributed.get_world_size()
     data = Samples(STEPS * K * world * BATCH)
@@ -347,9 +347,10 @@ def check_jit_checkpoint(optim: str = "adalomo") -> dict:
     _, whole = run(whole_dir)
     code, _ = run(cut_dir, callbacks=[SignalMidWindow()], jit=True)
     saved = sorted(d for d in os.listdir(cut_dir) if d.startswith("checkpoint-"))
+    marker = read_marker(cut_dir)
     resumed_code, resumed = run(cut_dir, resume=os.path.join(cut_dir, saved[-1]) if saved else None)
     return {"code": code, "expected_code": PREEMPTED_EXIT, "checkpoints": saved, "resumed_code": resumed_code,
-            "resumed_vs_whole": diff(resumed, whole)}
+            "resumed_vs_whole": diff(resumed, whole), "marker": marker, "cut_dir": cut_dir}
 
 
 def _as_old_trainer_state(engine, checkpoint: str) -> None:

@@ -13,6 +13,7 @@ trainer_lomo on 2 ranks differs from the reference by 2.1e-3 and sft by 4.3e-3 (
 by half).
 """
 import importlib.util
+import os
 
 import pytest
 
@@ -125,6 +126,9 @@ def test_jit_checkpoint_on_a_signal_saves_at_the_step_boundary_and_resumes_exact
           f"{r['resumed_vs_whole']}")
     assert r["code"] == r["expected_code"]
     assert r["checkpoints"] == ["checkpoint-2"]  # signalled during step 2's window: saved at its end
+    # The requeue's cue, as the training program writes it (the launcher's exit status does not carry 75)
+    assert r["marker"] == {"exit": r["expected_code"], "step": 2,
+                           "checkpoint": os.path.join(r["cut_dir"], "checkpoint-2")}, r["marker"]
     assert r["resumed_code"] == 0
     assert r["resumed_vs_whole"] == 0.0
 
