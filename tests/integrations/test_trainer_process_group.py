@@ -24,8 +24,14 @@ pytestmark = [pytest.mark.ranks, pytest.mark.long]
 
 
 def _reports(stdout: str) -> list[dict]:
-    return sorted((json.loads(line) for line in stdout.splitlines() if line.startswith('{"rank"')),
-                  key=lambda r: r["rank"])
+    """Each rank's JSON report: the ranks share the launcher's stdout, so one's line may run into
+    another's (`...}{"rank": 0, ...`); each report is one write, read whole wherever it starts."""
+    decoder, found, at = json.JSONDecoder(), [], stdout.find('{"rank"')
+    while at != -1:
+        report, end = decoder.raw_decode(stdout, at)
+        found.append(report)
+        at = stdout.find('{"rank"', end)
+    return sorted(found, key=lambda r: r["rank"])
 
 
 def _assert_no_shm_op(reports: list[dict], output: str) -> None:
