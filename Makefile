@@ -84,31 +84,31 @@ plan: .installed
 
 table1: .installed
 	@test -n "$(MODEL_PATH)" || { echo "make table1 MODEL_PATH=/path/to/llama-7b"; exit 2; }
-	$(PYTHON) -m benchmarks.table1 --model-path $(MODEL_PATH)
+	$(PYTHON) -m experiments.table1 --model-path $(MODEL_PATH)
 
 table2: .installed
-	@test -n "$(MODEL_PATH)" || { echo "make table2 MODEL_PATH=7b=/path/to/llama-7b (or a folder of llama-7b, llama-13b, ...: python3 -m benchmarks.table2 --model-root DIR)"; exit 2; }
-	$(PYTHON) -m benchmarks.table2 --model-path $(MODEL_PATH)
+	@test -n "$(MODEL_PATH)" || { echo "make table2 MODEL_PATH=7b=/path/to/llama-7b (or a folder of llama-7b, llama-13b, ...: python3 -m experiments.table2 --model-root DIR)"; exit 2; }
+	$(PYTHON) -m experiments.table2 --model-path $(MODEL_PATH)
 
 table3: .installed
 	@test -n "$(MODEL_PATH)" || { echo "make table3 MODEL_PATH=/path/to/llama-7b NGPUS=8"; exit 2; }
-	$(PYTHON) -m benchmarks.table3 --model-path $(MODEL_PATH) --gpus $(NGPUS)
+	$(PYTHON) -m experiments.table3 --model-path $(MODEL_PATH) --gpus $(NGPUS)
 
 table1-cpu: .installed
-	$(PYTHON) -m benchmarks.table1 --cpu
+	$(PYTHON) -m experiments.table1 --cpu
 
 table2-cpu: .installed
-	$(PYTHON) -m benchmarks.table2 --cpu
+	$(PYTHON) -m experiments.table2 --cpu
 
 table3-cpu: .installed
-	$(PYTHON) -m benchmarks.table3 --cpu
+	$(PYTHON) -m experiments.table3 --cpu
 
-# The quality benchmark's sweep (benchmarks/quality.py, benchmarks/quality.yaml): ~90 runs of 100
+# The quality benchmark's sweep (experiments/quality.py, experiments/quality.yaml): ~90 runs of 100
 # steps, hours on 2 cores, resumable: a piece is QUALITY_ARGS="--max-runs 4" (or "--only adamw").
 QUALITY_ARGS ?=
 quality-cpu: .installed
-	$(PYTHON) -m benchmarks.quality --stage 1 --reuse $(QUALITY_ARGS)
-	$(PYTHON) -m benchmarks.quality --stage 2 --reuse $(QUALITY_ARGS)
+	$(PYTHON) -m experiments.quality --stage 1 --reuse $(QUALITY_ARGS)
+	$(PYTHON) -m experiments.quality --stage 2 --reuse $(QUALITY_ARGS)
 
 clean:
 	rm -rf runs outputs .installed

@@ -1,9 +1,10 @@
-"""What the experiment scripts share: the models they build, the DeepSpeed and lomo settings every
-method runs under, the methods' options, random batches, and launching ranks on this machine.
+"""What the benchmarks and the experiments (the paper's tables) share: the models they build, the DeepSpeed
+and lomo settings every method runs under, the methods' options, random batches, and launching ranks on
+this machine.
 
-The scripts run from the repository as modules (`python -m benchmarks.tableN`). Heavy imports (torch,
-transformers, DeepSpeed) happen inside the functions: a launcher that only starts workers, or prints
---help, never loads them.
+The scripts run from the repository as modules (`python -m experiments.tableN`, `python -m
+benchmarks.bench_step`). Heavy imports (torch, transformers, DeepSpeed) happen inside the functions: a
+launcher that only starts workers, or prints --help, never loads them.
 """
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ def random_batches(vocab: int, batch: int, seq: int, n: int, seed: int, device=N
 
 # ----------------------------------------------------------------------------- ranks
 def run_ranks(module: str, nproc: int, args: list[str], cpu: bool, timeout: float) -> subprocess.CompletedProcess:
-    """Run the benchmark `module` (e.g. "benchmarks.table2") on `nproc` local ranks; raises
+    """Run the benchmark `module` (e.g. "experiments.table2") on `nproc` local ranks; raises
     subprocess.TimeoutExpired."""
     from devkit.launch_local import run_local
 

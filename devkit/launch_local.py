@@ -1,10 +1,10 @@
 """Start a program on N ranks of this machine (torch.distributed.run), the way the tests, benchmarks
-and studies do (not shipped in the package: nothing in it launches this way): one free port,
+and experiments do (not shipped in the package: nothing in it launches this way): one free port,
 LOCAL_SIZE as DeepSpeed's launcher sets it, the cores split between CPU ranks, and DeepSpeed's
 /dev/shm all-reduce buffers removed after the launch whatever its end.
 
     proc = run_local(["launch/train.py", "--config", "c.json"], nproc=2, timeout=600)
-    proc = run_local(["-m", "benchmarks.table2", "--worker"], nproc=2, timeout=600)   # a module
+    proc = run_local(["-m", "experiments.table2", "--worker"], nproc=2, timeout=600)   # a module
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ scores every candidate by its mean token log-probability. The prompts are MeZO's
   SuperGLUE    rte boolq wsc (wsc.fixed) wic multirc copa: from the hub, or local JSONL/Parquet of
                the same schema
   builtin      a small review-sentiment task in BoolQ's schema, shipped in lomo_ds/data/builtin/
-  valence      the quality benchmark (benchmarks/quality.py), BoolQ's schema, shipped in
+  valence      the quality benchmark (experiments/quality.py), BoolQ's schema, shipped in
   spelling     lomo_ds/data/builtin/<name>/ with a third split, heldout.jsonl, that tuning never
   syllables    reads (eval.split: heldout); written by datagen/make_<name>_task.py
   long_context a key near the start of a long passage, asked for at its end (BoolQ's schema;

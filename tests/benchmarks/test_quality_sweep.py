@@ -1,4 +1,4 @@
-"""benchmarks/quality.py's plumbing, no training: every run it would launch is a valid run config,
+"""experiments/quality.py's plumbing, no training: every run it would launch is a valid run config,
 the coordinate search and the stages pick what they say, --reuse/--max-runs run pieces, and the
 table written from result files (hand-made here, for the writer only) says what the runs gave."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def quality():
-    return importlib.import_module("benchmarks.quality")
+    return importlib.import_module("experiments.quality")
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +283,6 @@ def test_table_from_finished_runs(quality, hp, tmp_path, monkeypatch):
 def test_makefile_target_and_help():
     with open(os.path.join(ROOT, "Makefile")) as f:
         make = f.read()
-    assert "quality-cpu:" in make and "-m benchmarks.quality --stage 1" in make
-    out = help_text("benchmarks.quality")
+    assert "quality-cpu:" in make and "-m experiments.quality --stage 1" in make
+    out = help_text("experiments.quality")
     assert "--max-runs" in out and "--reuse" in out, out

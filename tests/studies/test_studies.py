@@ -9,12 +9,12 @@ from tests.module_help import help_text
 
 
 def _load(name: str):
-    return importlib.import_module(f"studies.{name}")
+    return importlib.import_module(f"experiments.studies.{name}")
 
 
 @pytest.mark.parametrize("script, flags", [("update_norms", ("--steps", "--lomo-clip-value", "--adamw-lr"))])
 def test_help(script, flags):
-    out = help_text(f"studies.{script}")
+    out = help_text(f"experiments.studies.{script}")
     assert all(f in out for f in flags), out
 
 
@@ -53,7 +53,7 @@ def test_accumulation_quality_runs_validate_and_report():
 
 
 def test_update_norms_groups_every_llama_tensor():
-    from studies.update_norms import GROUPS, group_of
+    from experiments.studies.update_norms import GROUPS, group_of
     from tests.tiny import tiny_llama
 
     names = [n for n, _ in tiny_llama(tie=False).named_parameters()]

@@ -1,12 +1,12 @@
 """Table 1: memory breakdown (params / gradients / optimizer states / activations / total) of AdamW,
 SGD and LOMO, with and without activation checkpointing, on one rank.
 
-    python3 -m benchmarks.table1 --cpu                              # random-init ~40M LLaMA, bf16, CPU
-    python3 -m benchmarks.table1 --model-path /path/to/llama-7b     # the paper's setting (GPU)
+    python3 -m experiments.table1 --cpu                              # random-init ~40M LLaMA, bf16, CPU
+    python3 -m experiments.table1 --model-path /path/to/llama-7b     # the paper's setting (GPU)
 
 Each configuration runs in its own process (one rank) so that nothing of one is left in the next.
 Accounting: lomo_ds/methods (tensor accounting on a CPU, the CUDA allocator's peak beside it
-on a GPU). Writes benchmarks/results/table1{,_cpu}.{csv,md,png}, with the paper's figures beside ours.
+on a GPU). Writes experiments/results/table1{,_cpu}.{csv,md,png}, with the paper's figures beside ours.
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import sys
 import time
 
 from benchmarks import common
-from benchmarks.common import GIB, MIB, RESULTS
+from benchmarks.common import GIB, MIB
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.runtime.device import accelerator_device
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 # Built-in random-init LLaMA shapes for --cpu (vocab 8192 so the embedding does not dominate).
 CPU_SIZES = {
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
         for ac in (False, True):
             t0 = time.time()
             # Each configuration is its own one-rank launch, so that nothing of one is left in the next.
-            proc = common.run_ranks("benchmarks.table1", 1, ["--one", method, *passthrough(args)]
+            proc = common.run_ranks("experiments.table1", 1, ["--one", method, *passthrough(args)]
                                     + (["--ac"] if ac else []), cpu=args.cpu, timeout=3600)
             got = common.results_of(proc.stdout)
             if proc.returncode != 0 or not got:

@@ -1,6 +1,6 @@
 """The recipe sweep for the CPU demo, on one process: SmolLM2-135M on the built-in task.
 
-    python -m studies.recipe_sweep --steps 40 --grid "norm:0.03:0.05,value:0.003:0.05"
+    python -m experiments.studies.recipe_sweep --steps 40 --grid "norm:0.03:0.05,value:0.003:0.05"
 
 Each grid entry is clip:lr:warmup_ratio (clip = norm (max norm 1.0) | value (|g| <= 1.0) | none).
 LOMO's update is SGD without momentum, applied with the global batch's gradient; the engine's tests

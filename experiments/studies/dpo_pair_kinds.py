@@ -6,8 +6,8 @@ template's rendering, as TRL tokenizes a conversational pair); a pair is right w
 scores higher. Prints per kind the share right and the margin's median and minimum (nats), and a
 few pairs it gets wrong.
 
-    python -m studies.dpo_pair_kinds                               # validation split, built-in model
-    python -m studies.dpo_pair_kinds --split train --rows 200 --model runs/cpu_chat/hf_model
+    python -m experiments.studies.dpo_pair_kinds                               # validation split, built-in model
+    python -m experiments.studies.dpo_pair_kinds --split train --rows 200 --model runs/cpu_chat/hf_model
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def wrong_replies(answer: str, items: list[str]) -> list[tuple[str, str]]:

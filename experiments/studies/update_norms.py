@@ -1,8 +1,8 @@
 """Where each method's updates go: LOMO's clipped SGD against AdamW, step by step, on one process.
 
-    python -m studies.update_norms --task spelling --steps 30
+    python -m experiments.studies.update_norms --task spelling --steps 30
 
-The quality benchmark (benchmarks/quality.py) reports how far LOMO stays from AdamW; this says why.
+The quality benchmark (experiments/quality.py) reports how far LOMO stays from AdamW; this says why.
 Both rules start from the built-in model and see the same global batches of 8 (the sweep's: the task's
 train split in the order of train.seed 42, epoch 0), each with its own sweep setting: LOMO is SGD on
 the gradient clipped to global norm `--lomo-clip` (then to `--lomo-clip-value` per element, as the
@@ -36,7 +36,7 @@ from lomo_ds.storage.models import load_tokenizer
 
 GROUPS = (("embedding", ("embed_tokens", "lm_head")), ("attention", ("self_attn",)), ("MLP", ("mlp",)),
           ("norms", ("norm",)))
-TOTAL_STEPS, ADAMW_WARMUP = 100, 0.1  # the sweep's schedule and AdamW's warm-up (benchmarks/quality.yaml)
+TOTAL_STEPS, ADAMW_WARMUP = 100, 0.1  # the sweep's schedule and AdamW's warm-up (experiments/quality.yaml)
 VALUE_CLIPS = (1e-2, 1e-3, 1e-4, 1e-5)
 
 

@@ -5,8 +5,8 @@ example's verifiable reward) before and after training is read from its RESULT l
 optimizer, the mean and the minimum over the seeds of the held-out reward after training, beside the
 starting model's.
 
-    python -m studies.grpo_seeds                                  # 3 seeds x 3 optimizers
-    python -m studies.grpo_seeds --steps 8 --seeds 42 43 --optims lomo adamw
+    python -m experiments.studies.grpo_seeds                                  # 3 seeds x 3 optimizers
+    python -m experiments.studies.grpo_seeds --steps 8 --seeds 42 43 --optims lomo adamw
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json
 import os
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(optim: str, seed: int, a) -> dict:

@@ -1,11 +1,11 @@
 """bf16 (stochastic rounding, the engine's GPU default) against fp32 on the quality benchmark's tasks,
 with the recipes the project ships: AdaLomo (the sweep's best, lr 0.001 cosine) and plain LOMO (lr
 0.2 cosine, ds_configs/cpu_default.json's `lomo.presets.sgd`). Each run is the quality benchmark's
-stage-2 run (benchmarks/quality.py: same protocol, held-out split, same seeds), with `bf16.enabled`
+stage-2 run (experiments/quality.py: same protocol, held-out split, same seeds), with `bf16.enabled`
 added for the bf16 arm; a finished run (its table3_run.json) is kept, so the study resumes.
 
-    python -m studies.bf16_quality --out runs/bf16_quality                      # spelling, both rules, both dtypes
-    python -m studies.bf16_quality --out runs/bf16_quality --tasks valence --only adalomo
+    python -m experiments.studies.bf16_quality --out runs/bf16_quality    # spelling, both rules, both dtypes
+    python -m experiments.studies.bf16_quality --out runs/bf16_quality --tasks valence --only adalomo
 
 Prints, per rule and dtype, each seed's held-out accuracy with the mean and the minimum, and writes
 OUT/results.json.
@@ -19,7 +19,7 @@ import statistics
 
 import yaml
 
-from benchmarks import quality, table3
+from experiments import quality, table3
 
 # The shipped recipe of each rule, as the sweep's yaml names it.
 RECIPES = {

@@ -2,12 +2,12 @@
 summary.json exists is not run again. Prints and writes (OUT/results.json) each run's zero-shot and
 fine-tuned exact match, wall time, and the machine's load average before and after.
 
-    python -m studies.chat_demo_seeds --out runs/chat_seeds            # LOMO then AdaLomo, seeds 42 43 44
-    python -m studies.chat_demo_seeds --out runs/chat_seeds --only lomo --seeds 42
+    python -m experiments.studies.chat_demo_seeds --out runs/chat_seeds            # LOMO then AdaLomo, seeds 42 43 44
+    python -m experiments.studies.chat_demo_seeds --out runs/chat_seeds --only lomo --seeds 42
 
 The command is the Makefile's demo-chat recipe (deepspeed, 2 ranks, ds_configs/cpu_chat.json) with
 --set train.seed=SEED; AdaLomo adds --set lomo.optimizer=adalomo, which takes the config's AdaLomo
-recipe (lomo.presets.adalomo: lr 0.001, the AdaLomo paper's range, as benchmarks/table3_hparams/cpu.yaml).
+recipe (lomo.presets.adalomo: lr 0.001, the AdaLomo paper's range, as experiments/table3_hparams/cpu.yaml).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Table 2: peak memory per rank and throughput (TGS, tokens per GPU per second) of AdamW, SGD and LOMO
 under DeepSpeed ZeRO-3, across model sizes and rank counts.
 
-    python3 -m benchmarks.table2 --cpu                                   # 2 ranks, random-init ~46M/~72M LLaMA, fp32
-    python3 -m benchmarks.table2 --model-path 7b=/m/llama-7b --model-path 13b=/m/llama-13b ...   # GPU
-    python3 -m benchmarks.table2 --model-root /m          # GPU: /m/llama-{7b,13b,30b,65b} (those present)
+    python3 -m experiments.table2 --cpu                                   # 2 ranks, random-init ~46M/~72M LLaMA, fp32
+    python3 -m experiments.table2 --model-path 7b=/m/llama-7b --model-path 13b=/m/llama-13b ...   # GPU
+    python3 -m experiments.table2 --model-root /m          # GPU: /m/llama-{7b,13b,30b,65b} (those present)
 
 Each measured configuration is one multi-rank launch of this file as a worker
 (`python -m torch.distributed.run --nproc_per_node N table2.py --worker ...`); with --cpu all the
@@ -23,7 +23,7 @@ LOMO runs one backward pass per step (no norm clipping: the paper's value-clippi
 --lomo-clip-norm, or fp16, whose dynamic loss scale needs the first pass's overflow check (use
 --dtype bf16 for one pass on GPUs); AdamW / SGD use DeepSpeed's own path with gradient_clipping 1.0.
 
-Writes benchmarks/results/table2{,_cpu}.{csv,md,png} with the paper's figures beside ours, and
+Writes experiments/results/table2{,_cpu}.{csv,md,png} with the paper's figures beside ours, and
 prints LOMO/AdamW and LOMO/SGD peak-memory ratios and the LOMO/SGD step-time ratio.
 """
 from __future__ import annotations
@@ -39,9 +39,11 @@ import sys
 import time
 
 from benchmarks import common
-from benchmarks.common import GIB, LLAMA_PARAMS_B, MIB, RESULTS
+from benchmarks.common import GIB, LLAMA_PARAMS_B, MIB
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.runtime.device import accelerator_device
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 METHODS = ("adamw", "sgd", "lomo")
 
@@ -123,7 +125,6 @@ def run_group(jobs: list[dict], a) -> list[dict]:
     so it is kept out of the timed steps). With one job (GPU mode) this is a plain measure_tgs.
     """
     import torch
-    from common import measure_tgs
 
     built = []
     for job in jobs:
@@ -139,7 +140,7 @@ def run_group(jobs: list[dict], a) -> list[dict]:
         for i, (_job, eng, _, batches) in enumerate(built):
             # rotate the order each round: no method always runs first (or right after another's memory)
             batches = batches[rnd % len(batches):] + batches[:rnd % len(batches)]
-            res = measure_tgs(eng, batches, warmup=a.warmup if rnd == 0 else 0, steps=a.steps)
+            res = common.measure_tgs(eng, batches, warmup=a.warmup if rnd == 0 else 0, steps=a.steps)
             times[i] += res["all_times_s"]
     out = []
     for i, (job, eng, n_params, batches) in enumerate(built):
@@ -197,7 +198,7 @@ def worker(a) -> int:
 def launch(jobs: list[dict], nproc: int, a, timeout: float) -> list[dict]:
     t0 = time.time()
     try:
-        proc = common.run_ranks("benchmarks.table2", nproc, ["--worker", "--jobs", json.dumps(jobs), *passthrough(a)],
+        proc = common.run_ranks("experiments.table2", nproc, ["--worker", "--jobs", json.dumps(jobs), *passthrough(a)],
                                 cpu=a.cpu, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         print(f"launch of {[j['method'] + '@' + j['size'] for j in jobs]} on {nproc} rank(s) timed out after "

@@ -1,20 +1,20 @@
 """The quality benchmark: LOMO and AdaLomo against DeepSpeed AdamW, LoRA and LoRA+LOMO on three tasks
 with headroom (valence, spelling, syllables: lomo_ds/data/builtin/, datagen/make_*_task.py).
 
-    python3 -m benchmarks.quality --stage 1 --reuse --max-runs 4    # the next 4 runs of the coarse grid
-    python3 -m benchmarks.quality --stage 1 --reuse --only adamw     # one method's grid
-    python3 -m benchmarks.quality --stage 2 --reuse --max-runs 9     # best settings x 3 tasks x 3 seeds
-    python3 -m benchmarks.quality --stage 2 --reuse --max-runs 0     # write the table of what has finished
-    python3 -m benchmarks.quality --stage 1 --dry-run                # print the commands of the next runs
+    python3 -m experiments.quality --stage 1 --reuse --max-runs 4    # the next 4 runs of the coarse grid
+    python3 -m experiments.quality --stage 1 --reuse --only adamw     # one method's grid
+    python3 -m experiments.quality --stage 2 --reuse --max-runs 9     # best settings x 3 tasks x 3 seeds
+    python3 -m experiments.quality --stage 2 --reuse --max-runs 0     # write the table of what has finished
+    python3 -m experiments.quality --stage 1 --dry-run                # print the commands of the next runs
 
-The sweep is benchmarks/quality.yaml. Stage 1 tunes each method on one task, the first seed and the
+The sweep is experiments/quality.yaml. Stage 1 tunes each method on one task, the first seed and the
 validation split by a coordinate search (its base setting, then each axis from the best setting so
 far); stage 2 runs each method's best setting on every task and seed and reports the held-out split
 (eval.split: heldout), which stage 1 never reads; a method's `also` settings (a shipped recipe the
 search did not choose) run there too, each a row of its own. The best is chosen among the runs that saw the
 budget's examples (max_steps batches): a K > 1 run at equal optimizer steps, which sees K times as
 many, is shown in stage 1's table but never becomes a recipe. Every run is the training program, launched as
-benchmarks/table3.py launches it (its train_overrides, train_program, run_train), in a directory of
+experiments/table3.py launches it (its train_overrides, train_program, run_train), in a directory of
 its own whose table3_run.json records the config, the overrides and the result: with --reuse a
 finished run with the same overrides is kept, so the sweep runs in pieces (--max-runs N new runs, or
 --only some methods) and resumes where it stopped. Stage 2 needs stage 1 finished for the methods
@@ -35,8 +35,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from benchmarks import table3
 from devkit.launch_local import torchrun_command
+from experiments import table3
 from lomo_ds.config.overrides import parse_override_args
 from lomo_ds.config.sections import EngineTrainConfig
 from lomo_ds.config.tasks import TASKS
@@ -337,7 +337,7 @@ def _pct(x: float | None) -> str:
 def stage1_table(searches: dict[str, Search], hp: dict) -> list[str]:
     lines = [f"### Stage 1: coarse grid on {TASKS[hp['tune_task']].title}, seed {table3.seeds_of(hp)[0]}, "
              "validation split", "",
-             "Coordinate search per method (benchmarks/quality.yaml): the base setting, then each axis from "
+             "Coordinate search per method (experiments/quality.yaml): the base setting, then each axis from "
              "the best setting so far; **bold**: the method's best.", "",
              "| method | setting | steps | tokens | accuracy | minutes |", "|---|---|---|---|---|---|"]
     for method, search in searches.items():
@@ -429,7 +429,7 @@ def commit() -> str:
 def section(searches: dict, stage2_results: dict, hp: dict, command: str, missing: int) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     sh = hp["shared"]
-    lines = [BEGIN, "## Quality benchmark (python3 -m benchmarks.quality)", "",
+    lines = [BEGIN, "## Quality benchmark (python3 -m experiments.quality)", "",
              f"Written {now} at commit {commit()} by `{command}`.", "",
              f"Protocol: the built-in SmolLM2-135M, {hp.get('ranks', 2)} CPU ranks, {sh['max_steps']} optimizer steps "
              f"of global batch {sh['global_batch']} for every method (equal optimizer steps; the tokens column "
@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-runs", type=int, default=None, help="start at most N new runs (0: only write the table)")
     ap.add_argument("--reuse", action="store_true", help="keep every run already finished with the same overrides")
     ap.add_argument("--dry-run", action="store_true", help="print the commands of the next runs, run nothing")
-    ap.add_argument("--hparams", default=HPARAMS, help="the sweep's YAML (default benchmarks/quality.yaml)")
+    ap.add_argument("--hparams", default=HPARAMS, help="the sweep's YAML (default experiments/quality.yaml)")
     ap.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "quality"), help="where the runs' directories go")
     ap.add_argument("--ledger", default=LEDGER, help="the committed record of finished runs (JSON lines)")
     ap.add_argument("--results", default=RESULTS_MD, help="the Markdown file whose quality section is rewritten")
@@ -502,7 +502,7 @@ def main(argv=None) -> int:
             results[(m, label)] = stage2(hp, m, run, runner)
     if a.dry_run:
         return 0
-    command = "python3 -m benchmarks.quality " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python3 -m experiments.quality " + shlex.join(sys.argv[1:] if argv is None else argv)
     write_section(a.results, section({m: s for m, s in searches.items() if s.tried},
                                      {m: r for m, r in results.items() if any(res for _, res in r)},
                                      hp, command, len(runner.missing)))

@@ -1,8 +1,8 @@
 """Gradient accumulation's effect on quality: a demo's recipe at K = 1 and K = 4 micro-batches per
 step, at equal optimizer steps, over 3 seeds, on a task with headroom.
 
-    python -m studies.accumulation_quality                     # make demo-chat's recipe, K 1 and 4, seeds 42-44
-    python -m studies.accumulation_quality --recipe default --task spelling --steps 35
+    python -m experiments.studies.accumulation_quality     # make demo-chat's recipe, K 1 and 4, seeds 42-44
+    python -m experiments.studies.accumulation_quality --recipe default --task spelling --steps 35
 
 Recipes: `chat` (default) is `make demo-chat`'s (ds_configs/cpu_chat.json, 20 steps), scored by the
 exact match of greedy replies to all 100 validation prompts: it takes the built-in model from 0 to
@@ -12,7 +12,7 @@ validation examples; the built-in task is saturated there (on the retired NumCom
 of it stayed at chance for K = 1 and K = 4 alike, seed 42: 49.0 and 49.4%).
 
 Resumable: each (K, seed) run is the training program in a folder of its own under --out, recorded
-as benchmarks/table3.py records its runs; a finished run with the same overrides is not run again,
+as experiments/table3.py records its runs; a finished run with the same overrides is not run again,
 so an interrupted sweep continues where it stopped (a run cut short starts over). After every run it
 writes results.md: the score per seed, mean and minimum over the seeds that finished, for each K.
 At K = 4 a step sees 4 times the examples, so equal steps cost 4 times the forward and backward work.
@@ -25,9 +25,9 @@ import os
 import statistics
 import sys
 
-from benchmarks import table3
+from experiments import table3
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # recipe: (its config, the summary.json field scored, the demo's step count)
 RECIPES = {"chat": (os.path.join(ROOT, "ds_configs", "cpu_chat.json"), "final_exact_match", 20),
            "default": (os.path.join(ROOT, "ds_configs", "cpu_default.json"), "final_accuracy", 35)}
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-samples", type=int, default=None,
                     help="validation examples scored per run (default: all 100 prompts for chat, 500 otherwise)")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(ROOT, "studies", "results", "accumulation_quality"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "studies", "results", "accumulation_quality"))
     ap.add_argument("--timeout", type=float, default=4 * 3600, help="seconds one run may take")
     args = ap.parse_args(argv)
     args.config, args.metric, demo_steps = RECIPES[args.recipe]

@@ -1,13 +1,13 @@
 """Table 3: SuperGLUE accuracy of zero-shot, LoRA, LOMO (and AdaLomo, LoRA+LOMO, AdamW) through the training program.
 
-    python3 -m benchmarks.table3 --cpu        # built-in model and task, 2 ranks, benchmarks/table3_hparams/cpu.yaml
-    python3 -m benchmarks.table3 --model-path 7b=/m/llama-7b --gpus 8                  # GPU: six tasks x methods
-    python3 -m benchmarks.table3 --model-root /m --tasks rte,copa --methods lomo --dry-run   # print the commands
+    python3 -m experiments.table3 --cpu        # built-in model and task, 2 ranks, experiments/table3_hparams/cpu.yaml
+    python3 -m experiments.table3 --model-path 7b=/m/llama-7b --gpus 8                  # GPU: six tasks x methods
+    python3 -m experiments.table3 --model-root /m --tasks rte,copa --methods lomo --dry-run   # print the commands
 
 Every run is `launch/train.py` on `python -m torch.distributed.run --nproc_per_node N` (what the
 `deepspeed` launcher does, LOCAL_SIZE included), configured by a base config (ds_configs/cpu_default.json,
 ds_configs/llama{7,13,30,65}b.json) plus `--set` overrides built from the YAML hyperparameters in
-benchmarks/table3_hparams/ (Table 4 of the paper: one file per task, and cpu.yaml). A list in the
+experiments/table3_hparams/ (Table 4 of the paper: one file per task, and cpu.yaml). A list in the
 YAML is a sweep: every combination runs and, as in the paper ("the best result", seed 42), the best
 final accuracy is reported, with the setting that gave it. `shared.seeds` (or --seeds) lists more
 seeds: the sweep runs on the first, the best setting is then rerun on the others (train.seed), and
@@ -15,7 +15,7 @@ the table reports the mean and the minimum over the seeds. The accuracy is the t
 (candidates scored by the mean log-probability of their tokens), read from
 `<output.dir>/summary.json`.
 
-Writes benchmarks/results/table3{,_cpu}.{csv,md,png}; GPU mode puts the paper's figures beside ours.
+Writes experiments/results/table3{,_cpu}.{csv,md,png}; GPU mode puts the paper's figures beside ours.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ NOT_SWEPT = {"targets"}  # list-valued keys that are values, not sweeps
 
 # ----------------------------------------------------------------------------- hyperparameters
 def load_hparams(name: str) -> dict:
-    """benchmarks/table3_hparams/<name>.yaml (a task name, or "cpu"), or a path to a YAML file."""
+    """experiments/table3_hparams/<name>.yaml (a task name, or "cpu"), or a path to a YAML file."""
     import yaml
 
     path = name if name.endswith((".yaml", ".yml")) else os.path.join(HPARAMS, f"{name}.yaml")

@@ -1,6 +1,6 @@
 """Step-0 diagnosis of the CPU demo's recipe, on one process (no DeepSpeed needed to read gradients).
 
-    python -m studies.recipe_diagnosis
+    python -m experiments.studies.recipe_diagnosis
 
 Prints, for the demo's data (ds_configs/cpu_default.json) and model: the loss on the answer word and
 on EOS separately, what the model predicts at those positions, the global gradient norm of a batch
