@@ -118,7 +118,7 @@ def test_bf16_adalomo_is_the_reference_on_the_same_weights(grads, chunk, accumul
     """bf16 weights without masters, against the reference AdaLomo computed in fp32 from the same
     bf16 weights and rounded to nearest: within one bf16 ulp. Each of AdaLomo's three passes reads
     the gradient again; a pass that wrote a view of it (the received slice, the accumulator) fed its
-    writes to the next, hundreds of ulps off (issue 48). The accumulated sum is the buffer plus the
+    writes to the next, hundreds of ulps off. The accumulated sum is the buffer plus the
     window's last slice, which must be added once however often the passes read it."""
     from tests.adalomo_reference import ReferenceAdaLomo
 

@@ -471,7 +471,7 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
 
 
 def precision_and_integration_checks(device: torch.device, on_gpu: bool) -> dict:
-    """Issue 48's paths: bf16 AdaLomo through accumulation against its reference on the same bf16
+    """The bf16 paths: bf16 AdaLomo through accumulation against its reference on the same bf16
     weights, the chunked loss's head gradient with many chunks against fp64, and the integrations
     (the HF Trainer, SFTTrainer, DPO; the Trainer's bf16 AdaLomo with K = 4 against fp32 masters)."""
     return {

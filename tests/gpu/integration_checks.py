@@ -1,6 +1,7 @@
 """The integrations on the GPU launch (tests/gpu/gpu_checks.py): the HF Trainer, TRL's SFTTrainer and
 DPOTrainer through lomo_ds.integrations, as the CPU suite drives them (tests/integrations/dist_hf_checks.py,
-tests/integrations/dist_dpo_checks.py), and the Trainer's bf16 AdaLomo with accumulation that issue 48 reproduced.
+tests/integrations/dist_dpo_checks.py), and the Trainer's bf16 AdaLomo with accumulation, the path where
+bf16 AdaLomo without masters once read gradients it had overwritten.
 
 The Trainer's and SFTTrainer's references are single-process on the CPU and make no collective, so
 the CPU suite's checks run here as they are. DPO's reference calls TRL's own loss, which gathers its
@@ -108,8 +109,8 @@ BF16_TRAINER = dict(optim="adalomo", bf16=True, gradient_accumulation_steps=4, l
 
 
 def trainer_bf16_adalomo(use_cpu: bool) -> dict:
-    """TrainingArguments(optim="adalomo", bf16=True, gradient_accumulation_steps=4) (issue 48's
-    reproduction; HF's default norm clipping at 1.0), bf16 shards without masters (stochastic
+    """TrainingArguments(optim="adalomo", bf16=True, gradient_accumulation_steps=4) (as a user's run
+    sets it; HF's default norm clipping at 1.0), bf16 shards without masters (stochastic
     rounding, as shipped) against the same run with lomo.fp32_master_weights. Both start from the
     same bf16 weights and read the same gradients at the first step; after it the run without
     masters may drift from the other by one ulp a step (its rounding), so the figure is the largest

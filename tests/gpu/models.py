@@ -12,7 +12,7 @@ MEMORY_MODEL = {"gpu": dict(vocab_size=8192, hidden_size=2048, intermediate_size
 # The clipping memory model is the other way round: small states (39M parameters, 78 MB in bf16)
 # and a 32k vocabulary whose 1023 labelled positions fit one chunk of the loss (2^25 logits), so
 # the chunk's kept fp32 gradient of the logits (125 MiB) is about 40% of the planned peak. How long
-# norm clipping's measuring backward keeps it alive (issue 48, finding 4) then decides the peak,
+# norm clipping's measuring backward keeps it alive (which the planner must count) then decides the peak,
 # instead of hiding under the model states as it does in the memory model. It runs eager attention:
 # under sdpa the logits' recompute outgrows the measuring backward's retained graph, so the peak would
 # be the same with clipping and without, and a clipping that kept too much could not show.

@@ -1,7 +1,8 @@
 """The GPU suite's bf16 precision checks (tests/gpu/gpu_checks.py runs them; tests/gpu/test_helpers.py
 runs them tiny on CPU ranks): AdaLomo on bf16 shards without fp32 masters through gradient
 accumulation, and the chunked loss's head gradient with many chunks. Both compare against a
-reference that never rounds where the engine may not (issue 48, findings 1 and 2).
+reference that never rounds where the engine may not: a gradient chunk read after an earlier pass
+overwrote it, or a head gradient summed in bf16 once per chunk, lands far outside the bound.
 
 AdaLomo: each window starts the engine and the reference from the same bf16 weights (the engine's,
 gathered), so a window's comparison is of one update, rounded once: within one bf16 ulp unless the
@@ -26,7 +27,7 @@ from tests.tiny import global_batch, tiny_llama
 # 2^-9 of a step, far below an ulp.
 BF16_ADALOMO_LR = 0.05
 BF16_WINDOWS = 3
-# (K, comm.reduce_dtype, memory.accumulate_dtype): the matrix of issue 48; at K = 1 there is no
+# (K, comm.reduce_dtype, memory.accumulate_dtype): every route a gradient takes to the update; at K = 1 there is no
 # accumulator, and reduce_dtype fp32 there is one of the routes that overwrote its own gradient.
 BF16_CASES = [(1, "fp32", "fp32"), (1, "bf16", "fp32")] + [
     (k, reduce, acc) for k in (2, 4) for reduce in ("fp32", "bf16") for acc in ("fp32", "bf16")]

@@ -65,7 +65,7 @@ def gpu_results(results_dir):
     def get(world: int) -> dict:
         if world not in cache:
             out = os.path.join(results_dir, f"results_{world}.json")
-            # Issue 48 added the bf16 matrix, the integrations and the clipping memory runs: minutes more.
+            # The bf16 accumulation matrix, the integrations and the clipping memory runs take minutes.
             launch(["-m", "tests.gpu.gpu_checks", out], world, timeout=900, cpu=False)
             with open(out) as f:
                 cache[world] = json.load(f)
@@ -383,8 +383,8 @@ def test_step_time_lomo_floor_deepspeed_sgd(gpu_results):
 def test_bf16_adalomo_through_accumulation_is_its_reference_to_one_ulp(gpu_results, world, case):
     """bf16 shards without masters (the shipped default), AdaLomo, K = 1, 2, 4, reduce_dtype and
     accumulate_dtype fp32 and bf16: each window's result within one bf16 ulp of the reference
-    AdaLomo on the same bf16 weights (issue 48, finding 1: a gradient read after it was overwritten
-    is hundreds of ulps away), and a last micro-batch added twice is told apart."""
+    AdaLomo on the same bf16 weights (a pass that reads a gradient chunk an earlier pass overwrote
+    lands hundreds of ulps away), and a last micro-batch added twice is told apart."""
     r = ok(gpu_results(world), "bf16_adalomo_accumulation")[P.case_name(*case)]
     print(f"{P.case_name(*case)} on {world} GPU(s): ulps per window {r['ulps']}, the reference moved "
           f"{r['moved_ulps']}, a doubled last micro-batch {r['ulps_last_doubled']}")
@@ -394,7 +394,8 @@ def test_bf16_adalomo_through_accumulation_is_its_reference_to_one_ulp(gpu_resul
 @pytest.mark.parametrize("world", WORLDS)
 def test_chunked_loss_head_gradient_with_many_chunks_is_bf16_rounding_of_fp64(gpu_results, world):
     """The chunked loss in bf16 (1, 32 and 128 chunks of 8188 positions, V 4096) against fp64 on the
-    same bf16 inputs: the head's gradient within twice bf16's own rounding (issue 48, finding 2)."""
+    same bf16 inputs: the head's gradient within twice bf16's own rounding (a head gradient summed in
+    bf16 once per chunk drifts with the chunk count, several times that rounding at 32 and 128)."""
     r = ok(gpu_results(world), "chunked_loss_precision")
     for count, c in r["chunks"].items():
         print(f"{count} chunks on {world} GPU(s): head gradient {c['dw_rel']:.2e} from fp64 (bf16 rounding "
@@ -420,8 +421,9 @@ def test_integrations_match_their_references_on_gpus(gpu_results, world, check):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_trainer_bf16_adalomo_with_accumulation_stays_near_fp32_masters(gpu_results, world):
-    """TrainingArguments(optim="adalomo", bf16=True, gradient_accumulation_steps=4), issue 48's
-    reproduction, against the same run with lomo.fp32_master_weights: one bf16 ulp a step apart."""
+    """TrainingArguments(optim="adalomo", bf16=True, gradient_accumulation_steps=4), the Trainer path
+    where bf16 AdaLomo once read gradients it had overwritten, against the same run with
+    lomo.fp32_master_weights: one bf16 ulp a step apart."""
     r = ok(gpu_results(world), "trainer_bf16_adalomo")
     print(f"Trainer bf16 AdaLomo K=4 on {world} GPU(s): {r['ulps']:g} ulps from fp32 masters after {r['steps']} "
           f"steps (moved {r['moved_ulps']:g}); losses {r['losses']} vs {r['master_losses']}")

@@ -63,7 +63,7 @@ LAUNCH = [2] if LONG_TESTS else []
                                                                     gpu_checks.STEP_MODEL["smoke"]),
     gpu_delayed_window_tail=forced(functools.partial(gpu_checks.check_delayed_window_tail, torch.device("cpu"),
                                                      gpu_checks.DELAYED_MODEL["smoke"])))
-# Issue 48's GPU checks, tiny: bf16 AdaLomo on both routes that once overwrote their own gradient
+# The bf16 GPU checks, tiny: bf16 AdaLomo on both routes that once overwrote their own gradient
 # (K = 1 reduced in fp32, K = 2 accumulated in fp32) and a bf16 accumulator at K = 4, two windows
 # (the first is not bounded); the Trainer's bf16 AdaLomo against fp32 masters; DPO with its
 # reference moved to the trainer's device (here the CPU: the wrapper's code runs, AdaLomo's
@@ -312,7 +312,8 @@ def test_bf16_adalomo_check_tells_a_micro_batch_added_twice(rank_results):
 
 @pytest.mark.long
 def test_bf16_adalomo_is_its_reference_to_one_ulp_on_cpu_ranks(rank_results):
-    """The same bound as on GPUs, on 2 gloo ranks (issue 48, finding 1). With the engine of 9e51f15
+    """The same bound as on GPUs, on 2 gloo ranks: a pass that reads a gradient chunk an earlier pass
+    overwrote is hundreds of ulps away. With the engine of 9e51f15
     (gradient chunks read as views and overwritten) K = 1 reduced in fp32 was 496 ulps away and
     K = 2 accumulated in fp32 506, against 1.0 with the fix."""
     r = ok(rank_results(2), gpu_bf16_adalomo)
@@ -321,7 +322,7 @@ def test_bf16_adalomo_is_its_reference_to_one_ulp_on_cpu_ranks(rank_results):
 
 
 def head_gradient_summed_in_bf16(sizes: dict, count: int) -> tuple[float, float]:
-    """The head's weight gradient as the chunked loss summed it before issue 48 (each chunk's
+    """The head's weight gradient as the chunked loss once summed it (each chunk's
     product added into one bf16 tensor), on check_chunked_loss_precision's model and batch: its
     relative error against fp64, and bf16's own rounding of the fp64 gradient."""
     cpu = torch.device("cpu")
@@ -345,7 +346,7 @@ def head_gradient_summed_in_bf16(sizes: dict, count: int) -> tuple[float, float]
 
 def test_chunked_loss_check_runs_and_refuses_a_per_chunk_bf16_sum():
     """The chunked-loss precision check, on this CPU at its smoke sizes: lomo_ds's chunked loss
-    within the bound at 1, 32 and 128 chunks (issue 48, finding 2); the head gradient summed in bf16
+    within the bound at 1, 32 and 128 chunks; the head gradient summed in bf16
     chunk by chunk (the code before it) is 4x bf16's rounding at 32 chunks, and the bound refuses it."""
     sizes = precision_checks.CHUNK_SIZES["smoke"]
     r = precision_checks.check_chunked_loss_precision(torch.device("cpu"), sizes)

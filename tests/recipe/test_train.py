@@ -341,8 +341,8 @@ def test_dry_run_prints_config_and_memory_plan(capsys, monkeypatch):
     assert '"lomo"' in out and "65" in out
     assert "GB" in out or "GiB" in out
     # launched on 8 ranks: the line for this launch names the config's rule (AdaLomo) and the planner's
-    # figure for it; LOMO clips by norm (two backwards over a retained graph, issue 48 finding 4), so
-    # its figure is above AdaLomo's
+    # figure for it; LOMO clips by norm (a measuring backward, then the updating one, over a retained
+    # graph, whose activations the planner must count), so its figure is above AdaLomo's
     from lomo_ds.config.run import load_run_config
     from lomo_ds.planning.planner import GIB, plan_for_run
 
