@@ -1,17 +1,19 @@
 """The LOMO engine's resumable state in torch.distributed.checkpoint's layout, which does not depend on
 the rank count that wrote it.
 
-Each tensor a rank holds a piece of (the weight shards, the fp32 masters, AdaLomo's second moment of
-a vector, `sq`) is saved as what it is: one piece of a global flat tensor of the parameter's numel
-elements, a DTensor sharded on dimension 0. ZeRO-3 cuts a parameter of n elements into pieces of
+Each tensor a rank holds a piece of is saved as what it is: one piece of a global flat tensor of its
+parameter's numel elements, a DTensor sharded on dimension 0. Which tensors those are, the state says
+itself: its PIECES entry (runtime/shard_geometry.py) names each by its path and global numel (the
+engine puts in its weight shards, its fp32 masters and whatever state its update rule declares cut);
+nothing here knows a rule. ZeRO-3 cuts a parameter of n elements into pieces of
 ceil(n / N), rank r holding [r * ceil(n / N), ...), which is torch.chunk's cut and so DTensor's
 Shard(0): the shard's real elements (its padding left out) are the DTensor's local tensor as they
 are. The checkpoint's metadata then says where every element is, and a run of any rank count reads
 its own ranges from whichever files hold them (torch.distributed.checkpoint's resharding): no
 conversion step and no second copy, as DeepSpeed's universal checkpoints need.
 
-Everything else in the state is the same on every rank (AdaLomo's row and column factors are
-replicated, the step counters and the loss scale are agreed): rank 0 writes it once, beside the
+Everything else in the state is the same on every rank (a rule's replicated state, the step counters
+and the loss scale): rank 0 writes it once, beside the
 pieces, as a plain torch file (REST) read with weights_only. Kept out of torch.distributed.checkpoint,
 whose deduplication would leave each such entry in one rank's file, which is not on every node where
 nodes share no disk (the Trainer's save_on_each_node), and whose reader unpickles non-tensor entries
@@ -47,19 +49,21 @@ from __future__ import annotations
 
 import os
 import pickle
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
-from lomo_ds.engine.update.shard import ShardGeometry
 from lomo_ds.runtime.device import host_resident
 from lomo_ds.runtime.dist import io_group
+from lomo_ds.runtime.shard_geometry import PIECES, ShardGeometry
 from lomo_ds.storage.checkpoint import CheckpointError, write_atomic
 
 STATE_DIR = "engine_state"  # the folder inside a checkpoint
 REST = "replicated.pt"  # inside it: what every rank holds the same, written once
 SEP = "/"
 _RANK_FIELDS = ("world", "rank")
+_NOT_SAVED = (*_RANK_FIELDS, PIECES)  # PIECES: this run's declaration; a load goes by the reading run's
 
 
 def state_dir(directory: str) -> str:
@@ -93,12 +97,6 @@ def _unflatten(flat: dict[tuple, Any]) -> dict[str, Any]:
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return out
-
-
-def _is_cut(path: tuple) -> bool:
-    """Whether the tensor at `path` of shard_state_dict's layout is one rank's piece of a parameter."""
-    return (len(path) == 2 and path[0] in ("shards", "masters")) or (
-        len(path) == 3 and path[0] == "adalomo" and path[2] == "sq")
 
 
 def _mesh(group):
@@ -169,22 +167,17 @@ def _check_written(metadata, copied: dict, folder: str) -> None:
                                   "torch.distributed.checkpoint's writer asked for pieces ahead of writing them")
 
 
-def _numel(state: dict[str, Any], name: str) -> int:
-    shape = (state.get("shapes") or {}).get(name)
-    if shape is None:
-        raise ValueError(f"engine state has no shape for {name!r}: it cannot be saved for another rank count")
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    return numel
-
-
-def _split(state: dict[str, Any]) -> tuple[dict[tuple, torch.Tensor], dict[str, Any]]:
-    """(the rank's pieces by path, the rest of the state with them left out)."""
+def _split(state: dict[str, Any]) -> tuple[dict[tuple, tuple[torch.Tensor, int]], dict[str, Any]]:
+    """({path: (the rank's piece, its global numel)} for every tensor the state's PIECES declares,
+    the rest of the state with them left out)."""
+    declared = state.get(PIECES) or {}
     cut, rest = {}, {}
-    for path, value in _flatten({k: v for k, v in state.items() if k not in _RANK_FIELDS}):
-        if torch.is_tensor(value) and _is_cut(path):
-            cut[path] = value
+    for path, value in _flatten({k: v for k, v in state.items() if k not in _NOT_SAVED}):
+        if path in declared:
+            if not torch.is_tensor(value):
+                raise ValueError(f"engine state declares {SEP.join(path)!r} one rank's piece of a tensor, and it "
+                                 f"holds {type(value).__name__}")
+            cut[path] = (value, int(declared[path]))
         else:
             rest[path] = value
     return cut, _unflatten(rest)
@@ -205,8 +198,8 @@ def save_engine_state(directory: str, state: dict[str, Any], io_timeout: float,
     mesh = _mesh(group)
     cut, rest = _split(state)
     pieces, planned = {}, {}
-    for path, value in cut.items():
-        key, numel = SEP.join(path), _numel(state, path[1])
+    for path, (value, numel) in cut.items():
+        key = SEP.join(path)
         pieces[key] = _piece(value, numel, world, rank)
         planned[key] = _planned(pieces[key], numel, mesh)
     folder = state_dir(directory)
@@ -250,14 +243,36 @@ def _load(state: dict[str, Any], reader, planner, group) -> None:
                               f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
 
 
+@dataclass(frozen=True)
+class _Unread:
+    """A piece the checkpoint holds, named to read_engine_state's `check`, not read yet: its key on disk."""
+
+    key: str
+
+
+def _refuse_whole(template: dict[str, Any], path: tuple, folder: str) -> None:
+    """Refuse a piece the checkpoint holds per rank where this run keeps a whole tensor (its state
+    declared otherwise when written): it would be dropped, and the tensor left as it was."""
+    node = template
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return
+        node = node[key]
+    if torch.is_tensor(node):
+        raise CheckpointError(f"{folder}: {SEP.join(path)!r} was saved as one piece per rank, and this run keeps it "
+                              "whole on every rank (its state declares it replicated): a state of another layout")
+
+
 def read_engine_state(directory: str, template: dict[str, Any], check, io_timeout: float,
                       group=None) -> dict[str, Any]:
     """Collective: the state in `directory`/engine_state for this rank, in shard_state_dict's layout,
     written by any rank count. `template`: this rank's own shard_state_dict (its keys, lengths and
     dtypes): its tensors are read into in place, wherever they live, and are the state returned.
     `check(state)`: refuses a state that does not fit this run, called with the checkpoint's
-    parameter names, shapes and counters (the pieces named, not yet read) before any piece is read.
-    `group`: as save_engine_state's."""
+    parameter names, shapes and counters (the pieces named, not yet read: _Unread) before any piece
+    is read. It may move entries in place (a state of an older layout read as this one's): each
+    piece is read into the template's piece at the path where `check` left it. Which tensors are
+    pieces, the template's PIECES says. `group`: as save_engine_state's."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     world, rank = template["world"], template["rank"]
@@ -265,19 +280,23 @@ def read_engine_state(directory: str, template: dict[str, Any], check, io_timeou
     folder = state_dir(directory)
     reader = FileSystemReader(folder)
     saved = reader.read_metadata().state_dict_metadata
-    flat = dict(_flatten(_read_rest(folder)))
-    flat.update({tuple(k.split(SEP)): None for k in saved})  # named, not read yet
-    check(_unflatten(flat))
+    named = _unflatten({**dict(_flatten(_read_rest(folder))),
+                        **{tuple(k.split(SEP)): _Unread(k) for k in saved}})
+    check(named)
+    flat = dict(_flatten(named))
     mine, _ = _split(template)
     mesh, pieces, planned = _mesh(group), {}, {}
-    for key, meta in saved.items():
-        path = tuple(key.split(SEP))
-        target = mine.get(path)
-        if target is None:
+    for path, value in list(flat.items()):
+        if not isinstance(value, _Unread):
+            continue
+        key, numel = value.key, saved[value.key].size[0]
+        if path not in mine:
+            _refuse_whole(template, path, folder)
             del flat[path]  # kept by the writing run, not by this one (fp32 masters it does not keep)
             continue
-        pieces[key] = _piece(target, meta.size[0], world, rank)
-        planned[key] = _planned(pieces[key], meta.size[0], mesh)
+        target = mine[path][0]
+        pieces[key] = _piece(target, numel, world, rank)
+        planned[key] = _planned(pieces[key], numel, mesh)
         flat[path] = target
     _load(planned, reader, _planners()[1](pieces), group)
     state = _unflatten(flat)

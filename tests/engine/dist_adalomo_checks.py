@@ -102,7 +102,7 @@ def check_resume(bf16: bool, warm: bool = False, **lomo):
     if rank != 0:
         return None
     return {"max_abs_diff": max((a[k].float() - b[k].float()).abs().max().item() for k in a),
-            "state_keys": sorted(resumed.shard_state_dict()["adalomo"])[:3], "host_updates": applied}
+            "state_keys": sorted(resumed.shard_state_dict()["rule"]["state"])[:3], "host_updates": applied}
 
 
 def check_thread_bitwise():

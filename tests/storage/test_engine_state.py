@@ -2,7 +2,9 @@
 written by N ranks, read by M, for every N, M of 1-3 inside one 3-rank launch (subgroups of its
 ranks write and read). Parameters of 1 to 11 elements, fewer than the ranks included, so pieces are
 uneven and some empty; every rank's read is compared element by element with the piece ZeRO-3's
-partition gives it, padding zeros included; again with LOMO_DS_EMULATE_DEVICE_COPY=1, where every
+partition gives it, padding zeros included. The state is a rule's that storage has never heard of
+("a_rule", its per-element buffer `m` declared cut, its `row` replicated): which tensors are pieces
+comes from the state's PIECES declaration alone; again with LOMO_DS_EMULATE_DEVICE_COPY=1, where every
 piece goes through a host copy as an accelerator's shards do. Whole runs moved between 1-4 ranks:
 tests/recipe/test_resume_elsewhere.py (long). The host memory a save and a load hold:
 tests/host_memory.py (long)."""
@@ -12,6 +14,7 @@ import os
 import pytest
 import torch
 
+from lomo_ds.runtime.shard_geometry import PIECES
 from lomo_ds.storage.engine_state import read_engine_state, save_engine_state
 from tests.host_memory import emulated_device_copy
 from tests.ranks import multi_rank, ok, work_dir
@@ -22,7 +25,7 @@ WORLDS = (1, 2, 3)
 
 def _full(name: str, what: str) -> torch.Tensor:
     """The whole flat tensor `what` of parameter `name`: distinct values everywhere."""
-    base = 1000 * list(NUMELS).index(name) + {"shards": 0, "masters": 100, "sq": 200}[what]
+    base = 1000 * list(NUMELS).index(name) + {"shards": 0, "masters": 100, "m": 200}[what]
     return torch.arange(NUMELS[name], dtype=torch.float32) + base
 
 
@@ -44,9 +47,14 @@ def _state(world: int, rank: int, filled: bool) -> dict:
             "shapes": {n: [k] for n, k in NUMELS.items()},
             "shards": {n: piece(n, "shards") for n in NUMELS},
             "masters": {n: piece(n, "masters") for n in NUMELS},
-            "adalomo": {n: {"sq": piece(n, "sq"), "row": torch.full((3,), 5.0 if filled else 0.0), "step": 3 if filled
-                            else 0} for n in NUMELS},
-            "loss_scaler": None}
+            "rule": {"name": "a_rule",
+                     "state": {n: {"m": piece(n, "m"), "row": torch.full((3,), 5.0 if filled else 0.0),
+                                   "step": 3 if filled else 0} for n in NUMELS}},
+            "loss_scaler": None,
+            # What the engine declares (ShardUpdater.state_dict): the shards, the masters and the
+            # rule's cut buffer are pieces of a flat tensor of the parameter's numel; `row` is not.
+            PIECES: {**{(part, n): k for part in ("shards", "masters") for n, k in NUMELS.items()},
+                     **{("rule", "state", n, "m"): k for n, k in NUMELS.items()}}}
 
 
 def _reads_every_other(folder: str) -> dict:
@@ -70,15 +78,15 @@ def _reads_every_other(folder: str) -> dict:
             assert got["world"] == m and got["rank"] == rank and got["skipped_steps"] == 1
             for name in NUMELS:
                 pairs = [(got["shards"][name], want["shards"][name]), (got["masters"][name], want["masters"][name]),
-                         (got["adalomo"][name]["sq"], want["adalomo"][name]["sq"]),
-                         (got["adalomo"][name]["row"], want["adalomo"][name]["row"])]
+                         (got["rule"]["state"][name]["m"], want["rule"]["state"][name]["m"]),
+                         (got["rule"]["state"][name]["row"], want["rule"]["state"][name]["row"])]
                 for a, b in pairs:
                     assert a.shape == b.shape, (n, m, name, a.shape, b.shape)
                     worst = max(worst, (a - b).abs().max().item() if a.numel() else 0.0)
                     if not torch.equal(a, b):  # bit for bit
                         unequal.append(f"{n} -> {m} ranks: {name}")
                     checked += 1
-                assert got["adalomo"][name]["step"] == 3
+                assert got["rule"]["state"][name]["step"] == 3 and got["rule"]["name"] == "a_rule"
             torch.distributed.barrier()
     return {"max_abs_diff": worst, "tensors_checked": checked, "unequal": unequal[:5]}
 

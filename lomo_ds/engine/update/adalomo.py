@@ -95,10 +95,11 @@ import torch
 from lomo_ds.config.lomo import AdaLomoConfig
 from lomo_ds.engine import host_updates
 from lomo_ds.engine.update import adalomo_math as m
-from lomo_ds.engine.update.rule import Items, PassSettings, PassStats, unscale_and_clip
-from lomo_ds.engine.update.shard import ShardGeometry, ShardWeights, chunk_bounds, grad_chunk, grad_in_place
+from lomo_ds.engine.update.rule import Cut, Items, PassSettings, PassStats, Replicated, StateLayout, unscale_and_clip
+from lomo_ds.engine.update.shard import ShardWeights, chunk_bounds, grad_chunk, grad_in_place
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
+from lomo_ds.runtime.shard_geometry import ShardGeometry
 
 
 class _Slice(NamedTuple):
@@ -148,6 +149,7 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 class AdaLomo:
     """AdaLomo's second-moment state and update for this rank's shards (a Rule, rule.py)."""
 
+    name = "adalomo"
     takes_whole_bucket = True
 
     def __init__(self, cfg: AdaLomoConfig, module: torch.nn.Module, params: list, group, geometry,
@@ -162,6 +164,7 @@ class AdaLomo:
         self.host = host
         names = {id(p): n for n, p in module.named_parameters()}
         self.names = {ds_compat.param_id(p): names[id(p)] for p in params}
+        self.numels = {ds_compat.param_id(p): ds_compat.full_numel(p) for p in params}  # state_layout's
         # ds_id -> its row in weight_sq, for the parameters whose update the worker applies.
         self.deferred: dict[int, int] = {}
         # ds_id -> {"step": updates applied, "row", "col"} (matrices, replicated) or {"step", "sq"}
@@ -443,6 +446,12 @@ class AdaLomo:
         self.weight_sq_known[row] = True
 
     # ----------------------------------------------------------------- state
+    def state_layout(self) -> StateLayout:
+        """A vector's full second moment `sq` is cut as its parameter is (this rank's slice); a
+        matrix's row and column factors and every step count are the same on every rank."""
+        return {(self.names[i], key): Cut(self.numels[i]) if key == "sq" else Replicated()
+                for i, s in self.state.items() for key in s}
+
     def state_bytes(self) -> int:
         """Bytes this rank holds: the replicated row/column vectors and its slices of the rest."""
         return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
@@ -453,13 +462,22 @@ class AdaLomo:
                 for i, s in self.state.items()}
 
     def check_state(self, state: dict[str, dict[str, Any]] | None) -> None:
+        """Every parameter's entry, and in each the keys this model's parameter keeps (a matrix's
+        step, row, col; a vector's step, sq): a state of another model or another layout is refused
+        here, not met later as a missing key."""
         if not state:
-            raise ValueError("checkpoint shard has no AdaLomo state (written with lomo.optimizer 'sgd'); "
+            raise ValueError("checkpoint holds no AdaLomo state, which lomo.optimizer 'adalomo' resumes from; "
                              "resume with the optimizer it was written with")
         by_name = set(self.names.values())
         if set(state) != by_name:
             missing, extra = sorted(by_name - set(state)), sorted(set(state) - by_name)
             raise ValueError(f"AdaLomo state does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+        for i, mine in self.state.items():
+            saved = state[self.names[i]]
+            if not isinstance(saved, dict) or set(saved) != set(mine):
+                got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+                raise ValueError(f"AdaLomo state of {self.names[i]!r} holds {got}, this model's parameter keeps "
+                                 f"{sorted(mine)}: a checkpoint of another model (model.path)")
 
     def load_state_dict(self, state: dict[str, dict[str, Any]] | None) -> None:
         self.check_state(state)

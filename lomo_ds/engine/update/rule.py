@@ -72,8 +72,29 @@ class PassStats:
         return torch.where(self.finite, self.sum_sq, torch.full_like(self.sum_sq, math.inf))
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A state tensor cut by ranks as ZeRO-3 cuts its parameter (runtime/shard_geometry.py): this
+    rank's piece, on dimension 0, of a global flat tensor of `numel` elements. A checkpoint saves it
+    as that piece and hands a run of another rank count its own (storage/engine_state.py)."""
+
+    numel: int
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """A state tensor the same on every rank (a checkpoint saves it once)."""
+
+
+StateLayout = dict[tuple[str, ...], Cut | Replicated]  # a tensor's path of keys in state_dict() -> how it lies
+
+
 class Rule(Protocol):
     """An update rule on this rank's shards."""
+
+    # The rule's name: lomo.optimizer's value, and what a checkpoint of its state is stored under (a
+    # checkpoint of another rule is refused by it).
+    name: str
 
     # Whether the rule takes each bucket whole, its slices of shards in host memory included: its
     # per-bucket statistics need every slice before any is applied, and it hands the host part to
@@ -96,11 +117,16 @@ class Rule(Protocol):
         """The rule's resumable state on this rank (None: it has none)."""
 
     def check_state(self, state: dict[str, Any] | None) -> None:
-        """Refuse, naming the setting, a state written by another rule or for another model: from
-        its keys alone (its tensors may not be read yet)."""
+        """Refuse, naming the setting, a state that is not this rule's for this model: from its keys
+        alone (its tensors may not be read yet). Called only with a state saved under this rule's
+        name (ShardUpdater refuses another rule's by name first)."""
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         """Restore what state_dict gave (the shards are written by the same load), after check_state."""
 
+    def state_layout(self) -> StateLayout:
+        """Every tensor of state_dict() by its path of keys in it: Cut (a piece of a global flat
+        tensor, per rank) or Replicated. Empty: no state."""
+
     def state_bytes(self) -> int:
-        """Bytes of state the rule holds on this rank."""
+        """Bytes of state the rule holds on this rank (its Cut tensors' pieces, its Replicated whole)."""

@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 
-from lomo_ds.engine.update.rule import Items, PassSettings, PassStats, unscale_and_clip
+from lomo_ds.engine.update.rule import Items, PassSettings, PassStats, StateLayout, unscale_and_clip
 from lomo_ds.engine.update.shard import ShardWeights, chunk_bounds, grad_chunk
 from lomo_ds.runtime import ds_compat
 
 
 class SGD:
+    name = "sgd"
     takes_whole_bucket = False
 
     def apply_bucket(self, shard: ShardWeights, items: Items, stats: PassStats, settings: PassSettings) -> None:
@@ -58,10 +59,15 @@ class SGD:
         return None
 
     def check_state(self, state: dict[str, Any] | None) -> None:
-        return None  # a checkpoint written by AdaLomo resumes as SGD: its moments are not needed
+        if state:
+            raise ValueError(f"SGD keeps no state, and the checkpoint's rule state has {sorted(state)[:3]}: "
+                             "a checkpoint of another rule (lomo.optimizer)")
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         return None
+
+    def state_layout(self) -> StateLayout:
+        return {}
 
     def state_bytes(self) -> int:
         return 0

@@ -1,9 +1,8 @@
 """This rank's shard of each parameter: where its slice lies (geometry), how a slice is read in
 chunks, and its weights as the update rules read and write them (fp32 masters, stochastic rounding).
 
-Shard layout (DeepSpeed ZeRO-3): with `part = ceil(numel / world)`, rank r holds flat elements
-[r*part, min((r+1)*part, numel)) of the parameter; the last ranks may carry padding, and a rank
-may hold no real element at all when numel < world.
+Shard layout (DeepSpeed ZeRO-3): ShardGeometry (runtime/shard_geometry.py, below this layer and the
+checkpoint's, which both cut by it).
 
 Chunks (memory.update_chunk_elements): a slice is updated `chunk` elements at a time, so the update's
 temporaries (an fp32 copy of the gradient and of the weights where they are not fp32, and the
@@ -16,34 +15,13 @@ every element (unbiased).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lomo_ds.engine.precision import stochastic_round_to_bf16
 from lomo_ds.runtime import ds_compat
-
-
-@dataclass(frozen=True)
-class ShardGeometry:
-    numel: int
-    world: int
-    rank: int
-
-    @property
-    def part(self) -> int:
-        return math.ceil(self.numel / self.world)
-
-    @property
-    def start(self) -> int:
-        return self.rank * self.part
-
-    @property
-    def local(self) -> int:
-        """Real (unpadded) elements of the parameter on this rank."""
-        return max(0, min(self.part, self.numel - self.start))
+from lomo_ds.runtime.shard_geometry import ShardGeometry
 
 
 def geometry(param: torch.nn.Parameter, world: int, rank: int) -> ShardGeometry:

@@ -14,14 +14,16 @@ host memory under `offload_param: {device: cpu}` (each shard's own device).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from lomo_ds.engine.update.adalomo import AdaLomo
-from lomo_ds.engine.update.rule import Items, PassSettings, PassStats, Rule
+from lomo_ds.engine.update.rule import Cut, Items, PassSettings, PassStats, Rule
 from lomo_ds.engine.update.sgd import SGD
 from lomo_ds.engine.update.shard import ShardGeometries, ShardWeights, grad_sum_sq
+from lomo_ds.runtime.shard_geometry import PIECES
 
 
 class ShardUpdater:
@@ -75,21 +77,55 @@ class ShardUpdater:
 
     # ----------------------------------------------------------------- resumable state
     def state_dict(self, module: torch.nn.Module, params: list) -> dict[str, Any]:
-        """{"shards", "masters", "adalomo"}: the shard weights by parameter name and the rule's
-        state (under the name checkpoints have always given it; None for SGD)."""
-        return {**self.shard.state_dict(module, params), "adalomo": self.rule.state_dict()}
+        """{"shards", "masters", "shapes"}: the shard weights by parameter name (ShardWeights');
+        "rule": {"name": the rule's name, "state": its state (None: it keeps none)}; and PIECES
+        (runtime/shard_geometry.py): which of these tensors are this rank's pieces of a global flat
+        tensor (the shards, the masters, the rule's Cut state), which a checkpoint saves per rank
+        and hands a run of another rank count its own slice of; the rest is replicated."""
+        shard = self.shard.state_dict(module, params)
+        numels = {name: math.prod(shape) for name, shape in shard["shapes"].items()}
+        pieces = {(part, name): numels[name] for part in ("shards", "masters") for name in shard[part]}
+        pieces.update({("rule", "state", *path): how.numel for path, how in self.rule.state_layout().items()
+                       if isinstance(how, Cut)})
+        return {**shard, "rule": {"name": self.rule.name, "state": self.rule.state_dict()}, PIECES: pieces}
 
     def check_state(self, state: dict[str, Any], module: torch.nn.Module, params: list) -> None:
-        """Every refusal of a state (another model's, another rule's), from its names and shapes
-        alone: a load that reads the tensors in place calls it before reading any."""
+        """Every refusal of a state (another rule's, by name first; another model's), from its names
+        and shapes alone: a load that reads the tensors in place calls it before reading any. A
+        state of the layout before rules were named is moved to this one in place (rule_entry)."""
+        saved = rule_entry(state)
+        if saved["name"] != self.rule.name:
+            raise ValueError(f"lomo.optimizer: the checkpoint was written by the rule {saved['name']!r}, this run's "
+                             f"is {self.rule.name!r}; a checkpoint resumes with the rule that wrote it (its state is "
+                             f"that rule's): resume with lomo.optimizer {saved['name']!r}")
         self.shard.check_state(state, module, params)
-        self.rule.check_state(state.get("adalomo"))
+        self.rule.check_state(saved["state"])
 
     def load_state_dict(self, state: dict[str, Any], module: torch.nn.Module, params: list) -> None:
         """Every refusal of the shards comes before anything is written."""
+        state = dict(state)  # check_state may move the caller's old-layout entry: its own copy
         self.check_state(state, module, params)
-        self.rule.load_state_dict(state.get("adalomo"))
+        self.rule.load_state_dict(state["rule"]["state"])
         self.shard.load_state_dict(state, module)
+
+
+# Before checkpoints stored the rule's state under the rule's name, every engine state held it under
+# this key: AdaLomo's state, or None where SGD (the one other rule then) wrote it.
+_UNNAMED = "adalomo"
+
+
+def rule_entry(state: dict[str, Any]) -> dict[str, Any]:
+    """The state's {"name", "state"} of the rule that wrote it. A state of the layout before it (the
+    rule's state under "adalomo") is moved to this one in place, so that every checkpoint written
+    then resumes as it did: as AdaLomo's where it holds a state, as SGD's where it holds None."""
+    if "rule" not in state and _UNNAMED in state:
+        old = state.pop(_UNNAMED)
+        state["rule"] = {"name": "adalomo" if old else "sgd", "state": old}
+    entry = state.get("rule")
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise ValueError(f"checkpoint's engine state has no rule entry ({{'name', 'state'}} under 'rule'; its keys: "
+                         f"{sorted(state)}): not an engine state of lomo_ds")
+    return entry
 
 
 def build_updater(config, module: torch.nn.Module, params: list, group, dtype: torch.dtype, host,
