@@ -47,8 +47,9 @@ of a block that a shard boundary cuts (each rank then keeps a scale for its own 
 Stochastic rounding. An update reads w = q * s in fp32, changes it, and writes q' = floor(w/s + u),
 u uniform in [0, 1): E[q' * s] = w whatever the update's size, so steps far below one quantization
 step s still add up in expectation. u is a counter-based hash of the key and the element's global
-index (a splitmix64 finaliser in torch int64 arithmetic on the tensor's device: no generator
-state, no host synchronisation), keeping its top 24 bits: u = k / 2^24. The fp32 sum w/s + u is
+index (the key mixed on the host, then murmur3's finaliser twice in torch int32 arithmetic on the
+tensor's device: no generator state, no host synchronisation), keeping its top 24 bits:
+u = k / 2^24. The fp32 sum w/s + u is
 below 128 in magnitude, so its rounding moves the chance of rounding up by at most 2^-17: a bias
 below 2^-17 of a step, far under what an update of 1% of a step needs.
 
@@ -81,12 +82,6 @@ def check_block(block: int) -> int:
     return block
 
 
-def _signed(v: int) -> int:
-    """A 64-bit pattern as the int64 that holds it."""
-    v &= _MASK64
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
 def _mix_int(z: int) -> int:
     """The splitmix64 finaliser on a Python int (the host side of the key)."""
     z &= _MASK64
@@ -96,7 +91,6 @@ def _mix_int(z: int) -> int:
 
 
 _GOLDEN = 0x9E3779B97F4A7C15
-_M1, _M2, _GAMMA = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB), _signed(_GOLDEN)
 
 
 def stream_key(seed: int, step: int, param_id: int) -> int:
@@ -110,21 +104,63 @@ def stream_key(seed: int, step: int, param_id: int) -> int:
     return _mix_int(z ^ (param_id + 3 * _GOLDEN))
 
 
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic on signed ints)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
+def _s32(v: int) -> int:
+    """A 32-bit pattern as the int32 that holds it."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+_W32, _F1, _F2 = _s32(0x9E3779B9), _s32(0x85EBCA6B), _s32(0xC2B2AE35)
+
+
+def _xorshift_(z: torch.Tensor, tmp: torch.Tensor, k: int) -> None:
+    """z ^= z >>> k on int32 bit patterns, in place (torch's >> is arithmetic on signed ints)."""
+    torch.bitwise_right_shift(z, k, out=tmp)
+    z.bitwise_xor_(tmp.bitwise_and_((1 << (32 - k)) - 1))
+
+
+def _fmix32_(z: torch.Tensor, tmp: torch.Tensor) -> None:
+    """murmur3's 32-bit finaliser, in place; multiplications wrap modulo 2^32."""
+    _xorshift_(z, tmp, 16)
+    z.mul_(_F1)
+    _xorshift_(z, tmp, 13)
+    z.mul_(_F2)
+    _xorshift_(z, tmp, 16)
+
+
+def _noise_words(key64: int, hi: int, lo: int, count: int, device: torch.device) -> torch.Tensor:
+    """The 32-bit hash of elements hi * 2^32 + [lo, lo + count) (lo + count <= 2^32)."""
+    k = _mix_int(key64 ^ hi)
+    z = torch.arange(count, dtype=torch.int32, device=device).add_(_s32(lo))
+    tmp = torch.empty_like(z)
+    z.mul_(_W32).add_(_s32(k))
+    _fmix32_(z, tmp)
+    z.bitwise_xor_(_s32(k >> 32))
+    _fmix32_(z, tmp)
+    return z
 
 
 def noise(key: tuple[int, int, int], first: int, count: int, device: torch.device) -> torch.Tensor:
     """u in [0, 1) (fp32, multiples of 2^-24) for global flat elements [first, first + count) of
-    the parameter named by key = (seed, step, param_id). Element g's u depends on (key, g) alone.
-    Integer multiplications wrap modulo 2^64, as two's-complement int64 does on every device."""
-    z = torch.arange(first, first + count, dtype=torch.int64, device=device)
-    z.mul_(_GAMMA).add_(_signed(stream_key(*key)))
-    z = (z ^ _shr(z, 30)).mul_(_M1)
-    z = (z ^ _shr(z, 27)).mul_(_M2)
-    z = z ^ _shr(z, 31)
-    return _shr(z, 64 - _U_BITS).to(torch.float32).mul_(2.0**-_U_BITS)
+    the parameter named by key = (seed, step, param_id). Element g's u depends on (key, g) alone:
+    the high word of g and the key are mixed on the host (exact Python ints), the low word on the
+    device in int32 (two rounds of murmur3's finaliser, keyed by the two halves of the mixed key;
+    int32 arithmetic vectorises on every device, where int64 multiplication does not on CPUs).
+    Integer multiplications wrap modulo 2^32, as two's-complement int32 does on every device."""
+    if first < 0 or count < 0:
+        raise ValueError(f"noise: first and count must be >= 0, got first={first}, count={count}")
+    key64 = stream_key(*key)
+    out = torch.empty(count, dtype=torch.float32, device=device)
+    pos = 0
+    while pos < count:  # one run per 2^32-element window of the flat index (almost always one)
+        g = first + pos
+        n = min(count - pos, ((g >> 32) + 1 << 32) - g)
+        z = _noise_words(key64, g >> 32, g & 0xFFFFFFFF, n, device)
+        torch.bitwise_right_shift(z, 32 - _U_BITS, out=z)
+        z.bitwise_and_((1 << _U_BITS) - 1)
+        out[pos:pos + n] = z
+        pos += n
+    return out.mul_(2.0**-_U_BITS)
 
 
 def piece_span(start: int, local: int, block: int) -> tuple[int, int]:

@@ -252,3 +252,27 @@ def test_every_element_is_unbiased(mode):
         total += (q1.float() - q0.float()).double()
     z = (total / draws - ratio.double()).abs() / (ratio * (1 - ratio) / draws).sqrt().double()
     assert bool((z < 5).all()) == (mode == "stochastic")
+
+
+def _fmix32(z: int) -> int:
+    z ^= z >> 16
+    z = (z * 0x85EBCA6B) & 0xFFFFFFFF
+    z ^= z >> 13
+    z = (z * 0xC2B2AE35) & 0xFFFFFFFF
+    return z ^ (z >> 16)
+
+
+def _u_by_hand(key, g: int) -> float:
+    """The documented hash in exact Python integers: what every device's int32 tensors must give."""
+    k = quant8._mix_int(quant8.stream_key(*key) ^ (g >> 32))
+    z = ((g & 0xFFFFFFFF) * 0x9E3779B9 + k) & 0xFFFFFFFF
+    z = _fmix32(_fmix32(z) ^ ((k >> 32) & 0xFFFFFFFF))
+    return (z >> 8) / 2**24
+
+
+@pytest.mark.parametrize("first", [0, 2**31 - 3, 2**32 - 5, 3 * 2**32 + 7])
+def test_noise_equals_the_hash_in_exact_integers(first):
+    """Wrapping int32 arithmetic gives the exact hash, across the 2^31 sign and 2^32 word limits."""
+    key = (3, 1 << 40, 12)
+    u = quant8.noise(key, first, 11, CPU)
+    assert [float(v) for v in u] == [_u_by_hand(key, first + i) for i in range(11)]
