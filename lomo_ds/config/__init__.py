@@ -1,9 +1,12 @@
 """Configuration, the bottom layer: the update rule's `lomo` section (schema.py), the engine's other
 sections split by concern, comm, memory and train (sections.py), the rules' presets (presets.py),
-the engine's loader (lomo.py), the whole run (run.py), every DeepSpeed option, supported, mapped or
-refused (ds_options.py), the keys that moved (moved.py), the task registry (tasks.py); errors in
-this project's words (errors.py), file reading (files.py), `--set` overrides (overrides.py) and the
-generated option tables (docs.py). Validated once, where a config enters."""
+the whole run's sections (run.py, data_section.py) and methods (methods.py). One loader for both
+(loading.py): the engine's (lomo.py: load_config) and the run's (run.py: load_run_config) read,
+override and validate the same way; DeepSpeed's keys, supported, mapped or refused (ds_options.py,
+deepspeed_keys.py); each feature's checks that span sections (checks/); the keys that moved
+(moved.py), the task registry (tasks.py); errors in this project's words (errors.py), file reading
+(files.py), `--set` overrides (overrides.py) and the generated option tables (docs.py). Validated
+once, where a config enters."""
 from lomo_ds.config.lomo import ConfigError, EngineConfig, LomoConfig, load_config
 
 __all__ = ["ConfigError", "EngineConfig", "LomoConfig", "load_config"]

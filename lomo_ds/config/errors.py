@@ -13,12 +13,22 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names the key."""
 
 
+class SectionError(ValueError):
+    """Raised by a section's own check (a pydantic validator): `key` is the field it concerns, relative
+    to the section (``"source"``, ``"sources[1].name"``), so the error names the whole dotted key
+    wherever the section sits."""
 
-def validated(cls: type[BaseModel], raw: Any, where: str = ""):
+    def __init__(self, key: str, what: str):
+        super().__init__(f"{key}: {what}")
+        self.key, self.what = key, what
+
+
+def validated(cls: type[BaseModel], raw: Any, where: str = "", context: dict | None = None):
     """`cls` validated from `raw`; pydantic's first error becomes a ConfigError naming the dotted key
-    (`where` is the prefix of every key) and what was expected (in the words of `explain`)."""
+    (`where` is the prefix of every key) and what was expected (in the words of `explain`).
+    context: what the sections' checks may read (check_files: whether local paths must exist now)."""
     try:
-        return cls.model_validate(raw)
+        return cls.model_validate(raw, context=context)
     except ValidationError as e:
         key, what = explain(cls, e.errors()[0])
         raise ConfigError(f"{_dotted(where, key)}: {what}") from None
@@ -47,7 +57,8 @@ def explain(cls: type[BaseModel], err: dict) -> tuple[str, str]:
         number = "an integer" if isinstance(bound, int) else "a number"
         return key, f"expected {number} {op} {bound:g}, got {got}"
     if kind == "value_error":
-        return key, str(ctx["error"])
+        error = ctx["error"]
+        return (_dotted(key, error.key), error.what) if isinstance(error, SectionError) else (key, str(error))
     if kind == "string_too_short":
         return key, "expected a non-empty string"
     if kind == "too_short":

@@ -4,7 +4,7 @@ method reads (clipping, schedule, accumulation, seed). `EngineConfig` is the one
 engine takes: these three and the update rule (`lomo`, schema.py)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -121,10 +121,16 @@ class EngineConfig(Section):
     split by concern. `lomo_ds.config.lomo.load_config` builds it from a config file or dict; a
     run config gives its own as `RunConfig.engine`."""
 
+    SECTIONS: ClassVar[tuple[str, ...]] = ENGINE_SECTIONS  # every other top-level key is DeepSpeed's
     lomo: LomoConfig = LomoConfig()
     comm: CommConfig = CommConfig()
     memory: MemoryConfig = MemoryConfig()
     train: EngineTrainConfig = EngineTrainConfig()
+
+    @property
+    def lomo_update(self) -> bool:
+        """Whether LOMO does the update: always, for the engine's own config."""
+        return True
 
 
 def group_by_section(options: dict) -> dict[str, dict]:
