@@ -59,9 +59,9 @@ from lomo_ds.engine.sequence_loss import sp_loss
 from lomo_ds.engine.update import PassSettings, PassStats, build_updater
 from lomo_ds.engine.window import Agreed, BucketMode, Window
 from lomo_ds.runtime import ds_compat
-from lomo_ds.runtime import sequence_parallel as seqpar
 from lomo_ds.runtime.device import accelerator_device, capture_rng, move_batch, restore_rng
 from lomo_ds.runtime.dist import gather_full_state_dict, has_labelled_tokens, init_distributed, label_tokens, loss_of
+from lomo_ds.runtime.layout import ParallelLayout
 from lomo_ds.runtime.memory import MemoryTracker
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -77,18 +77,20 @@ def initialize(model: torch.nn.Module, config: dict | str | os.PathLike,
 
 class LomoEngine:
     def __init__(self, model: torch.nn.Module, ds_config: dict, config: EngineConfig, total_steps: int | None = None,
-                 precision: Precision | None = None):
+                 precision: Precision | None = None, layout: ParallelLayout | None = None):
         """`ds_config` goes to deepspeed.initialize as it is; the engine reads its settings from the
         typed `config` (lomo, comm, memory, train) and `precision` (default: read from `ds_config`'s
-        fp16/bf16)."""
+        fp16/bf16); its ranks, groups and what they require of the model from `layout` (default: the
+        process's layout for train.sequence_parallel_size, lomo_ds/runtime/layout.py)."""
         import deepspeed
 
         init_distributed(timeout_s=config.train.collective_timeout)
         # Before DeepSpeed partitions the model: every ZeRO-3 gather from here on takes this route.
         self.param_gather = configure_param_gather(config.comm.param_gather, config.train.collective_timeout)
         # Sequence parallelism: checked before DeepSpeed partitions anything.
-        self.sp = seqpar.groups(config.train.sequence_parallel_size)
-        seqpar.check_model_config(getattr(model, "config", None), self.sp.size, accelerator_device().type)
+        self.layout = layout or ParallelLayout.build(config.train.sequence_parallel_size)
+        self.layout.check_model(getattr(model, "config", None))
+        self.sp = self.layout.sp
         self.config = config
         self.ds_config = ds_config
         self.dtype = (precision or Precision.of(ds_config)).torch_dtype
@@ -102,8 +104,8 @@ class LomoEngine:
         # The training loss through the chunked linear + cross-entropy (chunked_loss.py), where the
         # model's head is one it knows; None: the model's own loss.
         self.loss_head = head_of(self.module, config.memory.chunked_loss)
-        sequence_memory.install(self.module, config.memory, torch.distributed.group.WORLD, self.device)
-        seqpar.install(self.module, self.sp)
+        sequence_memory.install(self.module, config.memory, self.layout.group, self.device)
+        self.layout.route_attention(self.module)
         self.offload = ds_compat.offload_of(self.ds_engine)
         # module.parameters() lists a tied tensor once: it gets one hook and one update with the
         # gradient autograd has already summed over its uses. Parameters matching
@@ -119,9 +121,7 @@ class LomoEngine:
         # norm are reduced over all of them, and every parameter must be sharded over all of them
         # (the buckets refuse a group that does not span them). Shard indices come from each
         # parameter's own group (update/shard.py).
-        self.group = torch.distributed.group.WORLD
-        self.world = torch.distributed.get_world_size(self.group)
-        self.rank = torch.distributed.get_rank(self.group)
+        self.group, self.world, self.rank = self.layout.group, self.layout.world, self.layout.rank
         self.memory: MemoryTracker | None = None
         self._build_update(config)
         self._build_buckets(config)

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from lomo_ds.data.sequence_split import IGNORE, split_batch, target_tokens
+from lomo_ds.data.sequence_split import IGNORE, target_tokens
 from lomo_ds.engine.chunked_loss import causal_lm_loss
 from lomo_ds.runtime.device import group_device
 from lomo_ds.runtime.dist import all_reduce_sum
-from lomo_ds.runtime.sequence_parallel import SequenceParallel
+from lomo_ds.runtime.layout import SequenceParallel
 
 
 def slice_sum(module: torch.nn.Module, head, chunk_logits: int, part: dict[str, Any]) -> torch.Tensor:
@@ -44,10 +44,11 @@ def slice_sum(module: torch.nn.Module, head, chunk_logits: int, part: dict[str, 
 
 def sp_loss(module: torch.nn.Module, head, chunk_logits: int, batch: dict[str, Any], sp: SequenceParallel,
             normalization: str) -> tuple[torch.Tensor, bool, int]:
-    """(loss, whether the whole batch has a target, tokens) as the engine's train_step reads them."""
+    """(loss, whether the whole batch has a target, tokens) as the engine's train_step reads them;
+    `sp` is the parallel layout's SP part (lomo_ds/runtime/layout.py), which cuts this rank's slice."""
     pre_split = "shift_labels" in batch
     part = ({k: batch[k] for k in ("input_ids", "position_ids", "shift_labels")} if pre_split
-            else split_batch(batch, sp.rank, sp.size))
+            else sp.local_part(batch))
     mine = int((part["shift_labels"] != IGNORE).sum())
     whole = (int(all_reduce_sum(torch.tensor([float(mine)], device=group_device(sp.group)), sp.size, sp.group,
                                 "sequence-parallel target tokens")[0]) if pre_split else target_tokens(batch))

@@ -49,9 +49,10 @@ from lomo_ds.integrations.training_args import (
     sequence_parallel_size,
 )
 from lomo_ds.methods.lomo import load_engine_state
-from lomo_ds.runtime import ds_compat, sequence_parallel
+from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
 from lomo_ds.runtime.dist import io_barrier, label_tokens
+from lomo_ds.runtime.layout import ParallelLayout
 from lomo_ds.runtime.preemption import PREEMPTED_EXIT
 from lomo_ds.storage.checkpoint import IO_TIMEOUT_S, write_atomic, write_hf_model
 from lomo_ds.storage.engine_state import save_engine_state
@@ -271,7 +272,8 @@ class LomoTrainerMixin:
         if self.lomo_engine is None:
             hf_ds = self.accelerator.state.deepspeed_plugin.hf_ds_config.config
             ds_config, config = self._lomo_config(self.args, hf_ds, tokens=self._loss_by_tokens)
-            self.lomo_engine = TrainerLomoEngine(self.model, ds_config, config, precision=Precision.of(ds_config))
+            self.lomo_engine = TrainerLomoEngine(self.model, ds_config, config, precision=Precision.of(ds_config),
+                                                 layout=self._lomo_layout())
             self.lomo_engine.schedule = _TrainerSchedule(self)
         return self.lomo_engine
 
@@ -303,14 +305,18 @@ class LomoTrainerMixin:
         UlyssesSPDataLoaderAdapter over the engine's SP group: each SP rank gets its slice of one
         rank's batch in turn (position ids whole-row, labels shifted before the split)."""
         loader = super().get_train_dataloader()
-        size = sequence_parallel_size(self.args)
-        if size == 1:
+        if sequence_parallel_size(self.args) == 1:
             return loader
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
-        sp = sequence_parallel.groups(size)
+        sp = self._lomo_layout().sp
         return UlyssesSPDataLoaderAdapter(WithPositions(loader), sp_rank=sp.rank, sp_group=sp.group,
-                                          sp_world_size=size, device=group_device(sp.group))
+                                          sp_world_size=sp.size, device=group_device(sp.group))
+
+    def _lomo_layout(self) -> ParallelLayout:
+        """The process's parallel layout for parallelism_config's sp_size: the loader's SP slices and
+        the engine's groups are the same (built on the first call, collectively)."""
+        return ParallelLayout.build(sequence_parallel_size(self.args))
 
     # ------------------------------------------------------------------ the step
     def _label_count(self, inputs: dict[str, Any]) -> int:

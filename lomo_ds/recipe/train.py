@@ -10,175 +10,49 @@ tokenizer, data, train, eval, output); common fields have flags, any field has -
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import logging
 import math
 import os
 import sys
 import time
-import warnings
 from functools import partial
 
 import torch
 from tqdm import tqdm
 
-from lomo_ds.config import leaf_module
 from lomo_ds.config.errors import ConfigError
-from lomo_ds.config.overrides import parse_override_args
 from lomo_ds.config.presets import describe_update
-from lomo_ds.config.run import LOMO_METHODS, METHODS, check_model_on_disk, load_run_config
+from lomo_ds.config.run import LOMO_METHODS, check_model_on_disk, load_run_config
 from lomo_ds.data.chat import chat_format
 from lomo_ds.data.collate import pad_id_of
 from lomo_ds.data.errors import DataError
 from lomo_ds.data.loading import build_datasets
 from lomo_ds.data.order import batches_for_step, position_of_step, steps_per_epoch, window_of_step
 from lomo_ds.data.packing import make_batch, padding_fraction, train_order
-from lomo_ds.data.sequence_split import pad_to_multiple
 from lomo_ds.data.streaming import build_streamed_datasets
-from lomo_ds.evaluation import harness
-from lomo_ds.evaluation.generation import evaluate_generation, write_generations
-from lomo_ds.evaluation.scoring import evaluate, evaluate_loss
 from lomo_ds.methods import build_engine
-from lomo_ds.planning import inference, planner
-from lomo_ds.planning.model_tree import hf_config, meta_model
-from lomo_ds.recipe import harness_eval
+from lomo_ds.recipe.evaluation_hooks import EvaluationHooks
 from lomo_ds.recipe.metrics import Metrics
-from lomo_ds.runtime import sequence_parallel as seqpar
+from lomo_ds.recipe.preflight import (  # noqa: F401 (the program's parts, named here as before)
+    add_arguments,
+    check_runtime,
+    check_sequence_parallel_model,
+    dry_run,
+    overrides_from,
+    parse_args,
+    print_eval_plan,
+    show_what_matters,
+    stop_every_rank,
+)
+from lomo_ds.recipe.resume import Resume
 from lomo_ds.runtime.device import accelerator_device, set_cpu_threads
 from lomo_ds.runtime.dist import accepts_logits_to_keep, init_distributed, io_barrier, keep_labelled_logits
 from lomo_ds.runtime.host_malloc import keep_freed_memory
+from lomo_ds.runtime.layout import ParallelLayout
 from lomo_ds.runtime.memory import cuda_peak_bytes, process_peak_rss_bytes
 from lomo_ds.runtime.preemption import PREEMPTED_EXIT, Preempted, Preemption
 from lomo_ds.storage import checkpoint
-from lomo_ds.storage.models import load_model, load_tokenizer, model_config, release_model_build_config
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    ap.add_argument("--config", required=True, help="run config JSON (see ds_configs/)")
-    ap.add_argument("--lr", type=float, help="lomo.lr: the LOMO methods' learning rate (the others': --set train.lr=)")
-    ap.add_argument("--task", help="data.task")
-    ap.add_argument("--model", help="model.path")
-    ap.add_argument("--method", help=f"train.method ({', '.join(METHODS)})")
-    ap.add_argument("--output-dir", help="output.dir")
-    ap.add_argument("--epochs", type=int, help="train.epochs")
-    ap.add_argument("--max-steps", type=int, help="train.max_steps")
-    ap.add_argument("--accumulation-steps", type=int,
-                    help="gradient_accumulation_steps: micro-batches per optimizer step (= train.accumulation_steps)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override any field, e.g. --set train.clip_grad_norm=1.0 (value parsed as JSON)")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
-    ap.add_argument("--dry-run", action="store_true", help="print the resolved config and predicted memory, then exit")
-    # the deepspeed launcher's
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return ap
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return add_arguments(ap).parse_args(argv)
-
-
-def overrides_from(args) -> dict:
-    flags = {"lomo.lr": args.lr, "data.task": args.task, "model.path": args.model, "train.method": args.method,
-             "output.dir": args.output_dir, "train.epochs": args.epochs, "train.max_steps": args.max_steps,
-             "gradient_accumulation_steps": args.accumulation_steps}
-    out = {k: v for k, v in flags.items() if v is not None}
-    out.update(parse_override_args(args.set))
-    return out
-
-
-def dry_run(cfg) -> None:
-    """The resolved config, then the memory planner's per-GPU prediction for it."""
-    print(json.dumps(cfg.to_dict(), indent=2))
-    world = int(os.environ.get("WORLD_SIZE", "0")) or None  # the launcher's rank count, if launched
-    try:
-        p = planner.plan_for_run(cfg, world)
-    except ValueError as e:
-        print(f"memory plan: not available ({e})")
-        return
-    print(planner.format_plan(p, world))
-    method = planner.method_of_run(cfg)
-    if world and method is not None:
-        need = p.estimates[(method, world)].total / planner.GIB
-        print(f"this launch ({world} ranks): {planner.METHOD_LABELS[method]} needs {need:.2f} GiB per GPU")
-    print_eval_plan(cfg, p, world)
-
-
-def print_eval_plan(cfg, p, world: int | None) -> None:
-    """The evaluation's and generation's memory on this launch's GPU count (else the smallest the
-    run's method fits on)."""
-    method = planner.method_of_run(cfg)
-    if method not in planner.FUSED:
-        return
-    gpus = world or p.min_gpus.get(method) or max(n for _, n in p.estimates)
-    print()
-    print(inference.format_eval(p, inference.eval_spec_for(cfg), gpus, method))
-
-
-def check_runtime(cfg) -> None:
-    """Errors only the machine can tell, still before any model is allocated."""
-    from deepspeed.accelerator import get_accelerator  # not at the top: show_what_matters runs first
-
-    if cfg.precision.dtype == "fp16" and get_accelerator().device_name() == "cpu":
-        raise ConfigError(f"{cfg.source_path}: fp16.enabled: DeepSpeed refuses fp16 on a CPU; use bf16 or fp32 here")
-    check_fetch_unit(cfg)
-    if cfg.eval.harness_tasks:
-        try:
-            harness_eval.check_tasks(cfg)
-        except ValueError as e:
-            raise ConfigError(f"{cfg.source_path or '<config>'}: eval.harness_tasks: {e}") from None
-
-
-def check_fetch_unit(cfg) -> None:
-    """zero_optimization.leaf_module against the model's own module classes, from its config.json
-    built on the meta device (no memory), where model.path is a folder on this machine; otherwise
-    the engine checks it on the loaded model (lomo_ds/config/leaf_module.py)."""
-    value = (cfg.ds.get("zero_optimization") or {}).get("leaf_module")
-    config_json = os.path.join(cfg.model.path, "config.json")
-    if value is None or not os.path.isfile(config_json):
-        return
-    with open(config_json) as f:
-        raw = json.load(f)
-    try:
-        model = meta_model(hf_config(raw, config_json))
-    except (ValueError, KeyError):  # remote code, or an architecture transformers cannot build alone
-        return
-    try:
-        leaf_module.resolve_value(value, model)
-    except ConfigError as e:
-        raise ConfigError(f"{cfg.source_path or '<config>'}: {e} (model.path {cfg.model.path!r})") from None
-
-
-def check_sequence_parallel_model(cfg) -> None:
-    """train.sequence_parallel_size against the model's heads and attention, from its config alone.
-    A GGUF model not converted yet has no config to read: the engine checks the built model then."""
-    if cfg.train.sequence_parallel_size == 1:
-        return
-    config = model_config(cfg)
-    if config is not None:
-        seqpar.check_model_config(config, cfg.train.sequence_parallel_size, accelerator_device().type)
-
-
-def show_what_matters(rank: int) -> None:
-    """Rank 0 prints progress, results, and each library warning once; the other ranks print only
-    errors (every rank would otherwise repeat the same DeepSpeed/torch/transformers messages).
-    Called before DeepSpeed is imported: it logs from its first import on."""
-    if rank == 0:
-        warnings.simplefilter("once")
-        return
-    warnings.simplefilter("ignore")
-    # DeepSpeed resets its logger's level when it creates it; a filter stays.
-    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
-    logging.getLogger("torch").setLevel(logging.ERROR)
-    import datasets  # these two after the filters above: they log from their first import on
-    import transformers
-
-    # Libraries draw their own bars (transformers' loading and GGUF conversion, datasets' maps): off
-    # by default here, as the TQDM_DISABLE variable would do had tqdm not been imported already.
-    tqdm.__init__ = functools.partialmethod(tqdm.__init__, disable=True)
-    transformers.utils.logging.set_verbosity_error()
-    datasets.utils.logging.set_verbosity_error()
+from lomo_ds.storage.models import load_model, load_tokenizer, release_model_build_config
 
 
 def planned_steps(cfg, n_train: int, world: int) -> tuple[int, int]:
@@ -193,17 +67,6 @@ def planned_steps(cfg, n_train: int, world: int) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     return run(parse_args(argv))
-
-
-def stop_every_rank(rank: int, message: str) -> int:
-    """Every rank stops; rank 0 alone says why. The others wait before exiting: a launcher kills the
-    whole group as soon as one rank exits, and if a silent rank went first, rank 0 would be killed
-    before its message was printed. The launcher ends the wait as soon as rank 0 has exited."""
-    if rank == 0:
-        print(message, file=sys.stderr, flush=True)
-    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        time.sleep(30)
-    return 2
 
 
 def run(args: argparse.Namespace) -> int:
@@ -238,18 +101,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def loss_by_source(loss, sets: dict[str, list[dict]]) -> dict:
-    """data.sources' evaluation: each source's loss (loss/<name>) and the loss over all of them
-    (every token weighing the same), from `loss(examples)` per source."""
-    parts = {name: loss(examples) for name, examples in sets.items()}
-    n = sum(r["n_tokens"] for r in parts.values())
-    total = sum(r["loss"] * r["n_tokens"] for r in parts.values() if r["n_tokens"])
-    return {"loss": total / n if n else float("nan"), "n_tokens": n,
-            "forward_calls": sum(r["forward_calls"] for r in parts.values()),
-            **{f"loss/{name}": r["loss"] for name, r in parts.items()}}
-
-
-class TrainRecipe:
+class TrainRecipe(EvaluationHooks, Resume):
     """One fine-tuning run, in the parts a reader (or a test) takes one at a time:
 
         recipe = TrainRecipe(cfg, resume=False)
@@ -258,7 +110,8 @@ class TrainRecipe:
         recipe.finish()      # final evaluation, checkpoint, Hugging Face export, summary.json
         recipe.cleanup()     # close the metrics; every rank done
 
-    evaluate(tag, step) and save() are the parts train() and finish() call."""
+    evaluate(tag, step) and save() are the parts train() and finish() call; the evaluations are
+    recipe/evaluation_hooks.py's, the resume point recipe/resume.py's."""
 
     def __init__(self, cfg, resume: bool = False):
         self.cfg = cfg
@@ -277,12 +130,12 @@ class TrainRecipe:
                                      marker_dir=out.dir if os.environ.get("RANK", "0") == "0" else None)
         torch.manual_seed(self.cfg.train.seed)
         init_distributed(timeout_s=self.cfg.train.collective_timeout)
-        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        # Sequence parallelism: the ranks of an SP group train on the same rows (each its slice of
-        # positions), so the data is dealt to the data-parallel replicas, world / sp of them.
-        sp = self.cfg.train.sequence_parallel_size
-        seqpar.check_world(sp, self.world)
-        self.dp_world, self.dp_rank = self.world // sp, self.rank // sp
+        # The ranks and their layout. Sequence parallelism: the ranks of an SP group train on the same
+        # rows (each its slice of positions), so the data is dealt to the layout's data-parallel
+        # replicas. The engine takes the same layout (ParallelLayout.build: one per process).
+        self.layout = ParallelLayout.build(self.cfg.train.sequence_parallel_size)
+        self.rank, self.world = self.layout.rank, self.layout.world
+        self.dp_world, self.dp_rank = self.layout.dp_size, self.layout.dp_rank
         self.barrier = torch.distributed.barrier
         # Waits on other ranks' disk writes (checkpoints): under output.io_timeout, not the collectives'.
         self.io_barrier = partial(io_barrier, self.cfg.output.io_timeout)
@@ -329,45 +182,13 @@ class TrainRecipe:
                  f"{self.total_steps} steps in all")
 
     def setup_engine(self) -> None:
-        check_sequence_parallel_model(self.cfg)  # before any rank allocates the model
+        check_sequence_parallel_model(self.cfg, self.layout)  # before any rank allocates the model
         model = load_model(self.cfg, self.cfg.ds, self.rank, self.barrier)
         self.engine = build_engine(self.cfg, model, self.total_steps)
-        self.labelled_logits_only = accepts_logits_to_keep(model)  # see keep_labelled_logits
+        # See keep_labelled_logits; under SP the engine's loss reads its slice's every position.
+        self.labelled_logits_only = accepts_logits_to_keep(model) and self.layout.sp_size == 1
         if not self.engine.supports_resume and (self.resume_requested or self.cfg.output.checkpoint_every):
             self.say(f"train.method={self.cfg.train.method}: nothing to checkpoint or resume")
-
-    def resume_point(self) -> int:
-        """The step to start from: the newest checkpoint's when resuming (loaded into the engine), else 0."""
-        if not (self.resume_requested and self.engine.supports_resume):
-            return 0
-        ckpt = checkpoint.latest_checkpoint(self.cfg.output.dir)
-        if ckpt is None:
-            self.say(f"resume: no checkpoint in {self.cfg.output.dir}; starting from scratch")
-            return 0
-        try:
-            meta = checkpoint.load_checkpoint(ckpt, self.engine)
-        except (ValueError, FileNotFoundError) as e:  # refused before any shard is written
-            raise checkpoint.CheckpointError(f"{ckpt}: {e}") from None
-        step = meta["step"]
-        self.say(f"resumed from {ckpt} at step {step}")
-        if meta["world"] != self.world:
-            self.say(f"resumed on {self.world} rank(s) a run checkpointed on {meta['world']}: "
-                     + self.data_position_after_resume(meta.get("global_batch")))
-        return step
-
-    @property
-    def global_batch(self) -> int:
-        return self.dp_world * self.cfg.micro_batch * self.cfg.accumulation_steps
-
-    def data_position_after_resume(self, written_batch: int | None) -> str:
-        """What a resume on another rank count does to the data order, in words."""
-        if written_batch == self.global_batch:
-            return f"the same global batch ({self.global_batch} examples a step): the data order continues exactly"
-        # The order is a pure function of (seed, epoch, step) for a global batch: another batch
-        # cuts the same epoch order into other steps.
-        return (f"global batch {written_batch} -> {self.global_batch}: the steps from here on take the new "
-                "batch's share of the epoch order, so some examples of the resumed epoch are seen twice or "
-                "not at all; keep world x micro-batch x accumulation the same for the uninterrupted order")
 
     # ---------------------------------------------------------------- train
     def train(self) -> None:
@@ -415,11 +236,8 @@ class TrainRecipe:
             self.engine.start_window(len(window))
         t0, tokens, padding = time.perf_counter(), 0, []
         for micro in window:  # every rank's micro-batch, for the padding figure; this rank trains on its own
-            batch = make_batch(micro[self.dp_rank], self.pad_id, self.data.packed)
-            sp = self.cfg.train.sequence_parallel_size
-            if sp > 1:
-                batch = pad_to_multiple(batch, sp, self.pad_id)
-            elif self.labelled_logits_only:
+            batch = self.layout.pad_rows(make_batch(micro[self.dp_rank], self.pad_id, self.data.packed), self.pad_id)
+            if self.labelled_logits_only:
                 batch = keep_labelled_logits(batch)
             out = self.engine.train_step(batch)
             tokens += sum(len(e["input_ids"]) for e in micro[self.dp_rank])
@@ -452,49 +270,6 @@ class TrainRecipe:
         return epoch, [[[self.data.train[i] for i in batches_for_step(order, m, self.dp_world, cfg.micro_batch, r)]
                         for r in range(self.dp_world)] for m in window]
 
-    # ---------------------------------------------------------------- evaluate
-    def evaluate(self, tag: str, step: int) -> dict:
-        """Candidate accuracy on the eval set (or its loss, for a language-modelling task), logged
-        under `tag`; for a chat task also the exact match and containment of greedy replies
-        (generate()); {} when the task has no eval set."""
-        def forward_logits(batch):
-            return self.engine.eval_forward(batch).logits
-
-        cfg, data, show = self.cfg, self.data, self.rank == 0
-        t0 = time.perf_counter()
-        if data.eval:
-            res = evaluate(forward_logits, data.eval, self.pad_id, cfg.eval.batch_size, self.rank, self.world,
-                           progress=show)
-        elif data.eval_lm:
-            # The LOMO engine's chunked loss where it has one: no fp32 logits of every position.
-            token_loss = getattr(getattr(self.engine, "engine", None), "eval_token_loss", None)
-            loss = partial(evaluate_loss, forward_logits, pad_id=self.pad_id, batch_size=cfg.eval.batch_size,
-                           rank=self.rank, world=self.world, progress=show, token_loss=token_loss)
-            res = loss_by_source(loss, data.eval_by_source) if data.eval_by_source else loss(data.eval_lm)
-        else:
-            return {}
-        res = {f"eval/{k}": v for k, v in res.items()}
-        if data.eval_prompts:
-            res.update({f"eval/{k}": v for k, v in self.generate(tag, step).items()})
-        self.metrics.log({"step": step, "phase": tag, **res, "eval_seconds": time.perf_counter() - t0})
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
-                 if any(w in k for w in ("accuracy", "loss", "exact_match", "contains"))}
-        self.say(f"[{tag}] step {step}: {shown}")
-        return res
-
-    def generate(self, tag: str, step: int) -> dict:
-        """Collective: greedy replies to the eval prompts, split over the ranks; rank 0 writes them
-        to output.dir/generations/step_N.jsonl. Returns {"exact_match", "contains", "n"}."""
-        cfg = self.cfg
-        scores, rows = evaluate_generation(self.engine.module, self.data.eval_prompts, self.tokenizer,
-                                           stop_ids=self.stop_ids, pad_id=self.pad_id,
-                                           max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
-                                           rank=self.rank, world=self.world, device=self.engine.device)
-        if self.rank == 0:
-            write_generations(cfg.output.dir, step, rows)
-            self.generations[tag] = rows
-        return scores
-
     # ---------------------------------------------------------------- save
     def save(self) -> None:
         """A checkpoint of the engine at its current step (atomic; the oldest beyond keep_last go)."""
@@ -522,27 +297,6 @@ class TrainRecipe:
                 self.evaluate_export(path, total)
         if self.rank == 0:
             self.write_summary()
-
-    def evaluate_export(self, path: str, step: int) -> None:
-        """lm-evaluation-harness on the export by rank 0 in a process of its own, once every rank freed
-        its engine (gone after), while the others wait; the figures go to the metrics (and TensorBoard)
-        and summary.json. A failure is raised on rank 0 after the others are released."""
-        cfg, failed, device = self.cfg, None, str(self.engine.device)
-        self.say(harness_eval.release(self.engine))  # the harness loads the whole model on rank 0's device
-        self.engine = None
-        if self.rank == 0:
-            t0 = time.perf_counter()
-            try:
-                results = harness_eval.evaluate_export(path, cfg, device, self.say)
-            except harness.HarnessError as e:
-                failed = e
-            else:
-                flat = harness.flat_metrics(results)
-                self.metrics.log({"step": step, "phase": "harness", **flat, "eval_seconds": time.perf_counter() - t0})
-                self.results["harness"] = flat
-        self.io_barrier()  # the others wait as for a checkpoint: under output.io_timeout
-        if failed is not None:
-            raise failed
 
     def write_summary(self) -> None:
         results = self.results

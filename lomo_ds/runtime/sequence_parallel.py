@@ -1,17 +1,23 @@
-"""Sequence parallelism (train.sequence_parallel_size): the groups and DeepSpeed's Ulysses attention.
-
-Ranks are cut into SP groups of consecutive ranks (0..sp-1, sp..2sp-1, ...; DeepSpeed's layout):
-the ranks of one group hold slices of the same sequences, and world / sp groups are the
-data-parallel replicas. ZeRO-3 keeps sharding every parameter over the whole world, and the
-gradient is reduce-scattered over the whole world too: each SP rank's gradient is that of its own
-slice of positions, so the world's sum is the sum over data-parallel groups of whole sequences'
-gradients, exactly what the update needs (nothing is reduced twice).
+"""Sequence parallelism's attention (train.sequence_parallel_size): DeepSpeed's Ulysses around one
+model's own attention, and what a model must be for it. The ranks, groups and batches of SP are
+the parallel layout's (lomo_ds/runtime/layout.py), which calls into this module.
 
 Attention is the one place where positions meet: DeepSpeed's UlyssesSPAttentionHF exchanges
 query/key/value heads for positions (all-to-all) around the model's own core attention, and back.
-It is installed as a dispatcher under the model's attention name in transformers' registry:
-modules of a model given to `install` go through their own Ulysses instance while training; any
-other model, and evaluation (whole sequences on every rank), calls the original function.
+It is routed per model: `route` registers an attention function under a name of its own
+("lomo_ds_ulysses_<n>_<original>", in transformers' attention and mask registries; the original's
+mask builder) and sets that name on the trained model's text config alone. transformers' attention
+modules look the function up by their config's name at every call, so the trained model attends
+through Ulysses while it trains and through its original attention when it evaluates (whole
+sequences on every rank), and every other model of the process (a DPO/GRPO reference model, an
+evaluation model) keeps its own config, its own name and its original attention.
+
+DeepSpeed's own `register_with_transformers` is not used for this. It creates the SP groups in
+process-global state (parallel_state_sp), which asserts on a second call, so a second engine or a
+Trainer run after a recipe run in one process fails; it fixes one micro-batch size for the wrapped
+attention, where lomo_ds's evaluation and the last window of an epoch use others; and it replaces the
+attention registered under a name for the whole process, so every model in the process (the
+reference models of DPO and GRPO, evaluation included) would be routed through SP.
 
 Two things of the model's own attention must survive the exchange:
 
@@ -21,11 +27,11 @@ Two things of the model's own attention must survive the exchange:
   the core attention is given the causal sliding-window mask of the gathered row (`_windowed`);
 - `num_key_value_groups`: where SP exceeds the key/value heads, DeepSpeed replicates them and sets
   the module's groups to the local ratio without restoring it, and evaluation's whole rows would
-  then repeat the key/value heads too few times; the dispatcher puts it back after each call.
+  then repeat the key/value heads too few times; the routed function puts it back after each call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
 from typing import Any
 
 import torch
@@ -37,50 +43,44 @@ _NEEDS_CUDA = ("flash_attention_2", "flash_attention_3")
 # is_causal path, and the window mask `_windowed` builds; flash: its own keywords). flex_attention
 # with no block mask attends to the whole row, later tokens included.
 _SUPPORTED = ("sdpa", *_NEEDS_CUDA)
-_ORIGINAL: dict[str, Any] = {}  # attention name -> transformers' own function, before the dispatcher
-_GROUPS: dict[int, Any] = {}  # sp size -> this rank's SP group
+_PREFIX = "lomo_ds_ulysses_"
+_ROUTED: dict[str, str] = {}  # a routed model's attention name -> the original implementation's
+_NAMES = itertools.count()
 
 
-@dataclass(frozen=True)
-class SequenceParallel:
-    size: int  # ranks per sequence
-    group: Any  # this rank's SP group (None when size is 1)
-    rank: int  # this rank's place in it
-    dp_size: int  # data-parallel replicas: world / size
-    dp_rank: int
+def original_attention(name: str) -> str:
+    """The attention implementation a name stands for: a routed model's, the one it replaced."""
+    return _ROUTED.get(name, name)
 
 
-def check_world(sp_size: int, world: int) -> None:
-    if world % sp_size:
-        raise ValueError(f"train.sequence_parallel_size {sp_size} does not divide the {world} ranks: the "
-                         f"data-parallel groups would be uneven; use a divisor of {world}")
-
-
-def check_model_config(hf_config: Any, sp_size: int, device_type: str = "cpu") -> None:
-    """Refuse, before any model is built, a model Ulysses cannot split over `sp_size` ranks."""
-    if sp_size == 1:
-        return
+def model_facts(hf_config: Any, sp_size: int) -> tuple[int, int, str]:
+    """(attention heads, key/value heads, attention implementation) of a model's config, as the
+    SP checks read them; refuses a model with none to read."""
     if hf_config is None:
         raise ValueError(f"train.sequence_parallel_size {sp_size}: Ulysses attention needs a transformers model "
                          "(one with a config naming its attention heads)")
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
     if heads is None:
         raise ValueError(f"train.sequence_parallel_size {sp_size}: the model's config names no "
                          "num_attention_heads; Ulysses splits attention by heads")
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv, original_attention(getattr(cfg, "_attn_implementation", None) or "eager")
+
+
+def check_model_facts(heads: int, kv: int, attention: str, sp_size: int, device_type: str) -> None:
+    """Refuse heads, key/value heads or an attention implementation Ulysses cannot split over
+    `sp_size` ranks computing on `device_type`."""
     if heads % sp_size:
         raise ValueError(f"train.sequence_parallel_size {sp_size}: the model's {heads} attention heads are not "
                          f"divisible by it (Ulysses gives each SP rank heads / sp heads); use a divisor of {heads}")
     if kv % sp_size and sp_size % kv:
         raise ValueError(f"train.sequence_parallel_size {sp_size}: the model's {kv} key/value heads neither divide "
                          f"nor are divided by it (Ulysses splits or replicates them); use a divisor of {kv}")
-    check_attention(getattr(cfg, "_attn_implementation", None) or "eager", sp_size, device_type)
+    check_attention(attention, sp_size, device_type)
 
 
 def check_attention(name: str, sp_size: int, device_type: str) -> None:
-    if sp_size == 1:
-        return
     if name in ("eager", "paged|eager"):
         raise ValueError(f"train.sequence_parallel_size {sp_size}: attention '{name}' builds the whole sequence's "
                          "S x S mask, which Ulysses cannot split; load the model with attn_implementation='sdpa'")
@@ -93,36 +93,31 @@ def check_attention(name: str, sp_size: int, device_type: str) -> None:
                          f"run on '{device_type}'; Ulysses needs another attention here: 'sdpa'")
 
 
-def groups(sp_size: int) -> SequenceParallel:
-    """Collective on first use for a size (every rank makes every group, in the same order)."""
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    check_world(sp_size, world)
-    if sp_size == 1:
-        return SequenceParallel(1, None, 0, world, rank)
-    if sp_size not in _GROUPS:
-        mine = None
-        for first in range(0, world, sp_size):
-            ranks = list(range(first, first + sp_size))
-            group = torch.distributed.new_group(ranks)
-            if rank in ranks:
-                mine = group
-        _GROUPS[sp_size] = mine
-    return SequenceParallel(sp_size, _GROUPS[sp_size], rank % sp_size, world // sp_size, rank // sp_size)
-
-
-def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
-    """Route `model`'s attention through Ulysses over `sp.group` while it trains."""
-    if sp.size == 1:
-        return
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+def route(model: torch.nn.Module, group: Any) -> str:
+    """Route `model`'s attention through Ulysses over the SP `group` while it trains (checked by the
+    layout before the engine partitioned the model); returns the name it now attends under."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     cfg = model.config.get_text_config()
-    name = cfg._attn_implementation  # checked by the engine (check_model_config) before it partitioned the model
-    if name not in _ORIGINAL:
-        _ORIGINAL[name] = ALL_ATTENTION_FUNCTIONS[name]
-        ALL_ATTENTION_FUNCTIONS[name] = _dispatcher(name)
-    core = _windowed(_ORIGINAL[name]) if name == "sdpa" else _ORIGINAL[name]
+    original = original_attention(cfg._attn_implementation)
+    # The original's name stays in the routed one: transformers tells flash attention by "flash" in it.
+    name = f"{_PREFIX}{next(_NAMES)}_{original}"
+    core = ALL_ATTENTION_FUNCTIONS[original]
+    core = _named(core, original) if "flash" in original else core
+    AttentionInterface.register(name, _routed(core, _ulysses(cfg, core, original, group)))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    _ROUTED[name] = original
+    cfg._attn_implementation = name
+    return name
+
+
+def _ulysses(cfg: Any, core, original: str, group: Any):
+    """Ulysses around the model's original attention `core`, one instance per batch size."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    core = _windowed(core) if original == "sdpa" else core
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     by_batch: dict[int, UlyssesSPAttentionHF] = {}
 
@@ -132,18 +127,15 @@ def install(model: torch.nn.Module, sp: SequenceParallel) -> None:
             by_batch[batch_size] = UlyssesSPAttentionHF(
                 attn=core, batch_size=batch_size, attn_head_count=cfg.num_attention_heads, attn_head_size=head_dim,
                 kv_head_count=cfg.num_key_value_heads or cfg.num_attention_heads,
-                num_hidden_layers=cfg.num_hidden_layers, process_group=sp.group, seq_length_is_variable=True)
+                num_hidden_layers=cfg.num_hidden_layers, process_group=group, seq_length_is_variable=True)
         return by_batch[batch_size]
-
-    for module in model.modules():
-        module._lomo_ds_ulysses = ulysses
+    return ulysses
 
 
-def _dispatcher(name: str):
+def _routed(original, ulysses):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        ulysses = getattr(module, "_lomo_ds_ulysses", None)
-        if ulysses is None or not module.training:
-            return _ORIGINAL[name](module, query, key, value, attention_mask, *args, **kwargs)
+        if not module.training:  # evaluation: whole sequences on every rank
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
         # The mask transformers built is the local slice's; causal order comes from the gathered
         # position ids instead (right-padded rows: data/sequence_split.py), the window from `_windowed`.
         groups = getattr(module, "num_key_value_groups", None)
@@ -152,6 +144,20 @@ def _dispatcher(name: str):
         finally:
             if groups is not None:  # DeepSpeed sets it to its local ratio when it replicates key/value heads
                 module.num_key_value_groups = groups
+    return attention
+
+
+def _named(core, original: str):
+    """`core` called with the module's config naming the original attention again: flash attention
+    loads its kernels by that name (a routed model's config names the routed function)."""
+    def attention(module, *args, **kwargs):
+        cfg = module.config
+        routed = cfg._attn_implementation_internal
+        cfg._attn_implementation_internal = original
+        try:
+            return core(module, *args, **kwargs)
+        finally:
+            cfg._attn_implementation_internal = routed
     return attention
 
 

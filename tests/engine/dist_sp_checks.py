@@ -204,3 +204,26 @@ def unsplit_loss(sp: int) -> dict:
                     want = (sum(ref(**mb).loss for mb in mbs) / len(mbs)).item()
             out[f"{normalization} {rows}"] = [got, want]
     return out
+
+
+def other_model_unaffected(sp: int) -> dict:
+    """Two models in one process, one trained with SP: the other (a reference or evaluation model,
+    its own config) keeps its own attention. Its forward in training mode after the SP engine was
+    built and stepped is its forward before (bit for bit), and transformers' registry still maps
+    "sdpa" to transformers' own function: only the trained model's config names the routed one."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    own_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    other = sdpa_llama(5).train()  # training mode: where the trained model attends through Ulysses
+    batch = micro_batch(0, 0, 0)
+    with torch.no_grad():
+        before = other(**batch).logits
+    engine = lomo_ds.initialize(sdpa_llama(1), ds_cfg(sequence_parallel_size=sp))
+    for k in range(2):
+        engine.train_step(micro_batch(0, k, engine.sp.dp_rank))
+    with torch.no_grad():
+        after = other(**batch).logits
+    return {"equal": bool(torch.equal(before, after)), "max_abs_diff": (after - before).abs().max().item(),
+            "registry_sdpa_kept": ALL_ATTENTION_FUNCTIONS["sdpa"] is own_sdpa,
+            "other_attention": other.config._attn_implementation,
+            "trained_attention": engine.module.config._attn_implementation}

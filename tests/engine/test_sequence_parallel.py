@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lomo_ds.data.sequence_split import shift_labels, split_batch, target_tokens
-from lomo_ds.runtime import sequence_parallel as seqpar
+from lomo_ds.runtime.layout import ParallelLayout
 from tests.engine import dist_sp_checks as S
 from tests.families import sdpa_family
 from tests.ranks import LONG_TESTS, assert_matches_reference, multi_rank_checks, ok
@@ -35,6 +35,7 @@ CHECKS = multi_rank_checks(
     sp_adalomo=lambda: S.equivalence(2, optimizer="adalomo", normalization="tokens"),
 )
 (UNSPLIT,) = multi_rank_checks(WORLDS, sp_unsplit_loss=lambda: S.unsplit_loss(2))
+(OTHER_MODEL,) = multi_rank_checks(WORLDS, sp_other_model_unaffected=lambda: S.other_model_unaffected(2))
 WINDOW, FEW_KV = multi_rank_checks(
     WORLDS,
     sp_sliding_window=lambda: S.equivalence(2, build=lambda seed: sdpa_family("mistral", seed, window=3)),
@@ -80,6 +81,18 @@ def test_loss_is_the_unsplit_loss(rank_results, world):
     r = ok(rank_results(world), UNSPLIT)
     for normalization, (got, want) in r.items():
         assert got == pytest.approx(want, abs=1e-6), normalization
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_another_model_in_the_process_is_not_routed(rank_results, world):
+    """The attention is routed per model: a second model in the process (as DPO's and GRPO's
+    reference models, an evaluation model) attends as it did before the SP engine was built and
+    trained, in training mode too, and transformers' own "sdpa" stays registered as it was."""
+    r = ok(rank_results(world), OTHER_MODEL)
+    assert r["equal"], f"the other model's logits moved by {r['max_abs_diff']}"
+    assert r["registry_sdpa_kept"]
+    assert r["other_attention"] == "sdpa" and r["trained_attention"].startswith("lomo_ds_ulysses_")
+    assert r["trained_attention"].endswith("_sdpa")
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -143,27 +156,48 @@ def test_pad_to_multiple_pads_right_with_nothing_to_learn():
 
 
 def test_model_refusals():
+    def check(cfg, sp, device_type="cpu"):
+        ParallelLayout.plan(sp, 2 * sp, 0, device_type).check_model(cfg)
+
     cfg = tiny_llama_config()  # 4 heads, 2 key/value heads
     cfg._attn_implementation = "sdpa"
-    seqpar.check_model_config(cfg, 2)
+    check(cfg, 2)
     with pytest.raises(ValueError, match="4 attention heads are not divisible"):
-        seqpar.check_model_config(cfg, 3)
+        check(cfg, 3)
     cfg.num_key_value_heads, cfg.num_attention_heads = 3, 6
     with pytest.raises(ValueError, match="3 key/value heads neither divide"):
-        seqpar.check_model_config(cfg, 2)
+        check(cfg, 2)
     cfg.num_key_value_heads, cfg.num_attention_heads = 2, 4
     cfg._attn_implementation = "eager"
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
-        seqpar.check_model_config(cfg, 2)
+        check(cfg, 2)
     cfg._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="needs another attention here: 'sdpa'"):
-        seqpar.check_model_config(cfg, 2, "cpu")
-    seqpar.check_model_config(cfg, 2, "cuda")
+        check(cfg, 2, "cpu")
+    check(cfg, 2, "cuda")
     cfg._attn_implementation = "flex_attention"  # with no block mask it would attend to later tokens
     with pytest.raises(ValueError, match="attention 'flex_attention' reads the model's mask"):
-        seqpar.check_model_config(cfg, 2, "cuda")
+        check(cfg, 2, "cuda")
     with pytest.raises(ValueError, match="does not divide the 3 ranks"):
-        seqpar.check_world(2, 3)
+        ParallelLayout.plan(2, 3, 0)
+
+
+def test_layout_ranks_and_one_model_check():
+    """The layout's ranks: SP groups of consecutive ranks, the replicas across them. A model config
+    is checked once per layout: the recipe's check from the files, then the engine's of the built
+    model, reads it once (a refused one is refused every time)."""
+    layout = ParallelLayout.plan(2, 6, 3)
+    assert (layout.sp.rank, layout.dp_size, layout.dp_rank, layout.sp_size) == (1, 3, 1, 2)
+    cfg = tiny_llama_config()
+    cfg._attn_implementation = "sdpa"
+    layout.check_model(cfg)
+    assert len(layout._checked) == 1
+    layout.check_model(cfg)
+    assert len(layout._checked) == 1
+    cfg._attn_implementation = "eager"
+    for _ in range(2):
+        with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+            layout.check_model(cfg)
 
 
 @pytest.mark.parametrize("overrides,message", [

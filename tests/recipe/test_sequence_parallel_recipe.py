@@ -76,19 +76,21 @@ def test_the_model_check_before_the_build_reads_the_config_or_leaves_it_to_the_e
     before any rank builds the model. A GGUF model not converted yet has no config to read
     (model_config: None): the run goes on, and the engine checks the built model instead.
 
-    Revert checked: passing the None on to check_model_config refuses every first run of the
+    Revert checked: passing the None on to the layout's check_model refuses every first run of the
     built-in GGUF model ("needs a transformers model")."""
     from transformers import LlamaConfig
 
     from lomo_ds.config.run import load_run_config
-    from lomo_ds.recipe import train
+    from lomo_ds.recipe import preflight
+    from lomo_ds.runtime.layout import ParallelLayout
 
     nine_heads = LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=72)
     nine_heads.save_pretrained(tmp_path)
     raw = {"model": {"path": str(tmp_path), "attn_implementation": "sdpa"}, "lomo": {"lr": 1e-3},
            "train": {"sequence_parallel_size": 2}, "tokenizer": {"max_length": 128}}
     cfg = load_run_config(raw, check_files=False)
+    layout = ParallelLayout.plan(2, 2, 0)
     with pytest.raises(ValueError, match="9 attention heads are not divisible"):
-        train.check_sequence_parallel_model(cfg)
-    monkeypatch.setattr(train, "model_config", lambda cfg: None)
-    train.check_sequence_parallel_model(cfg)  # no config yet: nothing to refuse here
+        preflight.check_sequence_parallel_model(cfg, layout)
+    monkeypatch.setattr(preflight, "model_config", lambda cfg: None)
+    preflight.check_sequence_parallel_model(cfg, layout)  # no config yet: nothing to refuse here
