@@ -6,7 +6,8 @@ Prints the best and the median time of each operation on a slice of `elements` f
 element `start` of its parameter (unaligned by default: the slice's first and last blocks are cut),
 in ms, and the best in million elements a second, and the bytes a stored element takes in each format. The
 operations an update pays per element are "read" (dequantize to fp32) and "write" (requantize,
-stochastic); bf16's are its fp32 read and its stochastic round.
+stochastic); bf16's are its fp32 read and its stochastic round. Then the share of pieces the
+scale rule recomputes a step, with and without headroom.
 """
 from __future__ import annotations
 
@@ -51,6 +52,27 @@ def cases(w: torch.Tensor, start: int, block: int):
     }
 
 
+def recompute_shares(block: int, steps: int = 100, pieces: int = 2048) -> None:
+    """Share of pieces whose scale the rule recomputes a step, for updates of a fixed share of a
+    step (Gaussian, random signs) on Gaussian weights, with and without headroom."""
+    device = torch.device("cpu")
+    print(f"scale recomputes: {pieces} pieces of {block}, {steps} steps of Gaussian updates")
+    print(f"{'headroom':>9s} {'update/step':>12s} {'steps 1-10':>11s} {'steps 51-100':>13s} {'scale growth':>13s}")
+    for headroom in (0.0, 1 / 16):
+        for ratio in (0.01, 0.03, 0.1):
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(pieces * block, generator=g, device=device) * 0.02
+            q, s = quant8.quantize(x, 0, block=block, headroom=headroom)
+            s0, counts = s, []
+            for step in range(steps):
+                w = quant8.dequantize(q, s, 0, block=block)
+                w += torch.randn(w.shape, generator=g, device=device) * ratio * s.repeat_interleave(block)
+                q, s, grown = quant8.requantize(w, s, 0, (0, step, 0), block=block, headroom=headroom)
+                counts.append(int(grown) / pieces)
+            early, late = statistics.mean(counts[:10]), statistics.mean(counts[steps // 2:])
+            print(f"{headroom:9.4f} {ratio:12.2f} {early:11.4f} {late:13.4f} {float((s / s0).mean()):13.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elements", type=int, default=4 * 1024 * 1024)
@@ -67,6 +89,7 @@ def main() -> None:
     for name, fn in cases(w, args.start, args.block).items():
         best, median = timed(fn, args.repeats)
         print(f"{name:44s} {best * 1e3:9.2f} {median * 1e3:10.2f} {args.elements / best / 1e6:9.1f}")
+    recompute_shares(args.block)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """8-bit weight shards: int8 absmax blocks on each parameter's global flat index, and stochastic
-rounding with noise keyed by the element, so that every rank count rounds every element alike.
+rounding with noise keyed by the element, so that every rank count draws the same noise for it.
 
 Format. int8 with one fp32 scale per block of B elements (B = 128 by default): an element is
 stored as q in [-127, 127] and read as q * s, with s = absmax / 127 when the block's scale is set.
@@ -29,16 +29,16 @@ of a block that a shard boundary cuts (each rank then keeps a scale for its own 
       bit for bit, at every step, given the same values: its scale and its integers depend on its
       own elements and its own history only.
     - A cut block is not rank-count independent: each piece's scale comes from the piece's own
-      absmax and history. The piece that holds the block's absmax has the reference's scale and
-      integers, as long as the reference's block kept that scale; the other piece has a scale at
-      most as large (finer steps), its integers differing from the reference's. Its noise is still
-      the reference's noise, element for element.
-    - Checkpoints map pieces to the global grid by their block index: block start // B + p. A block
-      is saved with one scale when it was whole, and as its pieces (the saving run's cut offset and
-      one scale a side) when it was cut. A reader on another rank count keeps a stored scale
-      wherever its own piece lies within one stored segment (a piece of a whole stored block may
-      keep the block's scale: its absmax is no larger, which is what the scale rule allows, so that
-      read is lossless); where its piece spans two stored segments, it takes the larger scale and
+      absmax and history. Quantized from the same values, the piece that holds the block's absmax
+      gets the reference's scale and integers, the other piece a scale at most as large (finer
+      steps) and its own integers; through updates the pieces' scales move apart from the
+      reference block's. The noise is still the reference's, element for element.
+    - Checkpoints (quant8_grid) map pieces to the global grid by their block index: piece p of a
+      slice is block start // B + p. A block is saved with one scale when it was whole, and as its
+      pieces (the saving run's cut offset and one scale a side) when it was cut. A reader keeps a
+      saved scale wherever its own piece lies within one saved segment (a piece of a whole saved
+      block keeps the block's scale: its absmax is no larger, as the scale rule allows, so that
+      read is lossless); where its piece spans two saved segments, it takes the larger scale and
       re-rounds the other segment's integers stochastically (unbiased, not bitwise).
     - DeepSpeed's own gather (ZeRO++ quantized partitions) dequantizes groups of equal size,
       gathered_numel / scales_numel. The pieces are such groups only when B divides the partition
@@ -49,15 +49,24 @@ u uniform in [0, 1): E[q' * s] = w whatever the update's size, so steps far belo
 step s still add up in expectation. u is a counter-based hash of the key and the element's global
 index (the key mixed on the host, then murmur3's finaliser twice in torch int32 arithmetic on the
 tensor's device: no generator state, no host synchronisation), keeping its top 24 bits:
-u = k / 2^24. The fp32 sum w/s + u is
-below 128 in magnitude, so its rounding moves the chance of rounding up by at most 2^-17: a bias
-below 2^-17 of a step, far under what an update of 1% of a step needs.
+u = k / 2^24. The fp32 sum w/s + u is below 128 in magnitude, so its rounding moves the chance of
+rounding up by at most 2^-17: a bias below 2^-17 of a step, far under what an update of 1% of a
+step needs.
 
 The scale rule. After an update a piece's scale is recomputed only when its new absolute maximum
-exceeds 127 * s; the piece is then re-rounded at s = absmax / 127 (with the step's keyed noise:
-unbiased, with more variance than a step at the old scale). When the maximum shrinks s is kept, so
-that a block's grid does not move under updates far smaller than its step. `requantize` returns how
-many pieces were recomputed, as a device tensor, for the caller to report.
+exceeds 127 * s; the piece is then re-rounded at s = absmax * (1 + headroom) / 127 (with the step's
+keyed noise: unbiased, with more variance than a step at the old scale: every integer of the piece
+moves off the grid by up to the maximum's growth). When the maximum shrinks s is kept, so that a
+block's grid does not move under updates far smaller than its step. `requantize` returns how many
+pieces were recomputed, as a device tensor, for the caller to report.
+    - How often: with headroom 0 a fresh scale puts the piece's maximum exactly on 127, so any
+      update that grows that one element recomputes the piece: with Gaussian weights and updates
+      of 1-10% of a step in random directions, 17-50% of the pieces every step (fewer as the
+      scale ratchets up to the maximum's running peak). A headroom of 1/16 (the maximum on 119,
+      steps 6% coarser) leaves such updates 8 steps of room: recomputes drop to about 0.1% of the
+      pieces a step at 10% of a step, none below. benchmarks/quant8_bench.py prints both.
+    - The default headroom is 0 (s = absmax / 127 exactly, the format as specified); a caller
+      that reports frequent recomputes passes a headroom.
 
 Chunks. `block_chunks` cuts a slice into chunks whose ends fall on block boundaries of the global
 grid, so that a chunk holds whole pieces: requantizing a slice chunk by chunk, each with its own
@@ -223,18 +232,26 @@ def _round_blocks(xb: torch.Tensor, scales: torch.Tensor, key, start: int, head:
     return y.clamp_(-QMAX, QMAX).to(torch.int8)
 
 
+def _levels(headroom: float) -> float:
+    """The integer a fresh scale maps a piece's absmax to: 127 / (1 + headroom)."""
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"scale headroom must be in [0, 1), got {headroom!r}")
+    return QMAX / (1.0 + headroom)
+
+
 def quantize(x: torch.Tensor, start: int, *, block: int = DEFAULT_BLOCK, scales: torch.Tensor | None = None,
-             key: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             key: tuple[int, int, int] | None = None, headroom: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 slice, fp32 scales) of the slice x = flat elements [start, start + x.numel()) of a
-    parameter. scales None: each piece gets absmax / 127; else the given scales are used as they
-    are (a value beyond 127 * s saturates: see `requantize` for the scale rule). key None rounds to
-    nearest (error <= s/2, deterministic: the starting weights); key = (seed, step, param_id)
-    rounds stochastically with the keyed noise (error < s, unbiased)."""
+    parameter. scales None: each piece gets absmax * (1 + headroom) / 127; else the given scales
+    are used as they are (a value beyond 127 * s saturates: see `requantize` for the scale rule).
+    key None rounds to nearest (error <= s/2, deterministic: the starting weights); key =
+    (seed, step, param_id) rounds stochastically with the keyed noise (error < s, unbiased)."""
     _check_slice(x, "quantize's input")
     check_block(block)
     xb, head = _blocked(x.to(torch.float32), start, block)
     if scales is None:
-        scales = xb.abs().amax(dim=1) / QMAX if xb.numel() else torch.zeros(0, dtype=torch.float32, device=x.device)
+        levels = _levels(headroom)
+        scales = xb.abs().amax(dim=1) / levels if xb.numel() else torch.zeros(0, dtype=torch.float32, device=x.device)
     else:
         _check_scales(scales, start, x.numel(), block)
     q = _round_blocks(xb, scales, key, start, head, block)
@@ -252,17 +269,17 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, start: int, *, block: int 
 
 
 def requantize(w: torch.Tensor, scales: torch.Tensor, start: int, key: tuple[int, int, int], *,
-               block: int = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               block: int = DEFAULT_BLOCK, headroom: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(int8 slice, scales, pieces recomputed) after an update wrote the fp32 values w of the
-    slice whose scales were `scales`. A piece whose new absmax exceeds 127 * s gets s = absmax/127;
-    the others keep s. Every element is rounded stochastically with the keyed noise. The count is
-    an int64 device tensor (no host synchronisation)."""
+    slice whose scales were `scales`. A piece whose new absmax exceeds 127 * s gets
+    s = absmax * (1 + headroom) / 127; the others keep s. Every element is rounded stochastically
+    with the keyed noise. The count is an int64 device tensor (no host synchronisation)."""
     _check_slice(w, "requantize's input")
     _check_scales(scales, start, w.numel(), block)
     wb, head = _blocked(w.to(torch.float32), start, block)
     peak = wb.abs().amax(dim=1) if wb.numel() else torch.zeros(0, dtype=torch.float32, device=w.device)
     grown = peak > scales * QMAX
-    new_scales = torch.where(grown, peak / QMAX, scales)
+    new_scales = torch.where(grown, peak / _levels(headroom), scales)
     q = _round_blocks(wb, new_scales, key, start, head, block)
     return _unblocked(q, head, w.numel()), new_scales, grown.sum()
 

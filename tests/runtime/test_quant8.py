@@ -276,3 +276,36 @@ def test_noise_equals_the_hash_in_exact_integers(first):
     key = (3, 1 << 40, 12)
     u = quant8.noise(key, first, 11, CPU)
     assert [float(v) for v in u] == [_u_by_hand(key, first + i) for i in range(11)]
+
+
+def recomputed_share(headroom: float, ratio: float, steps: int = 20) -> float:
+    """Share of pieces recomputed a step under updates of `ratio` steps (Gaussian, random signs)."""
+    g = torch.Generator(device=CPU).manual_seed(10)
+    x = torch.randn(256 * B, generator=g, device=CPU)
+    q, s = quant8.quantize(x, 0, headroom=headroom)
+    total = 0
+    for step in range(steps):
+        w = quant8.dequantize(q, s, 0)
+        w += torch.randn(w.shape, generator=g, device=CPU) * ratio * s.repeat_interleave(B)
+        q, s, grown = quant8.requantize(w, s, 0, (0, step, 0), headroom=headroom)
+        total += int(grown)
+    return total / steps / s.numel()
+
+
+def test_headroom_makes_scale_recomputes_rare():
+    """With the absmax on 127 any growth of that one element recomputes the piece (a large share
+    a step); a headroom of 1/16 leaves updates of a few percent of a step room."""
+    assert recomputed_share(0.0, 0.03) > 0.1
+    assert recomputed_share(1 / 16, 0.03) == 0.0
+
+
+def test_headroom_scales():
+    x = torch.randn(4 * B, generator=torch.Generator(device=CPU).manual_seed(11), device=CPU)
+    q, s = quant8.quantize(x, 0, headroom=1 / 16)
+    assert int(q.abs().max()) <= 120 and torch.allclose(s, x.view(4, B).abs().amax(dim=1) * (17 / 16) / 127)
+    w = quant8.dequantize(q, s, 0)
+    w[B + 3] = 200 * s[1]
+    _, s2, grown = quant8.requantize(w, s, 0, (1, 1, 1), headroom=1 / 16)
+    assert int(grown) == 1 and torch.allclose(s2[1], w[B:2 * B].abs().max() * (17 / 16) / 127)
+    with pytest.raises(ValueError, match="headroom must be in"):
+        quant8.quantize(x, 0, headroom=-0.1)
