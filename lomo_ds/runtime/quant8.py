@@ -273,7 +273,8 @@ def requantize(w: torch.Tensor, scales: torch.Tensor, start: int, key: tuple[int
     """(int8 slice, scales, pieces recomputed) after an update wrote the fp32 values w of the
     slice whose scales were `scales`. A piece whose new absmax exceeds 127 * s gets
     s = absmax * (1 + headroom) / 127; the others keep s. Every element is rounded stochastically
-    with the keyed noise. The count is an int64 device tensor (no host synchronisation)."""
+    with the keyed noise. The count is an int64 device tensor (no host synchronisation). w must be
+    finite: a non-finite value has no integer (the caller's overflow check comes first)."""
     _check_slice(w, "requantize's input")
     _check_scales(scales, start, w.numel(), block)
     wb, head = _blocked(w.to(torch.float32), start, block)

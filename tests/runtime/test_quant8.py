@@ -309,3 +309,16 @@ def test_headroom_scales():
     assert int(grown) == 1 and torch.allclose(s2[1], w[B:2 * B].abs().max() * (17 / 16) / 127)
     with pytest.raises(ValueError, match="headroom must be in"):
         quant8.quantize(x, 0, headroom=-0.1)
+
+
+def test_empty_and_single_element_slices():
+    """A rank with no element of a small parameter (n < N), and a slice of one element mid-block."""
+    (_, _), (_, _), (start, local) = shards(2, 3)
+    assert local == 0
+    q, s = quant8.quantize(torch.zeros(0, device=CPU), start, key=(1, 1, 1))
+    assert q.numel() == 0 and s.numel() == 0 and quant8.dequantize(q, s, start).numel() == 0
+    q2, s2, grown = quant8.requantize(torch.zeros(0, device=CPU), s, start, (1, 2, 1))
+    assert q2.numel() == 0 and s2.numel() == 0 and int(grown) == 0
+    assert quant8.block_chunks(start, 0, 64) == []
+    q, s = quant8.quantize(torch.tensor([0.5], device=CPU), B + 2, key=(1, 1, 1))
+    assert int(q[0]) == 127 and float(quant8.dequantize(q, s, B + 2)[0]) == 0.5
