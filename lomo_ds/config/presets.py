@@ -1,5 +1,6 @@
-"""The update rules' presets (lomo.presets.sgd, lomo.presets.adalomo): the chosen rule's tuned
-values fill the keys a config leaves out, and the run's first lines say which were filled.
+"""The update rules' presets (lomo.presets.sgd, lomo.presets.adalomo, lomo.presets.<any registered
+rule>, else the preset a rule is registered with: config/rules.py): the chosen rule's tuned values
+fill the keys a config leaves out, and the run's first lines say which were filled.
 
 A preset spans two sections: lr and weight_decay are the update rule's (lomo), the clipping and
 the schedule every method's (train). Filling runs after DeepSpeed's mapped keys are copied in, so a
@@ -19,7 +20,7 @@ Config = TypeVar("Config", bound=BaseModel)  # an EngineConfig or a RunConfig: b
 
 
 def _preset(lomo: LomoConfig) -> PresetConfig | None:
-    return getattr(lomo.presets, lomo.optimizer)
+    return lomo.presets.of(lomo.optimizer)
 
 
 def _filled(section: BaseModel, update: dict) -> BaseModel:
@@ -69,7 +70,9 @@ def describe_update(cfg: BaseModel) -> str:
     def word(x):
         return "none" if x is None else f"{x:g}"
 
-    text = (f"{'AdaLomo' if lomo.optimizer == 'adalomo' else 'LOMO (SGD)'}, lr {lomo.lr:g}, "
+    text = (f"{lomo.rule.label}, lr {lomo.lr:g}, "
             f"clip_grad_norm {word(train.clip_grad_norm)}, clip_grad_value {word(train.clip_grad_value)}, "
             f"{sch.type} schedule, warm-up {warmup}")
-    return text + (f" ({', '.join(filled)} from lomo.presets.{lomo.optimizer})" if filled else "")
+    source = f"lomo.presets.{lomo.optimizer}" if getattr(lomo.presets, lomo.optimizer, None) is not None else \
+        f"the preset {lomo.optimizer!r} is registered with"
+    return text + (f" ({', '.join(filled)} from {source})" if filled else "")

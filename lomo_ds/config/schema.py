@@ -9,10 +9,13 @@ lomo_ds/config/lomo.py's and errors.py's job; the option tables are generated fr
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lomo_ds.config import rules
+from lomo_ds.config.errors import SectionError, explain
 
 
 def _whole_float_to_int(value):
@@ -34,6 +37,19 @@ def expects(text: str) -> dict:
     """`Field(..., json_schema_extra=expects("a positive learning rate"))`: the words an out-of-range
     error uses for what was expected (the field's description is its documentation)."""
     return {"expected": text}
+
+
+def _rule_section(model, raw, key: str):
+    """`raw` validated by a registered rule's own section model, its first error keyed under `key`."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        sub, what = explain(model, e.errors()[0])
+        raise SectionError(f"{key}.{sub}" if sub else key, what) from None
+
+
+def _unknown(key: str, known) -> SectionError:
+    return SectionError(key, f"unknown key; expected some of {sorted(known)}")
 
 
 class ScheduleConfig(Section):
@@ -70,11 +86,13 @@ class AdaLomoConfig(Section):
 
 
 class PresetConfig(Section):
-    """One update rule's tuned values (lomo.presets.sgd, lomo.presets.adalomo). When lomo.optimizer
-    names the rule, each key given here fills the same key of the run, unless the config sets that
-    key itself (in the file or by --set): lr and weight_decay fill the lomo section's, the clipping
-    and the schedule the train section's. So a config that carries both presets switches between
-    LOMO and AdaLomo by lomo.optimizer alone, each with its own learning rate and clipping."""
+    """One update rule's tuned values (lomo.presets.sgd, lomo.presets.adalomo, lomo.presets.<any
+    registered rule>). When lomo.optimizer names the rule, each key given here fills the same key of
+    the run, unless the config sets that key itself (in the file or by --set): lr and weight_decay
+    fill the lomo section's, the clipping and the schedule the train section's. So a config that
+    carries both presets switches between LOMO and AdaLomo by lomo.optimizer alone, each with its
+    own learning rate and clipping. A rule's registered preset (config/rules.py) stands where the
+    config gives none."""
 
     lr: float | None = Field(None, gt=0, json_schema_extra=expects("a positive learning rate"),
                              description="lomo.lr for this rule")
@@ -88,19 +106,50 @@ class PresetConfig(Section):
 
 
 class PresetsConfig(Section):
-    """Per update rule, the values it runs with when lomo.optimizer names it (see PresetConfig)."""
+    """Per update rule, the values it runs with when lomo.optimizer names it (see PresetConfig): the
+    built-ins' here, any other registered rule's under lomo.presets.<its name>."""
+
+    model_config = ConfigDict(extra="allow")  # a registered rule's preset; anything else refused below
 
     sgd: PresetConfig | None = Field(None, description="LOMO's (SGD's) values")
     adalomo: PresetConfig | None = Field(None, description="AdaLomo's values")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _registered_rules(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for key, raw in data.items():
+            if key in cls.model_fields:
+                continue
+            if key not in rules.names():
+                raise _unknown(key, set(cls.model_fields) | set(rules.names()))
+            out[key] = None if raw is None else _rule_section(PresetConfig, raw, key)
+        return out
+
+    def of(self, name: str) -> PresetConfig | None:
+        """The preset of rule `name`: the config's, else the one the rule is registered with."""
+        given = getattr(self, name, None)
+        if given is not None:
+            return given
+        preset = rules.get(name).preset if name in rules.names() else None
+        return PresetConfig.model_validate(preset) if preset is not None else None
 
 
 class LomoConfig(Section):
     """The `lomo` section: the update rule LOMO fuses into the backward and applies to each rank's
     shard. How gradients travel is the `comm` section's, what the step holds in memory the
-    `memory` section's, and what every method shares (clipping, schedule, accumulation) `train`'s."""
+    `memory` section's, and what every method shares (clipping, schedule, accumulation) `train`'s.
+    A registered rule's options other than AdaLomo's are under lomo.<its config key>, validated by
+    its own section (config/rules.py)."""
 
-    optimizer: Literal["sgd", "adalomo"] = Field("sgd", description="the update rule: SGD (the paper's LOMO) or "
-                                                                    "AdaLomo (options under lomo.adalomo)")
+    model_config = ConfigDict(extra="allow")  # a registered rule's options section; anything else refused below
+
+    plugins: tuple[str, ...] = Field((), strict=False, description="modules to import before the rest is read, "
+                                     "so that the update rules they register can be named (a list; docs/rules.md)")
+    optimizer: str = Field(rules.DEFAULT, description="the update rule, a registered one's name: sgd (the paper's "
+                                                      "LOMO), adalomo (options under lomo.adalomo) or a plug-in's")
     adalomo: AdaLomoConfig = AdaLomoConfig()
     presets: PresetsConfig = PresetsConfig()
     lr: float = Field(1e-3, gt=0, json_schema_extra=expects("a positive learning rate"),
@@ -116,6 +165,52 @@ class LomoConfig(Section):
                                                             "before the engine stops with an error")
     exclude_params: tuple[str, ...] = Field((), strict=False, description="fnmatch patterns of parameter names "
                                                                           "LOMO leaves alone (a list)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plugins_and_rule_sections(cls, data: Any) -> Any:
+        """Import lomo.plugins first (their rules can then be named), and validate each registered
+        rule's own options section by its model; any other unknown key is refused."""
+        if not isinstance(data, dict):
+            return data
+        plugins = data.get("plugins") or ()
+        for i, module in enumerate(plugins if isinstance(plugins, (list, tuple)) else ()):
+            try:
+                rules.import_plugin(module)
+            except rules.RuleError as e:
+                raise SectionError(f"plugins[{i}]", str(e)) from None
+        sections = {s.key: s for s in rules.specs() if s.config is not None and s.key not in cls.model_fields}
+        out = dict(data)
+        for key, raw in data.items():
+            if key in cls.model_fields:
+                continue
+            if key not in sections:
+                raise _unknown(key, set(cls.model_fields) | set(sections))
+            out[key] = _rule_section(sections[key].config_model(), raw or {}, key)
+        return out
+
+    @field_validator("optimizer")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in rules.names():
+            raise ValueError(f"expected one of {rules.names()}, got {value!r}")
+        return value
+
+    @property
+    def rule(self) -> rules.RuleSpec:
+        """The registry's entry of the rule lomo.optimizer names."""
+        return rules.get(self.optimizer)
+
+    @property
+    def rule_options(self) -> BaseModel | None:
+        """The chosen rule's options: its section as the config gives it, or its defaults; None for a
+        rule without options."""
+        spec = self.rule
+        model = spec.config_model()
+        if model is None:
+            return None
+        given = getattr(self, spec.key, None)
+        return given if isinstance(given, model) else model()
 
 
 class Precision(Section):

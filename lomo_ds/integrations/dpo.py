@@ -42,7 +42,7 @@ import torch
 from datasets import Dataset, concatenate_datasets
 from trl import DPOTrainer
 
-from lomo_ds.integrations.training_args import TrainingArgumentsError
+from lomo_ds.integrations.training_args import TrainingArgumentsError, optim_choices
 from lomo_ds.integrations.transformers import LomoTrainerMixin
 
 REF_ROUTE = ("precompute_ref_log_probs: lomo_ds ships TRL's precomputed reference (the starting model scores "
@@ -52,7 +52,7 @@ REF_ROUTE = ("precompute_ref_log_probs: lomo_ds ships TRL's precomputed referenc
 def check_dpo_arguments(args, ref_model=None, peft_config=None) -> None:
     """Refuse (TrainingArgumentsError naming the field) a DPOConfig value LomoDPOTrainer cannot honour."""
     if args is None:
-        raise TrainingArgumentsError("args: pass DPOConfig(optim='lomo' or 'adalomo', deepspeed=..., "
+        raise TrainingArgumentsError(f"args: pass DPOConfig(optim={optim_choices()}, deepspeed=..., "
                                      "precompute_ref_log_probs=True)")
     if ref_model is not None:
         raise TrainingArgumentsError(f"ref_model: a second model is not supported; {REF_ROUTE}")

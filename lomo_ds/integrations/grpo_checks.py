@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from lomo_ds.integrations.training_args import TrainingArgumentsError
+from lomo_ds.integrations.training_args import TrainingArgumentsError, optim_choices
 
 
 def _world() -> int:
@@ -16,7 +16,7 @@ def _world() -> int:
 def check_grpo_arguments(args, model, kwargs: dict) -> None:
     """Refuse a GRPOConfig value (or trainer argument) LomoGRPOTrainer cannot honour."""
     if args is None:
-        raise TrainingArgumentsError("args: pass GRPOConfig(optim='lomo' or 'adalomo', deepspeed=...)")
+        raise TrainingArgumentsError(f"args: pass GRPOConfig(optim={optim_choices()}, deepspeed=...)")
     if isinstance(model, str):
         raise TrainingArgumentsError("model: pass the loaded model (from_pretrained), not its name: lomo_ds "
                                      "partitions the instance it is given")

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from lomo_ds.config import rules
+
 SUPPORTED, MAPPED, REFUSED = "supported", "mapped", "refused"
 
 # The Trainer classes the mixin has been tested with (by class name and defining package).
@@ -20,7 +22,28 @@ TESTED_TRAINERS = {("transformers", "Trainer"), ("trl", "SFTTrainer")}
 # Library trainers that need more than the mixin: tested through lomo_ds's own subclass only.
 THROUGH_SUBCLASS = {("trl", "DPOTrainer"): "lomo_ds.integrations.dpo.LomoDPOTrainer",
                     ("trl", "GRPOTrainer"): "lomo_ds.integrations.grpo.LomoGRPOTrainer"}
-OPTIMIZERS = {"lomo": "sgd", "adalomo": "adalomo"}
+# optim="lomo": the update rule the deepspeed config's lomo.optimizer names (sgd where it names none),
+# so a Trainer user picks any registered rule (config/rules.py) with optim="lomo" and that key. The
+# other accepted values are shortcuts the rules are registered with (optim="adalomo").
+BY_CONFIG = "lomo"
+
+
+def optim_names() -> list[str]:
+    """The `optim` values accepted: "lomo" and each registered rule's own (config/rules.py)."""
+    return [BY_CONFIG] + [name for spec in rules.specs() for name in spec.optim]
+
+
+def rule_of_optim(value) -> str | None:
+    """The rule an `optim` value chooses by name; None for "lomo" (the config's lomo.optimizer decides)."""
+    value = _str(value)
+    spec = rules.by_optim(value)
+    return spec.name if spec is not None else None
+
+
+def optim_choices() -> str:
+    """The accepted `optim` values in words: 'lomo' or 'adalomo'."""
+    shown = [repr(name) for name in optim_names()]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
 
 
 class TrainingArgumentsError(ValueError):
@@ -62,9 +85,11 @@ _NOT_ADAMW = "an AdamW setting; LOMO and AdaLomo keep no moments (AdaLomo's own:
 
 FIELDS: list[Field] = [
     # ------------------------------------------------------------------ optimization
-    Field("optim", MAPPED, "`lomo` -> lomo.optimizer `sgd`, `adalomo` -> `adalomo`; any other optimizer is refused",
-          lambda v: _str(v) not in OPTIMIZERS, maps_to="lomo.optimizer"),
-    Field("optim_args", REFUSED, "options of other optimizers; AdaLomo's are the config's lomo.adalomo",
+    Field("optim", MAPPED, "`lomo`: the rule the config's lomo.optimizer names (default `sgd`, any registered "
+                           "rule: docs/rules.md); `adalomo` -> lomo.optimizer `adalomo`; any other optimizer is "
+                           "refused", lambda v: _str(v) not in optim_names(), maps_to="lomo.optimizer"),
+    Field("optim_args", REFUSED, "options of other optimizers; a rule's own are the config's lomo.<its key> "
+                                 "(AdaLomo's: lomo.adalomo)",
           _unless(None, "")),
     Field("optim_target_modules", REFUSED, "GaLore/APOLLO's; LOMO updates every trainable parameter",
           _unless(None)),
@@ -211,7 +236,7 @@ def check_trainer_class(cls: type) -> None:
 def check_training_arguments(args) -> None:
     """Refuse (TrainingArgumentsError naming the field) any value LOMO cannot honour."""
     if args is None:
-        raise TrainingArgumentsError("args: pass TrainingArguments(optim='lomo' or 'adalomo', deepspeed=...)")
+        raise TrainingArgumentsError(f"args: pass TrainingArguments(optim={optim_choices()}, deepspeed=...)")
     for f in FIELDS:
         if not hasattr(args, f.name):
             continue  # a field this transformers release does not have
@@ -219,7 +244,7 @@ def check_training_arguments(args) -> None:
         if f.refuses(value):
             shown = _str(value)
             if f.name == "optim":
-                raise TrainingArgumentsError(f"optim: expected 'lomo' or 'adalomo', got {shown!r}")
+                raise TrainingArgumentsError(f"optim: expected {optim_choices()}, got {shown!r}")
             if f.name == "deepspeed":
                 raise TrainingArgumentsError("deepspeed: required; give a DeepSpeed ZeRO-3 config (dict or file), "
                                              "which may carry a `lomo` section")
@@ -261,8 +286,9 @@ def sequence_parallel_size(args) -> int:
 def mapped_values(args, tokens: bool) -> dict[str, Any]:
     """What the mapped fields set, by dotted config key. `tokens`: whether the Trainer's loss is
     normalised by num_items_in_batch (the model takes it, or a compute_loss_func does)."""
+    rule = rule_of_optim(args.optim)
     mapped = {
-        "lomo.optimizer": OPTIMIZERS[_str(args.optim)],
+        **({"lomo.optimizer": rule} if rule is not None else {}),  # "lomo": the config's own lomo.optimizer
         "lomo.lr": float(args.learning_rate),
         "train.clip_grad_norm": float(args.max_grad_norm) if args.max_grad_norm > 0 else None,
         "train.accumulation_steps": int(args.gradient_accumulation_steps),

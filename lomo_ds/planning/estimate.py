@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from lomo_ds.config import rules
 from lomo_ds.planning.fetch_units import fetch_units, largest_fetch_unit, working_set
 from lomo_ds.planning.sequence import (
     attention_saved_bytes,
@@ -25,11 +26,13 @@ from lomo_ds.planning.specs import (
     GPU_COUNTS,
     HOST_STAGED_BUCKETS,
     LOSS_ADD_SLICES,
+    METHOD_LABELS,
     METHODS,
     ModelSpec,
     RunSpec,
     chunked_loss,
     resolve_auto,
+    rule_of,
 )
 
 
@@ -251,6 +254,35 @@ def adalomo_state_bytes(m: ModelSpec, gpus: int) -> int:
                else 4 * math.ceil(math.prod(shape) / gpus) for shape in m.param_shapes()) + 8 * len(m.param_shapes())
 
 
+# The built-in rules' planner terms (config/rules.py names them; rules.PlanTerms says how they are called).
+def no_state_bytes(m: ModelSpec, gpus: int) -> int:
+    """SGD keeps no state."""
+    return 0
+
+
+def sgd_update_bytes(m: ModelSpec, run: RunSpec, slice_n: int, bucket_n: int) -> int:
+    """SGD updates slice by slice: one slice's chunk at a time."""
+    return update_temp_bytes(slice_n, run)
+
+
+def adalomo_update_bytes(m: ModelSpec, run: RunSpec, slice_n: int, bucket_n: int) -> int:
+    return adalomo_update_temp_bytes(bucket_n, slice_n, run, adalomo_statistics_numel(m))
+
+
+def adalomo_offload_update_bytes(m: ModelSpec, run: RunSpec, bucket_n: int) -> int:
+    """AdaLomo's hook keeps its statistics on the device: the bucket's fp32 gradient (a copy unless
+    it is fp32) and u, staged for the worker; the worker's update is LOMO's."""
+    return 4 * bucket_n * (1 if run.b == 4 else 2)
+
+
+def _terms(method: str):
+    """(state_bytes, update_bytes, offload_update_bytes) of the rule planned as `method`."""
+    plan = rule_of(method).plan
+    offload = plan.offload_update_bytes
+    return (rules.resolve(plan.state_bytes), rules.resolve(plan.update_bytes),
+            rules.resolve(offload) if offload is not None else (lambda m, run, bucket_n: 0))
+
+
 def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> Estimate:
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
@@ -260,8 +292,8 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         raise ValueError(f"sp: {run.sp} sequence-parallel ranks need a GPU count that is a multiple of {run.sp}, "
                          f"got {gpus}")
     if run.offload and method not in FUSED:
-        raise ValueError(f"offload_param: the planner models parameter offload for LOMO and AdaLomo only, "
-                         f"not {method!r}")
+        raise ValueError(f"offload_param: the planner models parameter offload for "
+                         f"{' and '.join(METHOD_LABELS[r] for r in FUSED)} only, not {method!r}")
     numels = m.param_numels()
     P, n, b = sum(numels), gpus, run.b
     max_p = max(numels)
@@ -277,15 +309,15 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         else:
             acts += m.layers * gathered_expert_bytes(m, run)
     if method in FUSED:
+        state_bytes, update_bytes, offload_update_bytes = _terms(method)
         grads = b * max_p if n == 1 else (2 + 1 / n) * b * min(P, max(run.lomo_bucket * n, max_p))
         masters = 4 * shard_numel if run.lomo_fp32_master and b != 4 else 0
-        # AdaLomo's state stays on the rank's device, offloaded shards or not (engine/update/adalomo.py)
-        state = adalomo_state_bytes(m, n) if method == "adalomo" else 0
+        # A rule's state stays on the rank's device, offloaded shards or not (engine/update/adalomo.py)
+        state = state_bytes(m, n)
         slice_n = math.ceil(max_p / n)
         staged_n = max(min(run.lomo_bucket, shard_numel), slice_n)  # a bucket, at least the largest slice
         bucket_n = max_p if n == 1 else staged_n  # one GPU applies each gradient as it arrives
-        update = (update_temp_bytes(slice_n, run) if method == "lomo" else
-                  adalomo_update_temp_bytes(bucket_n, slice_n, run, adalomo_statistics_numel(m)))
+        update = update_bytes(m, run, slice_n, bucket_n)
         accumulator = DTYPE_BYTES[run.accumulate_dtype] * shard_numel if run.accumulation > 1 else 0
         on_host = run.offload or run.accumulate_on_host  # with offloaded shards it lives beside them
         host = 0.0
@@ -296,9 +328,8 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
             staging = (HOST_STAGED_BUCKETS + 1) * b * staged_n
             host = float(n * (b * shard_numel + masters + staging + update_temp_bytes(slice_n, run)))
             masters = 0
-            # AdaLomo's hook keeps its statistics on the device: the bucket's fp32 gradient (a copy
-            # unless it is fp32) and u, staged for the worker; the worker's update is LOMO's.
-            update = (4 * bucket_n * (1 if b == 4 else 2)) if method == "adalomo" else 0
+            # What the rule's hook keeps on the device; the host-update worker's update is SGD's.
+            update = offload_update_bytes(m, run, bucket_n)
         if on_host:
             host += n * accumulator  # every rank's accumulator on the node
         else:

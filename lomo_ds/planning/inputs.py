@@ -120,9 +120,11 @@ def model_spec_for(cfg, model_size: str | None = None) -> ModelSpec:
 
 def method_of_run(cfg) -> str | None:
     """The planner's row for a validated run config's training: LOMO's engine under the rule
-    lomo.optimizer names, DeepSpeed's SGD or AdamW; None for methods the planner has no row for."""
+    lomo.optimizer names (its registered row, config/rules.py), DeepSpeed's SGD or AdamW; None for
+    methods, or rules, the planner has no terms for."""
     if cfg.train.method in LOMO_METHODS:
-        return "adalomo" if cfg.lomo.optimizer == "adalomo" else "lomo"
+        spec = cfg.lomo.rule
+        return spec.row if spec.plan is not None else None
     return cfg.train.method if cfg.train.method in METHODS else None
 
 

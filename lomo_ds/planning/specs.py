@@ -4,7 +4,10 @@ the estimates share."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+
+from lomo_ds.config import rules
 
 GIB = 2**30
 
@@ -12,13 +15,70 @@ GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
-METHODS = ("lomo", "adalomo", "sgd", "adamw")
+# DeepSpeed's own optimizers, the paper's baselines: planned here, not by a registered rule.
+BASELINE_LABELS = {"sgd": "SGD", "adamw": "AdamW"}
 
 
-FUSED = ("lomo", "adalomo")  # the methods whose update is fused into the backward (lomo_ds's engine)
+def plannable_rules() -> list:
+    """The registered update rules the planner has terms for (config/rules.py), in registration order."""
+    return [s for s in rules.specs() if s.plan is not None]
 
 
-METHOD_LABELS = {"lomo": "LOMO", "adalomo": "AdaLomo", "sgd": "SGD", "adamw": "AdamW"}
+def rule_of(method: str):
+    """The registered rule whose planner row `method` is (its RuleSpec), or None: a baseline's row."""
+    spec = rules.by_row(method)
+    return spec if spec is not None and spec.plan is not None else None
+
+
+class _Rows(Sequence):
+    """A tuple of the planner's rows read from the registry each time it is used, so that a rule
+    registered after this module was imported (a plug-in) is planned with its own terms."""
+
+    def __init__(self, baselines: bool):
+        self.baselines = baselines
+
+    def _rows(self) -> tuple[str, ...]:
+        return tuple(s.row for s in plannable_rules()) + (tuple(BASELINE_LABELS) if self.baselines else ())
+
+    def __getitem__(self, i):
+        return self._rows()[i]
+
+    def __len__(self) -> int:
+        return len(self._rows())
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, (tuple, list, _Rows)) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._rows())
+
+    def __repr__(self) -> str:
+        return repr(self._rows())
+
+
+class _Labels(Mapping):
+    """Row -> label: the registered rules' plan labels and the baselines'."""
+
+    def _labels(self) -> dict[str, str]:
+        return {**{s.row: s.plan_label or s.label for s in plannable_rules()}, **BASELINE_LABELS}
+
+    def __getitem__(self, row: str) -> str:
+        return self._labels()[row]
+
+    def __iter__(self):
+        return iter(self._labels())
+
+    def __len__(self) -> int:
+        return len(self._labels())
+
+
+METHODS = _Rows(baselines=True)  # every row: the registered rules' ("lomo": SGD, "adalomo", ...) and the baselines
+
+
+FUSED = _Rows(baselines=False)  # the rows whose update is fused into the backward (lomo_ds's engine): the rules
+
+
+METHOD_LABELS = _Labels()
 
 
 GPU_COUNTS = (1, 2, 4, 8)

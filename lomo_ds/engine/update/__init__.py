@@ -4,16 +4,17 @@
                    resumable state (the shard's weights and the rule's state)
   shard.py         where a slice lies (ShardGeometry), chunks, and ShardWeights: fp32 masters,
                    stochastic rounding, weights read and written back chunk by chunk
-  rule.py          the Rule every update rule implements; PassSettings, PassStats
+  rule.py          the Rule every update rule implements (built by Rule.build(BuildContext), chosen
+                   by name from config/rules.py's registry); PassSettings, PassStats
   sgd.py           SGD, LOMO's rule
   adalomo.py       AdaLomo's rule: its state, its three phases, the host-update worker's part
   adalomo_math.py  AdaLomo's arithmetic on a slice
 """
 from lomo_ds.engine.update.adalomo import AdaLomo
-from lomo_ds.engine.update.rule import PassSettings, PassStats, Rule
+from lomo_ds.engine.update.rule import BuildContext, PassSettings, PassStats, Rule
 from lomo_ds.engine.update.sgd import SGD
 from lomo_ds.engine.update.shard import ShardGeometries, ShardGeometry, ShardWeights, chunk_bounds, geometry
 from lomo_ds.engine.update.updater import ShardUpdater, build_updater
 
-__all__ = ["SGD", "AdaLomo", "PassSettings", "PassStats", "Rule", "ShardGeometries", "ShardGeometry", "ShardUpdater",
-           "ShardWeights", "build_updater", "chunk_bounds", "geometry"]
+__all__ = ["SGD", "AdaLomo", "BuildContext", "PassSettings", "PassStats", "Rule", "ShardGeometries", "ShardGeometry",
+           "ShardUpdater", "ShardWeights", "build_updater", "chunk_bounds", "geometry"]

@@ -95,7 +95,16 @@ import torch
 from lomo_ds.config.lomo import AdaLomoConfig
 from lomo_ds.engine import host_updates
 from lomo_ds.engine.update import adalomo_math as m
-from lomo_ds.engine.update.rule import Cut, Items, PassSettings, PassStats, Replicated, StateLayout, unscale_and_clip
+from lomo_ds.engine.update.rule import (
+    BuildContext,
+    Cut,
+    Items,
+    PassSettings,
+    PassStats,
+    Replicated,
+    StateLayout,
+    unscale_and_clip,
+)
 from lomo_ds.engine.update.shard import ShardWeights, chunk_bounds, grad_chunk, grad_in_place
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
@@ -183,6 +192,11 @@ class AdaLomo:
         self.pin = bool(host is not None and host.pin)
         self.weight_sq = host_updates.host_buffer(len(self.deferred), torch.float32, pin=self.pin).zero_()
         self.weight_sq_known = [False] * len(self.deferred)
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> "AdaLomo":
+        """The rule as the engine builds it (ctx.options: the lomo.adalomo section)."""
+        return cls(ctx.options, ctx.module, ctx.params, ctx.group, ctx.geometry, host=ctx.host, device=ctx.device)
 
     def _zero_state(self, p: torch.nn.Parameter, device: torch.device) -> dict[str, torch.Tensor]:
         shape = ds_compat.full_shape(p)

@@ -89,8 +89,32 @@ class Replicated:
 StateLayout = dict[tuple[str, ...], Cut | Replicated]  # a tensor's path of keys in state_dict() -> how it lies
 
 
+@dataclass(frozen=True)
+class BuildContext:
+    """What the engine hands a rule's `build` (updater.build_updater): every rule is built from one
+    of these, so the engine builds any registered rule (config/rules.py) the same way."""
+
+    options: Any  # the rule's own config section (lomo.<its config key>, validated); None: it has none
+    module: torch.nn.Module  # the model (parameter names: module.named_parameters())
+    params: list  # the parameters the rule updates, ZeRO-3 partitioned (ds_compat.shard(p): this rank's piece)
+    group: Any  # the data-parallel group the shards are cut over, where bucket statistics are reduced
+    geometry: Any  # geometry(param) -> this rank's ShardGeometry of a parameter (runtime/shard_geometry.py)
+    host: Any = None  # the HostUpdates worker where shards live in host memory (a rule may ignore it)
+    device: torch.device | None = None  # this rank's device
+
+    @property
+    def world(self) -> int:
+        """Ranks the shards are cut over."""
+        return torch.distributed.get_world_size(self.group) if torch.distributed.is_initialized() else 1
+
+
 class Rule(Protocol):
-    """An update rule on this rank's shards."""
+    """An update rule on this rank's shards. A rule is registered by name in config/rules.py and built
+    by `build(ctx)`; docs/rules.md walks through adding one."""
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> "Rule":
+        """The rule for this rank's shards (its state allocated)."""
 
     # The rule's name: lomo.optimizer's value, and what a checkpoint of its state is stored under (a
     # checkpoint of another rule is refused by it).

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lomo_ds.engine.update.rule import Items, PassSettings, PassStats, StateLayout, unscale_and_clip
+from lomo_ds.engine.update.rule import BuildContext, Items, PassSettings, PassStats, StateLayout, unscale_and_clip
 from lomo_ds.engine.update.shard import ShardWeights, chunk_bounds, grad_chunk
 from lomo_ds.runtime import ds_compat
 
@@ -16,6 +16,10 @@ from lomo_ds.runtime import ds_compat
 class SGD:
     name = "sgd"
     takes_whole_bucket = False
+
+    @classmethod
+    def build(cls, ctx: BuildContext) -> "SGD":
+        return cls()
 
     def apply_bucket(self, shard: ShardWeights, items: Items, stats: PassStats, settings: PassSettings) -> None:
         finite = stats.finite_now()

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from lomo_ds.engine.update.adalomo import AdaLomo
-from lomo_ds.engine.update.rule import Cut, Items, PassSettings, PassStats, Rule
+from lomo_ds.engine.update.rule import BuildContext, Cut, Items, PassSettings, PassStats, Rule
 from lomo_ds.engine.update.sgd import SGD
 from lomo_ds.engine.update.shard import ShardGeometries, ShardWeights, grad_sum_sq
 from lomo_ds.runtime.shard_geometry import PIECES
@@ -130,14 +129,19 @@ def rule_entry(state: dict[str, Any]) -> dict[str, Any]:
 
 def build_updater(config, module: torch.nn.Module, params: list, group, dtype: torch.dtype, host,
                   device: torch.device) -> ShardUpdater:
-    """The engine's updater from its EngineConfig: the rule lomo.optimizer names, fp32 masters where
-    asked for and the weights are not fp32, rounding seeded by train.seed, chunks of
-    memory.update_chunk_elements. `host`: the HostUpdates worker, or None; `device`: this rank's,
-    where the pass statistics live."""
+    """The engine's updater from its EngineConfig: the rule lomo.optimizer names, built from its
+    registry entry (config/rules.py) with its own options; fp32 masters where asked for and the
+    weights are not fp32, rounding seeded by train.seed, chunks of memory.update_chunk_elements.
+    `host`: the HostUpdates worker, or None; `device`: this rank's, where the pass statistics live."""
     lomo = config.lomo
+    spec = lomo.rule
     geometries = ShardGeometries()
-    rule = (AdaLomo(lomo.adalomo, module, params, group, geometries, host=host, device=device)
-            if lomo.optimizer == "adalomo" else SGD())
+    ctx = BuildContext(lomo.rule_options, module, params, group, geometries, host=host, device=device)
+    rule = spec.rule_class().build(ctx)
+    if getattr(rule, "name", None) != spec.name:
+        # The name is what its checkpointed state is stored and refused by: it must be the registry's.
+        raise ValueError(f"lomo.optimizer: the rule registered as {spec.name!r} builds a rule named "
+                         f"{getattr(rule, 'name', None)!r}; its class's `name` must be {spec.name!r}")
     masters = params if lomo.fp32_master_weights and dtype != torch.float32 else ()
     return ShardUpdater(lomo.stochastic_rounding, config.train.seed, device, geometries, rule, masters,
                         chunk=config.memory.update_chunk_elements)
