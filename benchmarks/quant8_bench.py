@@ -1,6 +1,6 @@
 """Throughput of the 8-bit block format's operations on one slice, against bf16 stochastic rounding.
 
-  OMP_NUM_THREADS=1 python -m benchmarks.quant8_bench [--elements 4194304 --start 1000 --repeats 7]
+  OMP_NUM_THREADS=1 python -m benchmarks.quant8_bench [--elements 4194304 --start 1000 --repeats 9]
 
 Prints the best and the median time of each operation on a slice of `elements` fp32 values starting at flat
 element `start` of its parameter (unaligned by default: the slice's first and last blocks are cut),
@@ -57,7 +57,7 @@ def recompute_shares(block: int, steps: int = 100, pieces: int = 2048) -> None:
     step (Gaussian, random signs) on Gaussian weights, with and without headroom."""
     device = torch.device("cpu")
     print(f"scale recomputes: {pieces} pieces of {block}, {steps} steps of Gaussian updates")
-    print(f"{'headroom':>9s} {'update/step':>12s} {'steps 1-10':>11s} {'steps 51-100':>13s} {'scale growth':>13s}")
+    print(f"{'headroom':>9s} {'update/step':>12s} {'first 10':>11s} {'second half':>13s} {'scale growth':>13s}")
     for headroom in (0.0, 1 / 16):
         for ratio in (0.01, 0.03, 0.1):
             g = torch.Generator(device=device).manual_seed(0)
@@ -73,13 +73,15 @@ def recompute_shares(block: int, steps: int = 100, pieces: int = 2048) -> None:
             print(f"{headroom:9.4f} {ratio:12.2f} {early:11.4f} {late:13.4f} {float((s / s0).mean()):13.4f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elements", type=int, default=4 * 1024 * 1024)
     parser.add_argument("--start", type=int, default=1000)
     parser.add_argument("--block", type=int, default=quant8.DEFAULT_BLOCK)
     parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=100, help="updates in the scale-recompute count")
+    parser.add_argument("--pieces", type=int, default=2048, help="pieces in the scale-recompute count")
+    args = parser.parse_args(argv)
     device = torch.device("cpu")
     w = torch.randn(args.elements, generator=torch.Generator(device=device).manual_seed(1), device=device) * 0.02
     print(f"slice: {args.elements} elements at flat start {args.start}, block {args.block}, "
@@ -89,7 +91,7 @@ def main() -> None:
     for name, fn in cases(w, args.start, args.block).items():
         best, median = timed(fn, args.repeats)
         print(f"{name:44s} {best * 1e3:9.2f} {median * 1e3:10.2f} {args.elements / best / 1e6:9.1f}")
-    recompute_shares(args.block)
+    recompute_shares(args.block, args.steps, args.pieces)
 
 
 if __name__ == "__main__":
