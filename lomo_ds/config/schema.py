@@ -202,6 +202,12 @@ class LomoConfig(Section):
         return rules.get(self.optimizer)
 
     @property
+    def rule_words(self) -> str:
+        """The rule as a run's summary names it after the method: nothing for LOMO's own rule (SGD),
+        else " with <its label>" (" with AdaLomo")."""
+        return "" if self.optimizer == rules.DEFAULT else f" with {self.rule.label}"
+
+    @property
     def rule_options(self) -> BaseModel | None:
         """The chosen rule's options: its section as the config gives it, or its defaults; None for a
         rule without options."""
