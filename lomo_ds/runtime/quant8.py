@@ -3,12 +3,13 @@ rounding with noise keyed by the element, so that every rank count draws the sam
 
 Format. int8 with one fp32 scale per block of B elements (B = 128 by default): an element is
 stored as q in [-127, 127] and read as q * s, with s = absmax / 127 when the block's scale is set.
-    - int8 rather than fp8: after an absmax scale a block's values are spread evenly over
-      [-absmax, absmax], and int8 spaces its 255 levels evenly over that range, while e4m3 spends
-      its codes near zero (3 mantissa bits: a relative step of 1/8 at the top of the range, against
-      int8's 1/127). Stochastic rounding needs a step that is the same for every value of a block,
-      so that floor(w/s + u) is unbiased with one uniform u; an fp8 step changes with the exponent.
-      int8 also needs no hardware support: every device has int8 tensors and fp32 arithmetic.
+    - int8 rather than fp8: int8 spaces its 255 levels evenly over [-absmax, absmax], a step of
+      absmax/127 everywhere. e4m3's 3 mantissa bits give a step of 1/16 to 1/8 of the value itself:
+      coarser than int8's for every value above absmax/8, which is where most of a block's 128
+      weights lie; finer only below absmax/16 (e5m2, with 2 bits, is coarser still). On an even
+      grid stochastic rounding is one formula, floor(w/s + u) with one uniform u; on fp8's grid the
+      step changes with the exponent. int8 also needs no hardware support: every device has int8
+      tensors and fp32 arithmetic.
     - Symmetric ([-127, 127], no -128, no offset): zero is exact, a weight's sign never depends on
       rounding, and one scale per block is all the state.
     - B = 128: 4 bytes of scale per 128 bytes of weights (1.03 bytes a parameter, 0.52x of bf16).
