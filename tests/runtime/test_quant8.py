@@ -322,3 +322,44 @@ def test_empty_and_single_element_slices():
     assert quant8.block_chunks(start, 0, 64) == []
     q, s = quant8.quantize(torch.tensor([0.5], device=CPU), B + 2, key=(1, 1, 1))
     assert int(q[0]) == 127 and float(quant8.dequantize(q, s, B + 2)[0]) == 0.5
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_chunked_shard_updates_equal_torch_sgd_on_whole_blocks(world):
+    """The update's path on each rank's shard (dequantize a block-aligned chunk, SGD in fp32,
+    requantize with the keyed noise) against one process running torch.optim.SGD on the whole
+    dequantized parameter and requantizing it: bitwise on every block whole on its rank."""
+    n, lr, wd = 29 * B + 11, 0.05, 0.01
+    g = torch.Generator(device=CPU).manual_seed(12)
+    x = torch.randn(n, generator=g, device=CPU)
+    ref_q, ref_s = quant8.quantize(x, 0)
+    parts = [(st, lo, *quant8.quantize(x[st:st + lo], st)) for st, lo in shards(n, world)]
+    for step in range(4):
+        grad = torch.randn(n, generator=g, device=CPU)
+        key = (21, step, 6)
+        p = torch.nn.Parameter(quant8.dequantize(ref_q, ref_s, 0))
+        p.grad = grad.clone()
+        torch.optim.SGD([p], lr=lr, weight_decay=wd, foreach=False).step()
+        ref_q, ref_s, _ = quant8.requantize(p.detach(), ref_s, 0, key)
+        new_parts = []
+        for start, local, q, s in parts:
+            qs, ss = [], []
+            for a, b in quant8.block_chunks(start, local, 3 * B, block=B):
+                pa, pb = quant8.chunk_pieces(start, a, b, B)
+                w = quant8.dequantize(q[a:b], s[pa:pb], start + a)
+                w.add_(grad[start + a:start + b].add(w, alpha=wd), alpha=-lr)
+                cq, cs, _ = quant8.requantize(w, s[pa:pb], start + a, key)
+                qs.append(cq)
+                ss.append(cs)
+            new_parts.append((start, local, torch.cat(qs), torch.cat(ss)))
+        parts = new_parts
+    whole_blocks = 0
+    for start, local, q, s in parts:
+        first, pieces = quant8.piece_span(start, local, B)
+        for pi in range(pieces):
+            k = first + pi
+            a, b = max(start, k * B), min(start + local, (k + 1) * B)
+            if a == k * B and b == min((k + 1) * B, n):
+                whole_blocks += 1
+                assert torch.equal(q[a - start:b - start], ref_q[a:b]) and s[pi] == ref_s[k]
+    assert whole_blocks >= ref_s.numel() - (world - 1)
