@@ -59,6 +59,16 @@ def check_window(micro_batches: int, accumulation_steps: int, accumulated: int) 
         raise ValueError(f"start_window: expected 1..{accumulation_steps} micro-batches, got {micro_batches}")
 
 
+def accumulator_for(memory, accumulation_steps: int, params: list[torch.nn.Parameter], local_elements
+                    ) -> "ShardAccumulator | None":
+    """The engine's accumulator by its `memory` section (accumulate_dtype, accumulate_on); None for
+    windows of one micro-batch, which accumulate nothing."""
+    if accumulation_steps <= 1:
+        return None
+    return ShardAccumulator(params, local_elements, ACCUMULATE_DTYPES[memory.accumulate_dtype],
+                            memory.accumulate_on == "cpu")
+
+
 class ShardAccumulator:
     """One buffer of this rank's real elements per parameter, in `dtype`, zero between windows."""
 
@@ -83,8 +93,9 @@ class ShardAccumulator:
         # backward's thread may stage slices of shards on the device (host_updates.py).
         self._lock = threading.Lock()
 
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+    def nbytes(self, device: torch.device | None = None) -> int:
+        """The buffers' bytes (those on `device`, when given)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers.values() if device in (None, b.device))
 
     def buffer(self, param: torch.nn.Parameter) -> torch.Tensor:
         return self.buffers[ds_compat.param_id(param)]

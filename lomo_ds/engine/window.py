@@ -40,7 +40,7 @@ class Window:
     tokens: float = 0.0
     nonfinite: bool = False
     backwards: int = 0  # micro-batches whose gradient is in the accumulator
-    per_token: float | None = None  # the window's backward seed weight (LomoEngine._token_weight)
+    per_token: float | None = None  # the window's backward seed weight (LossWeights.token_weight)
 
     def note(self, agreed: Agreed) -> None:
         self.nonfinite |= agreed.nonfinite

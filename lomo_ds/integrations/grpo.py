@@ -66,24 +66,24 @@ class StartingWeights:
         """The module computes with the starting weights inside the block. Every gathered copy is
         released first and after (the next gather reads the shard in place then). The live shards
         wait in host memory meanwhile: a second host copy of this rank's shards for the block."""
-        offload = self.engine.offload
-        ds_compat.release_all(offload)
+        engine = self.engine
+        engine.release_gathered()
         live = []
         try:
-            for p, start in zip(self.engine.params, self.shards, strict=True):
+            for p, start in zip(engine.params, self.shards, strict=True):
                 s = ds_compat.shard(p)
                 live.append(s.to("cpu", copy=True))
                 s.copy_(start.to(s.device))
             # The writes are queued on the compute stream; ZeRO-3 gathers on a stream of its own:
             # order it after them, or the reference's forward may gather shards half-written.
-            ds_compat.gathers_wait_for_updates(offload)
+            engine.shards_written()
             yield
         finally:
-            ds_compat.release_all(offload)
-            for p, kept in zip(self.engine.params, live, strict=False):
+            engine.release_gathered()
+            for p, kept in zip(engine.params, live, strict=False):
                 s = ds_compat.shard(p)
                 s.copy_(kept.to(s.device))
-            ds_compat.gathers_wait_for_updates(offload)  # the next forward gathers the live shards whole
+            engine.shards_written()  # the next forward gathers the live shards whole
 
 
 class HostReference:

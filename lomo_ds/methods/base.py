@@ -44,6 +44,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from lomo_ds.engine.release import empty_held
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import accelerator_device, move_batch
 from lomo_ds.runtime.dist import gather_full_state_dict, init_distributed
@@ -151,6 +152,12 @@ class MethodEngine:
 
     def load_state(self, directory: str) -> None:
         raise NotImplementedError(f"train.method={self.method!r} has nothing to resume")
+
+    def release(self) -> dict[str, int]:
+        """Free every tensor this method's engine holds, in place (lomo_ds/engine/release.py: its
+        shards, gathered parameters, optimizer state, buffers); returns the bytes freed by device
+        type. The engine is unusable afterwards."""
+        return empty_held(self)
 
     # ----------------------------------------------------------------- memory accounting
     def enable_memory_tracking(self) -> MemoryTracker:

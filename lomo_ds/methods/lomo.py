@@ -8,6 +8,7 @@ import torch
 from lomo_ds.config.lomo import EngineConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
 from lomo_ds.methods.base import MethodEngine, load_rank_state, save_rank_state
+from lomo_ds.methods.release import merge_freed
 from lomo_ds.runtime.memory import MemoryTracker
 from lomo_ds.storage.checkpoint import IO_TIMEOUT_S
 from lomo_ds.storage.engine_state import has_state, read_engine_state, save_engine_state
@@ -20,7 +21,7 @@ def load_engine_state(engine: LomoEngine, directory: str, io_timeout: float = IO
     Trainer's resume both read through here."""
     if has_state(directory):
         def check(state):  # another model's, or one the run's settings cannot take: before any read
-            engine.updater.check_state(state, engine.module, engine.params)
+            engine.check_state(state)
         return read_engine_state(directory, engine.shard_state_dict(), check, io_timeout)
     state = load_rank_state(directory, engine.rank)["lomo"]
     if state["world"] != engine.world:
@@ -89,6 +90,11 @@ class LomoMethodEngine(MethodEngine):
                 state.update(load_rank_state(directory, 0))  # a rank the writing run did not have
         self.load_state_dict(state)
 
+    def release(self) -> dict[str, int]:
+        """The LomoEngine frees what it owns (LomoEngine.release); what the method holds beside it
+        (LoRA+LOMO's adapters' masters and their optimizer) goes the generic way."""
+        return merge_freed(self.engine.release(), super().release())
+
     # ----------------------------------------------------------------- memory accounting
     def _make_tracker(self) -> MemoryTracker:
         return self.engine.enable_memory_tracking()
@@ -96,11 +102,10 @@ class LomoMethodEngine(MethodEngine):
     def _grad_bytes(self) -> int:
         # The shard accumulator (accumulation_steps > 1) is held all the time, on the device; in
         # host memory with memory.accumulate_on "cpu" on an accelerator, where it is not GPU memory.
-        acc = self.engine.accumulator
-        held = acc.nbytes() if acc is not None and next(iter(acc.buffers.values())).device == self.device else 0
+        held = self.engine.accumulator_bytes(self.device)
         if self.tracker is None or not self.tracker.samples:
             return held
         return held + self.tracker.peak.grad_bytes + self.tracker.peak.bucket_bytes
 
     def _optimizer_bytes(self) -> int:
-        return self.engine.updater.state_bytes()  # the fp32 masters and the update rule's state
+        return self.engine.state_bytes()  # the fp32 masters and the update rule's state

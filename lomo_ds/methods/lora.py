@@ -120,13 +120,12 @@ class LoraLomoEngine(LomoMethodEngine):
         """Each rank copies its slice of the fp32 masters into the adapters' ZeRO-3 shards (the slice
         of each adapter's own process group, as LOMO's update cuts it)."""
         for p, m in zip(self.adapters, self.masters, strict=True):
-            g = self.engine.updater.geometry(p)
+            g = self.engine.geometry(p)
             if g.local:
                 ds_compat.shard(p)[:g.local].copy_(m.detach().reshape(-1)[g.start:g.start + g.local])
         # The writes are queued on the compute stream after the step's end ordered ZeRO-3's gather
         # stream: order it again, or the next forward may gather adapters half-written.
-        ds_compat.gathers_wait_for_updates(self.engine.offload)
-        ds_compat.release_all(self.engine.offload)  # the next forward gathers the new adapters
+        self.engine.shards_written()  # and the next forward gathers the new adapters
 
     # ----------------------------------------------------------------- resume: both halves
     def state_dict(self) -> dict[str, Any]:

@@ -221,7 +221,7 @@ def check_token_seed(k: int) -> dict:
     engine = lomo_ds.initialize(copy.deepcopy(ref), cfg)
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     seeds, raw = [], []
-    weigh, backward = engine._backward_loss, engine._backward
+    weigh, backward = engine.loss_weights.backward_loss, engine._backward
 
     def weighed(loss, labelled, tokens, loss_scale, per_token=1.0):
         raw.append(float(loss.detach()) if labelled else None)
@@ -232,7 +232,7 @@ def check_token_seed(k: int) -> dict:
             seeds.append(float(seed.detach()) / (raw[-1] * engine.loss_scaler.scale))
         return backward(seed, *args, **kwargs)
 
-    engine._backward_loss, engine._backward = weighed, seeded
+    engine.loss_weights.backward_loss, engine._backward = weighed, seeded
     norms = []
     for step in range(STEPS):
         window = window_batches(step, engine.world, k, uneven=True)

@@ -349,14 +349,14 @@ def check_delayed_window_tail(device: torch.device, sizes: dict, cycles: int = D
            **engine_sections({"lr": lr, "accumulation_steps": k, "accumulate_on": "cpu", "clip_grad_norm": 0.5,
                     **E.LOMO_DEFAULTS})}
     engine = lomo_ds.initialize(llama(sizes), cfg)
-    apply = engine._apply_accumulated
+    apply = engine.closer.apply_accumulated
 
     def delayed(rule):
         if device.type == "cuda":
             torch.cuda._sleep(cycles)  # every copy of the pass queues behind it
         return apply(rule)
 
-    engine._apply_accumulated = delayed
+    engine.closer.apply_accumulated = delayed
     opt = torch.optim.SGD(ref.parameters(), lr=lr)
     norms = []
     for step in range(sizes["steps"]):
