@@ -63,9 +63,9 @@ pieces were recomputed, as a device tensor, for the caller to report.
     - How often: with headroom 0 a fresh scale puts the piece's maximum exactly on 127, so any
       update that grows that one element recomputes the piece: with Gaussian weights and updates
       of 1-10% of a step in random directions, 17-50% of the pieces every step (fewer as the
-      scale ratchets up to the maximum's running peak). A headroom of 1/16 (the maximum on 119,
-      steps 6% coarser) leaves such updates 8 steps of room: recomputes drop to about 0.1% of the
-      pieces a step at 10% of a step, none below. benchmarks/quant8_bench.py prints both.
+      scale ratchets up to the maximum's running peak). A headroom of 1/16 (the maximum on 119.5,
+      steps 6% coarser) leaves such updates 7.5 steps of room: recomputes drop to about 0.02% of
+      the pieces a step at 10% of a step over 100 steps, none at 1-3%. benchmarks/quant8_bench.py prints both.
     - The default headroom is 0 (s = absmax / 127 exactly, the format as specified); a caller
       that reports frequent recomputes passes a headroom.
 
