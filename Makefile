@@ -42,11 +42,13 @@ SEED ?= 42
 demo: .installed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/cpu_default.json --set train.seed=$(SEED)
 
-# The CI's checks before the tests: no big file outside the shipped data folders, the linter, and
-# the layers of the package and of the folders around it (import-linter: a module imports nothing
-# from a layer above its own). Their rules: pyproject.toml.
+# The CI's checks before the tests: no big file outside the shipped data folders, no module of
+# lomo_ds over 600 lines nor function over 80 (.ci/check_code_size.py), the linter, and the layers
+# of the package and of the folders around it (import-linter: a module imports nothing from a layer
+# above its own). The linter's and the layers' rules: pyproject.toml.
 lint: .installed
 	$(PYTHON) .ci/check_sizes.py
+	$(PYTHON) .ci/check_code_size.py
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
 
