@@ -31,13 +31,14 @@ class BatchLoss:
             return causal_lm_loss(self.module, self.head, batch, self.chunk_logits)
         return self.module(**batch)
 
-    def __call__(self, batch: dict[str, Any]) -> tuple[torch.Tensor, bool, int]:
-        """The forward's loss, whether the batch has a label, and its label tokens (1 unless
-        normalization is "tokens")."""
+    def __call__(self, batch: dict[str, Any], forward=None) -> tuple[torch.Tensor, bool, int]:
+        """The loss of `forward(batch)` (default: forward above; the engine passes its own, which a
+        subclass may replace: the Trainer's compute_loss), whether the batch has a label, and its
+        label tokens (1 unless normalization is "tokens")."""
         if self.sp.size > 1:
             return sp_loss(self.module, self.head, self.chunk_logits, batch, self.sp, self.normalization)
         tokens = label_tokens(batch) if self.normalization == "tokens" else 1
-        return loss_of(self.forward(batch)), has_labelled_tokens(batch), tokens
+        return loss_of((forward or self.forward)(batch)), has_labelled_tokens(batch), tokens
 
     def token_sum(self, batch: dict[str, Any]) -> torch.Tensor | None:
         """The summed cross-entropy of the batch's label tokens (shifted by one, -100 ignored),

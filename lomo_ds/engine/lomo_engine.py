@@ -291,7 +291,7 @@ class LomoEngine:
         measure = one and self.two_passes
         rng = capture_rng(self.device) if measure and self.config.memory.two_pass_mode == "recompute" else None
 
-        raw_loss, labelled, tokens = self.batch_loss(batch)
+        raw_loss, labelled, tokens = self.batch_loss(batch, self.forward)
         agreed = self.loss_weights.agree(raw_loss, labelled, tokens)
         window.note(agreed)
         if window.per_token is None and agreed.tokens > 0:
@@ -361,7 +361,8 @@ class LomoEngine:
         del loss
         # The same random draws (dropout) as the measured forward: the same graph.
         restore_rng(rng, self.device)
-        return self.loss_weights.backward_loss(self.batch_loss(batch)[0], labelled, tokens, 1.0, per_token), grad_scale
+        again = self.batch_loss(batch, self.forward)[0]
+        return self.loss_weights.backward_loss(again, labelled, tokens, 1.0, per_token), grad_scale
 
     def _sum_over_ranks(self, values, name: str) -> list[float]:
         """One of the step's agreements: element-wise sums over the ranks, read on the host."""
