@@ -8,8 +8,12 @@ from dataclasses import replace
 
 from lomo_ds.planning import planner
 
-VARIANTS = (("lomo", False), ("adalomo", False), ("lomo", True), ("adalomo", True), ("sgd", False),
-            ("adamw", False))
+
+def variants() -> list[tuple[str, bool]]:
+    """(row, offload_param cpu) of the table: each registered rule's row without and then with
+    offload (lomo, adalomo, ...: planning/specs.py FUSED), then DeepSpeed's SGD and AdamW."""
+    return ([(m, False) for m in planner.FUSED] + [(m, True) for m in planner.FUSED]
+            + [(m, False) for m in planner.METHODS if m not in planner.FUSED])
 
 
 def model_name(path: str) -> str:
@@ -34,7 +38,7 @@ def format_models_table(paths: list[str], seqs: list[int], gpu_mem_gib: float = 
     for path in paths:
         spec = replace(planner.resolve_model(path), name=model_name(path))
         for seq in seqs:
-            for method, offload in VARIANTS:
+            for method, offload in variants():
                 r = replace(run, seq=seq, offload=offload)
                 cells = []
                 for n in gpu_counts:
@@ -67,20 +71,22 @@ def settings_label(fields: dict) -> str:
 
 
 def format_long_context_table(models_dir: str, gpu_mem_gib: float = 24.0) -> str:
-    """`lomo-ds plan --long-context docs/models`: the long-context goals, LOMO and AdaLomo per GPU."""
+    """`lomo-ds plan --long-context docs/models`: the long-context goals per GPU under each registered
+    rule (LOMO, AdaLomo, ...)."""
     run = replace(planner.RunSpec(), batch=1)
+    rows = list(planner.FUSED)
     lines = [f"# GiB per GPU ({gpu_mem_gib:g} GiB GPUs): {_assumptions(run)}, micro-batch 1", "",
-             "| model | GPUs | seq | settings | LOMO | AdaLomo | host RAM GiB (node) | fits |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | GPUs | seq | settings | " + " | ".join(planner.METHOD_LABELS[m] for m in rows)
+             + " | host RAM GiB (node) | fits |", "|---" * (6 + len(rows)) + "|"]
     for name, gpus, seq, fields in LONG_CONTEXT:
         path = os.path.join(models_dir, f"{name}.json")
         if not os.path.isfile(path):
             raise ValueError(f"--long-context {models_dir!r}: no {name}.json there")
         spec = replace(planner.resolve_model(path), name=name)
         r = replace(run, seq=seq, **fields)
-        lomo, ada = (planner.estimate(spec, method, gpus, r) for method in planner.FUSED)
-        fits = all(e.total <= gpu_mem_gib * planner.GIB for e in (lomo, ada))
-        lines.append(f"| {name} | {gpus} | {seq:,} | {settings_label(fields)} | {lomo.total / planner.GIB:.2f} | "
-                     f"{ada.total / planner.GIB:.2f} | {max(lomo.host, ada.host) / planner.GIB:.1f} | "
-                     f"{'yes' if fits else 'no'} |")
+        ests = [planner.estimate(spec, method, gpus, r) for method in rows]
+        fits = all(e.total <= gpu_mem_gib * planner.GIB for e in ests)
+        lines.append(f"| {name} | {gpus} | {seq:,} | {settings_label(fields)} | "
+                     + " | ".join(f"{e.total / planner.GIB:.2f}" for e in ests)
+                     + f" | {max(e.host for e in ests) / planner.GIB:.1f} | {'yes' if fits else 'no'} |")
     return "\n".join(lines)
