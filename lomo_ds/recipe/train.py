@@ -309,8 +309,8 @@ class TrainRecipe(EvaluationHooks, Resume):
         with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         method = self.cfg.train.method
-        if method in LOMO_METHODS and self.cfg.lomo.optimizer == "adalomo":
-            method += " with AdaLomo"  # the update rule the shipped configs default to
+        if method in LOMO_METHODS:
+            method += self.cfg.lomo.rule_words  # " with AdaLomo": the rule the shipped configs default to
         for key in ("accuracy", "exact_match", "contains"):
             zs, ft = (results.get(k, {}).get(f"eval/{key}") for k in ("zero_shot", "final"))
             if zs is not None and ft is not None and not math.isnan(zs):
