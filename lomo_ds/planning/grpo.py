@@ -43,7 +43,13 @@ from lomo_ds.planning.dpo import reference_bytes, trl_head_bytes
 from lomo_ds.planning.fetch_units import largest_fetch_unit, working_set
 from lomo_ds.planning.inference import eval_layer_bytes, kv_cache_bytes
 
-GRPO_METHODS = ("lomo", "adalomo", "adamw")
+
+def grpo_methods() -> tuple[str, ...]:
+    """The rows GRPO is planned for: every registered rule's (planning/specs.py FUSED), and DeepSpeed's AdamW."""
+    return (*planner.FUSED, "adamw")
+
+
+GRPO_METHODS = grpo_methods()  # the built-in rules' and AdamW's (a rule registered later: grpo_methods())
 GRPO_REFERENCES = ("none", "ref_model", "host")
 
 
@@ -127,8 +133,8 @@ def _training(m: planner.ModelSpec, method: str, gpus: int, run: planner.RunSpec
 
 def grpo_estimate(m: planner.ModelSpec, method: str, gpus: int, g: GrpoSpec = GrpoSpec(),
                   run: planner.RunSpec | None = None) -> GrpoEstimate:
-    if method not in GRPO_METHODS:
-        raise ValueError(f"method: GRPO is planned for {GRPO_METHODS}, got {method!r}")
+    if method not in grpo_methods():
+        raise ValueError(f"method: GRPO is planned for {grpo_methods()}, got {method!r}")
     check_grpo(g, gpus)
     run = replace(run or planner.RunSpec(), seq=g.seq, batch=g.batch, chunked_loss=True)
     e, training = _training(m, method, gpus, run)
@@ -167,7 +173,7 @@ def format_grpo(m: planner.ModelSpec, g: GrpoSpec = GrpoSpec(), gpu_mem_gib: flo
     counts = [n for n in gpu_counts if (g.batch * g.steps_per_generation * n) % g.generations == 0]
     if not counts:
         check_grpo(g, min(gpu_counts))  # raises: no GPU count takes whole groups
-    for method in GRPO_METHODS:
+    for method in grpo_methods():
         for n in counts:
             e = grpo_estimate(m, method, n, g, run)
             streamed = grpo_estimate(m, method, n, replace(g, gather_for_generation=False), run)
