@@ -301,4 +301,6 @@ def read_engine_state(directory: str, template: dict[str, Any], check, io_timeou
     _load(planned, reader, _planners()[1](pieces), group)
     state = _unflatten(flat)
     state["world"], state["rank"] = world, rank
+    if PIECES in template:  # what this run's pieces are, as its own state says
+        state[PIECES] = template[PIECES]
     return state
