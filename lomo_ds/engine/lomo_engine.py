@@ -152,7 +152,7 @@ class LomoEngine:
         self.accumulator = accumulator_for(config.memory, self.accumulation_steps, self.params,
                                            lambda p: self.updater.geometry(p).local)
         self.staging = HostStaging(self.host_updates, self.updater, self.accumulator)
-        self.route = SliceRoute(self.staging, self.updater, self.accumulator)  # the buckets' on_bucket
+        self.slice_route = SliceRoute(self.staging, self.updater, self.accumulator)  # the buckets' on_bucket
 
     def _build_buckets(self, config: EngineConfig) -> None:
         """The gradient buckets, the hooks that fill them, and the route of the step's agreements."""
@@ -160,7 +160,7 @@ class LomoEngine:
         # One object for every parameter: it splits them by their own ds_process_group (one bucket
         # set per group) and refuses a group that does not span every rank.
         self.buckets = GradientBuckets(self.params, self.group, self.world, self.rank, config.comm.bucket_size,
-                                       reduce_dtype, self.route, device=self.device,
+                                       reduce_dtype, self.slice_route, device=self.device,
                                        transport=config.comm.grad_reduction, max_in_flight=config.comm.max_in_flight,
                                        timeout_s=config.train.collective_timeout,
                                        sparse=[p for n, p in self.module.named_parameters() if p.requires_grad
@@ -254,7 +254,7 @@ class LomoEngine:
         the first non-finite bucket on apply nothing more)."""
         stats = self.updater.begin_pass(settings, measure=measure, step=self.global_step)
         self.buckets.reset(stats)
-        self.route.mode = mode
+        self.slice_route.mode = mode
         # on an error, peers waiting on this rank's next bucket or parameter gather fail too
         abandon = (self.buckets.abandon, abandon_param_gather, self.step_sums.abandon)
         try:
@@ -263,7 +263,7 @@ class LomoEngine:
                 with self.timers.span("flush"):
                     self.buckets.flush()
         finally:
-            self.route.mode = BucketMode.UPDATE
+            self.slice_route.mode = BucketMode.UPDATE
         return stats
 
     def forward(self, batch: dict[str, Any]):

@@ -20,8 +20,8 @@ from lomo_ds.engine.window_close import StepCounters, clipped
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # What a LomoEngine keeps to itself (set in its constructor): nothing outside lomo_ds/engine/ names them.
-INTERNALS = {"updater", "accumulator", "offload", "buckets", "host_updates", "staging", "route", "closer", "steps",
-             "loss_weights", "batch_loss", "step_sums", "window", "loss_scaler", "param_gather"}
+INTERNALS = {"updater", "accumulator", "offload", "buckets", "host_updates", "staging", "slice_route", "closer",
+             "steps", "loss_weights", "batch_loss", "step_sums", "window", "loss_scaler", "param_gather"}
 # The names LOMO's engine goes by in the code that holds one.
 HOLDERS = {"engine", "lomo_engine"}
 
