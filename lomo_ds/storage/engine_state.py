@@ -250,17 +250,19 @@ class _Unread:
     key: str
 
 
-def _refuse_whole(template: dict[str, Any], path: tuple, folder: str) -> None:
-    """Refuse a piece the checkpoint holds per rank where this run keeps a whole tensor (its state
-    declared otherwise when written): it would be dropped, and the tensor left as it was."""
-    node = template
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return
-        node = node[key]
-    if torch.is_tensor(node):
-        raise CheckpointError(f"{folder}: {SEP.join(path)!r} was saved as one piece per rank, and this run keeps it "
-                              "whole on every rank (its state declares it replicated): a state of another layout")
+def _check_cut_alike(template: dict[str, Any], mine: dict[tuple, Any], flat: dict[tuple, Any], folder: str) -> None:
+    """Refuse a checkpoint whose tensors are cut otherwise than this run declares (a state declared
+    another way when it was written): a piece saved per rank where this run keeps the tensor whole
+    would be dropped, and a whole tensor where this run keeps a piece would hand every rank rank 0's."""
+    kept = dict(_flatten({k: v for k, v in template.items() if k not in _NOT_SAVED}))
+    for path, value in flat.items():
+        if isinstance(value, _Unread) and path not in mine and torch.is_tensor(kept.get(path)):
+            raise CheckpointError(f"{folder}: {SEP.join(path)!r} was saved as one piece per rank, and this run "
+                                  "keeps it whole on every rank (its state declares it replicated): a state of "
+                                  "another layout")
+        if path in mine and torch.is_tensor(value):
+            raise CheckpointError(f"{folder}: {SEP.join(path)!r} was saved whole, once, and this run keeps one piece "
+                                  "of it per rank (its state declares it cut): a state of another layout")
 
 
 def read_engine_state(directory: str, template: dict[str, Any], check, io_timeout: float,
@@ -285,13 +287,13 @@ def read_engine_state(directory: str, template: dict[str, Any], check, io_timeou
     check(named)
     flat = dict(_flatten(named))
     mine, _ = _split(template)
+    _check_cut_alike(template, mine, flat, folder)
     mesh, pieces, planned = _mesh(group), {}, {}
     for path, value in list(flat.items()):
         if not isinstance(value, _Unread):
             continue
         key, numel = value.key, saved[value.key].size[0]
         if path not in mine:
-            _refuse_whole(template, path, folder)
             del flat[path]  # kept by the writing run, not by this one (fp32 masters it does not keep)
             continue
         target = mine[path][0]

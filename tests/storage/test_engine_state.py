@@ -124,6 +124,34 @@ def another_model_is_refused_before_any_read():
     return {"refusal": None}
 
 
+def _declared_otherwise(state: dict, cut: bool) -> dict:
+    """`state` with a.weight's rule buffer `m` declared cut (as _state does) or replicated."""
+    pieces = {p: n for p, n in state[PIECES].items() if p != ("rule", "state", "a.weight", "m")}
+    if cut:
+        pieces[("rule", "state", "a.weight", "m")] = NUMELS["a.weight"]
+    return {**state, PIECES: pieces}
+
+
+@multi_rank(worlds=[3])
+def a_tensor_cut_otherwise_than_declared_is_refused():
+    """Written with `m` cut and read by a state that keeps it whole, and the other way round: refused
+    by the key, before anything is read (else every rank would keep rank 0's, or its own stale one)."""
+    from lomo_ds.storage.checkpoint import CheckpointError
+
+    rank, out = torch.distributed.get_rank(), {}
+    for written_cut in (True, False):
+        path = os.path.join(work_dir(), f"m_cut_{written_cut}")
+        save_engine_state(path, _declared_otherwise(_state(3, rank, True), written_cut), 60.0)
+        template = _declared_otherwise(_state(3, rank, False), not written_cut)
+        try:
+            read_engine_state(path, template, lambda state: None, 60.0)
+            out[f"written_cut_{written_cut}"] = None
+        except CheckpointError as e:
+            out[f"written_cut_{written_cut}"] = str(e)
+        out[f"untouched_{written_cut}"] = all(not t.any() for t in template["shards"].values())
+    return out
+
+
 class _RunsCode:
     """Unpickling it would run code (writes a marker file)."""
 
@@ -182,3 +210,11 @@ def test_a_checkpoint_carrying_pickled_code_is_refused(rank_results, world):
     r = ok(rank_results(world), pickled_code_is_refused)
     assert r["refused"] and "carrying_code" in r["refused"] and "weights_only" in r["refused"].lower(), r
     assert not r["ran"], r
+
+
+@pytest.mark.parametrize("world", [3])  # the 3-rank launch's group (tests/conftest.py)
+def test_a_tensor_cut_otherwise_than_the_reading_state_declares_is_refused(rank_results, world):
+    r = ok(rank_results(world), a_tensor_cut_otherwise_than_declared_is_refused)
+    assert "rule/state/a.weight/m" in r["written_cut_True"] and "declares it replicated" in r["written_cut_True"], r
+    assert "rule/state/a.weight/m" in r["written_cut_False"] and "declares it cut" in r["written_cut_False"], r
+    assert r["untouched_True"] and r["untouched_False"], r
