@@ -5,16 +5,17 @@ Each tensor a rank holds a piece of is saved as what it is: one piece of a globa
 parameter's numel elements, a DTensor sharded on dimension 0. Which tensors those are, the state says
 itself: its PIECES entry (runtime/shard_geometry.py) names each by its path and global numel (the
 engine puts in its weight shards, its fp32 masters and whatever state its update rule declares cut);
-nothing here knows a rule. ZeRO-3 cuts a parameter of n elements into pieces of
-ceil(n / N), rank r holding [r * ceil(n / N), ...), which is torch.chunk's cut and so DTensor's
+nothing here knows a rule. ZeRO-3 cuts a parameter of n elements into pieces of ceil(n / N), rank
+r holding [r * ceil(n / N), ...) (ShardGeometry), which is torch.chunk's cut and so DTensor's
 Shard(0): the shard's real elements (its padding left out) are the DTensor's local tensor as they
 are. The checkpoint's metadata then says where every element is, and a run of any rank count reads
 its own ranges from whichever files hold them (torch.distributed.checkpoint's resharding): no
 conversion step and no second copy, as DeepSpeed's universal checkpoints need.
 
 Everything else in the state is the same on every rank (a rule's replicated state, the step counters
-and the loss scale): rank 0 writes it once, beside the
-pieces, as a plain torch file (REST) read with weights_only. Kept out of torch.distributed.checkpoint,
+and the loss scale): rank 0 writes it once, beside the pieces, as a plain torch file (REST) read
+with weights_only. A load refuses a checkpoint that cut a tensor otherwise than the reading state
+declares (_check_cut_alike). Kept out of torch.distributed.checkpoint,
 whose deduplication would leave each such entry in one rank's file, which is not on every node where
 nodes share no disk (the Trainer's save_on_each_node), and whose reader unpickles non-tensor entries
 without weights_only. The rank and world fields are not saved; a load gives this run's.
