@@ -1,8 +1,10 @@
 """The update of this rank's shards from their reduced gradient slices.
 
   updater.py       ShardUpdater: one pass at a time (measure, or update by the rule), and the
-                   resumable state (the shard's weights and the rule's state)
-  shard.py         where a slice lies (ShardGeometry), chunks, and ShardWeights: fp32 masters,
+                   resumable state (the shard's weights, the rule's state under its name, and which
+                   tensors are per-rank pieces)
+  shard.py         where a slice lies (ShardGeometries; ShardGeometry itself is
+                   runtime/shard_geometry.py's), chunks, and ShardWeights: fp32 masters,
                    stochastic rounding, weights read and written back chunk by chunk
   rule.py          the Rule every update rule implements (built by Rule.build(BuildContext), chosen
                    by name from config/rules.py's registry); PassSettings, PassStats
