@@ -5,6 +5,14 @@ from __future__ import annotations
 
 from lomo_ds.storage import checkpoint
 
+# Under "mean" a step's gradient is the average of its micro-batches' token means: another rank
+# count cuts the same global batch into other micro-batches, so rows of unequal label counts weigh
+# differently from the uninterrupted run's (equal only where every row has as many label tokens).
+MEAN_AFTER_MOVE = ("train.loss_normalization is 'mean': each micro-batch's token mean weighs the same, and this rank "
+                   "count cuts the global batch into other micro-batches, so a step's gradient differs from the "
+                   "uninterrupted run's wherever rows have unequal label counts; 'tokens' weighs every label token "
+                   "the same however the batch is cut")
+
 
 class Resume:
     """TrainRecipe's resume_point(), global_batch and data_position_after_resume()."""
@@ -26,6 +34,8 @@ class Resume:
         if meta["world"] != self.world:
             self.say(f"resumed on {self.world} rank(s) a run checkpointed on {meta['world']}: "
                      + self.data_position_after_resume(meta.get("global_batch")))
+            if self.cfg.train.loss_normalization == "mean":
+                self.say("warning: " + MEAN_AFTER_MOVE)
         return step
 
     @property

@@ -46,6 +46,7 @@ def test_a_run_moved_between_rank_counts_ends_where_an_uninterrupted_one_does(tm
             assert f"at step {STEPS_PER_HOP * i}" in out, out[-2000:]
             if world != HOPS[i - 1]:
                 assert f"checkpointed on {HOPS[i - 1]}: the same global batch ({GLOBAL_BATCH}" in out, out[-2000:]
+                assert "warning: train.loss_normalization is 'mean'" in out, out[-2000:]
     a = load_file(tmp_path / "straight" / "hf_model" / "model.safetensors")
     b = load_file(moved / "hf_model" / "model.safetensors")
     assert a.keys() == b.keys()
@@ -77,3 +78,28 @@ update/shard.py check_shapes)."""
         (line,) = [x for x in proc.stderr.splitlines() if x.startswith("checkpoint error:")]
         assert "has shape" in line and "a checkpoint of another model (model.path)" in line, line
 
+
+
+@pytest.mark.parametrize("normalization", ["mean", "tokens"])
+def test_a_move_under_mean_normalization_warns_that_micro_batches_weigh_rows(monkeypatch, normalization):
+    """The warning is said only where it is true: under 'mean' another rank count changes which rows
+    share a micro-batch's mean; under 'tokens' it does not (tests/engine's token-weighing oracles)."""
+    from types import SimpleNamespace
+
+    from lomo_ds.recipe import resume
+    from lomo_ds.storage import checkpoint
+
+    said = []
+
+    class Run(resume.Resume):
+        resume_requested, world, dp_world = True, 3, 3
+        engine = SimpleNamespace(supports_resume=True)
+        cfg = SimpleNamespace(output=SimpleNamespace(dir="out"), micro_batch=4, accumulation_steps=1,
+                              train=SimpleNamespace(loss_normalization=normalization))
+        say = staticmethod(said.append)
+
+    monkeypatch.setattr(checkpoint, "latest_checkpoint", lambda d: "out/checkpoints/step_2")
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda c, e: {"step": 2, "world": 2, "global_batch": 12})
+    assert Run().resume_point() == 2
+    warned = [m for m in said if m.startswith("warning: train.loss_normalization is 'mean'")]
+    assert len(warned) == (normalization == "mean"), said
