@@ -18,7 +18,7 @@ import torch
 import lomo_ds
 from benchmarks import common
 from devkit.launch_local import as_deepspeed_launched
-from lomo_ds.config.sections import group_by_section
+from lomo_ds.config.engine_sections import group_by_section
 from lomo_ds.planning.planner import ModelSpec
 from lomo_ds.profiling import count_comm
 from lomo_ds.runtime.device import accelerator_device

@@ -59,7 +59,7 @@ import lomo_ds
 from benchmarks import common
 from benchmarks.bench_step import bench_llama, start_ranks
 from devkit.floor import FloorEngine
-from lomo_ds.config.sections import group_by_section
+from lomo_ds.config.engine_sections import group_by_section
 from lomo_ds.planning import planner
 from lomo_ds.profiling import StepTimers, attach_timers, count_comm
 from lomo_ds.runtime import ds_compat

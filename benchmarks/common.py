@@ -76,8 +76,8 @@ def build_method_engine(model, ds_cfg: dict, method: str, lomo_cfg: dict, activa
     """`method`'s engine (lomo_ds.methods.build_engine) with the options every experiment gives it: a
     run config made of these sections, for a model built in memory. The baselines get their tuned LR
     and norm clipping (every method clips by train.clip_grad_norm); LOMO keeps `lomo_cfg` as given."""
+    from lomo_ds.config.engine_sections import group_by_section
     from lomo_ds.config.run import LOMO_METHODS, load_run_config
-    from lomo_ds.config.sections import group_by_section
     from lomo_ds.methods import build_engine
 
     if activation_checkpointing:

@@ -28,7 +28,7 @@ DEEPSPEED = {
     # One gather per decoder layer instead of one per nn.Linear (the shipped configs' setting).
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                           "leaf_module": {"classes": ["LlamaDecoderLayer"]}},
-    "comm": {},  # how gradients travel (lomo_ds/config/sections.py), e.g. {"bucket_size": 25000000}
+    "comm": {},  # how gradients travel (lomo_ds/config/engine_sections.py), e.g. {"bucket_size": 25000000}
 }
 
 

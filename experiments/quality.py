@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 from devkit.launch_local import torchrun_command
 from experiments import table3
+from lomo_ds.config.engine_sections import EngineTrainConfig
 from lomo_ds.config.overrides import parse_override_args
-from lomo_ds.config.sections import EngineTrainConfig
 from lomo_ds.config.tasks import TASKS
 
 HERE = os.path.dirname(os.path.abspath(__file__))

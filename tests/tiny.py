@@ -58,6 +58,6 @@ def engine_sections(options: dict | None = None, **more) -> dict:
     """Engine options named by their keys alone (lr, bucket_size, clip_grad_norm, ...), grouped into
     the config sections whose fields they are (lomo, comm, memory, train): the checks pass options
     through their parameters without caring which section each belongs to."""
-    from lomo_ds.config.sections import group_by_section
+    from lomo_ds.config.engine_sections import group_by_section
 
     return group_by_section({**(options or {}), **more})

@@ -24,7 +24,7 @@ from collections import deque
 import torch
 
 from lomo_ds.comm.shm_transport import MIN_SLOTS, SharedMemorySlots, available
-from lomo_ds.config.lomo import ParamGather
+from lomo_ds.config.engine_config import ParamGather
 from lomo_ds.runtime import ds_compat
 
 CHOICES = typing.get_args(ParamGather)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from lomo_ds.config.errors import SectionError
-from lomo_ds.config.schema import Int, Section, expects
+from lomo_ds.config.section import Int, Section, expects
 from lomo_ds.config.tasks import SPLIT_EXTENSIONS, split_file
 from lomo_ds.config.tasks import TASK_NAMES as TASKS
 from lomo_ds.config.tasks import TASKS as TASK_SPECS

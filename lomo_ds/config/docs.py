@@ -10,9 +10,9 @@ from typing import Annotated
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from lomo_ds.config.engine_sections import EngineConfig
 from lomo_ds.config.errors import literal_choices, submodel
 from lomo_ds.config.run import RunConfig
-from lomo_ds.config.sections import EngineConfig
 
 HEADER = ["| key | type | default | what it does |", "|---|---|---|---|"]
 # The run config's sections the training program reads, in the order docs/configs.md lists them (RunConfig

@@ -25,10 +25,10 @@ from lomo_ds.config.checks.context import Loading
 from lomo_ds.config.deepspeed_keys import check_deepspeed_keys, validate_deepspeed_section
 from lomo_ds.config.errors import ConfigError, errors_in, submodel, validated
 from lomo_ds.config.files import read_config_file
+from lomo_ds.config.lomo_section import Precision
 from lomo_ds.config.moved import check_moved
 from lomo_ds.config.overrides import apply_overrides
 from lomo_ds.config.presets import apply_preset
-from lomo_ds.config.schema import Precision
 
 Config = TypeVar("Config", bound=BaseModel)  # an EngineConfig or a RunConfig
 

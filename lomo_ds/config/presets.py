@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from lomo_ds.config.schema import LomoConfig, PresetConfig, ScheduleConfig
+from lomo_ds.config.lomo_section import LomoConfig, PresetConfig, ScheduleConfig
 
 LOMO_KEYS = ("lr", "weight_decay")  # a preset's keys that fill the lomo section; the rest fill train's
 

@@ -183,7 +183,7 @@ register(RuleSpec(
     plan_name="lomo", plan_label="LOMO"))  # the planner's row "sgd" is DeepSpeed's SGD baseline, not the fused rule
 register(RuleSpec(
     name="adalomo", label="AdaLomo", rule="lomo_ds.engine.update.adalomo:AdaLomo",
-    config="lomo_ds.config.schema:AdaLomoConfig",
+    config="lomo_ds.config.lomo_section:AdaLomoConfig",
     plan=PlanTerms(state_bytes="lomo_ds.planning.estimate:adalomo_state_bytes",
                    update_bytes="lomo_ds.planning.estimate:adalomo_update_bytes",
                    offload_update_bytes="lomo_ds.planning.estimate:adalomo_offload_update_bytes"),

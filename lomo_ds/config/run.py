@@ -4,7 +4,7 @@ memory, and the train keys every method reads), and the sections the training pr
 
     cfg = load_run_config("ds_configs/llama7b.json", {"train.max_steps": 10})   # or a .yaml/.yml file
 
-The sections are frozen pydantic models (see lomo_ds/config/lomo.py), loaded by the one config
+The sections are frozen pydantic models (see lomo_ds/config/engine_config.py), loaded by the one config
 pipeline (loading.py). Everything is checked on load, before a model is imported or allocated: a
 section's own checks are its validators (here and in data_section.py), the checks that span
 sections are each feature's (checks/). Every problem is a `ConfigError` whose message names the
@@ -23,11 +23,12 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from lomo_ds.config.checks import check_run
 from lomo_ds.config.data_section import SOURCE_FORMATS, DataConfig, SourceConfig, checks_files, source_name
+from lomo_ds.config.engine_sections import CommConfig, EngineConfig, EngineTrainConfig, MemoryConfig
 from lomo_ds.config.errors import ConfigError, SectionError
 from lomo_ds.config.loading import load_sections
+from lomo_ds.config.lomo_section import LomoConfig, Precision
 from lomo_ds.config.methods import DEEPSPEED_OPTIMIZER_METHODS, DEFAULT_LR, LOMO_METHODS, METHODS
-from lomo_ds.config.schema import Int, LomoConfig, Precision, Section, expects
-from lomo_ds.config.sections import CommConfig, EngineConfig, EngineTrainConfig, MemoryConfig
+from lomo_ds.config.section import Int, Section, expects
 
 __all__ = ["BUILTIN_MODEL", "BUILTIN_MODEL_GGUF", "DEEPSPEED_OPTIMIZER_METHODS", "DEFAULT_LR", "LOMO_METHODS",
            "METHODS", "SECTIONS", "SOURCE_FORMATS", "DataConfig", "EvalConfig", "LoraConfig", "ModelConfig",

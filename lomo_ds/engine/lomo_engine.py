@@ -31,7 +31,7 @@ import torch
 
 from lomo_ds.comm import abandon_param_gather, configure_param_gather, open_step_sums
 from lomo_ds.config import leaf_module
-from lomo_ds.config.lomo import EngineConfig, Precision, load_config
+from lomo_ds.config.engine_config import EngineConfig, Precision, load_config
 from lomo_ds.engine import sequence_memory
 from lomo_ds.engine.accumulation import accumulator_for, check_window
 from lomo_ds.engine.batch_loss import BatchLoss

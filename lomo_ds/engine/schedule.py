@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lomo_ds.config.lomo import EngineConfig
+    from lomo_ds.config.engine_config import EngineConfig
 
 
 @dataclass(frozen=True)

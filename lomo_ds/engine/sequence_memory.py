@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from lomo_ds.config.sections import MemoryConfig
+from lomo_ds.config.engine_sections import MemoryConfig
 
 
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:

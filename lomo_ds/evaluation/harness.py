@@ -126,7 +126,7 @@ def _local_names(include: Sequence[str]) -> list[str]:
     return names
 
 
-# The harness's names of the run's precisions (lomo_ds.config.schema.Precision.dtype).
+# The harness's names of the run's precisions (lomo_ds.config.lomo_section.Precision.dtype).
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 

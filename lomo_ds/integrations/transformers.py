@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from lomo_ds.config.lomo import load_config
-from lomo_ds.config.schema import Precision
+from lomo_ds.config.engine_config import load_config
+from lomo_ds.config.lomo_section import Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
 from lomo_ds.integrations.preemption import PreemptionCallback
 from lomo_ds.integrations.training_args import (

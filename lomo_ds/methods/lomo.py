@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from lomo_ds.config.lomo import EngineConfig, Precision
+from lomo_ds.config.engine_config import EngineConfig, Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
 from lomo_ds.methods.base import MethodEngine, load_rank_state, save_rank_state
 from lomo_ds.methods.release import merge_freed

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lomo_ds.config.lomo import EngineConfig, Precision
+from lomo_ds.config.engine_config import EngineConfig, Precision
 from lomo_ds.config.run import LoraConfig
 from lomo_ds.methods.deepspeed_optim import linear_lr_factor
 from lomo_ds.methods.lomo import LomoMethodEngine

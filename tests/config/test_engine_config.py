@@ -5,9 +5,9 @@ import pytest
 from pydantic import ValidationError
 
 from lomo_ds.config import ds_options
+from lomo_ds.config.engine_config import load_config
+from lomo_ds.config.engine_sections import EngineConfig
 from lomo_ds.config.errors import ConfigError
-from lomo_ds.config.lomo import load_config
-from lomo_ds.config.sections import EngineConfig
 from tests.tiny import engine_sections
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -268,7 +268,7 @@ def test_deepspeed_monitors_are_refused_under_lomo_naming_lomo_ds_metrics(monito
         load_config({monitor: {"enabled": True}})
     assert "output.tensorboard" in str(e.value) and str(e.value).startswith(f"<config>: {monitor}: ")
     # The baselines run DeepSpeed's step: their monitors work.
-    from lomo_ds.config.lomo import validate_deepspeed_section
+    from lomo_ds.config.engine_config import validate_deepspeed_section
 
     validate_deepspeed_section({monitor: {"enabled": True}}, EngineConfig(), lomo_method=False)
 

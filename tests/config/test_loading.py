@@ -9,8 +9,8 @@ import pkgutil
 import pytest
 
 from lomo_ds.config import checks
+from lomo_ds.config.engine_config import load_config
 from lomo_ds.config.errors import ConfigError
-from lomo_ds.config.lomo import load_config
 from lomo_ds.config.run import load_run_config
 
 ENGINE = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "gradient_accumulation_steps": 3,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from lomo_ds.config import rules
-from lomo_ds.config.lomo import ConfigError, load_config
+from lomo_ds.config.engine_config import ConfigError, load_config
 from lomo_ds.config.presets import describe_update
 
 
@@ -43,7 +43,7 @@ def test_an_entry_that_clashes_is_refused(spec, match):
 
 PLUGIN = '''
 from lomo_ds.config import rules
-from lomo_ds.config.schema import Section
+from lomo_ds.config.section import Section
 
 
 class Options(Section):

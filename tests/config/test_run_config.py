@@ -13,9 +13,9 @@ import torch
 from pydantic import ValidationError
 
 from lomo_ds.config.errors import ConfigError
+from lomo_ds.config.lomo_section import LomoConfig
 from lomo_ds.config.overrides import parse_override_args
 from lomo_ds.config.run import BUILTIN_MODEL_GGUF, RunConfig, load_run_config, resolve_model_source
-from lomo_ds.config.schema import LomoConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))  # every shipped config
@@ -306,8 +306,8 @@ def test_readme_run_options_are_the_models():
     """docs/configs.md's run reference is generated from RunConfig's own sections (model, tokenizer,
     data, train, eval, output), a description on every field and a docstring on every section."""
     from lomo_ds.config.docs import RUN_SECTIONS, run_options_markdown
+    from lomo_ds.config.engine_sections import EngineTrainConfig
     from lomo_ds.config.errors import submodel
-    from lomo_ds.config.sections import EngineTrainConfig
 
     table = run_options_markdown()
     assert "| None |" not in table and "None." not in table, "a run option has no description (Field(description=...))"

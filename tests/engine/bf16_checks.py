@@ -16,7 +16,7 @@ import copy
 import torch
 
 import lomo_ds
-from lomo_ds.config.sections import MemoryConfig
+from lomo_ds.config.engine_sections import MemoryConfig
 from lomo_ds.engine.chunked_loss import causal_lm_loss, head_of
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.engine.dist_engine_checks import ds_cfg

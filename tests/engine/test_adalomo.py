@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lomo_ds.config.engine_config import load_config
 from lomo_ds.config.errors import ConfigError
-from lomo_ds.config.lomo import load_config
 from lomo_ds.engine.update.adalomo_math import row_pieces
 from lomo_ds.planning.planner import LLAMA
 from tests.adalomo_reference import ReferenceAdaLomo

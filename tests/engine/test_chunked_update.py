@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lomo_ds.config.schema import AdaLomoConfig
+from lomo_ds.config.lomo_section import AdaLomoConfig
 from lomo_ds.engine.accumulation import ShardAccumulator
 from lomo_ds.engine.update import AdaLomo, PassSettings, ShardGeometries, ShardUpdater, chunk_bounds
 from tests.ranks import multi_rank_checks, ok

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from lomo_ds.config import leaf_module
+from lomo_ds.config.engine_config import load_config
 from lomo_ds.config.errors import ConfigError
-from lomo_ds.config.lomo import load_config
 from lomo_ds.config.run import load_run_config
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.engine import dist_adalomo_checks as A

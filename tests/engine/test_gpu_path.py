@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lomo_ds.comm import shm_all_gather, shm_reduce_scatter
-from lomo_ds.config.schema import AdaLomoConfig
+from lomo_ds.config.lomo_section import AdaLomoConfig
 from lomo_ds.engine import host_updates
 from lomo_ds.engine.host_updates import HostUpdates, use_thread
 from lomo_ds.engine.update import AdaLomo, PassSettings, ShardGeometries, ShardUpdater

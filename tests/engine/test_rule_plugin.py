@@ -33,7 +33,7 @@ from pydantic import Field
 
 import lomo_ds
 from lomo_ds.config import rules
-from lomo_ds.config.schema import Section
+from lomo_ds.config.section import Section
 from lomo_ds.engine.update.rule import BuildContext, Cut, unscale_and_clip
 from lomo_ds.engine.update.shard import grad_chunk
 from lomo_ds.methods.lomo import load_engine_state
@@ -351,7 +351,7 @@ def test_the_planner_sizes_it_by_its_own_terms(rank_results, plugin, tmp_path):
 
 
 def test_the_run_config_chooses_it_and_validates_its_options(plugin, tmp_path):
-    from lomo_ds.config.lomo import load_config
+    from lomo_ds.config.engine_config import load_config
     from lomo_ds.config.presets import describe_update
 
     cfg = _run_config(tmp_path, momentum_sgd={"momentum": 0.5}, presets={NAME: {"lr": 0.2}})

@@ -118,7 +118,7 @@ def test_each_weight_is_handed_over_once_with_its_whole_gradient():
     tile, where ds_compat.grad_is_ready says so), with the untiled gradient."""
     import copy
 
-    from lomo_ds.config.sections import MemoryConfig
+    from lomo_ds.config.engine_sections import MemoryConfig
     from lomo_ds.engine import sequence_memory
     from lomo_ds.runtime import ds_compat
 
@@ -145,9 +145,9 @@ def test_each_weight_is_handed_over_once_with_its_whole_gradient():
 
 
 def test_options_that_cannot_apply_are_refused():
+    from lomo_ds.config.engine_sections import MemoryConfig
     from lomo_ds.config.errors import ConfigError
     from lomo_ds.config.run import load_run_config
-    from lomo_ds.config.sections import MemoryConfig
     from lomo_ds.engine import sequence_memory
 
     with pytest.raises(ValueError, match="memory.offload_checkpoints: the model does not checkpoint"):

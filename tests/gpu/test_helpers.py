@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from lomo_ds.config.lomo import load_config
+from lomo_ds.config.engine_config import load_config
 from lomo_ds.planning.planner import RunSpec, estimate, run_spec, spec_from_hf_config
 from tests.engine import dist_engine_checks
 from tests.gpu import gpu_checks, integration_checks, precision_checks, timing_checks

@@ -235,7 +235,7 @@ def test_adalomo_update_temporaries_counted_from_its_update(dtype, rounding, mas
     one chunk's fp32 gradient, fp32 weights and rounding at a time (each pass reads the slice in
     chunks, memory.update_chunk_elements); beside them, its statistics (rows + columns + a few numbers
     per parameter)."""
-    from lomo_ds.config.schema import AdaLomoConfig
+    from lomo_ds.config.lomo_section import AdaLomoConfig
     from lomo_ds.engine.update import AdaLomo, PassSettings, ShardGeometries, ShardUpdater
     from lomo_ds.planning.planner import adalomo_update_temp_bytes
 

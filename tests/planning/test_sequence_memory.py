@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lomo_ds.config.sections import MemoryConfig
+from lomo_ds.config.engine_sections import MemoryConfig
 from lomo_ds.engine import sequence_memory
 from lomo_ds.planning import planner as P
 from lomo_ds.planning.sequence import checkpoint_bytes, mlp_backward_bytes

@@ -92,7 +92,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lomo_ds.config.lomo import AdaLomoConfig
+from lomo_ds.config.engine_config import AdaLomoConfig
 from lomo_ds.engine import host_updates
 from lomo_ds.engine.update import adalomo_math as m
 from lomo_ds.engine.update.rule import (

@@ -1,42 +1,23 @@
-"""The update rule's config schema: the `lomo` section and the pieces every section builds on
-(Section, Int, expects, the schedule). DeepSpeed's keys stay DeepSpeed's; the other engine
-sections (comm, memory, train) are sections.py's.
+"""The update rule's config section, `lomo`: the rule (a name the registry knows, rules.py), its
+options and presets, the schedule, the loss scale; and the run's precision. DeepSpeed's keys stay
+DeepSpeed's; the other engine sections (comm, memory, train) are engine_sections.py's, and what
+every section builds on is section.py's.
 
 Unknown keys, wrong types and out-of-range values are refused, values are not coerced, and nothing
 can change a validated section. Reading files and turning pydantic's errors into `ConfigError`s is
-lomo_ds/config/lomo.py's and errors.py's job; the option tables are generated from these fields
+loading.py's and errors.py's job; the option tables are generated from these fields
 (docs.py).
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lomo_ds.config import rules
 from lomo_ds.config.errors import SectionError, explain
-
-
-def _whole_float_to_int(value):
-    # Counts are often written 2.5e7 (JSON and YAML then give a float): accept whole numbers.
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
-
-
-class Section(BaseModel):
-    """A config section: unknown keys are errors, values are not coerced (the string "yes" is not
-    true, "3" is not a number), and a validated section cannot be changed."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-def expects(text: str) -> dict:
-    """`Field(..., json_schema_extra=expects("a positive learning rate"))`: the words an out-of-range
-    error uses for what was expected (the field's description is its documentation)."""
-    return {"expected": text}
+from lomo_ds.config.section import Int, Section, expects
 
 
 def _rule_section(model, raw, key: str):

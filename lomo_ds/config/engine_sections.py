@@ -8,7 +8,8 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from lomo_ds.config.schema import Int, LomoConfig, ScheduleConfig, Section, expects
+from lomo_ds.config.lomo_section import LomoConfig, ScheduleConfig
+from lomo_ds.config.section import Int, Section, expects
 
 # How gradient buckets are summed over ranks: the transports of lomo_ds/comm/grad.py.
 GradReduction = Literal["auto", "reduce_scatter", "shared_memory", "all_reduce"]
@@ -118,7 +119,7 @@ class EngineTrainConfig(Section):
 
 class EngineConfig(Section):
     """Everything the engine reads besides DeepSpeed's own keys: the update rule and the sections
-    split by concern. `lomo_ds.config.lomo.load_config` builds it from a config file or dict; a
+    split by concern. `lomo_ds.config.engine_config.load_config` builds it from a config file or dict; a
     run config gives its own as `RunConfig.engine`."""
 
     SECTIONS: ClassVar[tuple[str, ...]] = ENGINE_SECTIONS  # every other top-level key is DeepSpeed's
