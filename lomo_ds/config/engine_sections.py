@@ -84,6 +84,17 @@ class MemoryConfig(Section):
     offload_checkpoints: bool = Field(False, description=(
         "keep the checkpointed decoder layers' inputs in host memory from the forward to their recomputation "
         "(needs model.gradient_checkpointing; copied without blocking through pinned buffers on accelerators)"))
+    int8_shards: bool = Field(False, description=(
+        "keep each rank's ZeRO-3 shard of every trainable, non-persistent parameter in int8 with one fp32 absmax "
+        "scale per memory.int8_block elements of the parameter's global flat index (lomo_ds/runtime/quant8.py): "
+        "about 0.52x of bf16's shard and gather bytes at 128; the update requantizes with stochastic rounding "
+        "keyed by (seed, step, parameter, element), so every rank count rounds alike. Persistent parameters "
+        "(norms, biases) stay in the compute dtype. Refused with lomo.fp32_master_weights, fp16 and DeepSpeed's "
+        "zero_quantized_* flags"))
+    int8_block: Int = Field(128, ge=8, multiple_of=8, json_schema_extra=expects("a positive multiple of 8"),
+                            description=(
+        "elements per scale for memory.int8_shards, on each parameter's global flat index: smaller blocks "
+        "follow outliers more closely at 4 bytes of scale a block (128: 1/32 byte an element)"))
 
 
 class EngineTrainConfig(Section):
