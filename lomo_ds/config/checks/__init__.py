@@ -9,6 +9,7 @@ from lomo_ds.config.checks.context import Loading
 from lomo_ds.config.checks.eval_split import check_eval_split
 from lomo_ds.config.checks.generation import check_generation
 from lomo_ds.config.checks.harness import check_harness
+from lomo_ds.config.checks.int8_shards import check_int8_shards
 from lomo_ds.config.checks.packing import check_packing
 from lomo_ds.config.checks.sequence_memory import check_engine_memory, check_offloaded_checkpoints
 from lomo_ds.config.checks.sequence_parallel import check_sequence_parallel
@@ -22,6 +23,7 @@ RUN_CHECKS = (
     check_streaming,
     check_packing,
     check_engine_memory,
+    check_int8_shards,
     check_sequence_parallel,
     check_offloaded_checkpoints,
     check_generation,

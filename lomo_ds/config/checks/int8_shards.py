@@ -1,0 +1,43 @@
+"""8-bit weight shards (memory.int8_shards, lomo_ds/runtime/quant8.py): what they cannot run with.
+
+The engine runs `refuse_int8_conflicts` too, on the config it was given, so a config that never
+went through the run config's loader is refused the same way."""
+from __future__ import annotations
+
+from lomo_ds.config.errors import ConfigError
+from lomo_ds.config.methods import LOMO_METHODS
+
+# DeepSpeed's ZeRO++ quantization switches: its CUDA quantizer op, fp16 only, and a second,
+# different 8-bit format over the same partitions.
+DS_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+
+
+def refuse_int8_conflicts(memory, lomo, ds: dict) -> None:
+    """With memory.int8_shards on: a ConfigError naming the first key that conflicts, and why."""
+    if not memory.int8_shards:
+        return
+    if lomo.fp32_master_weights:
+        raise ConfigError("lomo.fp32_master_weights: expected false with memory.int8_shards (fp32 masters hold 4 "
+                          "bytes a parameter, where 8-bit shards exist to hold about 1)")
+    if (ds.get("fp16") or {}).get("enabled", False):
+        raise ConfigError("fp16.enabled: expected false with memory.int8_shards (8-bit shards dequantize to bf16 or "
+                          "fp32; fp16's range cannot hold every block's scale times 127, and its loss scaling would "
+                          "scale the shards' updates)")
+    zero = ds.get("zero_optimization") or {}
+    for key in DS_QUANTIZED:
+        if zero.get(key, False):
+            raise ConfigError(f"zero_optimization.{key}: expected false with memory.int8_shards (DeepSpeed's ZeRO++ "
+                              "quantization is a CUDA op for fp16 with its own 8-bit format; memory.int8_shards "
+                              "already gathers the 8-bit shards and their scales)")
+    block = memory.int8_block
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0 or block % 8:
+        raise ConfigError(f"memory.int8_block: expected a positive multiple of 8, got {block!r}")
+
+
+def check_int8_shards(cfg, loading) -> None:
+    if not cfg.memory.int8_shards:
+        return
+    if cfg.train.method not in LOMO_METHODS:
+        raise ConfigError(f"memory.int8_shards: applied by the fused-update engine (train.method {LOMO_METHODS}), "
+                          f"not by {cfg.train.method!r}")
+    refuse_int8_conflicts(cfg.memory, cfg.lomo, cfg.ds)
