@@ -223,3 +223,36 @@ def test_the_sbatch_example_requeues_on_the_marker_and_the_requeued_job_finishes
     a = load_file(tiny / "straight" / "hf_model" / "model.safetensors")
     b = load_file(out / "hf_model" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_a_setup_error_ends_the_job_at_once_whatever_the_launcher(tiny, tmp_path, launcher):
+    """A setup error on every rank (here a resume from a checkpoint whose meta.json is not JSON):
+    rank 0 says why and exits 2, and the launcher stops the others, which wait in stop_every_rank
+    so that rank 0's message is printed first. That wait must end at the launcher's SIGTERM: with
+    the preemption handlers still installed it would be taken as a request to stop after the step,
+    the rank would sleep on, and the job would end only at the launcher's SIGKILL, 30 s later."""
+    out, status = tmp_path / "run", tmp_path / "status"
+    status.mkdir()
+    bad = out / "checkpoints" / "step_00000002"
+    bad.mkdir(parents=True)
+    (bad / "meta.json").write_text("not json")
+    (out / "checkpoints" / "latest").write_text(bad.name)
+    program = ["tests.rank_status_run", str(status), "0", *_args(tiny, out), "--resume"]
+    port = free_port()
+    env = {**rank_env(2), "PYTHONPATH": ROOT}
+    with open(tmp_path / "launch.log", "w") as log:
+        job = Job(_command(launcher, program, port, False), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = job.wait(300)
+            ended = time.time()
+        finally:
+            job.signal_all(signal.SIGKILL)
+            remove_shm_buffers(port)
+    log = (tmp_path / "launch.log").read_text()
+    rank0 = json.loads((status / "rank_0.json").read_text())
+    after = ended - rank0["time"]
+    print(f"{launcher}: launcher exit {rc}, rank 0 exit {rank0['status']}, the job ended {after:.1f} s after rank 0")
+    assert rc != 0 and rank0["status"] == 2, log[-4000:]
+    assert "checkpoint error:" in log, log[-4000:]
+    assert after < 15, f"the job ended {after:.1f} s after rank 0's exit (the launcher's SIGKILL comes at 30 s)"
