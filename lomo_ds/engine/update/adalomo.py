@@ -105,7 +105,7 @@ from lomo_ds.engine.update.rule import (
     StateLayout,
     unscale_and_clip,
 )
-from lomo_ds.engine.update.shard import ShardWeights, chunk_bounds, grad_chunk, grad_in_place
+from lomo_ds.engine.update.shard import ShardWeights, grad_chunk, grad_in_place
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.device import group_device
 from lomo_ds.runtime.shard_geometry import ShardGeometry
@@ -374,7 +374,7 @@ class AdaLomo:
         where = ds_compat.shard(s.param).device
         here, coef, decay = keep.to(where), coef.to(where), decay.to(where)
         sq = self.state[ds_compat.param_id(s.param)].get("sq")
-        for a, b in chunk_bounds(s.geo.local, shard.chunk):
+        for a, b in shard.chunks(s.param):  # whole 8-bit blocks where the shard has them
             if s.g is not None:
                 u = s.g[a:b]
             else:
@@ -400,7 +400,7 @@ class AdaLomo:
             yield 0, s.g
             return
         align = s.shape[-1] if s.pieces is not None else 1  # whole rows of the stacked matrices
-        for a, b in chunk_bounds(s.geo.local, shard.chunk, s.geo.start, align):
+        for a, b in shard.chunks(s.param, align, on_grid=True):
             yield a, self._g_chunk(shard, s, a, b, settings)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
@@ -446,7 +446,7 @@ class AdaLomo:
         Records the slice's new sum(θ^2) for its next update."""
         n = staged.numel() - 2
         u, coef, decay = staged[:n], staged[n], staged[n + 1]
-        for a, b in chunk_bounds(n, shard.chunk):  # host RAM bounded by the chunk, not the slice
+        for a, b in shard.chunks(param):  # host RAM bounded by the chunk, not the slice
             weights = shard.weights(param, a, b)
             if settings.weight_decay:
                 weights.mul_(decay)

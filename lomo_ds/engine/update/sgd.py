@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from lomo_ds.engine.update.rule import BuildContext, Items, PassSettings, PassStats, StateLayout, unscale_and_clip
-from lomo_ds.engine.update.shard import ShardWeights, chunk_bounds, grad_chunk
+from lomo_ds.engine.update.shard import ShardWeights, grad_chunk
 from lomo_ds.runtime import ds_compat
 
 
@@ -42,7 +42,7 @@ class SGD:
             decay = 1.0 - settings.lr * settings.weight_decay
             decay = decay if keep is None else torch.where(keep, decay, 1.0)
         masked = keep is not None or settings.clip_value is not None
-        for a, b in chunk_bounds(n, shard.chunk):
+        for a, b in shard.chunks(param):  # whole 8-bit blocks where the shard has them
             # The slice may be the received bucket or the accumulator itself: written only as a copy.
             g = grad_chunk(grad_shard, a, b, device, fresh=masked)
             if keep is not None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lomo_ds.engine.precision import stochastic_round_to_bf16
+from lomo_ds.engine.update.int8 import Int8Shards, int8_shard
 from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.shard_geometry import ShardGeometry
 
@@ -120,11 +121,13 @@ class ShardWeights:
     that write_back rounds into the shard (stochastically, where lomo.stochastic_rounding asks)."""
 
     def __init__(self, geometry: ShardGeometries, stochastic_rounding: bool, seed: int, master_params=(),
-                 chunk: int = 1 << 22):
+                 chunk: int = 1 << 22, int8: Int8Shards | None = None):
         self.geometry = geometry
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
         self.chunk = chunk  # memory.update_chunk_elements
+        # memory.int8_shards: the 8-bit path of the shards that carry scales (int8.py); None: none do.
+        self.int8 = int8
         self.masters: dict[int, torch.Tensor] = {}  # ds_id -> fp32 copy of the local real elements
         for p in master_params:
             n = self.geometry(p).local
@@ -138,6 +141,8 @@ class ShardWeights:
     def reseed(self, step: int) -> None:
         """The rounding noise of optimizer step `step`."""
         self._step = step
+        if self.int8 is not None:
+            self.int8.step = step
         for gen in self._generators.values():
             gen.manual_seed(self._seed_for(step))
 
@@ -152,11 +157,35 @@ class ShardWeights:
         return self._generators[device]
 
     # ----------------------------------------------------------------- the weights
+    def _is_int8(self, param: torch.nn.Parameter) -> bool:
+        return self.int8 is not None and int8_shard(param) is not None
+
     def in_place(self, param: torch.nn.Parameter) -> bool:
         """Whether `weights(param)` is the stored fp32 weights themselves (a master, or an fp32
         shard), not a copy: then a whole-slice pass over them needs no temporary."""
         return (ds_compat.param_id(param) in self.masters
                 or ds_compat.shard(param).dtype == torch.float32)
+
+    def chunks(self, param: torch.nn.Parameter, align: int = 1, on_grid: bool = False) -> list[tuple[int, int]]:
+        """[a, b) chunks of this rank's slice of `param` to read, update and write back one at a
+        time (memory.update_chunk_elements): with `align` a row length, whole rows in a chunk. Their
+        ends lie at multiples of the chunk size in the parameter's flat index where `on_grid`, else
+        in the slice's. On an 8-bit shard they always lie on the global block grid (a block is
+        requantized at once, and every rank count cuts the same chunks there)."""
+        geo = self.geometry(param)
+        if self._is_int8(param):
+            return self.int8.chunks(param, self.chunk, align)
+        return chunk_bounds(geo.local, self.chunk, geo.start if on_grid else 0, align)
+
+    def settle(self, params: list) -> None:
+        """Finish a bucket's writes (every rank of the parameters' group, the same list): the
+        8-bit shards' cut blocks are requantized here (a small all-reduce). Nothing otherwise."""
+        if self.int8 is not None:
+            self.int8.settle(params)
+
+    def take_rescaled(self) -> int:
+        """8-bit blocks whose scale was recomputed since the last call (0 without 8-bit shards)."""
+        return self.int8.take_rescaled() if self.int8 is not None else 0
 
     def sum_sq(self, param: torch.nn.Parameter) -> torch.Tensor:
         """sum(θ^2) of this rank's real elements (fp32, on the shard's device): one norm over the
@@ -164,7 +193,7 @@ class ShardWeights:
         if self.in_place(param):
             return torch.linalg.vector_norm(self.weights(param)).square()
         total = torch.zeros((), dtype=torch.float32, device=ds_compat.shard(param).device)
-        for a, b in chunk_bounds(self.geometry(param).local, self.chunk):
+        for a, b in self.chunks(param):
             total += torch.linalg.vector_norm(self.weights(param, a, b)).square()
         return total
 
@@ -176,12 +205,17 @@ class ShardWeights:
         master = self.masters.get(ds_compat.param_id(param))
         if master is not None:
             return master[a:b]
+        if self._is_int8(param):
+            return self.int8.weights(param, a, b)
         return ds_compat.shard(param)[a:b].float()
 
     def write_back(self, param: torch.nn.Parameter, weights: torch.Tensor, a: int = 0, b: int | None = None) -> None:
         """Store updated fp32 `weights` (from `weights(param, a, b)`) into elements [a, b) of the
         parameter's shard."""
         b = self.geometry(param).local if b is None else b
+        if self._is_int8(param):
+            self.int8.write_back(param, weights, a, b)  # [a, b): whole blocks (chunks)
+            return
         shard = ds_compat.shard(param)[a:b]
         if weights.dtype == shard.dtype and weights.data_ptr() == shard.data_ptr():
             return  # fp32 shard updated in place
@@ -200,7 +234,12 @@ class ShardWeights:
         them out before the next step. torch.save copies a device tensor to the host one at a time
         as it writes it."""
         names = {id(p): n for n, p in module.named_parameters()}
-        return {"shards": {names[id(p)]: ds_compat.shard(p).detach() for p in params},
+        int8 = {}
+        if self.int8 is not None:
+            # The scales on the global grid, one a block, the same on every rank (Replicated: no
+            # PIECES entry); every rank count reads its own pieces' from them. Collective.
+            int8 = {"int8_scales": {names[id(p)]: self.int8.global_scales(p) for p in params if self._is_int8(p)}}
+        return {**int8, "shards": {names[id(p)]: ds_compat.shard(p).detach() for p in params},
                 "masters": {names[id(p)]: self.masters[ds_compat.param_id(p)].detach()
                             for p in params if ds_compat.param_id(p) in self.masters},
                 # The whole parameters' shapes: a checkpoint of another model is refused by name
@@ -212,10 +251,17 @@ class ShardWeights:
         check_shapes(state, module)
         by_name = dict(module.named_parameters())
         names = {id(p): n for n, p in by_name.items()}
+        scales = state.get("int8_scales") or {}
         for p in params:
             name = names[id(p)]
             if name not in state["shards"]:
                 raise ValueError(f"checkpoint has no shard of {name!r}, which this run trains")
+            if self._is_int8(p) != (name in scales):
+                raise ValueError(f"memory.int8_shards: the checkpoint's {name!r} is {'' if name in scales else 'not '}"
+                                 f"an 8-bit shard and this run's is {'' if self._is_int8(p) else 'not'}: resume "
+                                 "with the memory.int8_shards setting it was written with")
+            if name in scales:
+                self.int8.check_scales(p, name, scales[name])
             if ds_compat.param_id(p) in self.masters and name not in state["masters"]:
                 # Left at its pretrained value, the master would overwrite the trained shard at
                 # the first update.
@@ -226,7 +272,9 @@ class ShardWeights:
         """Write what state_dict wrote (checked by check_state) into the shards and masters."""
         by_name = dict(module.named_parameters())
         for name, tensor in state["shards"].items():
-            ds_compat.shard(by_name[name]).copy_(tensor)
+            ds_compat.shard(by_name[name]).copy_(tensor)  # an 8-bit shard's integers as saved
+        for name, scales in (state.get("int8_scales") or {}).items():
+            self.int8.load_scales(by_name[name], scales)
         for name in state["masters"]:
             master = self.masters.get(ds_compat.param_id(by_name[name]))
             if master is not None:

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from lomo_ds.engine.update.int8 import Int8Shards
 from lomo_ds.engine.update.rule import BuildContext, Cut, Items, PassSettings, PassStats, Rule
 from lomo_ds.engine.update.sgd import SGD
 from lomo_ds.engine.update.shard import ShardGeometries, ShardWeights, grad_sum_sq
+from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.shard_geometry import PIECES
 
 
@@ -30,10 +32,11 @@ class ShardUpdater:
 
     def __init__(self, stochastic_rounding: bool, seed: int, stats_device: torch.device,
                  geometry: ShardGeometries | None = None, rule: Rule | None = None, master_params=(),
-                 chunk: int = 1 << 22):
-        """`rule`: SGD by default; `master_params`: the parameters given an fp32 master copy."""
+                 chunk: int = 1 << 22, int8: Int8Shards | None = None):
+        """`rule`: SGD by default; `master_params`: the parameters given an fp32 master copy;
+        `int8`: the 8-bit path of the shards that carry scales (memory.int8_shards)."""
         self.geometry = geometry or ShardGeometries()
-        self.shard = ShardWeights(self.geometry, stochastic_rounding, seed, master_params, chunk)
+        self.shard = ShardWeights(self.geometry, stochastic_rounding, seed, master_params, chunk, int8)
         self.rule: Rule = rule if rule is not None else SGD()
         self.stats_device = stats_device
         self.settings = PassSettings()
@@ -57,6 +60,7 @@ class ShardUpdater:
     def apply_bucket(self, items: Items, stats: PassStats) -> None:
         if not self.measuring:
             self.rule.apply_bucket(self.shard, items, stats, self.settings)
+            self.shard.settle([param for param, _ in items])  # 8-bit cut blocks: the same on every rank
             return
         for param, grad_shard in items:
             n = self.geometry(param).local
@@ -144,4 +148,19 @@ def build_updater(config, module: torch.nn.Module, params: list, group, dtype: t
                          f"{getattr(rule, 'name', None)!r}; its class's `name` must be {spec.name!r}")
     masters = params if lomo.fp32_master_weights and dtype != torch.float32 else ()
     return ShardUpdater(lomo.stochastic_rounding, config.train.seed, device, geometries, rule, masters,
-                        chunk=config.memory.update_chunk_elements)
+                        chunk=config.memory.update_chunk_elements, int8=int8_path(config, module, geometries, host))
+
+
+def int8_path(config, module: torch.nn.Module, geometries: ShardGeometries, host) -> Int8Shards | None:
+    """The 8-bit path where memory.int8_shards asks for it: noise keyed by train.seed and each
+    parameter's index in module.named_parameters() (the same on every rank count)."""
+    memory = config.memory
+    if not getattr(memory, "int8_shards", False):
+        return None
+    if host is not None:
+        # The worker issues no collective, and a cut block's scale needs one (int8.py).
+        raise ValueError("memory.int8_shards: the host-update worker (offload_param: cpu with memory.host_update "
+                         "'thread') is not supported with 8-bit shards; set memory.host_update: inline")
+    noise_ids = {ds_compat.param_id(p): i for i, (_, p) in enumerate(module.named_parameters())
+                 if ds_compat.is_zero_param(p)}
+    return Int8Shards(geometries, getattr(memory, "int8_block", 128), config.train.seed, noise_ids)
