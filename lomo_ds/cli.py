@@ -22,7 +22,7 @@ from lomo_ds.config.errors import ConfigError
 from lomo_ds.config.run import load_run_config
 from lomo_ds.planning import planner
 from lomo_ds.planning.specs import ATTENTION
-from lomo_ds.planning.tables import format_long_context_table, format_models_table
+from lomo_ds.planning.tables import format_int8_table, format_long_context_table, format_models_table
 from lomo_ds.recipe import generate, harness_eval, train
 from lomo_ds.recipe.train import print_eval_plan
 
@@ -67,6 +67,12 @@ def _add_plan(sub) -> None:
     p.add_argument("--mlp-tiles", type=int, default=None, help="memory.mlp_tiles (default: ceil(seq / sp / hidden))")
     p.add_argument("--offload-checkpoints", action=argparse.BooleanOptionalAction, default=None,
                    help="memory.offload_checkpoints: the checkpointed layer inputs in host RAM")
+    p.add_argument("--int8-shards", action=argparse.BooleanOptionalAction, default=None,
+                   help="memory.int8_shards: each rank's weight shard in int8 with an fp32 scale per block "
+                        "(LOMO and AdaLomo; its terms are printed)")
+    p.add_argument("--int8-block", type=int, default=None, help="memory.int8_block (default 128)")
+    p.add_argument("--int8-fits", metavar="MODELS_DIR", default=None,
+                   help="the 8-bit shards' goals table (docs/memory.md) for the config.json files of MODELS_DIR")
     p.add_argument("--long-context", metavar="MODELS_DIR", default=None,
                    help="the long-context goals table (docs/memory.md) for the config.json files of MODELS_DIR")
     p.add_argument("--grpo", action="store_true",
@@ -99,7 +105,8 @@ def _plan_overrides(args) -> dict:
              "accumulate_dtype": args.accumulate_dtype,
              "accumulate_on_host": None if args.accumulate_on is None else args.accumulate_on == "cpu",
              "sp": args.sp, "attn": None if args.attn is None else planner.attention_of(args.attn),
-             "tiled_mlp": args.tiled_mlp, "mlp_tiles": args.mlp_tiles, "offload_checkpoints": args.offload_checkpoints}
+             "tiled_mlp": args.tiled_mlp, "mlp_tiles": args.mlp_tiles, "offload_checkpoints": args.offload_checkpoints,
+             "int8_shards": args.int8_shards, "int8_block": args.int8_block}
     return {k: v for k, v in flags.items() if v is not None}
 
 
@@ -122,9 +129,10 @@ def _make_plan(args):
 
 
 def _run_plan(args) -> int:
-    if args.long_context:
+    if args.long_context or args.int8_fits:
         try:
-            print(format_long_context_table(args.long_context, args.gpu_mem))
+            print(format_long_context_table(args.long_context, args.gpu_mem) if args.long_context
+                  else format_int8_table(args.int8_fits))
         except ValueError as e:
             print(f"lomo-ds plan: {e}", file=sys.stderr)
             return 2

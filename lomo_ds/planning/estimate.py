@@ -4,10 +4,11 @@ every term, its notation and the figures it gives: docs/memory.md ("The planner'
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from lomo_ds.config import rules
-from lomo_ds.planning.fetch_units import fetch_units, largest_fetch_unit, working_set
+from lomo_ds.planning import int8_shards
+from lomo_ds.planning.fetch_units import working_set
 from lomo_ds.planning.sequence import (
     attention_saved_bytes,
     check_sequence,
@@ -18,7 +19,6 @@ from lomo_ds.planning.sequence import (
     norm_saved_bytes,
 )
 from lomo_ds.planning.specs import (
-    AUTO,
     DTYPE_BYTES,
     EXPORT_FILE_BYTES,
     FUSED,
@@ -55,13 +55,16 @@ class Estimate:
     measuring: float = 0.0
     # checkpointed layer inputs offloaded to host RAM (memory.offload_checkpoints), per rank; `host` has the node's
     checkpoints_host: float = 0.0
+    # memory.int8_shards: each 8-bit term in bytes (planning/int8_shards.py int8_terms; in `params`); else empty
+    int8: dict = field(default_factory=dict)
 
     @property
     def accounted(self) -> float:
         return self.params + self.grads + self.optimizer_states + self.activations
 
     def gib(self) -> dict:
-        return {k: (v / GIB if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        return {k: (v / GIB if isinstance(v, float) else {t: x / GIB for t, x in v.items()} if isinstance(v, dict)
+                    else v) for k, v in asdict(self).items()}
 
 
 def layer_activation_bytes(m: ModelSpec, run: RunSpec) -> float:
@@ -212,7 +215,9 @@ def measuring_backward_bytes(run: RunSpec, resident: float, layer: float, slice_
 
 def update_temp_bytes(n: int, run: RunSpec) -> int:
     """Transient bytes of the fused update of an n-element slice (docs/memory.md), which is
-    updated memory.update_chunk_elements at a time."""
+    updated memory.update_chunk_elements at a time (8-bit shards: int8_shards.update_temp_bytes)."""
+    if run.int8_shards:
+        return int8_shards.update_temp_bytes(n, run)
     n = min(n, run.update_chunk)
     if run.b == 4:
         # fp32 weights are updated in place; the gradient chunk is copied where it is masked (the
@@ -235,7 +240,7 @@ def adalomo_update_temp_bytes(bucket_n: int, slice_n: int, run: RunSpec, statist
     fp32 sum, 4 bytes an element, rather than once a pass."""
     statistics = 12 * statistics_n
     copied = 4 * bucket_n if run.accumulation > 1 and run.accumulate_on_host and not run.offload else 0
-    if run.b == 4:
+    if run.b == 4 and not run.int8_shards:
         return copied + statistics  # fp32 gradient and weights: updated in place, nothing copied
     return copied + update_temp_bytes(min(bucket_n, slice_n), run) + statistics
 
@@ -283,11 +288,26 @@ def _terms(method: str):
             rules.resolve(offload) if offload is not None else (lambda m, run, bucket_n: 0))
 
 
+def gathered_param_bytes(m: ModelSpec, run: RunSpec, n: int) -> int:
+    """What a GPU holds of the parameters beside its shards: the persistent parameters and the
+    gathered working set W in the compute dtype (none on one GPU, where the shard is the parameter,
+    unless offloaded); with 8-bit shards also on one GPU, and the gather's transients
+    (int8_shards.param_bytes)."""
+    if run.int8_shards:
+        return int8_shards.param_bytes(m, run, n)[1]
+    persist, work = working_set(m, run)
+    return run.b * (persist + work) if n > 1 or run.offload else 0
+
+
 def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> Estimate:
     if method not in METHODS:
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
     run = resolve_auto(m, run)
     check_sequence(m, run)
+    int8_shards.check_int8(run)
+    if run.int8_shards and method not in FUSED:
+        raise ValueError(f"int8_shards: 8-bit shards are written by the fused update "
+                         f"({' and '.join(METHOD_LABELS[r] for r in FUSED)}), not by DeepSpeed's {method!r}")
     if gpus % run.sp:
         raise ValueError(f"sp: {run.sp} sequence-parallel ranks need a GPU count that is a multiple of {run.sp}, "
                          f"got {gpus}")
@@ -298,9 +318,10 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     P, n, b = sum(numels), gpus, run.b
     max_p = max(numels)
     shard_numel = sum(math.ceil(x / n) for x in numels)
-    persist, work = working_set(m, run)
-    gathered = b * (persist + work) if n > 1 or run.offload else 0  # on one GPU the shard is the parameter
-    shard = 0 if run.offload else b * shard_numel
+    gathered = gathered_param_bytes(m, run, n)
+    # the shards on the GPU, or (offload_param) in host RAM
+    shards = int8_shards.host_shard_bytes(m, run, n) if run.int8_shards else b * shard_numel
+    shard = 0 if run.offload else int8_shards.param_bytes(m, run, n)[0] if run.int8_shards else shards
     params = shard + gathered
     acts, recompute = activation_bytes(m, run)
     if n > 1 and m.experts:  # gathered experts held by the forward's saved views (gathered_expert_bytes)
@@ -326,7 +347,7 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
             # wait for the host-update worker in pinned staging buffers, a bucket each (at least
             # the largest slice), MAX_STAGED queued and one being applied
             staging = (HOST_STAGED_BUCKETS + 1) * b * staged_n
-            host = float(n * (b * shard_numel + masters + staging + update_temp_bytes(slice_n, run)))
+            host = float(n * (shards + masters + staging + update_temp_bytes(slice_n, run)))
             masters = 0
             # What the rule's hook keeps on the device; the host-update worker's update is SGD's.
             update = offload_update_bytes(m, run, bucket_n)
@@ -346,7 +367,8 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
         ckpt_host = checkpoint_bytes(m, run)[1]
         return Estimate(method, n, float(params), float(grads), float(masters + state), float(acts), float(recompute),
                         float(update), float(max(updating, measuring)), host + n * ckpt_host, float(accumulator),
-                        on_host and accumulator > 0, float(measuring), float(ckpt_host))
+                        on_host and accumulator > 0, float(measuring), float(ckpt_host),
+                        int8_shards.int8_terms(m, run, n) if run.int8_shards else {})
     grad_buf = b * shard_numel + b * run.reduce_bucket
     fp32_grad = 4 * min(shard_numel, run.sub_group)
     optim = 4 * shard_numel
@@ -355,7 +377,8 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     elif run.sgd_momentum:
         optim += 4 * shard_numel
     backward = params + grad_buf + b * max_p + optim + acts + recompute
-    step = params - (b * work if n > 1 else 0) + grad_buf + fp32_grad + optim  # gathered layers are released
+    # the gathered layers are released for the step
+    step = params - (b * working_set(m, run)[1] if n > 1 else 0) + grad_buf + fp32_grad + optim
     grads = grad_buf + b * max_p + fp32_grad
     total = max(backward, step)
     ckpt_host = checkpoint_bytes(m, run)[1]
@@ -379,7 +402,7 @@ class Plan:
 def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_counts=GPU_COUNTS,
          methods=None, source: str = "planner defaults") -> Plan:
     """Every method x GPU count, and the smallest count that fits. Offloaded runs plan LOMO and AdaLomo only."""
-    methods = methods or (FUSED if run.offload else METHODS)
+    methods = methods or (FUSED if run.offload or run.int8_shards else METHODS)
     run = resolve_auto(m, run)
     p = Plan(m, run, gpu_mem_gib, source)
     if not any(c % run.sp == 0 for c in gpu_counts):
@@ -395,47 +418,6 @@ def plan(m: ModelSpec, gpu_mem_gib: float = 24.0, run: RunSpec = RunSpec(), gpu_
     return p
 
 
-# The fetch granularities the planner weighs, coarsest first: one decoder layer per gather (as
-# PyTorch FSDP2 wraps a layer), then DeepSpeed's default of one module's own parameters.
-GRANULARITIES = {"per decoder layer": {"leaf_classes": AUTO, "granularity_threshold": 0},
-                 "per module": {"leaf_classes": (), "granularity_threshold": 0}}
-
-
-@dataclass(frozen=True)
-class GranularityRow:
-    name: str
-    run: RunSpec
-    units: int  # gathers per pass over the model
-    largest: tuple[str, int]  # (module, elements) of the largest unit
-    gathered: float  # bytes per GPU: persistent + the working set W (0 on one GPU)
-    estimate: Estimate
-    fits: bool
-
-
-def granularity_rows(m: ModelSpec, run: RunSpec, gpus: int, gpu_mem_gib: float, method: str = "lomo"
-                     ) -> list[GranularityRow]:
-    """`method` on `gpus` GPUs under each fetch granularity, coarsest first; the run's own
-    granularity is added when it is neither."""
-    run = resolve_auto(m, run)
-    options = {name: resolve_auto(m, replace(run, **fields)) for name, fields in GRANULARITIES.items()}
-    if all(o.fetch_label != run.fetch_label for o in options.values()):
-        options = {f"this config: {run.fetch_label}": run, **options}
-    rows = []
-    for name, r in options.items():
-        est = estimate(m, method, gpus, r)
-        persist, work = working_set(m, r)
-        gathered = r.b * (persist + work) if gpus > 1 or r.offload else 0
-        rows.append(GranularityRow(name, r, len(fetch_units(m, r)), largest_fetch_unit(m, r), float(gathered), est,
-                                   est.total <= gpu_mem_gib * GIB))
-    return rows
-
-
-def coarsest_fitting(m: ModelSpec, run: RunSpec, gpus: int, gpu_mem_gib: float) -> GranularityRow | None:
-    """The coarsest of GRANULARITIES under which LOMO fits on `gpus` GPUs (None: not even per module)."""
-    return next((row for row in granularity_rows(m, run, gpus, gpu_mem_gib)
-                 if row.name in GRANULARITIES and row.fits), None)
-
-
 def io_host_bytes(m: ModelSpec, run: RunSpec, gpus: int) -> tuple[float, float]:
     """Host RAM that saving and exporting add to a run's (not in the GPU totals, nor in `host`):
     (the export's, on rank 0: one file of at most EXPORT_FILE_BYTES plus the tensor being gathered;
@@ -446,5 +428,7 @@ def io_host_bytes(m: ModelSpec, run: RunSpec, gpus: int) -> tuple[float, float]:
     b, max_p = run.b, max(m.param_numels())
     export = min(EXPORT_FILE_BYTES, b * m.n_params) + b * max_p
     slice_n = math.ceil(max_p / gpus)
-    per_rank = 0 if run.offload else b * slice_n + (4 * slice_n if run.lomo_fp32_master and b != 4 else 0)
+    # 8-bit shards: the int8 slice and its scales (at most one more piece than whole blocks)
+    piece = slice_n + 4 * (math.ceil(slice_n / run.int8_block) + 1) if run.int8_shards else b * slice_n
+    per_rank = 0 if run.offload else piece + (4 * slice_n if run.lomo_fp32_master and b != 4 else 0)
     return float(export), float(per_rank)

@@ -81,7 +81,8 @@ def run_spec_for(cfg) -> RunSpec:
                    two_pass=cfg.memory.two_pass_mode if two_backwards(cfg, ds["dtype"]) else None,
                    attn=attention_of(cfg.model.attn_implementation), tiled_mlp=cfg.memory.tiled_mlp,
                    mlp_tiles=cfg.memory.mlp_tiles, offload_checkpoints=cfg.memory.offload_checkpoints,
-                   sp=cfg.train.sequence_parallel_size)
+                   sp=cfg.train.sequence_parallel_size, int8_shards=cfg.memory.int8_shards,
+                   int8_block=cfg.memory.int8_block)
 
 
 def two_backwards(cfg, dtype: str) -> bool:

@@ -1,6 +1,7 @@
 """The memory planner in one import: `from lomo_ds.planning import planner` then planner.plan(...),
 planner.format_plan(...), ... The parts: specs.py (what is sized), fetch_units.py (ZeRO-3's gathers),
-estimate.py (the bytes; the model behind them: docs/memory.md), report.py (the printed tables),
+estimate.py (the bytes; the model behind them: docs/memory.md), int8_shards.py (8-bit shards' terms),
+granularity.py (the fetch granularities weighed), report.py (the printed tables),
 inputs.py (specs from sizes, config.json files and run configs).
 
     p = plan_for_run(load_run_config("ds_configs/llama7b.json"), world=1, model_size="7b")
@@ -11,19 +12,16 @@ inputs.py (specs from sizes, config.json files and run configs).
 from __future__ import annotations
 
 from lomo_ds.planning.estimate import (
-    GRANULARITIES,
     Estimate,
-    GranularityRow,
     Plan,
     activation_bytes,
     adalomo_state_bytes,
     adalomo_statistics_numel,
     adalomo_update_temp_bytes,
-    coarsest_fitting,
     estimate,
     family_layer_bytes,
     gathered_expert_bytes,
-    granularity_rows,
+    gathered_param_bytes,
     io_host_bytes,
     layer_activation_bytes,
     loss_backward_bytes,
@@ -48,6 +46,7 @@ from lomo_ds.planning.fetch_units import (
     module_tree,
     working_set,
 )
+from lomo_ds.planning.granularity import GRANULARITIES, GranularityRow, coarsest_fitting, granularity_rows
 from lomo_ds.planning.inputs import (
     hf_config_path,
     llama_model_paths,
@@ -105,7 +104,8 @@ __all__ = [
     "_is_leaf_by_config", "working_set", "activation_bytes", "adalomo_state_bytes", "adalomo_statistics_numel",
     "adalomo_update_temp_bytes", "chunked_loss", "coarsest_fitting", "estimate", "family_layer_bytes",
     "fetch_units", "format_accumulation_summary", "format_granularity", "format_plan", "format_summary",
-    "gathered_expert_bytes", "granularity_rows", "hf_config_path", "io_host_bytes", "largest_fetch_unit",
+    "gathered_expert_bytes", "gathered_param_bytes", "granularity_rows", "hf_config_path", "io_host_bytes",
+    "largest_fetch_unit",
     "layer_activation_bytes", "leaf_module_names", "llama_model_paths", "llama_size_of", "llama_spec",
     "loss_backward_bytes", "loss_chunk_bytes", "loss_kept_bytes", "loss_saved_bytes", "loss_transient_bytes",
     "measuring_backward_bytes", "method_of_run", "model_spec_for", "module_tree", "plan",

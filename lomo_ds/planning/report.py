@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lomo_ds.planning.estimate import GRANULARITIES, Plan, estimate, granularity_rows, io_host_bytes, plan
+from lomo_ds.planning.estimate import Plan, estimate, io_host_bytes, plan
+from lomo_ds.planning.granularity import GRANULARITIES, granularity_rows
 from lomo_ds.planning.inputs import shipped_run
 from lomo_ds.planning.sequence import mlp_tiles, sequence_terms
 from lomo_ds.planning.specs import EXPORT_FILE_BYTES, GIB, LLAMA, METHOD_LABELS, METHODS
@@ -26,7 +27,7 @@ def format_granularity(p: Plan, gpus: int | None = None) -> str:
     lines.append("")
     lines.append(f"coarsest fetch that fits: {best.name} ({best.run.fetch_label})" if best else
                  "coarsest fetch that fits: none (LOMO does not fit on this count even per module)")
-    if n == 1:
+    if n == 1 and not p.run.int8_shards:
         lines.append("(one GPU holds whole parameters: nothing is gathered, so coarse fetch costs no memory)")
     return "\n".join(lines)
 
@@ -68,9 +69,33 @@ def format_plan(p: Plan, gpus: int | None = None) -> str:
                  f"{export / GIB:.2f} GiB on rank 0 (one file of at most {EXPORT_FILE_BYTES / 1e9:g} GB and the "
                  f"tensor being gathered); a checkpoint save or resume {per_rank / GIB:.2f} GiB per rank "
                  "(one piece at a time, read into the live shards on resume)")
+    if run.int8_shards:
+        lines += ["", format_int8_terms(p, gpus)]
     lines += ["", format_sequence_terms(p, gpus)]
     if "lomo" in p.min_gpus:
         lines += ["", format_granularity(p, gpus)]
+    return "\n".join(lines)
+
+
+def format_int8_terms(p: Plan, gpus: int | None = None) -> str:
+    """The 8-bit shards' terms (planning/int8_shards.py) of each fused rule on `gpus` GPUs (default:
+    the smallest count LOMO fits on, else the largest planned), in GiB per GPU, and the same run's
+    total with compute-dtype shards beside."""
+    counts = sorted({n for _, n in p.estimates})
+    n = gpus or p.min_gpus.get("lomo") or counts[-1]
+    run = p.run
+    methods = [m for m in METHODS if m in p.min_gpus]
+    ests = {m: p.estimates.get((m, n)) or estimate(p.model, m, n, run) for m in methods}
+    lines = [f"8-bit shards (memory.int8_shards, an fp32 scale per {run.int8_block} elements) on {n} GPU(s), "
+             f"GiB per GPU (in params):"]
+    lines += [f"  {k}: {v / GIB:.2f}" for k, v in ests[methods[0]].int8.items()]
+    lines.append("  update tmp (a chunk dequantized, updated and requantized): "
+                 + ", ".join(f"{METHOD_LABELS[m]} {e.update / GIB:.2f}" for m, e in ests.items()))
+    for m, e in ests.items():
+        plain = estimate(p.model, m, n, replace(run, int8_shards=False))
+        lines.append(f"{METHOD_LABELS[m]} on {n} GPU(s): {e.total / GIB:.2f} "
+                     f"({'fits' if e.total <= p.gpu_mem_gib * GIB else 'OOM'}); with {run.dtype} shards "
+                     f"{plain.total / GIB:.2f} ({'fits' if plain.total <= p.gpu_mem_gib * GIB else 'OOM'})")
     return "\n".join(lines)
 
 

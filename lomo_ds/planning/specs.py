@@ -251,6 +251,9 @@ class RunSpec:
     tiled_mlp: bool = False  # memory.tiled_mlp: each decoder layer's MLP computed a tile of positions at a time
     mlp_tiles: int = 0  # memory.mlp_tiles: tiles per sequence; 0: ceil(seq / sp / hidden), DeepSpeed's choice
     offload_checkpoints: bool = False  # memory.offload_checkpoints: the layers' checkpointed inputs in host RAM
+    # memory.int8_shards, memory.int8_block: each rank's shard in int8, an fp32 scale a block (planning/int8_shards.py)
+    int8_shards: bool = False
+    int8_block: int = 128
 
     @property
     def b(self) -> int:
@@ -268,7 +271,9 @@ class RunSpec:
 
     def assumptions(self, batch: bool = True) -> str:
         per_gpu = [f"micro-batch {self.batch} per GPU"] if batch else []
-        return ", ".join([f"{self.dtype} weights", f"seq {self.seq}"] + per_gpu + [
+        weights = (f"int8 shards (an fp32 scale per {self.int8_block} elements), {self.dtype} compute"
+                   if self.int8_shards else f"{self.dtype} weights")
+        return ", ".join([weights, f"seq {self.seq}"] + per_gpu + [
             f"activation checkpointing {'on' if self.checkpointing else 'off'}",
             f"offload_param {'cpu' if self.offload else 'none'}", f"comm.bucket_size {self.lomo_bucket:,}",
             f"stochastic rounding {'on' if self.stochastic_rounding else 'off'}",

@@ -9,11 +9,12 @@ from dataclasses import replace
 from lomo_ds.planning import planner
 
 
-def variants() -> list[tuple[str, bool]]:
+def variants(int8_shards: bool = False) -> list[tuple[str, bool]]:
     """(row, offload_param cpu) of the table: each registered rule's row without and then with
-    offload (lomo, adalomo, ...: planning/specs.py FUSED), then DeepSpeed's SGD and AdamW."""
-    return ([(m, False) for m in planner.FUSED] + [(m, True) for m in planner.FUSED]
-            + [(m, False) for m in planner.METHODS if m not in planner.FUSED])
+    offload (lomo, adalomo, ...: planning/specs.py FUSED), then DeepSpeed's SGD and AdamW (not with
+    8-bit shards, which only the fused update writes)."""
+    baselines = [] if int8_shards else [(m, False) for m in planner.METHODS if m not in planner.FUSED]
+    return [(m, False) for m in planner.FUSED] + [(m, True) for m in planner.FUSED] + baselines
 
 
 def model_name(path: str) -> str:
@@ -38,7 +39,7 @@ def format_models_table(paths: list[str], seqs: list[int], gpu_mem_gib: float = 
     for path in paths:
         spec = replace(planner.resolve_model(path), name=model_name(path))
         for seq in seqs:
-            for method, offload in variants():
+            for method, offload in variants(run.int8_shards):
                 r = replace(run, seq=seq, offload=offload)
                 cells = []
                 for n in gpu_counts:
@@ -89,4 +90,51 @@ def format_long_context_table(models_dir: str, gpu_mem_gib: float = 24.0) -> str
         lines.append(f"| {name} | {gpus} | {seq:,} | {settings_label(fields)} | "
                      + " | ".join(f"{e.total / planner.GIB:.2f}" for e in ests)
                      + f" | {max(e.host for e in ests) / planner.GIB:.1f} | {'yes' if fits else 'no'} |")
+    return "\n".join(lines)
+
+
+# The 8-bit shards' goals (docs/memory.md "8-bit weight shards"): model config, GPUs, GiB per GPU,
+# sequence length and the settings of the row, each planned with 8-bit and with bf16 shards. A row
+# that does not fit is kept beside the settings that make it fit.
+LIVE_1E8 = {"max_live": 100_000_000, "max_reuse": 100_000_000}
+INT8_FITS = (
+    ("Llama-3.1-8B", 1, 16, 2048, {}),
+    ("Llama-3.1-8B", 1, 16, 2048, LIVE_1E8),
+    ("Qwen2.5-7B", 1, 16, 2048, {}),
+    ("Llama-3.1-8B", 1, 24, 32768, {"tiled_mlp": True, "offload_checkpoints": True}),
+    ("Qwen2.5-7B", 1, 24, 32768, {"tiled_mlp": True, "offload_checkpoints": True}),
+    ("Llama-3.1-70B", 8, 24, 4096, {}),
+    ("Llama-3.1-70B", 8, 24, 4096, {"offload_checkpoints": True}),
+)
+
+
+def int8_settings_label(fields: dict) -> str:
+    parts = [settings_label(fields)] if settings_label(fields) != "none" else []
+    if "max_live" in fields:
+        parts.append(f"stage3_max_live_parameters and stage3_max_reuse_distance {fields['max_live']:,}")
+    return ", ".join(parts) or "none"
+
+
+def format_int8_table(models_dir: str) -> str:
+    """`lomo-ds plan --int8-fits docs/models`: each goal of INT8_FITS under every registered rule,
+    with 8-bit shards (memory.int8_shards, block 128) and with bf16 shards."""
+    run = replace(planner.RunSpec(), batch=1)
+    rows = list(planner.FUSED)
+    labels = [planner.METHOD_LABELS[m] for m in rows]
+    lines = [f"# GiB per GPU with 8-bit shards (an fp32 scale per {run.int8_block} elements) and with bf16 shards: "
+             f"{_assumptions(run).replace('bf16 weights', 'bf16 compute')}, micro-batch 1", "",
+             "| model | GPUs x GiB | seq | settings | " + " | ".join(f"{x} 8-bit" for x in labels) + " | "
+             + " | ".join(f"{x} bf16" for x in labels) + " | 8-bit fits | bf16 fits |",
+             "|---" * (6 + 2 * len(rows)) + "|"]
+    for name, gpus, mem, seq, fields in INT8_FITS:
+        path = os.path.join(models_dir, f"{name}.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--int8-fits {models_dir!r}: no {name}.json there")
+        spec = replace(planner.resolve_model(path), name=name)
+        r = replace(run, seq=seq, **fields)
+        int8 = [planner.estimate(spec, m, gpus, replace(r, int8_shards=True)).total for m in rows]
+        plain = [planner.estimate(spec, m, gpus, r).total for m in rows]
+        fits = ["yes" if max(t) <= mem * planner.GIB else "no" for t in (int8, plain)]
+        lines.append(f"| {name} | {gpus} x {mem} | {seq:,} | {int8_settings_label(fields)} | "
+                     + " | ".join(f"{t / planner.GIB:.2f}" for t in int8 + plain) + f" | {fits[0]} | {fits[1]} |")
     return "\n".join(lines)
