@@ -6,6 +6,7 @@ added for the bf16 arm; a finished run (its table3_run.json) is kept, so the stu
 
     python -m experiments.studies.bf16_quality --out runs/bf16_quality    # spelling, both rules, both dtypes
     python -m experiments.studies.bf16_quality --out runs/bf16_quality --tasks valence --only adalomo
+    python -m experiments.studies.bf16_quality --out runs/bf16_quality --dtypes fp32 --seeds 42  # fp32 rerun
 
 Prints, per rule and dtype, each seed's held-out accuracy with the mean and the minimum, and writes
 OUT/results.json.
@@ -68,11 +69,12 @@ def main() -> None:
     ap.add_argument("--tasks", default="spelling", help="comma list of the sweep's tasks")
     ap.add_argument("--only", default="adalomo,lomo", help="comma list of rules")
     ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--seeds", default=None, help="comma list (default the sweep's three)")
     ap.add_argument("--timeout", type=float, default=3600.0)
     a = ap.parse_args()
     with open(quality.HPARAMS) as f:
         hp = yaml.safe_load(f)
-    seeds = hp["shared"]["seeds"]
+    seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else hp["shared"]["seeds"]
     table: dict = {}
     for method in a.only.split(","):
         for dtype in a.dtypes.split(","):
