@@ -40,6 +40,7 @@ import contextlib
 
 import torch
 
+from lomo_ds.engine.update.int8 import int8_shard
 from lomo_ds.integrations.grpo_checks import RewardFunctionError, check_grpo_arguments, guard_reward_funcs
 from lomo_ds.integrations.transformers import LomoTrainerMixin
 from lomo_ds.runtime import ds_compat
@@ -57,9 +58,11 @@ class StartingWeights:
     def __init__(self, engine):
         self.engine = engine
         self.shards = [ds_compat.shard(p).detach().to("cpu", copy=True) for p in engine.params]
+        # An 8-bit shard's scales (memory.int8_shards), swapped with its integers; None elsewhere.
+        self.scales = [_scales_copy(p) for p in engine.params]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.shards)
+        return sum(t.numel() * t.element_size() for t in (*self.shards, *self.scales) if t is not None)
 
     @contextlib.contextmanager
     def swapped_in(self):
@@ -70,20 +73,32 @@ class StartingWeights:
         engine.release_gathered()
         live = []
         try:
-            for p, start in zip(engine.params, self.shards, strict=True):
-                s = ds_compat.shard(p)
-                live.append(s.to("cpu", copy=True))
-                s.copy_(start.to(s.device))
+            for p, start, scales in zip(engine.params, self.shards, self.scales, strict=True):
+                live.append((ds_compat.shard(p).to("cpu", copy=True), _scales_copy(p)))
+                _write(p, start, scales)
             # The writes are queued on the compute stream; ZeRO-3 gathers on a stream of its own:
             # order it after them, or the reference's forward may gather shards half-written.
             engine.shards_written()
             yield
         finally:
             engine.release_gathered()
-            for p, kept in zip(engine.params, live, strict=False):
-                s = ds_compat.shard(p)
-                s.copy_(kept.to(s.device))
+            for p, (kept, scales) in zip(engine.params, live, strict=False):
+                _write(p, kept, scales)
             engine.shards_written()  # the next forward gathers the live shards whole
+
+
+def _scales_copy(p) -> torch.Tensor | None:
+    int8 = int8_shard(p)
+    return int8[1].detach().to("cpu", copy=True) if int8 is not None else None
+
+
+def _write(p, shard: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """A shard put back as it was captured: its integers and its scales where it is 8-bit."""
+    s = ds_compat.shard(p)
+    s.copy_(shard.to(s.device))
+    if scales is not None:
+        live = int8_shard(p)[1]
+        live.copy_(scales.to(live.device))
 
 
 class HostReference:

@@ -120,9 +120,8 @@ class LoraLomoEngine(LomoMethodEngine):
         """Each rank copies its slice of the fp32 masters into the adapters' ZeRO-3 shards (the slice
         of each adapter's own process group, as LOMO's update cuts it)."""
         for p, m in zip(self.adapters, self.masters, strict=True):
-            g = self.engine.geometry(p)
-            if g.local:
-                ds_compat.shard(p)[:g.local].copy_(m.detach().reshape(-1)[g.start:g.start + g.local])
+            # Copied, or rounded into an 8-bit shard (memory.int8_shards) from the whole master.
+            self.engine.updater.shard.write_full(p, m.detach().reshape(-1))
         # The writes are queued on the compute stream after the step's end ordered ZeRO-3's gather
         # stream: order it again, or the next forward may gather adapters half-written.
         self.engine.shards_written()  # and the next forward gathers the new adapters

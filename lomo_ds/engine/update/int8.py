@@ -192,6 +192,19 @@ class Int8Shards:
             raise RuntimeError(f"8-bit shards: cut pieces written back and never settled ({names}): every "
                                "bucket's update must end in ShardWeights.settle")
 
+    def write_full(self, param, full: torch.Tensor) -> None:
+        """This rank's slice of the whole parameter's values `full` (flat, the same on every rank:
+        LoRA's fp32 adapter masters) rounded to nearest into the 8-bit shard, each block's scale its
+        absmax over `full`: a cut block gets one scale on every rank with no collective."""
+        q, scales, start, local, first = self._pieces(param)
+        if not local:
+            return
+        lo, hi = first * self.block, min((first + scales.numel()) * self.block, full.numel())
+        block_q, block_s = quant8.quantize(full[lo:hi].to(q.device, torch.float32), lo, block=self.block)
+        q[:local].copy_(block_q[start - lo:start - lo + local])
+        scales.copy_(block_s)
+        self.pending = {k: v for k, v in self.pending.items() if k[0] != ds_compat.param_id(param)}
+
     # ----------------------------------------------------------------- checkpoints
     def global_scales(self, param) -> torch.Tensor:
         """The parameter's scales on the global grid (one a block), on the host: every rank's pieces

@@ -224,6 +224,16 @@ class ShardWeights:
         else:
             shard.copy_(weights)
 
+    def write_full(self, param: torch.nn.Parameter, full: torch.Tensor) -> None:
+        """Store this rank's slice of the whole parameter's values `full` (flat, the same on every
+        rank) into its shard: copied, or rounded to nearest into an 8-bit shard (int8.py)."""
+        if self._is_int8(param):
+            self.int8.write_full(param, full)
+            return
+        geo = self.geometry(param)
+        if geo.local:
+            ds_compat.shard(param)[:geo.local].copy_(full[geo.start:geo.start + geo.local])
+
     def master_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self.masters.values())
 
