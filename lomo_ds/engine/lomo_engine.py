@@ -335,7 +335,12 @@ class LomoEngine:
         # The window is over, whatever its step's outcome: the next one starts afresh.
         length = self.window_length
         self.micro_step, self.window_length, self.window = 0, self.accumulation_steps, Window()
-        return self.closer.close(window, length, result, applies)
+        result = self.closer.close(window, length, result, applies)
+        if self.updater.shard.int8 is not None:
+            # 8-bit blocks whose scale this rank recomputed in the step (a cut block is counted by
+            # the rank holding its first element: the sum over the ranks is the model's).
+            result["int8_rescaled_blocks"] = self.updater.shard.take_rescaled()
+        return result
 
     def _measuring_pass(self, batch, loss: torch.Tensor, grad_scale: float, rng, result: dict[str, Any],
                         seed: tuple) -> tuple[torch.Tensor | None, float]:
