@@ -133,3 +133,11 @@ def test_load_reads_this_ranks_scales_from_the_global_grid():
         first, n = quant8.piece_span(geo.start, geo.local, BLOCK)
         assert torch.equal(p.ds_quant_scale[:n], s_ref[first:first + n])
         assert torch.equal(p.ds_tensor[:geo.local], q_ref[geo.start:geo.start + geo.local])
+
+
+def test_write_back_off_the_block_grid_is_refused():
+    full = torch.randn(NUMEL, generator=torch.Generator().manual_seed(5), device="cpu")
+    p, w = _param(1, full), _weights(1)
+    w.write_full(p, full)
+    with pytest.raises(ValueError, match="off the block grid"):
+        w.write_back(p, w.weights(p, 0, 10), 0, 10)  # the slice starts at 68: 78 is mid-block

@@ -107,6 +107,10 @@ class Int8Shards:
         """Requantize chunk [a, b) (whole pieces: `chunks`) from its updated fp32 weights; its cut
         pieces wait for `settle`."""
         q, scales, start, local, first = self._pieces(param)
+        for end, edge in ((a, 0), (b, local)):
+            if end != edge and (start + end) % self.block:
+                raise ValueError(f"8-bit shards: a chunk [{a}, {b}) of a slice at {start} ends off the block grid "
+                                 f"(blocks of {self.block}): take chunks from ShardWeights.chunks")
         pa, pb = quant8.chunk_pieces(start, a, b, self.block)
         cut = self._cut_here(param)
         lo, hi = a, b  # the elements of the chunk's whole pieces

@@ -246,6 +246,7 @@ class ShardWeights:
         names = {id(p): n for n, p in module.named_parameters()}
         int8 = {}
         if self.int8 is not None:
+            self.int8.check_settled()
             # The scales on the global grid, one a block, the same on every rank (Replicated: no
             # PIECES entry); every rank count reads its own pieces' from them. Collective.
             int8 = {"int8_scales": {names[id(p)]: self.int8.global_scales(p) for p in params if self._is_int8(p)}}
