@@ -56,11 +56,13 @@ def rank_pieces(numel: int, ranks: int, block: int) -> int:
 
 def shard_bytes(m: ModelSpec, run: RunSpec, n: int) -> tuple[int, int]:
     """(int8 bytes, fp32 scale bytes) of one rank's shards of the non-persistent parameters on n
-    ranks: ceil(x / n) bytes a parameter of x elements, and 4 bytes a piece (rank_pieces: about
-    ceil(x / n) / B, plus the cut blocks at the shard's ends)."""
-    big = [x for x in m.param_numels() if x > run.persistence]
-    return (QUANT_BYTES * sum(math.ceil(x / n) for x in big),
-            SCALE_BYTES * sum(rank_pieces(x, n, run.int8_block) for x in big))
+    ranks, a parameter of x elements at most: its pieces (rank_pieces: ceil(x / n) / B, one more
+    at each end where a shard boundary cuts a block) in whole blocks, B bytes each (the shard of
+    ceil(x / n) elements is a view of the blocks quant8.quantize rounds, so its storage is theirs,
+    at most 2 (B - 1) bytes more), and 4 bytes of scale a piece."""
+    block = run.int8_block
+    pieces = [rank_pieces(x, n, block) for x in m.param_numels() if x > run.persistence]
+    return QUANT_BYTES * block * sum(pieces), SCALE_BYTES * sum(pieces)
 
 
 def persistent_bytes(m: ModelSpec, run: RunSpec, n: int) -> int:
