@@ -22,6 +22,10 @@ piece's maximum is taken over all of its elements at once.
 
 The count of recomputed scales (`take_rescaled`) counts each block once: a cut block on the rank that
 holds its first element.
+
+A bucket the step skips (a non-finite gradient) is written back unchanged, and so re-rounded: w = q s
+read in fp32 and divided by s again is q only to within an fp32 ulp of q, so an element moves by one
+step with a chance of about 2^-17 (up or down alike), as in the one-process reference.
 """
 from __future__ import annotations
 
