@@ -86,7 +86,9 @@ def gather_buffer_bytes(m: ModelSpec, run: RunSpec, n: int) -> int:
     """The 8-bit gather of the largest fetch unit U (lomo_ds's own, comm/int8_gather.py, on every
     device): the rank's shards of the unit copied into one send buffer (ceil(U / n) bytes), and on
     n > 1 ranks the all-gather's int8 output (n of those), with the scales of both (a piece a
-    block, one more at each cut, per rank), held until every parameter of the unit is dequantized."""
+    block, one more at each cut, per rank), held until every parameter of the unit is dequantized
+    (an accelerator's asynchronous all-gather may hold its input that long; between CPU ranks the
+    shared-memory route has let it go by then: tests/planning/test_int8_memory.py)."""
     part = math.ceil(largest_fetch_unit(m, run)[1] / n)
     pieces = math.ceil(part / run.int8_block) + 1
     copies = 1 if n == 1 else n + 1
@@ -97,14 +99,17 @@ def dequantize_bytes(m: ModelSpec, run: RunSpec, n: int) -> int:
     """The dequantization's transient: each rank's part of a parameter, ceil(x / n) elements, is
     read into fp32 (4 bytes an element) and cast to the compute dtype (b) before it is copied into
     the gathered parameter (in W); a part that does not lie on whole blocks is first padded to them
-    (an int8 copy, 1). The largest parameter's part, one at a time."""
+    (an int8 copy of its pieces' blocks, read into fp32 whole). The largest parameter's part, one
+    at a time."""
     big = [x for x in m.param_numels() if x > run.persistence]
     if not big:
         return 0
     x = max(big)
     part, block = math.ceil(x / n), run.int8_block
-    padded = QUANT_BYTES * part if part % block or x % block else 0
-    return (4 + run.b) * part + padded
+    if part % block == 0 and x % block == 0:
+        return (4 + run.b) * part
+    blocks = block * rank_pieces(x, n, block)
+    return (QUANT_BYTES + 4) * blocks + run.b * part
 
 
 def update_chunk(n: int, run: RunSpec) -> int:
