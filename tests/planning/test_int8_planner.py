@@ -187,3 +187,54 @@ def test_the_run_config_names_the_8bit_shards():
     assert (run.int8_shards, run.int8_block) == (True, 64)
     plain = P.run_spec_for(load_run_config({"model": {"path": "tiny"}, "lomo": {"lr": 1e-3}}, check_files=False))
     assert (plain.int8_shards, plain.int8_block) == (False, 128)
+
+
+def _int8_param(n: int, shape: tuple, pid: int, block: int, g: torch.Generator) -> torch.nn.Parameter:
+    """A one-rank ZeRO-3 parameter whose shard is 8-bit (the attributes ds_compat reads)."""
+    p = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16))
+    q, scales = quant8.quantize(torch.randn(n, generator=g, device="cpu"), 0, block=block)
+    p.ds_tensor = q.clone()
+    p.ds_tensor.ds_quant_scale, p.ds_tensor.lomo_int8_block = scales, block
+    p.ds_numel, p.ds_shape, p.ds_id = n, torch.Size(shape), pid
+    return p
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 1024], ids=["whole", "chunked"])
+@pytest.mark.parametrize("rule", ["sgd", "adalomo"])
+def test_update_temporaries_counted_from_the_engines_8bit_update(rule, chunk):
+    """The planner's figure is what the engine's fused update (ShardUpdater over 8-bit shards,
+    engine/update/int8.py) allocates on one rank: SGD a slice a chunk at a time, AdaLomo a bucket
+    (its statistics beside, as the planner's bf16 check counts them)."""
+    from lomo_ds.config.lomo_section import AdaLomoConfig
+    from lomo_ds.engine.update import AdaLomo, PassSettings, ShardGeometries, ShardUpdater
+    from lomo_ds.engine.update.int8 import Int8Shards
+
+    block = 128
+    shapes = [(80, 128)] if rule == "sgd" else [(61, 128), (29, 64)]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    module, params, grads = torch.nn.Module(), [], []
+    for i, shape in enumerate(shapes):
+        p = _int8_param(math.prod(shape), shape, i, block, g)
+        module.register_parameter(f"p{i}", p)
+        params.append(p)
+        grads.append(torch.randn(math.prod(shape), generator=g, device="cpu").to(torch.bfloat16))
+    geometries = ShardGeometries()
+    int8 = Int8Shards(geometries, block, seed=0, noise_ids={i: i for i in range(len(shapes))})
+    adalomo = AdaLomo(AdaLomoConfig(), module, params, None, geometries) if rule == "adalomo" else None
+    updater = ShardUpdater(True, 0, torch.device("cpu"), geometries, adalomo, chunk=chunk, int8=int8)
+    stats = updater.begin_pass(PassSettings(lr=0.01), step=0)
+    state = [t for st in (adalomo.state.values() if adalomo else ()) for t in st.values() if torch.is_tensor(t)]
+    counter = _NewStorageBytes([*(t for p in params for t in (p.ds_tensor, p.ds_tensor.ds_quant_scale)), *grads,
+                                *state])
+    with counter:
+        updater.apply_bucket(list(zip(params, grads, strict=True)), stats)
+    numels = [math.prod(s) for s in shapes]
+    run = P.run_spec(int8_shards=True, update_chunk=chunk, int8_block=block)
+    if rule == "sgd":
+        expected, slack = P.update_temp_bytes(numels[0], run), 64
+    else:
+        expected = P.adalomo_update_temp_bytes(sum(numels), max(numels), run,
+                                               P.adalomo_statistics_numel(P.ModelSpec("t", 1, 0, 1, shapes=shapes)))
+        slack = 3 * 4 * sum(s[0] + s[1] for s in shapes) + 1024
+    print(f"{rule}, chunk {chunk}: peak {counter.peak}, planner {expected}")
+    assert expected <= counter.peak <= expected + slack, (counter.peak, expected)
