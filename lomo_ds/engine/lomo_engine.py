@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from lomo_ds.comm import abandon_param_gather, configure_param_gather, open_step_sums
+from lomo_ds.comm import abandon_param_gather, configure_param_gather, install_int8_shards, open_step_sums
 from lomo_ds.config import leaf_module
+from lomo_ds.config.checks.int8_shards import refuse_int8_conflicts
 from lomo_ds.config.engine_config import EngineConfig, Precision, load_config
 from lomo_ds.engine import sequence_memory
 from lomo_ds.engine.accumulation import accumulator_for, check_window
@@ -102,6 +103,7 @@ class LomoEngine:
         self.sp = self.layout.sp
         self.config = config
         self.ds_config = ds_config
+        refuse_int8_conflicts(config.memory, config.lomo, ds_config)  # before DeepSpeed partitions anything
         self.dtype = (precision or Precision.of(ds_config)).torch_dtype
         self.schedule = schedule_of(config, total_steps)
         # This rank's device: batches are moved here and every tensor the engine makes lives here.
@@ -125,6 +127,9 @@ class LomoEngine:
         missing = ds_compat.check_param_attrs(self.params[0])
         if missing:
             raise RuntimeError(f"DeepSpeed ZeRO-3 parameter attributes missing: {missing}")
+        # memory.int8_shards: the loaded weights' shards become 8-bit, and their gathers lomo_ds's.
+        self.int8_params = (install_int8_shards(self.module, self.params, config.memory.int8_block, self.dtype)
+                            if config.memory.int8_shards else [])
         # Every rank is a data-parallel rank (no tensor or pipeline parallelism): the loss and the
         # norm are reduced over all of them, and every parameter must be sharded over all of them
         # (the buckets refuse a group that does not span them). Shard indices come from each

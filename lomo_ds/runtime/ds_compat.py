@@ -16,7 +16,7 @@ import torch
 from lomo_ds.runtime.device import group_device
 
 PARAM_ATTRS = ("ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status", "ds_persist", "ds_process_group",
-               "partition_numel", "all_gather", "partition")
+               "partition_numel", "all_gather", "all_gather_coalesced", "partition")
 
 
 def is_zero_param(p) -> bool:
@@ -36,6 +36,19 @@ def shard(p) -> torch.Tensor:
     return p.ds_tensor.data
 
 
+def shard_bytes(p) -> int:
+    """Bytes this rank holds of the parameter's shard: its elements, and an 8-bit shard's scales."""
+    t = shard(p)
+    quant = int8_shard(p)
+    return t.numel() * t.element_size() + (quant[1].numel() * quant[1].element_size() if quant else 0)
+
+
+def shard_storage_ptr(p) -> int | None:
+    """The address of the storage behind the parameter's shard (None: not a ZeRO-3 parameter)."""
+    t = getattr(p, "ds_tensor", None)
+    return None if t is None else t.untyped_storage().data_ptr()
+
+
 def param_id(p) -> int:
     return int(p.ds_id)
 
@@ -52,6 +65,177 @@ def grad_is_ready(p) -> bool:
 
 def process_group(p):
     return p.ds_process_group
+
+
+# 8-bit shards (memory.int8_shards): DeepSpeed's own convention for a quantized partition, the int8
+# values in ds_tensor and their fp32 scales in ds_tensor.ds_quant_scale, plus the block size lomo_ds
+# quantized them with. The scales are one per block of the parameter's global flat index that the
+# padded slice [rank * part, (rank + 1) * part) touches (quant8.piece_span), a cut block's scale the
+# same on every rank that holds a piece of it.
+_INT8_BLOCK = "lomo_int8_block"
+
+
+def int8_shard(p) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 shard, fp32 scales) of a parameter whose shard is kept in 8 bits, else None."""
+    t = getattr(p, "ds_tensor", None)
+    if t is None or t.dtype != torch.int8 or getattr(t, "ds_quant_scale", None) is None:
+        return None
+    return t.data, t.ds_quant_scale
+
+
+def int8_block(p) -> int | None:
+    """The block size of a parameter's 8-bit shard (None: not in 8 bits)."""
+    return getattr(p.ds_tensor, _INT8_BLOCK, None) if int8_shard(p) is not None else None
+
+
+def set_int8_shard(p, q: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """Make `q` (int8, the shard's numel, padding included) and `scales` (fp32) the parameter's shard,
+    in place of its compute-dtype one: ds_tensor keeps its identity and DeepSpeed's attributes on it
+    (ds_numel, status, final_location); its storage becomes the int8 buffer."""
+    t = p.ds_tensor
+    if q.dtype != torch.int8 or q.dim() != 1 or q.numel() != t.numel():
+        raise ValueError(f"8-bit shard of ds_id {p.ds_id}: expected a flat int8 tensor of {t.numel()} elements, "
+                         f"got {q.dtype} of shape {tuple(q.shape)}")
+    if scales.dtype != torch.float32 or scales.dim() != 1:
+        raise ValueError(f"8-bit shard of ds_id {p.ds_id}: scales must be a flat fp32 tensor, got {scales.dtype} "
+                         f"of shape {tuple(scales.shape)}")
+    t.data = q.to(t.device)
+    t.ds_quant_scale = scales.to(t.device)
+    setattr(t, _INT8_BLOCK, block)
+
+
+def partition_slice(p) -> tuple[int, int, int, int]:
+    """(start, part, rank, world) of this rank's padded slice of the flat parameter in its group."""
+    part = int(p.ds_tensor.ds_numel)
+    group = p.ds_process_group
+    if torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    else:
+        rank, world = 0, 1
+    return rank * part, part, rank, world
+
+
+def gathered_into(p, full: torch.Tensor) -> None:
+    """A gather of an 8-bit parameter has finished: `full` (compute dtype, the full shape) is what
+    the forward and backward read, until DeepSpeed releases it."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    p.data = full.view(p.ds_shape)
+    p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def claim_for_gather(params: list) -> list:
+    """Of `params`, those whose 8-bit shards are not gathered (NOT_AVAILABLE), now marked in flight."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    out = []
+    for p in params:
+        if p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            p.ds_status = ZeroParamStatus.INFLIGHT
+            out.append(p)
+    return out
+
+
+class GatherHandles:
+    """Several gather handles waited as one (the shape DeepSpeed's coordinator expects)."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def wait(self, *args, **kwargs) -> None:
+        for h in self.handles:
+            h.wait(*args, **kwargs)
+
+
+def route_int8_gathers(params: list, gather, rewrite) -> None:
+    """Every ZeRO-3 parameter in `params` (all of a module's: the coordinator gathers a group through
+    its first member, whichever it is) sends its 8-bit members to lomo_ds: `gather(params) -> handle`
+    (handle.wait() leaves each one's dequantized weight through `gathered_into`), and
+    `rewrite(param)` where DeepSpeed would copy a modified full weight into the shard
+    (partition(has_been_updated=True): GatheredParameters(modifier_rank=...) writes, how
+    from_pretrained loads under zero.Init), which would otherwise value-cast it into the int8
+    buffer. DeepSpeed's own quantized gather is not used: it dequantizes equal groups of
+    gathered_numel / scales_numel elements, which are the blocks of the global grid only where
+    the block divides the partition size, and its coalesced path casts the result to ds_tensor's
+    dtype (int8). Parameters in compute dtype go to DeepSpeed's own paths unchanged."""
+    for p in params:
+        if not is_zero_param(p) or getattr(p, "lomo_int8_routed", False):
+            continue
+        p.all_gather_coalesced = _coalesced(p.all_gather_coalesced, gather)
+        p.all_gather = _all_gather(p, p.all_gather, gather)
+        p.partition = _partition(p, p.partition, rewrite)
+        p.lomo_int8_routed = True
+
+
+def _split(params) -> tuple[list, list]:
+    params = list(params)
+    return [p for p in params if int8_shard(p) is not None], [p for p in params if int8_shard(p) is None]
+
+
+def _coalesced(original, gather):
+    def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
+        mine, rest = _split(params)
+        if not mine:
+            return original(rest, safe_mode=safe_mode, quantize=quantize)
+        handles = [gather(claim_for_gather(mine))]
+        if rest:
+            handles.append(original(rest, safe_mode=safe_mode, quantize=quantize))
+        return GatherHandles(handles)
+
+    return all_gather_coalesced
+
+
+def _all_gather(owner, original, gather):
+    def all_gather(param_list=None, async_op: bool = False, hierarchy: int = 0):
+        mine, rest = _split([owner] if param_list is None else param_list)
+        out = original(param_list=rest, async_op=async_op, hierarchy=hierarchy) if rest else ([] if async_op else None)
+        claimed = claim_for_gather(mine)
+        if claimed:
+            handle = gather(claimed)
+            handle.wait()
+            if async_op:
+                out = [*out, handle]
+        return out
+
+    return all_gather
+
+
+def _partition(owner, original, rewrite):
+    def partition(param_list=None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True):
+        mine, rest = _split([owner] if param_list is None else param_list)
+        if has_been_updated:
+            for p in mine:
+                rewrite(p)
+        if rest:
+            original(param_list=rest, hierarchy=hierarchy, has_been_updated=has_been_updated, free_data=free_data)
+        if mine:
+            original(param_list=mine, hierarchy=hierarchy, has_been_updated=False, free_data=free_data)
+
+    return partition
+
+
+def install_torch_quantizer(block: int, dtype: torch.dtype) -> None:
+    """Where DeepSpeed's Init has no quantizer (its CUDA op is built only under its own ZeRO++ flags,
+    refused with 8-bit shards), `Init.quantizer_module` becomes quant8_zeropp's torch one: DeepSpeed's
+    no-gather paths read that class attribute for any partition carrying ds_quant_scale, and an
+    instance without its own attribute reads it too. lomo_ds routes its 8-bit parameters around those
+    paths (route_int8_gathers); this keeps any DeepSpeed path that still reaches one dequantizing
+    instead of failing on None."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    from lomo_ds.runtime.quant8_zeropp import TorchQuantizer
+
+    if getattr(Init, "quantizer_module", None) is None:
+        Init.quantizer_module = TorchQuantizer(block, default_dtype=dtype)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False,
+                           name: str = "all-gather tensor"):
+    """deepspeed.comm's all_gather_into_tensor (the route ZeRO-3's parameter fetch takes, so the
+    shared-memory transport carries it between CPU ranks, and count_comm counts it)."""
+    dist = _comm()
+    check_device(input, group_device(group), name)
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
 
 
 def check_device(tensor: torch.Tensor, device: torch.device, name: str) -> None:

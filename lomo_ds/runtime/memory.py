@@ -56,7 +56,7 @@ class MemoryTracker:
         s = MemorySample(shard_bytes=self.master_bytes, state_bytes=self.state_bytes, bucket_bytes=self._bucket_bytes)
         for p in self.params:
             esize = p.element_size()
-            s.shard_bytes += ds_compat.shard(p).numel() * ds_compat.shard(p).element_size()
+            s.shard_bytes += ds_compat.shard_bytes(p)  # an 8-bit shard's scales included
             # Gathered: a full copy exists besides the shard (on one rank it is the shard itself).
             if p.data.numel() > 0 and p.data.data_ptr() != ds_compat.shard(p).data_ptr():
                 if ds_compat.is_persistent(p):
@@ -114,8 +114,9 @@ class ActivationCounter:
             # A DTensor (FSDP2's sharded parameter) has no storage of its own: its local shard does.
             local = p.to_local() if hasattr(p, "to_local") else p.data
             self._param_ptrs.add(local.untyped_storage().data_ptr())
-            if hasattr(p, "ds_tensor"):
-                self._param_ptrs.add(p.ds_tensor.untyped_storage().data_ptr())
+            shard_ptr = ds_compat.shard_storage_ptr(p)
+            if shard_ptr is not None:
+                self._param_ptrs.add(shard_ptr)
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._ctx.__enter__()
 
