@@ -118,7 +118,8 @@ class Int8Shards:
         pa, pb = quant8.chunk_pieces(start, a, b, self.block)
         cut = self._cut_here(param)
         lo, hi = a, b  # the elements of the chunk's whole pieces
-        for p in range(pa, pb):
+        # Only a slice's first and last pieces can be cut: no loop over a chunk's blocks on the host.
+        for p in sorted(p for p in {0, scales.numel() - 1} if pa <= p < pb):
             k = first + p
             if k not in cut:
                 continue
