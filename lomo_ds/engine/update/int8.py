@@ -38,15 +38,9 @@ from lomo_ds.runtime.device import group_device
 
 
 def int8_shard(param) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(int8 shard, fp32 scales) of a parameter kept in 8 bits, else None."""
-    read = getattr(ds_compat, "int8_shard", None)
-    if read is not None:
-        return read(param)
-    # Until ds_compat reads it: the shard as ds_compat gives it, and the scales it carries
-    # (DeepSpeed's convention for a quantized partition: ds_tensor.ds_quant_scale).
-    q = ds_compat.shard(param)
-    scales = getattr(param.ds_tensor, "ds_quant_scale", None)
-    return (q, scales) if scales is not None and q.dtype == torch.int8 else None
+    """(int8 shard, fp32 scales) of a parameter kept in 8 bits, else None (ds_compat's reading of
+    DeepSpeed's quantized-partition attributes)."""
+    return ds_compat.int8_shard(param)
 
 
 def cut_blocks(numel: int, world: int, block: int) -> list[int]:
