@@ -6,6 +6,8 @@
   shard.py         where a slice lies (ShardGeometries; ShardGeometry itself is
                    runtime/shard_geometry.py's), chunks, and ShardWeights: fp32 masters,
                    stochastic rounding, weights read and written back chunk by chunk
+  int8.py          8-bit shards (memory.int8_shards): chunks read dequantized and written back
+                   requantized with keyed noise, cut blocks' scales settled per bucket
   rule.py          the Rule every update rule implements (built by Rule.build(BuildContext), chosen
                    by name from config/rules.py's registry); PassSettings, PassStats
   sgd.py           SGD, LOMO's rule

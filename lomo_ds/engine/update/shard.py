@@ -12,6 +12,10 @@ on a CPU the draws come from the generator one element after another, so the noi
 one draw over the slice; on an accelerator each draw advances the generator's offset by its own
 amount, so the noise differs from an unchunked update's, and is still independent and uniform for
 every element (unbiased).
+
+8-bit shards (memory.int8_shards) go through int8.py instead: a chunk is dequantized to fp32 and
+requantized on write-back with noise keyed by the element's global index, so their chunks lie on the
+global block grid (`ShardWeights.chunks`) and the noise does not depend on them or on the rank.
 """
 from __future__ import annotations
 
