@@ -478,8 +478,26 @@ def check_internals() -> list[str]:
         if not hasattr(dist, fn):
             problems.append(f"deepspeed.comm.{fn}")
     problems += _all_gather_route_problems()
+    problems += _int8_route_problems()
     if not hasattr(deepspeed.zero, "Init") or not hasattr(deepspeed.zero, "GatheredParameters"):
         problems.append("deepspeed.zero.Init/GatheredParameters")
+    return problems
+
+
+def _int8_route_problems() -> list[str]:
+    """route_int8_gathers relies on ZeRO-3's coordinator gathering through a parameter's
+    all_gather_coalesced, and on GatheredParameters writing back through partition(has_been_updated)."""
+    import inspect
+
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    problems = []
+    fetch = getattr(PartitionedParameterCoordinator, "_PartitionedParameterCoordinator__all_gather_params_", None)
+    if fetch is None or "all_gather_coalesced" not in fetch.__code__.co_names:
+        problems.append("PartitionedParameterCoordinator.__all_gather_params_ -> param.all_gather_coalesced")
+    if "has_been_updated=True" not in inspect.getsource(GatheredParameters):
+        problems.append("GatheredParameters -> partition(has_been_updated=True)")
     return problems
 
 

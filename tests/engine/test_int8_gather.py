@@ -108,6 +108,7 @@ def _a_wrong_scale_is_seen(engine, refs) -> bool:
 def check_bytes(block=128):
     """The forward's parameter all-gather bytes with 8-bit shards against bf16's, counted."""
     import lomo_ds
+    from lomo_ds.comm import shm_all_gather
     from lomo_ds.profiling import count_comm
     from lomo_ds.runtime import ds_compat
 
@@ -115,11 +116,16 @@ def check_bytes(block=128):
     for int8 in (False, True):
         engine = lomo_ds.initialize(tiny_llama(5, hidden=128), _cfg(int8=int8, block=block, persist=0))
         batch = global_batch(0, engine.world)[engine.rank]
+        shm = shm_all_gather.transport()
         with torch.no_grad():
             engine.eval_forward(batch)  # DeepSpeed records its trace
+            calls = shm.calls if shm is not None else 0
             with count_comm() as counts:
                 engine.eval_forward(batch)
         out["int8" if int8 else "bf16"] = counts.as_dict().get("all_gather_into_tensor", {}).get("bytes", 0)
+        # Between CPU ranks of one node the shared-memory route carries the 8-bit gathers too.
+        out["route"] = str(engine.param_gather.value)
+        out[f"shm_calls_{'int8' if int8 else 'bf16'}"] = (shm.calls - calls) if shm is not None else 0
         out["shards_int8" if int8 else "shards_bf16"] = sum(
             ds_compat.shard(p).numel() * ds_compat.shard(p).element_size()
             + (ds_compat.int8_shard(p)[1].numel() * 4 if ds_compat.int8_shard(p) is not None else 0)
@@ -155,3 +161,5 @@ def test_gather_moves_about_half_of_bf16s_bytes(rank_results, world):
     # 1 byte an element plus an fp32 scale per 128 (and the pieces a shard boundary cuts): 0.52x.
     assert 0.5 < ratio < 0.56, r
     assert 0.5 < r["shards_int8"] / r["shards_bf16"] < 0.56, r
+    if r["route"] == "shared_memory":
+        assert r["shm_calls_int8"] > 0, r
