@@ -183,7 +183,7 @@ def gather_int8(params: list) -> Int8Gather | ds_compat.GatherHandles:
     for p in params:
         by_group.setdefault(id(ds_compat.process_group(p)), []).append(p)
     handles = [Int8Gather(members) for members in by_group.values()]
-    return handles[0] if len(handles) == 1 else ds_compat.GatherHandles(handles)
+    return handles[0] if len(handles) == 1 else ds_compat.GatherHandles(handles)  # none: a handle with nothing to wait
 
 
 def rewrite_from_full(p) -> None:
