@@ -1,5 +1,6 @@
 """memory.int8_shards and memory.int8_block: what 8-bit weight shards are refused with, and why
-(lomo_ds/config/checks/int8_shards.py, the engine's own call of it included)."""
+(lomo_ds/config/checks/int8_shards.py: the run config's check, and refuse_int8_conflicts, which the
+engine's constructor also runs on the config it is given)."""
 from __future__ import annotations
 
 import pytest
