@@ -79,6 +79,8 @@ import math
 
 import torch
 
+from lomo_ds.runtime.shard_geometry import chunk_bounds
+
 DEFAULT_BLOCK = 128
 QMAX = 127
 _U_BITS = 24
@@ -295,14 +297,7 @@ def block_chunks(start: int, local: int, size: int, *, block: int = DEFAULT_BLOC
     check_block(block)
     if size < 1 or align < 1:
         raise ValueError(f"chunk size and align must be >= 1, got size={size}, align={align}")
-    unit = math.lcm(block, align)
-    size = max(unit, size // unit * unit)
-    bounds, a = [], 0
-    while a < local:
-        b = min(local, ((start + a) // size + 1) * size - start)
-        bounds.append((a, b))
-        a = b
-    return bounds
+    return chunk_bounds(local, size, start, math.lcm(block, align))
 
 
 def chunk_pieces(start: int, a: int, b: int, block: int = DEFAULT_BLOCK) -> tuple[int, int]:

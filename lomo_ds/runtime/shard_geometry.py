@@ -38,3 +38,16 @@ class ShardGeometry:
     def local(self) -> int:
         """Real (unpadded) elements of the parameter on this rank."""
         return max(0, min(self.part, self.numel - self.start))
+
+def chunk_bounds(n: int, size: int, start: int = 0, align: int = 1) -> list[tuple[int, int]]:
+    """[a, b) pieces of a slice of n elements starting at flat element `start` of its parameter,
+    each at most `size` elements (at least `align`, rounded down to a multiple of it), their ends at
+    multiples of that size in the parameter's flat index: with `align` a matrix's row length, every
+    whole row of the slice falls in one chunk."""
+    size = max(align, size // align * align)
+    bounds, a = [], 0
+    while a < n:
+        b = min(n, ((start + a) // size + 1) * size - start)
+        bounds.append((a, b))
+        a = b
+    return bounds

@@ -26,7 +26,7 @@ import torch
 from lomo_ds.engine.precision import stochastic_round_to_bf16
 from lomo_ds.engine.update.int8 import Int8Shards, int8_shard
 from lomo_ds.runtime import ds_compat
-from lomo_ds.runtime.shard_geometry import ShardGeometry
+from lomo_ds.runtime.shard_geometry import ShardGeometry, chunk_bounds
 
 
 def geometry(param: torch.nn.Parameter, world: int, rank: int) -> ShardGeometry:
@@ -52,18 +52,6 @@ class ShardGeometries:
         return self._cache[pid]
 
 
-def chunk_bounds(n: int, size: int, start: int = 0, align: int = 1) -> list[tuple[int, int]]:
-    """[a, b) pieces of a slice of n elements starting at flat element `start` of its parameter,
-    each at most `size` elements (at least `align`, rounded down to a multiple of it), their ends at
-    multiples of that size in the parameter's flat index: with `align` a matrix's row length, every
-    whole row of the slice falls in one chunk."""
-    size = max(align, size // align * align)
-    bounds, a = [], 0
-    while a < n:
-        b = min(n, ((start + a) // size + 1) * size - start)
-        bounds.append((a, b))
-        a = b
-    return bounds
 
 
 def grad_chunk(grad, a: int, b: int, device: torch.device, *, fresh: bool = False) -> torch.Tensor:
