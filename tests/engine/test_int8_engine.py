@@ -137,7 +137,8 @@ def int8_engine_checkpoint_moves_2_to_3():
     step equals 3 uninterrupted ones, bit for bit (integers and scales)."""
     from lomo_ds.methods.lomo import load_engine_state
     from lomo_ds.storage.engine_state import save_engine_state
-    from tests.engine.test_rule_state import _cut_for, _full_pieces, _on_every_rank
+    from tests.engine.state_cuts import cut_for, full_pieces
+    from tests.engine.test_rule_state import _on_every_rank
     from tests.ranks import work_dir
 
     rank = torch.distributed.get_rank()
@@ -146,10 +147,10 @@ def int8_engine_checkpoint_moves_2_to_3():
     for step in range(2):
         straight.train_step(global_batch(step, 3)[rank])
     state3 = straight.shard_state_dict()
-    full = _full_pieces(state3)
+    full = full_pieces(state3)
     folder = os.path.join(work_dir(), "int8_engine_by_2")
     if rank < 2:
-        save_engine_state(folder, _cut_for(state3, full, 2, rank), 60.0, group=two)
+        save_engine_state(folder, cut_for(state3, full, 2, rank), 60.0, group=two)
     torch.distributed.barrier()
     resumed = lomo_ds.initialize(tiny_llama(4), _cfg())
     _on_every_rank(lambda: resumed.load_shard_state_dict(load_engine_state(resumed, folder, 60.0)))

@@ -41,6 +41,7 @@ from lomo_ds.runtime import ds_compat
 from lomo_ds.runtime.shard_geometry import PIECES, ShardGeometry
 from lomo_ds.storage.engine_state import save_engine_state
 from tests.engine.dist_engine_checks import LR, ds_cfg, max_diff
+from tests.engine.state_cuts import at, cut_for, full_pieces
 from tests.ranks import assert_matches_reference, multi_rank, ok, work_dir
 from tests.tiny import global_batch, tiny_llama, tiny_llama_config
 
@@ -258,37 +259,6 @@ def test_the_trainer_chooses_it_by_optim_lomo_and_the_config_key(rank_results):
 
 
 # ----------------------------------------------------------------------------- 2 ranks -> 3
-def _at(state: dict, path: tuple):
-    for key in path:
-        state = state[key]
-    return state
-
-
-def _whole(state: dict) -> dict[tuple, torch.Tensor]:
-    """Every declared piece of this launch's ranks put together: the global flat tensors."""
-    world, rank = state["world"], state["rank"]
-    mine = {p: _at(state, p).detach().reshape(-1)[:ShardGeometry(n, world, rank).local].cpu().clone()
-            for p, n in state[PIECES].items()}
-    every = [None] * world
-    torch.distributed.all_gather_object(every, mine)
-    return {p: torch.cat([r[p] for r in every]) for p in state[PIECES]}
-
-
-def _as_rank_of(state: dict, whole: dict, world: int, rank: int):
-    """`state` as rank `rank` of `world` holds it: each declared piece that rank's cut of the whole
-    tensor (padded to the cut's length, as a shard is), the rest as it is."""
-    def walk(node, path):
-        if path in whole:
-            geo = ShardGeometry(whole[path].numel(), world, rank)
-            out = torch.zeros(geo.part, dtype=whole[path].dtype, device="cpu")
-            out[:geo.local] = whole[path][geo.start:geo.start + geo.local]
-            return out
-        if isinstance(node, dict):
-            return {k: walk(v, (*path, k)) for k, v in node.items()}
-        return node
-
-    rest = {k: v for k, v in state.items() if k != PIECES}
-    return {**walk(rest, ()), "world": world, "rank": rank, PIECES: state[PIECES]}
 
 
 @multi_rank(worlds=[3])
@@ -298,16 +268,16 @@ def momentum_moves_from_two_ranks_to_three():
         two = torch.distributed.new_group([0, 1], backend="gloo")
         straight = _trained(STEPS - 1)
         state = straight.shard_state_dict()
-        whole = _whole(state)
+        whole = full_pieces(state)
         folder = os.path.join(work_dir(), "momentum_by_2")
         if rank < 2:  # the checkpoint 2 ranks write: each its own cut of every piece
-            save_engine_state(folder, _as_rank_of(state, whole, 2, rank), 60.0, group=two)
+            save_engine_state(folder, cut_for(state, whole, 2, rank), 60.0, group=two)
         torch.distributed.barrier()
         resumed = lomo_ds.initialize(tiny_llama(12), momentum_cfg())
         resumed.load_shard_state_dict(load_engine_state(resumed, folder, 60.0))
         got = resumed.shard_state_dict()
         geo = {p: ShardGeometry(n, 3, rank) for p, n in got[PIECES].items()}
-        own = all(torch.equal(_at(got, p).reshape(-1)[:g.local].cpu(), whole[p][g.start:g.start + g.local])
+        own = all(torch.equal(at(got, p).reshape(-1)[:g.local].cpu(), whole[p][g.start:g.start + g.local])
                   for p, g in geo.items())
         momentum = [p for p in got[PIECES] if p[:2] == ("rule", "state")]
         for engine in (straight, resumed):

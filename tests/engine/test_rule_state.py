@@ -29,16 +29,11 @@ from lomo_ds.runtime.shard_geometry import PIECES, ShardGeometry
 from lomo_ds.storage.engine_state import read_engine_state, save_engine_state
 from tests.engine.dist_adalomo_checks import adalomo_cfg
 from tests.engine.dist_engine_checks import ds_cfg
+from tests.engine.state_cuts import at, cut_for, full_pieces
 from tests.ranks import multi_rank, ok, work_dir
 from tests.tiny import global_batch, tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _at(state: dict, path: tuple):
-    for key in path:
-        state = state[key]
-    return state
 
 
 def _trained(cfg: dict, steps: int = 2, seed: int = 11):
@@ -64,39 +59,12 @@ def _on_every_rank(fn):
     return out
 
 
-def _full_pieces(state: dict) -> dict[tuple, torch.Tensor]:
-    """Every declared piece of this launch's ranks put together: the global flat tensors."""
-    world, rank = state["world"], state["rank"]
-    mine = {path: _at(state, path).detach().reshape(-1)[:ShardGeometry(n, world, rank).local].cpu().clone()
-            for path, n in state[PIECES].items()}
-    every = [None] * world
-    torch.distributed.all_gather_object(every, mine)
-    return {path: torch.cat([r[path] for r in every]) for path in state[PIECES]}
-
-
-def _cut_for(state: dict, full: dict[tuple, torch.Tensor], world: int, rank: int) -> dict:
-    """`state` as rank `rank` of `world` holds it: each declared piece ZeRO-3's cut of the full
-    tensor (padded to the cut's length, as a shard is), everything else as it is."""
-    def walk(node, path):
-        if path in full:
-            geo = ShardGeometry(full[path].numel(), world, rank)
-            out = torch.zeros(geo.part, dtype=full[path].dtype, device="cpu")
-            out[:geo.local] = full[path][geo.start:geo.start + geo.local]
-            return out
-        if isinstance(node, dict) and path != (PIECES,):
-            return {k: walk(v, (*path, k)) for k, v in node.items()}
-        return node.detach().clone() if torch.is_tensor(node) else node
-
-    return {**walk({k: v for k, v in state.items() if k != PIECES}, ()), "world": world, "rank": rank,
-            PIECES: state[PIECES]}
-
-
 def _slices_match(state: dict, full: dict[tuple, torch.Tensor]) -> tuple[int, list]:
     """(how many pieces were compared, the paths of those that are not this rank's slice)."""
     world, rank, wrong = state["world"], state["rank"], []
     for path, n in state[PIECES].items():
         geo = ShardGeometry(n, world, rank)
-        if not torch.equal(_at(state, path).reshape(-1)[:geo.local].cpu(), full[path][geo.start:geo.start + geo.local]):
+        if not torch.equal(at(state, path).reshape(-1)[:geo.local].cpu(), full[path][geo.start:geo.start + geo.local]):
             wrong.append("/".join(path))
     return len(state[PIECES]), wrong
 
@@ -107,16 +75,16 @@ def adalomo_state_moves_between_rank_counts():
     two = torch.distributed.new_group([0, 1], backend="gloo")
     straight = _trained(adalomo_cfg())
     state3 = straight.shard_state_dict()
-    full = _full_pieces(state3)
+    full = full_pieces(state3)
     cut_rule = sorted(p[2] for p in state3[PIECES] if p[:2] == ("rule", "state"))
     # 3 -> 2: the 3-rank checkpoint read by 2 ranks
     three_dir, two_dir = os.path.join(work_dir(), "adalomo_by_3"), os.path.join(work_dir(), "adalomo_by_2")
     save_engine_state(three_dir, state3, 60.0)
     read_by_two = None
     if rank < 2:
-        template = _cut_for(state3, {p: torch.zeros_like(t) for p, t in full.items()}, 2, rank)
+        template = cut_for(state3, {p: torch.zeros_like(t) for p, t in full.items()}, 2, rank)
         read_by_two = _slices_match(read_engine_state(three_dir, template, lambda s: None, 60.0, group=two), full)
-        save_engine_state(two_dir, _cut_for(state3, full, 2, rank), 60.0, group=two)  # 2 -> 3
+        save_engine_state(two_dir, cut_for(state3, full, 2, rank), 60.0, group=two)  # 2 -> 3
     torch.distributed.barrier()
     resumed = lomo_ds.initialize(tiny_llama(12), adalomo_cfg())
     _on_every_rank(lambda: resumed.load_shard_state_dict(load_engine_state(resumed, two_dir, 60.0)))
