@@ -299,11 +299,8 @@ def gathered_param_bytes(m: ModelSpec, run: RunSpec, n: int) -> int:
     return run.b * (persist + work) if n > 1 or run.offload else 0
 
 
-def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> Estimate:
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    run = resolve_auto(m, run)
-    check_sequence(m, run)
+def _refuse(method: str, gpus: int, run: RunSpec) -> None:
+    """What the planner does not model, refused naming the setting."""
     int8_shards.check_int8(run)
     if run.int8_shards and method not in FUSED:
         raise ValueError(f"int8_shards: 8-bit shards are written by the fused update "
@@ -314,6 +311,14 @@ def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> 
     if run.offload and method not in FUSED:
         raise ValueError(f"offload_param: the planner models parameter offload for "
                          f"{' and '.join(METHOD_LABELS[r] for r in FUSED)} only, not {method!r}")
+
+
+def estimate(m: ModelSpec, method: str, gpus: int, run: RunSpec = RunSpec()) -> Estimate:
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    run = resolve_auto(m, run)
+    check_sequence(m, run)
+    _refuse(method, gpus, run)
     numels = m.param_numels()
     P, n, b = sum(numels), gpus, run.b
     max_p = max(numels)
