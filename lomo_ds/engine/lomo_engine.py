@@ -22,7 +22,6 @@ train.accumulation_steps K > 1, train_step takes one micro-batch (DeepSpeed's co
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from typing import Any
@@ -44,6 +43,7 @@ from lomo_ds.engine.loss_weights import LossWeights
 from lomo_ds.engine.precision import DynamicLossScaler
 from lomo_ds.engine.release import empty_held
 from lomo_ds.engine.schedule import schedule_of
+from lomo_ds.engine.trainable import matching, trainable
 from lomo_ds.engine.update import PassSettings, PassStats, build_updater
 from lomo_ds.engine.window import BucketMode, Window
 from lomo_ds.engine.window_close import StepCounters, WindowCloser, clipped
@@ -78,8 +78,8 @@ class LomoEngine:
     counters   global_step, skipped_steps, consecutive_skips (read only)
     model      module, ds_engine (DeepSpeed's wrapper of it), params (the parameters it updates),
                device, config, layout (the parallel layout: group, world, rank, sp), loss_head
-    shards     geometry(param) (this rank's slice of it: .start, .local), shards_written() (after
-               writing shards outside a step), release_gathered()
+    shards     geometry(param) (this rank's slice of it: .start, .local), write_shard(param, full),
+               shards_written() (after writing shards outside a step), release_gathered()
     evaluation eval_forward(batch), eval_token_loss(batch)
     state      shard_state_dict(), load_shard_state_dict(state), check_state(state),
                full_state_dict(), state_bytes(), accumulator_bytes(device), enable_memory_tracking()
@@ -117,23 +117,12 @@ class LomoEngine:
         sequence_memory.install(self.module, config.memory, self.layout.group, self.device)
         self.layout.route_attention(self.module)
         self.offload = ds_compat.offload_of(self.ds_engine)
-        # module.parameters() lists a tied tensor once: it gets one hook and one update with the
-        # gradient autograd has already summed over its uses. Parameters matching
-        # lomo.exclude_params (e.g. LoRA adapters stepped by another optimizer) keep plain .grad.
-        self.params = [p for n, p in self.module.named_parameters()
-                       if p.requires_grad and not any(fnmatch.fnmatch(n, pat) for pat in config.lomo.exclude_params)]
-        if not self.params:
-            raise ValueError("model has no trainable parameters")
-        missing = ds_compat.check_param_attrs(self.params[0])
-        if missing:
-            raise RuntimeError(f"DeepSpeed ZeRO-3 parameter attributes missing: {missing}")
+        self.params = trainable(self.module, config.lomo.exclude_params)  # tied tensors once (trainable.py)
         # memory.int8_shards: the loaded weights' shards become 8-bit, and their gathers lomo_ds's.
         self.int8_params = (install_int8_shards(self.module, self.params, config.memory.int8_block, self.dtype)
                             if config.memory.int8_shards else [])
-        # Every rank is a data-parallel rank (no tensor or pipeline parallelism): the loss and the
-        # norm are reduced over all of them, and every parameter must be sharded over all of them
-        # (the buckets refuse a group that does not span them). Shard indices come from each
-        # parameter's own group (update/shard.py).
+        # The loss and the norm are reduced over every rank, and every parameter is sharded over all
+        # of them (the buckets refuse a group that does not: no tensor or pipeline parallelism).
         self.group, self.world, self.rank = self.layout.group, self.layout.world, self.layout.rank
         self.memory: MemoryTracker | None = None
         self._build_update(config)
@@ -168,8 +157,7 @@ class LomoEngine:
                                        reduce_dtype, self.slice_route, device=self.device,
                                        transport=config.comm.grad_reduction, max_in_flight=config.comm.max_in_flight,
                                        timeout_s=config.train.collective_timeout,
-                                       sparse=[p for n, p in self.module.named_parameters() if p.requires_grad
-                                               and any(fnmatch.fnmatch(n, pat) for pat in config.comm.sparse_params)])
+                                       sparse=matching(self.module, config.comm.sparse_params))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         # The step's agreements (loss, norm, verdict) go where the buckets' bytes go: a process
         # group's all-reduce per agreement would cost a step as much as a small bucket's.
@@ -399,6 +387,10 @@ class LomoEngine:
     def geometry(self, param: torch.nn.Parameter):
         """This rank's slice of `param` (`.start`, `.local` real elements), as the update cuts it."""
         return self.updater.geometry(param)
+
+    def write_shard(self, param: torch.nn.Parameter, full: torch.Tensor) -> None:
+        """This rank's slice of `full` (the parameter's whole flat value) into its shard, 8-bit ones too."""
+        self.updater.shard.write_full(param, full)
 
     def shards_written(self) -> None:
         """Shards were written outside a step (LoRA's adapters, GRPO's reference weights): ZeRO-3's

@@ -121,7 +121,7 @@ class LoraLomoEngine(LomoMethodEngine):
         of each adapter's own process group, as LOMO's update cuts it)."""
         for p, m in zip(self.adapters, self.masters, strict=True):
             # Copied, or rounded into an 8-bit shard (memory.int8_shards) from the whole master.
-            self.engine.updater.shard.write_full(p, m.detach().reshape(-1))
+            self.engine.write_shard(p, m.detach().reshape(-1))
         # The writes are queued on the compute stream after the step's end ordered ZeRO-3's gather
         # stream: order it again, or the next forward may gather adapters half-written.
         self.engine.shards_written()  # and the next forward gathers the new adapters
