@@ -1,7 +1,7 @@
 """The engine's other config sections, split by concern: `comm` (how gradients and parameters travel
 between ranks, lomo_ds/comm), `memory` (what a step holds at once), and `train`'s keys that every
 method reads (clipping, schedule, accumulation, seed). `EngineConfig` is the one typed object the
-engine takes: these three and the update rule (`lomo`, schema.py)."""
+engine takes: these three and the update rule (`lomo`, lomo_section.py)."""
 from __future__ import annotations
 
 from typing import ClassVar, Literal
