@@ -29,7 +29,9 @@ RECIPES = {
     "lomo": {"lr": 2.0e-1, "warmup_ratio": 0.1, "clip_grad_norm": 1.0, "clip_grad_value": None,
              "schedule": "cosine"},
 }
-DTYPES = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}}  # added to the config file
+# Added to the config file. int8: the bf16 run with 8-bit weight shards (memory.int8_shards).
+DTYPES = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+          "int8": {"bf16": {"enabled": True}, "memory": {"int8_shards": True}}}
 
 
 def config_for(config: str, dtype: str, out: str) -> str:
