@@ -95,7 +95,8 @@ def _shared_scales(ends: torch.Tensor, numel: int, start: int, part: int, world:
     its first and last real pieces' replaced by their block's over every rank that holds a piece
     of it (`ends`: [world, 2], each rank's first and last real pieces' scales)."""
     _, slots = _pieces(start, part, block)
-    out = torch.zeros(slots, dtype=torch.float32)
+    # Host-side, once at conversion (its caller moves the result to the shard's device).
+    out = torch.zeros(slots, dtype=torch.float32, device="cpu")
     out[:scales.numel()] = scales.detach().cpu()
     first, n = _pieces(start, _real(numel, start, part), block)
     for index in {0, n - 1} if n else ():
