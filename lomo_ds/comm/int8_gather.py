@@ -35,13 +35,9 @@ from lomo_ds.runtime import ds_compat, quant8
 from lomo_ds.runtime.device import accelerator_device, group_device
 
 
-def _pieces(start: int, part: int, block: int) -> tuple[int, int]:
-    return quant8.piece_span(start, part, block)
-
-
 def scale_slots(part: int, world: int, block: int) -> int:
     """Scales per rank in a gather: the most pieces any rank's padded slice touches."""
-    return max(_pieces(r * part, part, block)[1] for r in range(world))
+    return max(quant8.piece_span(r * part, part, block)[1] for r in range(world))
 
 
 def convert_to_int8(params: list, block: int, dtype: torch.dtype) -> list:
@@ -94,16 +90,16 @@ def _shared_scales(ends: torch.Tensor, numel: int, start: int, part: int, world:
     """This rank's scales, one per block its padded slice touches (0 past the weight's end), with
     its first and last real pieces' replaced by their block's over every rank that holds a piece
     of it (`ends`: [world, 2], each rank's first and last real pieces' scales)."""
-    _, slots = _pieces(start, part, block)
+    _, slots = quant8.piece_span(start, part, block)
     # Host-side, once at conversion (its caller moves the result to the shard's device).
     out = torch.zeros(slots, dtype=torch.float32, device="cpu")
     out[:scales.numel()] = scales.detach().cpu()
-    first, n = _pieces(start, _real(numel, start, part), block)
+    first, n = quant8.piece_span(start, _real(numel, start, part), block)
     for index in {0, n - 1} if n else ():
         k = first + index
         peak = out[index].clone()
         for r in range(world):
-            rf, rn = _pieces(r * part, _real(numel, r * part, part), block)
+            rf, rn = quant8.piece_span(r * part, _real(numel, r * part, part), block)
             if rn and rf == k:
                 peak = torch.maximum(peak, ends[r, 0])
             if rn and rf + rn - 1 == k:
@@ -171,7 +167,7 @@ class Int8Gather:
             local = max(0, min(part, n - start))
             if local == 0:
                 continue
-            _, pieces = _pieces(start, local, block)
+            _, pieces = quant8.piece_span(start, local, block)
             q = recv_q[r * self.q_width + qo: r * self.q_width + qo + local]
             s = recv_s[r * self.s_width + so: r * self.s_width + so + pieces]
             out[start:start + local] = quant8.dequantize(q, s, start, block=block, dtype=p.dtype)
@@ -194,7 +190,7 @@ def rewrite_from_full(p) -> None:
     start, part, _, _ = ds_compat.partition_slice(p)
     full = p.data.reshape(-1)
     n = full.numel()
-    first, pieces = _pieces(start, part, block)
+    first, pieces = quant8.piece_span(start, part, block)
     blocks = max(first + pieces, -(-n // block))  # the slice's blocks, or the weight's, whichever reach further
     padded = torch.zeros(blocks * block, dtype=torch.float32, device=full.device)
     padded[:n] = full.to(torch.float32)
