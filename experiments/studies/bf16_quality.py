@@ -7,6 +7,13 @@ added for the bf16 arm; a finished run (its table3_run.json) is kept, so the stu
     python -m experiments.studies.bf16_quality --out runs/bf16_quality    # spelling, both rules, both dtypes
     python -m experiments.studies.bf16_quality --out runs/bf16_quality --tasks valence --only adalomo
     python -m experiments.studies.bf16_quality --out runs/bf16_quality --dtypes fp32 --seeds 42  # fp32 rerun
+    python -m experiments.studies.bf16_quality --out runs/bf16_quality --dtypes bf16,int8 --zero-shot \
+        --tasks valence,spelling,syllables    # each dtype's start: no training
+
+--zero-shot evaluates each dtype's starting weights (int8: the quantized start) on the held-out split:
+a one-step run of the AdaLomo recipe with `train.zero_shot_eval` on, whose zero-shot figures (the
+accuracy and label_nll, the right candidate's negated mean log-probability per token) are read.
+The starting weights do not depend on the seed (int8's conversion rounds to nearest): one run a task.
 
 Prints, per rule and dtype, each seed's held-out accuracy with the mean and the minimum, and writes
 OUT/results.json.
@@ -47,22 +54,28 @@ def config_for(config: str, dtype: str, out: str) -> str:
     return path
 
 
-def run_one(hp: dict, method: str, task: str, seed: int, dtype: str, out: str, timeout: float) -> dict | None:
-    steps = int(hp["shared"]["max_steps"]) * int(hp.get("step_multiple", {}).get(task, 1))
+def run_one(hp: dict, method: str, task: str, seed: int, dtype: str, out: str, timeout: float,
+            zero_shot: bool = False) -> dict | None:
+    steps = 1 if zero_shot else int(hp["shared"]["max_steps"]) * int(hp.get("step_multiple", {}).get(task, 1))
     run = quality.Run(2, method, quality.freeze(RECIPES[method]), task, seed, "heldout", steps)
-    out_dir = os.path.join(out, dtype, run.name)
+    out_dir = os.path.join(out, dtype, "zero_shot" if zero_shot else "", run.name)
     nproc = int(hp.get("ranks", 2))
     config = config_for(os.path.join(quality.ROOT, hp["config"]), dtype, out)
     overrides = quality.overrides_of(run, hp, nproc, out_dir)
+    if zero_shot:
+        overrides["train.zero_shot_eval"] = True
     res = table3.finished_run(out_dir, config, overrides)
     if res is None or res.get("rc") != 0:
         res = table3.run_train(table3.train_program(config, overrides), nproc, True, out_dir, timeout)
         table3.record_run(out_dir, config, overrides, res)
         if res.get("rc") != 0:
             raise SystemExit(f"{out_dir}: failed (rc {res.get('rc')}), see its table3.log")
-    acc = table3.accuracy_of(method, res) if res.get("rc") == 0 else None
-    print(f"{method} {dtype} {task} seed {seed}: {acc} ({res.get('minutes', 0):.1f} min)", flush=True)
-    return None if acc is None else {"accuracy": acc, "minutes": res.get("minutes"), "last_loss": res.get("last_loss")}
+    acc = table3.accuracy_of("zero_shot" if zero_shot else method, res) if res.get("rc") == 0 else None
+    nll = res.get("zero_shot_label_nll" if zero_shot else "final_label_nll")
+    print(f"{'zero-shot' if zero_shot else method} {dtype} {task} seed {seed}: {acc} (label_nll {nll}; "
+          f"{res.get('minutes', 0):.1f} min)", flush=True)
+    return None if acc is None else {"accuracy": acc, "label_nll": nll, "minutes": res.get("minutes"),
+                                     "first_loss": res.get("first_loss"), "last_loss": res.get("last_loss")}
 
 
 def main() -> None:
@@ -73,19 +86,28 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--seeds", default=None, help="comma list (default the sweep's three)")
     ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--zero-shot", action="store_true", help="evaluate each dtype's start, no training")
     a = ap.parse_args()
     with open(quality.HPARAMS) as f:
         hp = yaml.safe_load(f)
     seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else hp["shared"]["seeds"]
+    if a.zero_shot:
+        a.only, seeds = "adalomo", seeds[:1]
+    results = os.path.join(a.out, "results.json")
     table: dict = {}
     for method in a.only.split(","):
         for dtype in a.dtypes.split(","):
             for task in a.tasks.split(","):
                 for seed in seeds:
-                    r = run_one(hp, method, task, seed, dtype, a.out, a.timeout)
-                    table.setdefault(f"{method} {dtype} {task}", {})[seed] = r
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(table, f, indent=1)
+                    r = run_one(hp, method, task, seed, dtype, a.out, a.timeout, a.zero_shot)
+                    table.setdefault(f"{'zero_shot' if a.zero_shot else method} {dtype} {task}", {})[seed] = r
+    # Earlier invocations' rows are kept: each call adds or replaces its own.
+    everything = {}
+    if os.path.exists(results):
+        with open(results) as f:
+            everything = json.load(f)
+    with open(results, "w") as f:
+        json.dump({**everything, **{k: {str(s): r for s, r in v.items()} for k, v in table.items()}}, f, indent=1)
     for key, per_seed in table.items():
         accs = [r["accuracy"] for r in per_seed.values() if r is not None]
         if accs:

@@ -91,7 +91,9 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
 
     batch_size counts sequences (context + one candidate); the candidates of several examples
     share a forward, on `device` (default: this rank's accelerator device, the engine's).
-    Returns {"accuracy", "n", "accuracy/<task>", "n/<task>", "forward_calls"}.
+    Returns {"accuracy", "label_nll", "n", "accuracy/<task>", "n/<task>", "forward_calls"}; label_nll
+    is the mean over examples of the right candidate's negated score (its mean log-probability per
+    token), the evaluation's loss: it moves where the accuracy saturates or sits at chance.
     """
     device = device or accelerator_device()
     mine = list(examples[rank::world])
@@ -120,15 +122,17 @@ def evaluate(forward_logits: ForwardLogits, examples: Sequence[EvalExample], pad
 
     # Every rank knows every task name (all ranks hold the full example list): same tensor layout.
     tasks = sorted({ex.task for ex in examples})
-    counts = torch.zeros((len(tasks), 2), dtype=torch.float64, device="cpu")  # host-side tallies
+    counts = torch.zeros((len(tasks), 3), dtype=torch.float64, device="cpu")  # host-side tallies
     for ex, sc in zip(mine, scores, strict=True):
         k = tasks.index(ex.task)
         counts[k, 0] += int(max(range(len(sc)), key=sc.__getitem__) == ex.label)
         counts[k, 1] += 1
+        counts[k, 2] -= sc[ex.label]
     if _distributed(world):
         counts = all_reduce_sum(counts, world, name="evaluation counts").cpu()
     total = counts.sum(0)
-    out = {"accuracy": float(total[0] / total[1]) if total[1] else float("nan"), "n": int(total[1]),
+    out = {"accuracy": float(total[0] / total[1]) if total[1] else float("nan"),
+           "label_nll": float(total[2] / total[1]) if total[1] else float("nan"), "n": int(total[1]),
            "forward_calls": n_calls}
     for k, task in enumerate(tasks):
         out[f"accuracy/{task}"] = float(counts[k, 0] / counts[k, 1]) if counts[k, 1] else float("nan")

@@ -304,7 +304,7 @@ class TrainRecipe(EvaluationHooks, Resume):
         summary = {"steps": self.total_steps, "eval_split": self.cfg.eval.split,
                    "eval_examples": self.data.stats["eval_size"],
                    **{f"{k}_{m}": v.get(f"eval/{m}") for k, v in results.items() if v
-                      for m in ("accuracy", "exact_match", "contains") if f"eval/{m}" in v},
+                      for m in ("accuracy", "label_nll", "exact_match", "contains") if f"eval/{m}" in v},
                    **results.get("harness", {})}
         with open(os.path.join(self.cfg.output.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)

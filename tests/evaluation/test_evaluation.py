@@ -66,6 +66,9 @@ def test_per_task_accuracy_and_batching():
     assert out["accuracy/b"] == 1.0 and out["n"] == 3
     assert out["accuracy"] == pytest.approx(2 / 3)
     assert len(fwd.calls) == 1  # single-token candidates: one context row per example, 3 rows, 4 per forward
+    # label_nll: the right candidate's negated score, averaged over the examples
+    lp = lambda ctx, tok: fwd({"input_ids": torch.tensor([[ctx, 0]])})[0, 0].log_softmax(-1)[tok].item()  # noqa: E731
+    assert out["label_nll"] == pytest.approx(-(lp(1, 2) + lp(1, 3) + lp(6, 7)) / 3, rel=1e-6)
 
 
 def test_padding_does_not_change_scores():
