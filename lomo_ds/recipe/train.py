@@ -252,6 +252,8 @@ class TrainRecipe(EvaluationHooks, Resume):
                   "skipped": out["skipped"], "loss_scale": out["loss_scale"], "micro_batches": len(window),
                   "tokens": tokens, "tgs": tokens / elapsed, "step_seconds": elapsed, "peak_mem_gb": peak_mem / 2**30,
                   "padding_fraction": sum(padding) / len(padding)}
+        if "int8_rescaled_blocks" in out:  # rank 0's 8-bit blocks whose scale the step recomputed
+            record["int8_rescaled_blocks"] = out["int8_rescaled_blocks"]
         self.metrics.log(record)
         return record
 
