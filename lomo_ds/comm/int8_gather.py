@@ -14,14 +14,14 @@ the maxima of the blocks it shares. Persistent parameters (under
 stage3_param_persistence_threshold: norms, biases) stay whole, in the compute dtype.
 
 Gather (`gather_int8`). Every rank contributes its int8 shard and its scales, padded to the most
-pieces any rank's slice has, to two all-gathers per group of parameters (int8, then fp32),
-through deepspeed.comm: between CPU ranks of one node the shared-memory route of
-comm.param_gather carries them, and count_comm counts them. Each rank's part is then dequantized
-on the global grid into the compute dtype. About 1 + 4 / B bytes an element against bf16's 2
-(0.52x at B = 128). lomo_ds takes every 8-bit gather on every device, not DeepSpeed's quantized
-partition path: that path dequantizes equal groups of gathered_numel / scales_numel elements,
-which are the global grid's blocks only where B divides part, and its coalesced form casts the
-result to the partition's dtype, int8 (ds_compat.route_int8_gathers).
+pieces any rank's slice has, to two all-gathers per group of parameters (int8, then fp32), through
+deepspeed.comm: between CPU ranks of one node the shared-memory route of comm.param_gather carries
+them, and count_comm counts them. Each rank's part is then dequantized on the global grid into the
+compute dtype, INT8_DEQUANTIZE_CHUNK elements at a time. About 1 + 4 / B bytes an element against
+bf16's 2 (0.52x at B = 128). lomo_ds takes every 8-bit gather on every device, not DeepSpeed's
+quantized partition path: that path dequantizes equal groups of gathered_numel / scales_numel
+elements, which are the global grid's blocks only where B divides part, and its coalesced form
+casts the result to the partition's dtype, int8 (ds_compat.route_int8_gathers).
 
 Writes of a whole modified weight into a partition (GatheredParameters(modifier_rank=...), how
 from_pretrained loads under zero.Init) are requantized from the full weight, which every rank then
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from lomo_ds.config.engine_sections import INT8_DEQUANTIZE_CHUNK
 from lomo_ds.runtime import ds_compat, quant8
 from lomo_ds.runtime.device import accelerator_device, group_device
 
@@ -167,10 +168,12 @@ class Int8Gather:
             local = max(0, min(part, n - start))
             if local == 0:
                 continue
-            _, pieces = quant8.piece_span(start, local, block)
             q = recv_q[r * self.q_width + qo: r * self.q_width + qo + local]
-            s = recv_s[r * self.s_width + so: r * self.s_width + so + pieces]
-            out[start:start + local] = quant8.dequantize(q, s, start, block=block, dtype=p.dtype)
+            s = recv_s[r * self.s_width + so: r * self.s_width + so + quant8.piece_span(start, local, block)[1]]
+            # A chunk of whole pieces at a time: the fp32 transient is a chunk's, not the part's.
+            for a, b in quant8.block_chunks(start, local, INT8_DEQUANTIZE_CHUNK, block=block):
+                pa, pb = quant8.chunk_pieces(start, a, b, block)
+                out[start + a:start + b] = quant8.dequantize(q[a:b], s[pa:pb], start + a, block=block, dtype=p.dtype)
         return out
 
 

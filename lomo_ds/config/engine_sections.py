@@ -97,6 +97,12 @@ class MemoryConfig(Section):
         "follow outliers more closely at 4 bytes of scale a block (128: 1/32 byte an element)"))
 
 
+# Elements of a rank's part of a gathered 8-bit parameter dequantized at a time (lomo_ds/comm/
+# int8_gather.py, and the planner's term for it): its fp32 transient is this, not the whole part,
+# which for a large vocabulary's embedding on one GPU would be gigabytes.
+INT8_DEQUANTIZE_CHUNK = 1 << 22
+
+
 class EngineTrainConfig(Section):
     """The `train` keys every method reads (the run config's train section adds the training
     program's own: method, epochs, ...)."""

@@ -12,7 +12,7 @@ not shrink:
       shard is no longer the parameter): the working set W costs what it costs in bf16, so the
       peak does not halve;
     - the gather moves the 8-bit shards and their scales, then dequantizes each rank's part of
-      each parameter through fp32;
+      each parameter through fp32, a chunk of INT8_DEQUANTIZE_CHUNK elements at a time;
     - the update reads each chunk of a slice into fp32, applies the rule and requantizes it with
       keyed stochastic rounding: more temporaries a chunk than bf16's rounding.
 There are no fp32 master weights (4 bytes a parameter would undo the point; refused), and the
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+from lomo_ds.config.engine_sections import INT8_DEQUANTIZE_CHUNK
 from lomo_ds.planning.fetch_units import largest_fetch_unit, working_set
 from lomo_ds.planning.specs import ModelSpec, RunSpec
 
@@ -97,19 +98,22 @@ def gather_buffer_bytes(m: ModelSpec, run: RunSpec, n: int) -> int:
 
 def dequantize_bytes(m: ModelSpec, run: RunSpec, n: int) -> int:
     """The dequantization's transient: each rank's part of a parameter, ceil(x / n) elements, is
-    read into fp32 (4 bytes an element) and cast to the compute dtype (b) before it is copied into
-    the gathered parameter (in W); a part that does not lie on whole blocks is first padded to them
-    (an int8 copy of its pieces' blocks, read into fp32 whole). The largest parameter's part, one
-    at a time."""
+    read into fp32 (4 bytes an element) and cast to the compute dtype (b) a chunk of whole pieces
+    at a time (INT8_DEQUANTIZE_CHUNK elements, quant8.block_chunks) before it is copied into the
+    gathered parameter (in W); a chunk that does not lie on whole blocks is first padded to them
+    (an int8 copy of its pieces' blocks, read into fp32 whole). The largest parameter's largest
+    chunk, one at a time."""
     big = [x for x in m.param_numels() if x > run.persistence]
     if not big:
         return 0
     x = max(big)
     part, block = math.ceil(x / n), run.int8_block
+    chunk = min(part, max(block, INT8_DEQUANTIZE_CHUNK // block * block))
     if part % block == 0 and x % block == 0:
-        return (4 + run.b) * part
-    blocks = block * rank_pieces(x, n, block)
-    return (QUANT_BYTES + 4) * blocks + run.b * part
+        return (4 + run.b) * chunk
+    # an unaligned part's chunks cover at most one piece more than their whole blocks
+    blocks = block * min(rank_pieces(x, n, block), chunk // block + 1)
+    return (QUANT_BYTES + 4) * blocks + run.b * chunk
 
 
 def update_chunk(n: int, run: RunSpec) -> int:

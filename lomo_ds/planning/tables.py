@@ -96,23 +96,14 @@ def format_long_context_table(models_dir: str, gpu_mem_gib: float = 24.0) -> str
 # The 8-bit shards' goals (docs/memory.md "8-bit weight shards"): model config, GPUs, GiB per GPU,
 # sequence length and the settings of the row, each planned with 8-bit and with bf16 shards. A row
 # that does not fit is kept beside the settings that make it fit.
-LIVE_1E8 = {"max_live": 100_000_000, "max_reuse": 100_000_000}
 INT8_FITS = (
     ("Llama-3.1-8B", 1, 16, 2048, {}),
-    ("Llama-3.1-8B", 1, 16, 2048, LIVE_1E8),
     ("Qwen2.5-7B", 1, 16, 2048, {}),
     ("Llama-3.1-8B", 1, 24, 32768, {"tiled_mlp": True, "offload_checkpoints": True}),
     ("Qwen2.5-7B", 1, 24, 32768, {"tiled_mlp": True, "offload_checkpoints": True}),
     ("Llama-3.1-70B", 8, 24, 4096, {}),
     ("Llama-3.1-70B", 8, 24, 4096, {"offload_checkpoints": True}),
 )
-
-
-def int8_settings_label(fields: dict) -> str:
-    parts = [settings_label(fields)] if settings_label(fields) != "none" else []
-    if "max_live" in fields:
-        parts.append(f"stage3_max_live_parameters and stage3_max_reuse_distance {fields['max_live']:,}")
-    return ", ".join(parts) or "none"
 
 
 def format_int8_table(models_dir: str) -> str:
@@ -135,6 +126,6 @@ def format_int8_table(models_dir: str) -> str:
         int8 = [planner.estimate(spec, m, gpus, replace(r, int8_shards=True)).total for m in rows]
         plain = [planner.estimate(spec, m, gpus, r).total for m in rows]
         fits = ["yes" if max(t) <= mem * planner.GIB else "no" for t in (int8, plain)]
-        lines.append(f"| {name} | {gpus} x {mem} | {seq:,} | {int8_settings_label(fields)} | "
+        lines.append(f"| {name} | {gpus} x {mem} | {seq:,} | {settings_label(fields)} | "
                      + " | ".join(f"{t / planner.GIB:.2f}" for t in int8 + plain) + f" | {fits[0]} | {fits[1]} |")
     return "\n".join(lines)

@@ -139,6 +139,9 @@ def test_a_ranks_8bit_shards_are_the_planners(rank_results, world):
     assert (q + s) / (2 * q) == pytest.approx(1 / 2 + 2 / BLOCK, abs=0.01)
 
 
+CHUNK = 2 * BLOCK  # a dequantization chunk far below the parts of TINY's largest parameter
+
+
 @multi_rank(worlds=(1, 3))
 def int8_gather_transients() -> dict:
     """The allocations of one 8-bit gather of the largest parameter (its own unit), beyond the
@@ -168,7 +171,16 @@ def int8_gather_transients() -> dict:
         handle.wait()
         weight = p.data.untyped_storage().nbytes()
         del handle
-    return {"numel": ds_compat.full_numel(p), "peak": counter.peak, "weight": weight}
+    # Again, dequantizing a few blocks at a time: the fp32 transient is a chunk's, the weight the same.
+    import lomo_ds.comm.int8_gather as gather_module
+    whole, gather_module.INT8_DEQUANTIZE_CHUNK = p.data.clone(), CHUNK
+    chunked = _NewStorageBytes([t for q in converted for t in ds_compat.int8_shard(q)] + [whole])
+    with chunked:
+        handle = gather_int8([p])
+        handle.wait()
+        del handle
+    return {"numel": ds_compat.full_numel(p), "peak": counter.peak, "weight": weight,
+            "chunked_peak": chunked.peak, "chunked_equal": torch.equal(p.data, whole)}
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -192,3 +204,11 @@ def test_the_gathers_transients_are_the_planners(rank_results, world):
     send = part + 4 * (math.ceil(part / BLOCK) + 1) if world > 1 else 0
     slots = 4 * (world + 1 if world > 1 else 1)
     assert planned - send - slots <= r["peak"] - r["weight"] <= planned, detail
+    # Dequantized CHUNK elements at a time: the same weight, and the planner's chunked term holds.
+    assert r["chunked_equal"], detail
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(I8, "INT8_DEQUANTIZE_CHUNK", CHUNK)
+        chunked = I8.gather_buffer_bytes(spec, run, world) + I8.dequantize_bytes(spec, run, world)
+    assert chunked < planned - 4 * (part - 2 * CHUNK), (chunked, planned)
+    assert r["chunked_peak"] - r["weight"] <= chunked, f"{detail}; chunked: measured " \
+        f"{r['chunked_peak'] - r['weight']}, planned {chunked}"

@@ -69,8 +69,8 @@ def test_terms_are_named_and_make_the_params():
     # on one GPU the dequantized working set is held as in bf16 on many: the peak does not halve
     persist, work = P.working_set(m, P.resolve_auto(m, run))
     assert e.int8["gathered layers (dequantized, compute dtype)"] == 2 * work > 0
-    # the largest parameter (the embedding) read into fp32 and cast, and the send copy of the largest unit
-    assert e.int8["dequantize (a part in fp32 and its cast)"] == 6 * max(m.param_numels())
+    # a chunk of the largest parameter (the embedding) read into fp32 and cast, not the whole of it
+    assert e.int8["dequantize (a part in fp32 and its cast)"] == 6 * I8.INT8_DEQUANTIZE_CHUNK < max(m.param_numels())
     assert e.optimizer_states == 0 and e.update == I8.update_temp_bytes(max(m.param_numels()), run)
     bf16 = P.estimate(m, "lomo", 1, replace(run, int8_shards=False))
     assert bf16.int8 == {} and bf16.params == 2 * m.n_params
@@ -136,8 +136,7 @@ def test_update_temporaries_counted_from_the_8bit_update(chunk):
 
 # The fits: (model, GPUs, GiB per GPU, seq, settings) -> (8-bit shards fit, bf16 shards fit).
 EXPECTED_FITS = {
-    ("Llama-3.1-8B", 1, 16, 2048, ()): (False, False),  # 0.11 GiB over: the working set of 1e9 parameters
-    ("Llama-3.1-8B", 1, 16, 2048, (("max_live", 100_000_000), ("max_reuse", 100_000_000))): (True, False),
+    ("Llama-3.1-8B", 1, 16, 2048, ()): (True, False),  # 0.11 GiB over while the embedding was dequantized at once
     ("Qwen2.5-7B", 1, 16, 2048, ()): (True, False),
     ("Llama-3.1-8B", 1, 24, 32768, (("offload_checkpoints", True), ("tiled_mlp", True))): (True, True),
     ("Qwen2.5-7B", 1, 24, 32768, (("offload_checkpoints", True), ("tiled_mlp", True))): (True, True),
