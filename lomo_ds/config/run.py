@@ -174,6 +174,10 @@ class OutputConfig(Section):
                                                                  "optimizer steps (null: none during training)")
     keep_last: Int = Field(2, ge=1, description="resumable checkpoints kept on disk")
     export_hf: bool = Field(True, description="write a Hugging Face model directory at the end")
+    export_int8: bool = Field(False, description=(
+        "with memory.int8_shards: also write `dir`/hf_model_int8, each 8-bit parameter's int8 values and fp32 block "
+        "scales on its global flat index (safetensors, with int8_export.json; read back by "
+        "lomo_ds.storage.int8_export.load_int8_export)"))
     # Preemption: lomo_ds/runtime/preemption.py.
     preempt_signals: tuple[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"], ...] = Field(
         ("SIGTERM", "SIGUSR1"), strict=False, description=(

@@ -51,7 +51,7 @@ from lomo_ds.runtime.host_malloc import keep_freed_memory
 from lomo_ds.runtime.layout import ParallelLayout
 from lomo_ds.runtime.memory import cuda_peak_bytes, process_peak_rss_bytes
 from lomo_ds.runtime.preemption import PREEMPTED_EXIT, Preempted, Preemption
-from lomo_ds.storage import checkpoint
+from lomo_ds.storage import checkpoint, int8_export
 from lomo_ds.storage.models import load_model, load_tokenizer, release_model_build_config
 
 
@@ -283,6 +283,10 @@ class TrainRecipe(EvaluationHooks, Resume):
         path = checkpoint.export_hf(self.engine, self.tokenizer, os.path.join(self.cfg.output.dir, "hf_model"),
                                     self.cfg.output.io_timeout)
         self.say(f"exported Hugging Face model to {path}")
+        if self.cfg.output.export_int8:
+            int8 = int8_export.export_int8(self.engine, os.path.join(self.cfg.output.dir, "hf_model_int8"),
+                                           self.cfg.output.io_timeout)
+            self.say(f"exported its 8-bit weight shards and scales to {int8}")
         return path
 
     def finish(self) -> None:

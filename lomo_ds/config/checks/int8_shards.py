@@ -35,9 +35,24 @@ def refuse_int8_conflicts(memory, lomo, ds: dict) -> None:
 
 
 def check_int8_shards(cfg, loading) -> None:
+    if cfg.output.export_int8:
+        check_int8_export(cfg)
     if not cfg.memory.int8_shards:
         return
     if cfg.train.method not in LOMO_METHODS:
         raise ConfigError(f"memory.int8_shards: applied by the fused-update engine (train.method {LOMO_METHODS}), "
                           f"not by {cfg.train.method!r}")
     refuse_int8_conflicts(cfg.memory, cfg.lomo, cfg.ds)
+
+
+def check_int8_export(cfg) -> None:
+    """output.export_int8 writes the run's 8-bit shards beside its bf16 export: it needs both."""
+    if not cfg.memory.int8_shards:
+        raise ConfigError("output.export_int8: expected memory.int8_shards true (the 8-bit export writes the run's "
+                          "8-bit weight shards and their scales; without memory.int8_shards there are none)")
+    if not cfg.output.export_hf:
+        raise ConfigError("output.export_int8: expected output.export_hf true (the 8-bit form is written beside "
+                          "the Hugging Face export, hf_model)")
+    if cfg.train.method != "lomo":
+        raise ConfigError(f"output.export_int8: expected train.method 'lomo', got {cfg.train.method!r} (LoRA's 8-bit "
+                          "shards are its adapters; its export, hf_model, merges them into the base weights)")
