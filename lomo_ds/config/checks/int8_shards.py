@@ -36,7 +36,7 @@ def refuse_int8_conflicts(memory, lomo, ds: dict) -> None:
 
 def check_int8_shards(cfg, loading) -> None:
     if cfg.output.export_int8:
-        check_int8_export(cfg)
+        refuse_int8_export(cfg)
     if not cfg.memory.int8_shards:
         return
     if cfg.train.method not in LOMO_METHODS:
@@ -45,7 +45,7 @@ def check_int8_shards(cfg, loading) -> None:
     refuse_int8_conflicts(cfg.memory, cfg.lomo, cfg.ds)
 
 
-def check_int8_export(cfg) -> None:
+def refuse_int8_export(cfg) -> None:
     """output.export_int8 writes the run's 8-bit shards beside its bf16 export: it needs both."""
     if not cfg.memory.int8_shards:
         raise ConfigError("output.export_int8: expected memory.int8_shards true (the 8-bit export writes the run's "
