@@ -128,6 +128,10 @@ def assert_trainer_bf16_near_masters(r: dict) -> None:
 
 def bound_line(name: str, r: dict) -> str | None:
     """The summary line of a check this module bounds beyond a max |diff| (None: another's)."""
+    if name.startswith("int8_"):  # 8-bit weight shards: tests/gpu/int8_checks.py writes their lines
+        from tests.gpu.int8_checks import summary_line
+
+        return summary_line(name, r)
     if name.endswith("offload_overlap"):
         return ("median step " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["median_s"].items())
                 + f"; host thread saves {r['saved_s'] * 1e3:.1f} ms over inline of its {r['worker_busy_s'] * 1e3:.1f}"

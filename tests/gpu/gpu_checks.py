@@ -52,6 +52,7 @@ from tests.gpu import integration_checks as I
 from tests.gpu import precision_checks as P
 from tests.gpu.compare import memory_run_config, predicted_peak_bytes
 from tests.gpu.device_checks import by_owner, check_worker_contexts, sync_owner, worker_copy_wait
+from tests.gpu.int8_checks import int8_checks
 from tests.gpu.models import (
     CLIP_MEMORY_MODEL,
     LONG_ROWS_MODEL,
@@ -458,6 +459,8 @@ def gpu_checks(device: torch.device, on_gpu: bool, world: int, workdir: str, smo
         **precision_and_integration_checks(device, on_gpu),
         # Sequence parallelism on the device, sdpa and flash attention (2 or more GPUs).
         **sequence_parallel_checks(world),
+        # 8-bit weight shards: the update against its references, the gather, the peak, held-back streams.
+        **int8_checks(device, on_gpu, workdir),
     }
     if not on_gpu:  # DeepSpeed refuses fp16 on a CPU, and only CUDA reports allocator peaks and syncs
         checks.pop("overflow"), checks.pop("host_syncs"), checks.pop("worker_contexts")

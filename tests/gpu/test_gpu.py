@@ -27,6 +27,7 @@ from tests.engine.dist_engine_checks import (  # noqa: E402
     assert_overflow_recovers,
     assert_reduction_overflow_skips,
 )
+from tests.gpu import int8_checks as Q  # noqa: E402
 from tests.gpu import precision_checks as P  # noqa: E402
 from tests.gpu.compare import (  # noqa: E402
     MEMORY_TOLERANCE,
@@ -314,6 +315,47 @@ def test_grpo_generation_on_gpus_samples_as_the_plain_model_with_the_engines_wei
     for rank, batches in enumerate(r["per_rank"]):
         assert len(batches) == r["steps"] and all(b["same"] for b in batches), (rank, batches)
     assert any(batches[1]["stale_differs"] for batches in r["per_rank"]), "a stale gather could not have shown"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_int8_sgd_update_on_gpus_is_the_one_process_reference(gpu_results, world):
+    """8-bit shards in GPU memory, SGD through the engine's updater, every rank from its slice of the
+    reference's gradient: the keyed noise the CPU's bit for bit; integers and scales the reference's
+    arithmetic on the device exactly, the CPU reference's but for a scale divided by 127 as CUDA
+    divides by a number (tests/gpu/int8_checks.py); noise seeded per rank told apart."""
+    r = ok(gpu_results(world), "int8_update")
+    print(f"8-bit SGD on {world} GPU(s): {Q.summary_line('int8_update', r)}")
+    Q.assert_int8_update(r, world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("check", ["int8_gather", "int8_gather_b128"])
+def test_int8_gathered_weights_are_the_shards_dequantized_on_gpus(gpu_results, world, check):
+    """After a step, each 8-bit weight as the forward's fetch and GatheredParameters leave it is its
+    shards (from every rank) dequantized, bitwise, on the host and on the device; a doubled scale shows."""
+    r = ok(gpu_results(world), check)
+    print(f"{check} on {world} GPU(s): {Q.summary_line(check, r)}")
+    Q.assert_int8_gather(r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_int8_peak_is_the_planners_and_below_bf16_by_the_shards_saved(gpu_results, world):
+    """The memory model (0.9 GB of bf16 weights), its working set bounded to about a layer: with
+    8-bit shards the steady step's peak within the planner's tolerance, and below the same run in
+    bf16 by at least the shard bytes saved less the planned 8-bit extras and 10% of the saving."""
+    r = ok(gpu_results(world), "int8_memory")
+    print(f"8-bit shards on {world} GPU(s): {Q.summary_line('int8_memory', r)}")
+    Q.assert_int8_memory(r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_int8_results_hold_with_the_device_held_back(gpu_results, world):
+    """torch.cuda._sleep before each update bucket, before the 8-bit gather's send copy and before its
+    dequantization: the losses, integers and scales are the undelayed run's; shard writes on a stream
+    nothing waits for are not (the comparison can see a race)."""
+    r = ok(gpu_results(world), "int8_race")
+    print(f"8-bit shards held back on {world} GPU(s): {Q.summary_line('int8_race', r)}")
+    Q.assert_int8_race(r)
 
 
 @pytest.mark.skipif(N_GPUS < 2, reason="sequence parallelism over 2 ranks needs 2 or more GPUs")
