@@ -1,7 +1,7 @@
 """LOMO and AdaLomo inside Hugging Face's Trainer and TRL's SFTTrainer.
 
     class MyTrainer(LomoTrainerMixin, SFTTrainer): ...      # or (LomoTrainerMixin, Trainer)
-    args = SFTConfig(..., optim="lomo", deepspeed="ds_zero3.json")   # the config may carry a `lomo` section
+    args = SFTConfig(..., optim="lomo", deepspeed="ds_zero3.json")   # may carry `lomo`, `memory`, ... sections
     MyTrainer(model=model, args=args, ...).train()
 
 Under DeepSpeed the Trainer builds its optimizer through create_optimizer() and hands it to
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from lomo_ds.config.checks.int8_shards import refuse_int8_conflicts
 from lomo_ds.config.engine_config import load_config
 from lomo_ds.config.lomo_section import Precision
 from lomo_ds.engine.lomo_engine import LomoEngine
@@ -247,9 +248,17 @@ class LomoTrainerMixin:
                 raise TrainingArgumentsError(f"{name}: {on} but the DeepSpeed config's {name}.enabled is "
                                              f"{section['enabled']}; set only one of them")
         try:
-            return load_config(ds)
+            ds, config = load_config(ds)
         except ValueError as e:
             raise TrainingArgumentsError(f"deepspeed: {e}") from None
+        if config.memory.int8_shards and args.fp16:  # named as the argument that sets it
+            raise TrainingArgumentsError("fp16: expected False with the DeepSpeed config's memory.int8_shards "
+                                         "(8-bit shards dequantize to bf16 or fp32: set bf16=True or neither)")
+        try:  # what 8-bit shards cannot run with, before train() builds the engine (which refuses it too)
+            refuse_int8_conflicts(config.memory, config.lomo, ds)
+        except ValueError as e:
+            raise TrainingArgumentsError(f"deepspeed: {e}") from None
+        return ds, config
 
     @property
     def _loss_by_tokens(self) -> bool:
