@@ -136,6 +136,16 @@ def _summed(value: int) -> int:
     return int(total)
 
 
+def _saved_vs_shards(folder: str, q: dict, s: dict) -> float:
+    """The largest difference between save_model's folder, loaded by from_pretrained, and the
+    trained 8-bit shards dequantized (the export is the weights the shards hold)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    return max((p.detach().reshape(-1) - quant8.dequantize(q[n], s[n], 0, block=BLOCK)).abs().max().item()
+               for n, p in loaded.named_parameters())
+
+
 def check_trainer(k: int = H.K, masked: bool = True, chunked: bool = True, seed: int = 0) -> dict:
     """The Trainer (optim="lomo", K = k, warm-up, clipping) with the DeepSpeed config's memory
     section asking for 8-bit shards, against the engine and the reference. `masked`: label masks
@@ -165,6 +175,8 @@ def check_trainer(k: int = H.K, masked: bool = True, chunked: bool = True, seed:
         tq, ts = gathered(engine.module, world, rank)
         seed_used = engine.config.train.seed
         logs = [h for h in trainer.state.log_history if "loss" in h]
+        saved = H._out("int8_saved")
+        trainer.save_model(saved)
     own, own_rescaled = _engine_run(copy.deepcopy(start), data, world, rank, clip, k, chunked)
     eq, es = gathered(own.module, world, rank)
     ref = Int8Reference(copy.deepcopy(start), seed_used)
@@ -177,6 +189,7 @@ def check_trainer(k: int = H.K, masked: bool = True, chunked: bool = True, seed:
     moved = sum(int((ref.q[n] != quant8.quantize(p.detach().reshape(-1), 0, block=BLOCK)[0]).sum())
                 for n, p in start.named_parameters())
     return {"memory": memory, "converted": converted, "params": len(list(start.parameters())),
+            "saved_vs_shards": _saved_vs_shards(saved, tq, ts),
             "vs_engine": compare(tq, ts, eq, es), "vs_reference": compare(tq, ts, ref.q, ref.s), "moved": moved,
             "rescaled": _summed(sum(rescaled)), "engine_rescaled": _summed(own_rescaled),
             "reference_rescaled": ref.rescaled, "loss": [h["loss"] for h in logs], "ref_loss": losses,

@@ -49,6 +49,7 @@ def test_trainer_int8_matches_engine_and_reference(rank_results):
     assert r["memory"] == {"int8_shards": True, "int8_block": C.BLOCK}
     assert r["converted"] == r["params"]
     assert r["moved"] > 0  # the run trained
+    assert r["saved_vs_shards"] == 0.0  # save_model's folder holds the 8-bit shards' weights
     _near(r["vs_engine"], "engine")
     _near(r["vs_reference"], "reference")
     assert r["rescaled"] > 0
