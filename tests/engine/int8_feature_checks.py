@@ -191,3 +191,58 @@ def _sdpa_reference() -> c.Reference:
     ref = c.Reference("sgd")
     ref.model.config._attn_implementation = "sdpa"  # what Ulysses wraps; the reference attends the same way
     return ref
+
+
+def update_from_accumulated(lengths=(2, 2, 1), clip_value=None, norm_clip: float | None = None) -> dict:
+    """The update alone, bit for bit: every rank updates its 8-bit slices from a real accumulator
+    (ShardAccumulator: the window's first slices added, the last one read with them as the fused
+    K-th backward reads it) with the pass's grad_scale (1 / window length, times the clip
+    coefficient) and clip_value; the reference steps torch.optim.SGD on the same sum, scaled and
+    clamped (clip_grad_value_) as the engine's unscale_and_clip does, and requantizes. The clip
+    coefficient is the reference's own (torch's clip_grad_norm_ arithmetic on the mean gradient):
+    the norm the engine sums over ranks is the engine checks' (near_reference), not this one's."""
+    from lomo_ds.engine.accumulation import ShardAccumulator
+    from lomo_ds.engine.update import PassSettings, PassStats
+
+    group = torch.distributed.group.WORLD
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    ref = c.Reference("sgd")
+    model = c.shards(ref, group, world, rank)
+    up = c.updater(model)
+    params = [p for _, p in model.params]
+    acc = ShardAccumulator(params, lambda p: up.geometry(p).local, torch.float32, on_host=False)
+    per_step = []
+
+    def mine(p, flat: torch.Tensor) -> torch.Tensor:
+        geo = up.geometry(p)
+        return flat[geo.start:geo.start + geo.local]
+
+    for step, k in enumerate(lengths):
+        grads = [ref.gradients(10 * step + i) for i in range(k)]  # the window's micro-steps' gradients
+        total = {}
+        for n in ref.names:  # summed in the accumulator's order: (g0 + g1) + ...
+            total[n] = grads[0][n].clone()
+            for g in grads[1:]:
+                total[n] = total[n] + g[n]
+        scale = 1.0 / k
+        if norm_clip is not None:
+            norm = torch.linalg.vector_norm(torch.cat([total[n] * scale for n in ref.names])).item()
+            scale *= min(1.0, norm_clip / (norm + 1e-6))
+        items = []
+        for p, (n, _) in zip(params, model.params, strict=True):
+            for g in grads[:-1]:
+                acc.add(p, mine(p, g[n]))
+            last = mine(p, grads[-1][n])
+            items.append((p, acc.lazy_total(p, torch.device("cpu"), last) if k > 1 else last))
+        up.begin_pass(PassSettings(lr=c.LR, grad_scale=scale, clip_value=clip_value), step=step)
+        half = len(items) // 2
+        for bucket in (items[:half], items[half:]):
+            up.apply_bucket(bucket, PassStats(torch.device("cpu")))
+        acc.zero()
+        for n, p in ref.model.named_parameters():
+            g = total[n].mul(scale)
+            p.grad = (g.clamp_(-clip_value, clip_value) if clip_value is not None else g).view_as(p).clone()
+        ref.step(step)
+        q, s, disagree = c.gathered(model, group)
+        per_step.append({**c.mismatches(ref, q, s), "cut_scales_disagree": disagree})
+    return {"steps": per_step, "moved_ints": c.mismatches(c.Reference("sgd"), ref.q, ref.s)["ints"]}

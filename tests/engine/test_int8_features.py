@@ -6,9 +6,12 @@ with the same keyed noise): tests/engine/int8_feature_checks.py builds and measu
 - Gradient accumulation, K = 2, with an epoch's shorter last window (start_window(1)): the
   window's K-th backward applies the step from the accumulated sum (the fused path).
 - Clipping: a norm clip that bites (0.3 against norms of 0.9 to 2.4) and a value clip that bites
-  (0.005: about 15% of the elements, 5% after the norm clip), with K = 2 (one pass over the accumulated shards after
-  the exact global norm) and with K = 1 (a measuring backward, then the updating one).
-- offload_param cpu: the same 8-bit run with the partitions offloaded and without, bit for bit.
+  (0.005: about 15% of the elements, 5% after the norm clip), with K = 2 (one pass over the
+  accumulated shards after the exact global norm) and with K = 1 (a measuring backward, then the
+  updating one).
+- offload_param cpu: the same 8-bit run (K = 2, the norm clip) with the partitions offloaded and
+  without, bit for bit. On CPU ranks host memory is the device, so this shows the 8-bit path runs
+  on DeepSpeed's offloaded partitions (the host-update worker is refused: memory.host_update inline).
 - Sequence parallelism, SP = 2 on 2 ranks, with K = 2 and the norm clip, against the whole rows.
 
 Tolerance. The engine computes its own gradient (its forward, its reduce-scatter and accumulator
@@ -19,13 +22,17 @@ oracles' 1e-6 (tests/engine/test_int8_engine.py's plain case; with SGD on a give
 update is bit for bit, tests/engine/test_int8_update.py). The blocks rescaled are the reference's
 count within 1%. The check can fail: the same engine's integers against the reference with the
 feature taken away (the accumulator ignored, either clip dropped) differ by far more than FLIPS.
+
+Bit for bit where the gradient is given: each rank's update of its 8-bit slices from a real
+accumulator's sum (a window of 2, then one of 1), scaled by a clip coefficient and clamped by value,
+equals the reference stepping torch.optim.SGD on the same sum, scaled and clamped alike.
 """
 from __future__ import annotations
 
 import pytest
 
 from tests.engine import int8_feature_checks as F
-from tests.ranks import multi_rank, multi_rank_checks, ok
+from tests.ranks import LONG_TESTS, long_unless_declared, multi_rank, multi_rank_checks, ok
 
 FLIPS = 1e-3  # integers that may round the other way, as a fraction (the AdaLomo oracle's)
 SCALE_REL = 1e-6  # the fp32 oracles' tolerance, for the scales while no integer differs
@@ -35,12 +42,24 @@ SCALE_REL = 1e-6  # the fp32 oracles' tolerance, for the scales while no integer
     int8_accumulation=lambda: F.accumulation(lengths=(2, 2, 1)),
     int8_clip_accumulated=lambda: F.accumulation(lengths=(2, 1), clip_norm=F.CLIP_NORM, clip_value=F.CLIP_VALUE),
 )
-# K = 1: the measuring backward and the updating one (the default clipping path), 3 steps.
-(CLIP_TWO_PASS,) = multi_rank_checks((1, 3), int8_clip_two_pass=lambda: F.accumulation(
+# K = 1: the measuring backward and the updating one (the default clipping path), 3 steps; on 3
+# ranks where the long checks run (the 3-rank launch has the clipping already, with K = 2).
+(CLIP_TWO_PASS,) = multi_rank_checks((1, 3) if LONG_TESTS else (1,), int8_clip_two_pass=lambda: F.accumulation(
     lengths=(1, 1, 1), k=1, clip_norm=F.CLIP_NORM, clip_value=F.CLIP_VALUE))
 
 
-@multi_rank(worlds=(1, 2, 3))
+# The update alone from a real accumulator's sum, on each rank's slices of the reference's gradient.
+(UPDATE_ACCUMULATED, UPDATE_CLIPPED) = multi_rank_checks(
+    (1, 2, 3),
+    int8_update_accumulated=lambda: F.update_from_accumulated(lengths=(2, 2, 1)),
+    int8_update_clipped=lambda: F.update_from_accumulated(lengths=(2, 1), clip_value=F.CLIP_VALUE,
+                                                          norm_clip=F.CLIP_NORM),
+)
+
+
+# On 1 rank; on 2 and 3 where the long checks run (the conversion and the gather on offloaded
+# partitions: the same code as resident ones on CPU ranks, whose host memory is the device).
+@multi_rank(worlds=(1, 2, 3) if LONG_TESTS else (1,))
 def int8_offload_param():
     return F.offload_equals_resident()
 
@@ -65,6 +84,18 @@ def assert_near_reference(r: dict, controls: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("check", [UPDATE_ACCUMULATED, UPDATE_CLIPPED], ids=str)
+def test_int8_update_from_accumulated_sum_bitwise(rank_results, world, check):
+    """SGD on a given gradient is bit for bit (tests/engine/test_int8_update.py): so it stays read
+    through the accumulator (a window's sum, a shorter window's single slice) and scaled and clamped
+    as the clipping passes ask."""
+    r = ok(rank_results(world), check)
+    assert r["moved_ints"] > 0
+    for s in r["steps"]:
+        assert (s["ints"], s["scales"], s["cut_scales_disagree"]) == (0, 0, 0), r
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_int8_accumulation_near_reference(rank_results, world):
     r = ok(rank_results(world), ACCUMULATION)
     assert r["fused"], "no clipping, fp32 accumulator: the K-th backward applies the step"
@@ -79,14 +110,15 @@ def test_int8_clipping_with_accumulation_near_reference(rank_results, world):
     assert_near_reference(r, ("last", "no_norm_clip", "no_value_clip"))
 
 
-@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=long_unless_declared(CLIP_TWO_PASS, w)) for w in (1, 3)])
 def test_int8_clipping_two_passes_near_reference(rank_results, world):
     r = ok(rank_results(world), CLIP_TWO_PASS)
     assert all(s["norm"] > 2 * F.CLIP_NORM and s["value_clipped"] > 0 for s in r["steps"]), r
     assert_near_reference(r, ("no_norm_clip", "no_value_clip"))
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=long_unless_declared(int8_offload_param, w))
+                                   for w in (1, 2, 3)])
 def test_int8_offload_param_equals_resident_bitwise(rank_results, world):
     r = ok(rank_results(world), int8_offload_param)
     print(r)
