@@ -34,6 +34,8 @@ def test_int8_shards_load_with_their_block():
     ({"memory": {"int8_block": 12}}, r"memory\.int8_block: .*multiple of 8"),
     ({"memory": {"int8_block": 0}}, r"memory\.int8_block"),
     ({"train": {"method": "sgd"}}, r"memory\.int8_shards: applied by the fused-update engine"),
+    ({"memory": {"host_update": "thread"}, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+     r"memory\.host_update: expected 'inline' .*zero_optimization\.offload_param\.device 'cpu'"),
 ])
 def test_run_config_refuses(sections, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -62,3 +64,13 @@ def test_engine_config_refusals_and_the_check_can_pass():
     refuse_int8_conflicts(cfg.memory, cfg.lomo, ds)  # a valid config passes: the check is not a blanket refusal
     ds, cfg = load_config({"fp16": {"enabled": True}, "lomo": {"lr": 0.1}, "memory": {"int8_shards": False}})
     refuse_int8_conflicts(cfg.memory, cfg.lomo, ds)  # off: nothing to refuse
+
+
+@pytest.mark.parametrize("host_update", ["inline", "auto"])
+def test_offload_param_loads_with_the_update_in_the_hook(host_update):
+    """offload_param cpu runs 8-bit shards with the update in the gradient hook (the engine equals
+    the resident run bit for bit: tests/engine/test_int8_features.py); 'auto' is the hook on CPU
+    ranks, and the engine refuses it once it finds an accelerator (its worker would hold shards)."""
+    cfg = load_run_config(_with(memory={"host_update": host_update},
+                                zero_optimization={"stage": 3, "offload_param": {"device": "cpu"}}), check_files=False)
+    assert cfg.memory.int8_shards and cfg.memory.host_update == host_update

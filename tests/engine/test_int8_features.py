@@ -133,3 +133,41 @@ def test_int8_sequence_parallel_near_reference(rank_results, world):
     assert (r["sp"], r["dp"]) == (2, 1)
     assert all(s["norm"] > 2 * F.CLIP_NORM for s in r["steps"]), r
     assert_near_reference(r, ("no_norm_clip",))
+
+
+class _Module:
+    """int8_checks' sharded parameters as a module gives them (parameters, named_parameters)."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def parameters(self):
+        return (p for _, p in self.params)
+
+    def named_parameters(self):
+        return iter(self.params)
+
+
+def test_int8_refuses_the_host_update_worker_only_where_it_holds_shards():
+    """The host-update worker issues no collective, and a cut block's scale needs one: with shards
+    in host memory (offload_param cpu, or CPU ranks) and memory.host_update 'thread' (or 'auto' on an
+    accelerator) the engine refuses 8-bit shards, naming memory.host_update. Shards on the
+    accelerator (here on the meta device) give the worker nothing: 'auto' there, the default, runs."""
+    import torch
+
+    from lomo_ds.config.engine_config import load_config
+    from lomo_ds.engine.host_updates import HostUpdates
+    from lomo_ds.engine.update import ShardGeometries
+    from lomo_ds.engine.update.updater import int8_path
+    from tests.engine import int8_checks as c
+
+    _, cfg = load_config({"lomo": {"lr": 0.1}, "memory": {"int8_shards": True, "int8_block": c.BLOCK}})
+    model = c.shards(c.Reference("sgd"), None, 1, 0)
+    module = _Module(model.params)
+    worker = HostUpdates(torch.device("cpu"), str)
+    with pytest.raises(ValueError, match=r"memory\.host_update: .*set memory\.host_update: inline"):
+        int8_path(cfg, module, ShardGeometries(), worker)
+    assert int8_path(cfg, module, ShardGeometries(), None) is not None  # inline: the hook updates them
+    for _, p in model.params:
+        p.ds_tensor = torch.empty(p.ds_tensor.numel(), dtype=torch.int8, device="meta")
+    assert int8_path(cfg, module, ShardGeometries(), worker) is not None

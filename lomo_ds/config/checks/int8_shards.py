@@ -29,9 +29,23 @@ def refuse_int8_conflicts(memory, lomo, ds: dict) -> None:
             raise ConfigError(f"zero_optimization.{key}: expected false with memory.int8_shards (DeepSpeed's ZeRO++ "
                               "quantization is a CUDA op for fp16 with its own 8-bit format; memory.int8_shards "
                               "already gathers the 8-bit shards and their scales)")
+    refuse_host_update_worker(memory, zero)
     block = memory.int8_block
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0 or block % 8:
         raise ConfigError(f"memory.int8_block: expected a positive multiple of 8, got {block!r}")
+
+
+def refuse_host_update_worker(memory, zero: dict) -> None:
+    """offload_param cpu with memory.host_update "thread": the worker that updates the shards in host
+    memory issues no collective, and an 8-bit block cut between ranks gets its one scale from one
+    (engine/update/int8.py). "auto" picks the worker only on an accelerator, so the engine refuses
+    that case once it knows its device; "inline" updates 8-bit shards in host memory in the hook."""
+    offload = zero.get("offload_param") or {}
+    on_host = (isinstance(offload, dict) and offload.get("device") == "cpu") or zero.get("cpu_offload_param", False)
+    if on_host and getattr(memory, "host_update", "auto") == "thread":
+        raise ConfigError("memory.host_update: expected 'inline' (or 'auto' on CPU ranks) with memory.int8_shards and "
+                          "zero_optimization.offload_param.device 'cpu' (the host-update worker issues no "
+                          "collective, and an 8-bit block cut between ranks gets its one scale from one)")
 
 
 def check_int8_shards(cfg, loading) -> None:
