@@ -252,3 +252,34 @@ def check_dpo() -> dict:
     return {"vs_reference": compare(tq, ts, ref.q, ref.s), "ref_logp_diff": ref_logp_diff, "moved": moved,
             "loss": [h["loss"] for h in logs], "ref_loss": losses,
             "grad_norm": [h.get("grad_norm") for h in logs], "ref_grad_norm": norms}
+
+
+def check_resume() -> dict:
+    """A Trainer run on 8-bit shards stopped after its step-2 checkpoint (the process's state
+    dropped) and resumed from it by a fresh Trainer and model, against an uninterrupted run: the
+    integers and scales after 4 steps."""
+    from transformers import TrainerCallback
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    data = H.Samples(H.STEPS * H.K * world * H.BATCH)
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    def run(out_dir, callbacks=(), resume=None):
+        with H.trainer_session():
+            args = H.training_args(out_dir, deepspeed=H.ds_config(**INT8), max_grad_norm=H.CLIP[world],
+                                   save_strategy="steps", save_steps=2)
+            trainer = H.lomo_trainer_class()(model=tiny_llama(1), args=args, train_dataset=data,
+                                             callbacks=list(callbacks))
+            trainer.train(resume_from_checkpoint=resume)
+            return gathered(trainer.lomo_engine.module, world, rank)
+
+    whole_q, whole_s = run(H._out("int8_whole"))
+    cut_dir = H._out("int8_cut")
+    stopped_q, stopped_s = run(cut_dir, callbacks=[StopAt()])
+    resumed_q, resumed_s = run(cut_dir, resume=f"{cut_dir}/checkpoint-2")
+    return {"resumed_vs_whole": compare(resumed_q, resumed_s, whole_q, whole_s),
+            "stopped_vs_whole": compare(stopped_q, stopped_s, whole_q, whole_s)}
