@@ -125,14 +125,15 @@ def accumulation_windows(world: int, rank: int, lengths: list[int]) -> list[Wind
     return out
 
 
-def accumulation(lengths=(2, 2, 1), k: int = 2, clip_norm=None, clip_value=None) -> dict:
+def accumulation(lengths=(2, 2, 1), k: int = 2, clip_norm=None, clip_value=None, rule: str = "sgd") -> dict:
     """8-bit shards with accumulation_steps `k` over windows of `lengths` (a shorter last one: an
-    epoch's end) and the clipping asked for, against the reference. The controls: the reference
-    stepping on each window's last micro-batches alone ("last": the accumulator ignored), and
-    without each clip asked for ("no_norm_clip", "no_value_clip")."""
+    epoch's end) and the clipping asked for, against the reference (`rule`: "sgd", or "adalomo",
+    the reference AdaLomo). The controls: the reference stepping on each window's last
+    micro-batches alone ("last": the accumulator ignored), and without each clip asked for
+    ("no_norm_clip", "no_value_clip")."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    cfg = int8_cfg(accumulation_steps=k, clip_grad_norm=clip_norm, clip_grad_value=clip_value)
-    engine = lomo_ds.initialize(copy.deepcopy(c.Reference("sgd").model), cfg)
+    cfg = int8_cfg(accumulation_steps=k, clip_grad_norm=clip_norm, clip_grad_value=clip_value, optimizer=rule)
+    engine = lomo_ds.initialize(copy.deepcopy(c.Reference(rule).model), cfg)
     windows = accumulation_windows(world, rank, list(lengths))
     controls = {}
     if max(lengths) > 1:
@@ -141,7 +142,7 @@ def accumulation(lengths=(2, 2, 1), k: int = 2, clip_norm=None, clip_value=None)
         controls["no_norm_clip"] = (windows, None, clip_value)
     if clip_value is not None:
         controls["no_value_clip"] = (windows, clip_norm, None)
-    out = near_reference(engine, windows, clip_norm, clip_value, controls)
+    out = near_reference(engine, windows, clip_norm, clip_value, controls, reference=lambda: c.Reference(rule))
     out["fused"] = engine.fused_accumulation
     return out
 

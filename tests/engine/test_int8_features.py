@@ -48,6 +48,10 @@ SCALE_REL = 1e-6  # the fp32 oracles' tolerance, for the scales while no integer
     lengths=(1, 1, 1), k=1, clip_norm=F.CLIP_NORM, clip_value=F.CLIP_VALUE))
 
 
+# AdaLomo (the reference AdaLomo) with K = 2 and a shorter last window; on 3 ranks with the long checks.
+(ADALOMO_ACCUMULATION,) = multi_rank_checks((1, 3) if LONG_TESTS else (1,), int8_adalomo_accumulation=lambda: (
+    F.accumulation(lengths=(2, 2, 1), rule="adalomo")))
+
 # The update alone from a real accumulator's sum, on each rank's slices of the reference's gradient.
 (UPDATE_ACCUMULATED, UPDATE_CLIPPED) = multi_rank_checks(
     (1, 2, 3),
@@ -99,6 +103,16 @@ def test_int8_update_from_accumulated_sum_bitwise(rank_results, world, check):
 def test_int8_accumulation_near_reference(rank_results, world):
     r = ok(rank_results(world), ACCUMULATION)
     assert r["fused"], "no clipping, fp32 accumulator: the K-th backward applies the step"
+    assert_near_reference(r, ("last",))
+
+
+@pytest.mark.parametrize("world", [pytest.param(w, marks=long_unless_declared(ADALOMO_ACCUMULATION, w))
+                                   for w in (1, 3)])
+def test_int8_adalomo_accumulation_near_reference(rank_results, world):
+    """AdaLomo's statistics are sums in another order again (tests/engine/test_int8_update.py): the
+    same bound as SGD's through the engine."""
+    r = ok(rank_results(world), ADALOMO_ACCUMULATION)
+    assert r["fused"]
     assert_near_reference(r, ("last",))
 
 
