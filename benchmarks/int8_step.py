@@ -15,9 +15,10 @@ Memory, per rank, each engine after a warm-up step (DeepSpeed's module trace rec
     as tests/planning/test_planner.py compares them;
   - the step's peak of host allocations above what was live before it, from the allocator's own
     events (torch's profiler), against the planner's total less the shards the rank holds between
-    steps. Between CPU ranks the shared-memory transports' mapped buffers (comm.param_gather,
-    comm.grad_reduction "auto") are host allocations a GPU run has none of: --transport torch
-    (the default) takes gloo's collectives instead, whose buffers the allocator does not see;
+    steps. The collectives are gloo's (--transport torch, the default: comm.param_gather torch,
+    grad_reduction reduce_scatter), whose results are tensors the step allocates, as a GPU's
+    collectives' are; --transport auto takes lomo_ds's shared-memory transports between CPU
+    ranks, whose buffers are their own (a CPU-only path);
   - the bytes this rank sends in all-gathers during a step (lomo_ds.profiling.count_comm: ZeRO-3's
     parameter gathers; int8: its integers and scales), and in all-reduces (int8: the cut blocks'
     maxima).
@@ -55,7 +56,7 @@ QUICK = dict(hidden=128, layers=2, intermediate=345, vocab=512, seq=32, micro=2,
 # The quantization's own time; "gather: the rest" is the rest of ZeRO-3's parameter gathers (their
 # buffers, collectives and waits, less the 8-bit dequantization): both engines'.
 SPANS = ("gather: dequantize", "update: read", "update: write")
-OTHER_SPANS = ("gather: the rest",)
+OTHER_SPANS = ("update: cut pieces", "gather: the rest")
 # The planner's 8-bit gather transients (lomo_ds/planning/int8_shards.py int8_terms)
 IN_FLIGHT = "gather in flight (8-bit buffers and scales)"
 DEQUANTIZE = "dequantize (a part in fp32 and its cast)"
@@ -79,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bucket", type=int, default=1_000_000, help="comm.bucket_size")
     ap.add_argument("--transport", choices=("torch", "auto"), default="torch",
                     help="torch: gloo's collectives (comm.param_gather torch, grad_reduction reduce_scatter); "
-                         "auto: lomo_ds's shared-memory transports, whose buffers count in the step's peak")
+                         "auto: lomo_ds's shared-memory transports between CPU ranks (a CPU-only path)")
     ap.add_argument("--quick", action="store_true", help="a tiny model and two rounds (seconds of steps)")
     ap.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -235,7 +236,9 @@ def timed_rounds(a, engines: dict, batches: list) -> tuple[dict, dict, dict]:
         spans.wrap_gathers(engine.module.parameters(), "gather: the rest")
     spans.wrap(ShardWeights, "weights", "update: read")
     spans.wrap(ShardWeights, "write_back", "update: write")
-    spans.wrap(ShardWeights, "settle", "update: write")  # int8's cut pieces, requantized once a bucket
+    # int8's cut pieces, requantized once a bucket after an all-reduce of their maxima, which waits
+    # for the other rank: apart from the requantization's own time
+    spans.wrap(ShardWeights, "settle", "update: cut pieces")
     times, parts, rescaled = defaultdict(list), defaultdict(list), defaultdict(list)
     for i in range(a.rounds):
         for name, engine in engines.items():
@@ -393,8 +396,10 @@ def report_speed(every: list) -> list[str]:
     lines.append(f"  blocks whose scale the 8-bit update recomputed, per step (rank 0): "
                  f"{statistics.mean(every[0]['rescaled']['int8']):.1f} of its {pieces} scales")
     lines.append("  update: read = int8 dequantize to fp32 / bf16 cast to fp32; update: write = int8 requantize "
-                 "(keyed stochastic rounding, cut pieces settled) / bf16 stochastic rounding; gather: the rest = "
-                 "the parameter gathers less the dequantization (packing, collectives, waiting for the other rank)")
+                 "(keyed stochastic rounding) / bf16 stochastic rounding; update: cut pieces = int8's blocks cut "
+                 "by a shard boundary, settled a bucket at a time (an all-reduce of their maxima, then their "
+                 "requantization); gather: the rest = the parameter gathers less the dequantization (packing, "
+                 "collectives, waiting for the other rank)")
     return lines
 
 
