@@ -194,14 +194,17 @@ def _sdpa_reference() -> c.Reference:
     return ref
 
 
-def update_from_accumulated(lengths=(2, 2, 1), clip_value=None, norm_clip: float | None = None) -> dict:
+def update_from_accumulated(lengths=(2, 2, 1), clip_value=None, norm_clip: float | None = None,
+                            dtype: torch.dtype = torch.float32) -> dict:
     """The update alone, bit for bit: every rank updates its 8-bit slices from a real accumulator
     (ShardAccumulator: the window's first slices added, the last one read with them as the fused
     K-th backward reads it) with the pass's grad_scale (1 / window length, times the clip
     coefficient) and clip_value; the reference steps torch.optim.SGD on the same sum, scaled and
     clamped (clip_grad_value_) as the engine's unscale_and_clip does, and requantizes. The clip
     coefficient is the reference's own (torch's clip_grad_norm_ arithmetic on the mean gradient):
-    the norm the engine sums over ranks is the engine checks' (near_reference), not this one's."""
+    the norm the engine sums over ranks is the engine checks' (near_reference), not this one's.
+    `dtype`: the accumulator's (memory.accumulate_dtype); in bf16 the last slice is added to each
+    chunk read, not into the buffer, and the reference sums as the buffer rounds."""
     from lomo_ds.engine.accumulation import ShardAccumulator
     from lomo_ds.engine.update import PassSettings, PassStats
 
@@ -211,7 +214,7 @@ def update_from_accumulated(lengths=(2, 2, 1), clip_value=None, norm_clip: float
     model = c.shards(ref, group, world, rank)
     up = c.updater(model)
     params = [p for _, p in model.params]
-    acc = ShardAccumulator(params, lambda p: up.geometry(p).local, torch.float32, on_host=False)
+    acc = ShardAccumulator(params, lambda p: up.geometry(p).local, dtype, on_host=False)
     per_step = []
 
     def mine(p, flat: torch.Tensor) -> torch.Tensor:
@@ -221,10 +224,11 @@ def update_from_accumulated(lengths=(2, 2, 1), clip_value=None, norm_clip: float
     for step, k in enumerate(lengths):
         grads = [ref.gradients(10 * step + i) for i in range(k)]  # the window's micro-steps' gradients
         total = {}
-        for n in ref.names:  # summed in the accumulator's order: (g0 + g1) + ...
-            total[n] = grads[0][n].clone()
-            for g in grads[1:]:
-                total[n] = total[n] + g[n]
+        for n in ref.names:  # summed as the accumulator sums: its buffer's adds, then the last slice
+            buf = torch.zeros_like(grads[0][n], dtype=dtype)
+            for g in grads[:-1]:
+                buf.add_(g[n])
+            total[n] = buf.float() + grads[-1][n] if k > 1 else grads[-1][n].clone()
         scale = 1.0 / k
         if norm_clip is not None:
             norm = torch.linalg.vector_norm(torch.cat([total[n] * scale for n in ref.names])).item()

@@ -24,12 +24,14 @@ count within 1%. The check can fail: the same engine's integers against the refe
 feature taken away (the accumulator ignored, either clip dropped) differ by far more than FLIPS.
 
 Bit for bit where the gradient is given: each rank's update of its 8-bit slices from a real
-accumulator's sum (a window of 2, then one of 1), scaled by a clip coefficient and clamped by value,
-equals the reference stepping torch.optim.SGD on the same sum, scaled and clamped alike.
+accumulator's sum (a window of 2, then one of 1; an fp32 buffer, and a bf16 one read chunk by chunk
+with the last slice added to each), scaled by a clip coefficient and clamped by value, equals the
+reference stepping torch.optim.SGD on the same sum, scaled and clamped alike.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.engine import int8_feature_checks as F
 from tests.ranks import LONG_TESTS, long_unless_declared, multi_rank, multi_rank_checks, ok
@@ -53,11 +55,13 @@ SCALE_REL = 1e-6  # the fp32 oracles' tolerance, for the scales while no integer
     F.accumulation(lengths=(2, 2, 1), rule="adalomo")))
 
 # The update alone from a real accumulator's sum, on each rank's slices of the reference's gradient.
-(UPDATE_ACCUMULATED, UPDATE_CLIPPED) = multi_rank_checks(
+(UPDATE_ACCUMULATED, UPDATE_CLIPPED, UPDATE_BF16_SUM) = multi_rank_checks(
     (1, 2, 3),
     int8_update_accumulated=lambda: F.update_from_accumulated(lengths=(2, 2, 1)),
     int8_update_clipped=lambda: F.update_from_accumulated(lengths=(2, 1), clip_value=F.CLIP_VALUE,
                                                           norm_clip=F.CLIP_NORM),
+    # memory.accumulate_dtype bf16: the sum read chunk by chunk with the last slice added to each.
+    int8_update_bf16_sum=lambda: F.update_from_accumulated(lengths=(3, 1), dtype=torch.bfloat16),
 )
 
 
@@ -88,7 +92,7 @@ def assert_near_reference(r: dict, controls: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("check", [UPDATE_ACCUMULATED, UPDATE_CLIPPED], ids=str)
+@pytest.mark.parametrize("check", [UPDATE_ACCUMULATED, UPDATE_CLIPPED, UPDATE_BF16_SUM], ids=str)
 def test_int8_update_from_accumulated_sum_bitwise(rank_results, world, check):
     """SGD on a given gradient is bit for bit (tests/engine/test_int8_update.py): so it stays read
     through the accumulator (a window's sum, a shorter window's single slice) and scaled and clamped
@@ -167,8 +171,6 @@ def test_int8_refuses_the_host_update_worker_only_where_it_holds_shards():
     in host memory (offload_param cpu, or CPU ranks) and memory.host_update 'thread' (or 'auto' on an
     accelerator) the engine refuses 8-bit shards, naming memory.host_update. Shards on the
     accelerator (here on the meta device) give the worker nothing: 'auto' there, the default, runs."""
-    import torch
-
     from lomo_ds.config.engine_config import load_config
     from lomo_ds.engine.host_updates import HostUpdates
     from lomo_ds.engine.update import ShardGeometries
