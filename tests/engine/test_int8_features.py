@@ -12,7 +12,8 @@ with the same keyed noise): tests/engine/int8_feature_checks.py builds and measu
 - offload_param cpu: the same 8-bit run (K = 2, the norm clip) with the partitions offloaded and
   without, bit for bit. On CPU ranks host memory is the device, so this shows the 8-bit path runs
   on DeepSpeed's offloaded partitions (the host-update worker is refused: memory.host_update inline).
-- Sequence parallelism, SP = 2 on 2 ranks, with K = 2 and the norm clip, against the whole rows.
+- Sequence parallelism, SP = 2 on 2 ranks (and SP = 2 x DP = 2 on 4 with the long checks), with K = 2
+  and the norm clip, against the whole rows.
 
 Tolerance. The engine computes its own gradient (its forward, its reduce-scatter and accumulator
 sums, the norm's sum of squares over ranks), in another order than the reference's one backward,
@@ -72,7 +73,8 @@ def int8_offload_param():
     return F.offload_equals_resident()
 
 
-@multi_rank(worlds=(2,))
+# SP = 2 on 2 ranks; SP = 2 x DP = 2 on 4 where the long checks run (the 4-rank launch is theirs).
+@multi_rank(worlds=(2, 4) if LONG_TESTS else (2,))
 def int8_sequence_parallel():
     return F.sequence_parallel(sp=2)
 
@@ -145,10 +147,11 @@ def test_int8_offload_param_equals_resident_bitwise(rank_results, world):
     assert r["ints"] == 0 and r["scales"] == 0, r
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=long_unless_declared(int8_sequence_parallel, w))
+                                   for w in (2, 4)])
 def test_int8_sequence_parallel_near_reference(rank_results, world):
     r = ok(rank_results(world), int8_sequence_parallel)
-    assert (r["sp"], r["dp"]) == (2, 1)
+    assert (r["sp"], r["dp"]) == (2, world // 2)
     assert all(s["norm"] > 2 * F.CLIP_NORM for s in r["steps"]), r
     assert_near_reference(r, ("no_norm_clip",))
 
