@@ -63,12 +63,14 @@ def _can_pin() -> bool:
     return True
 
 
-def use_thread(mode: str, device: torch.device) -> bool:
+def use_thread(mode: str, device: torch.device, int8_shards: bool = False) -> bool:
     """memory.host_update: "thread", "inline", or "auto": a thread when the ranks compute on an
     accelerator (the host is idle while the backward runs there), inline on CPU ranks (the shards
-    are already where the backward runs, and a thread would compete with it for the same cores)."""
+    are already where the backward runs, and a thread would compete with it for the same cores)
+    and with 8-bit shards (a block cut between ranks needs a collective, which the worker cannot
+    issue: engine/update/int8.py)."""
     if mode == "auto":
-        return device.type != "cpu"
+        return device.type != "cpu" and not int8_shards
     return mode == "thread"
 
 

@@ -136,7 +136,8 @@ class LomoEngine:
         # backward goes on (memory.host_update, host_updates.py: use_thread).
         names = {id(p): n for n, p in self.module.named_parameters()}
         self.host_updates = (HostUpdates(self.device, lambda p: names.get(id(p), f"ds_id={ds_compat.param_id(p)}"))
-                             if use_thread(config.memory.host_update, self.device) else None)
+                             if use_thread(config.memory.host_update, self.device, config.memory.int8_shards)
+                             else None)
         # Shards live on the accelerator, or in host memory with offload_param: the update runs
         # where each one lives; the pass statistics stay on this rank's device.
         self.updater = build_updater(config, self.module, self.params, self.group, self.dtype, self.host_updates,

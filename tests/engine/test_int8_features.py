@@ -171,9 +171,10 @@ class _Module:
 
 def test_int8_refuses_the_host_update_worker_only_where_it_holds_shards():
     """The host-update worker issues no collective, and a cut block's scale needs one: with shards
-    in host memory (offload_param cpu, or CPU ranks) and memory.host_update 'thread' (or 'auto' on an
-    accelerator) the engine refuses 8-bit shards, naming memory.host_update. Shards on the
-    accelerator (here on the meta device) give the worker nothing: 'auto' there, the default, runs."""
+    in host memory (offload_param cpu, or CPU ranks) and memory.host_update 'thread' the engine
+    refuses 8-bit shards, naming memory.host_update ('auto' starts no worker with 8-bit shards:
+    tests/engine/test_gpu_path.py). Shards on the accelerator (here on the meta device) give a
+    worker nothing."""
     from lomo_ds.config.engine_config import load_config
     from lomo_ds.engine.host_updates import HostUpdates
     from lomo_ds.engine.update import ShardGeometries
@@ -184,7 +185,7 @@ def test_int8_refuses_the_host_update_worker_only_where_it_holds_shards():
     model = c.shards(c.Reference("sgd"), None, 1, 0)
     module = _Module(model.params)
     worker = HostUpdates(torch.device("cpu"), str)
-    with pytest.raises(ValueError, match=r"memory\.host_update: .*set memory\.host_update: inline"):
+    with pytest.raises(ValueError, match=r"memory\.host_update: .*set memory\.host_update: inline or auto"):
         int8_path(cfg, module, ShardGeometries(), worker)
     assert int8_path(cfg, module, ShardGeometries(), None) is not None  # inline: the hook updates them
     for _, p in model.params:

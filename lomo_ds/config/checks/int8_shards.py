@@ -38,12 +38,12 @@ def refuse_int8_conflicts(memory, lomo, ds: dict) -> None:
 def refuse_host_update_worker(memory, zero: dict) -> None:
     """offload_param cpu with memory.host_update "thread": the worker that updates the shards in host
     memory issues no collective, and an 8-bit block cut between ranks gets its one scale from one
-    (engine/update/int8.py). "auto" picks the worker only on an accelerator, so the engine refuses
-    that case once it knows its device; "inline" updates 8-bit shards in host memory in the hook."""
+    (engine/update/int8.py). "auto" never picks the worker with 8-bit shards, and "inline" updates
+    8-bit shards in host memory in the hook."""
     offload = zero.get("offload_param") or {}
     on_host = (isinstance(offload, dict) and offload.get("device") == "cpu") or zero.get("cpu_offload_param", False)
     if on_host and getattr(memory, "host_update", "auto") == "thread":
-        raise ConfigError("memory.host_update: expected 'inline' (or 'auto' on CPU ranks) with memory.int8_shards and "
+        raise ConfigError("memory.host_update: expected 'inline' or 'auto' with memory.int8_shards and "
                           "zero_optimization.offload_param.device 'cpu' (the host-update worker issues no "
                           "collective, and an 8-bit block cut between ranks gets its one scale from one)")
 

@@ -159,10 +159,11 @@ def int8_path(config, module: torch.nn.Module, geometries: ShardGeometries, host
         return None
     if host is not None and any(host.holds(p) for p in module.parameters() if ds_compat.is_zero_param(p)):
         # The worker issues no collective, and a cut block's scale needs one (int8.py). A worker
-        # that holds no shard (shards on the accelerator, memory.host_update "auto") takes no update.
+        # that holds no shard (shards on the accelerator) takes no update; "auto" starts none with
+        # 8-bit shards (host_updates.use_thread).
         raise ValueError("memory.host_update: the host-update worker (shards in host memory, offload_param: cpu, "
-                         "with memory.host_update 'thread', or 'auto' on an accelerator) is not supported with "
-                         "memory.int8_shards; set memory.host_update: inline")
+                         "with memory.host_update 'thread') is not supported with memory.int8_shards; set "
+                         "memory.host_update: inline or auto")
     noise_ids = {ds_compat.param_id(p): i for i, (_, p) in enumerate(module.named_parameters())
                  if ds_compat.is_zero_param(p)}
     return Int8Shards(geometries, getattr(memory, "int8_block", 128), config.train.seed, noise_ids)
