@@ -150,6 +150,10 @@ FIELDS: list[Field] = [
                           "and reduce-scatter"),
     Field("fp16", MAPPED, "the DeepSpeed config's fp16.enabled: lomo_ds's dynamic loss scaling (lomo.loss_scale; "
                           "two passes at K = 1); accelerators only (DeepSpeed refuses fp16 on a CPU)"),
+    Field("seed", MAPPED, "seeds the Trainer's own RNG as usual (set_seed: the model's initialisation, dropout, "
+                          "the data order) and is train.seed, which keys the engine's stochastic-rounding noise "
+                          "(bf16 shards, memory.int8_shards): runs at different seeds round differently",
+          maps_to="train.seed"),
     Field("bf16_full_eval", REFUSED, "evaluation runs in the training precision", _unless(False)),
     Field("fp16_full_eval", REFUSED, "evaluation runs in the training precision", _unless(False)),
     Field("tf32", SUPPORTED, "a matmul setting of Ampere+ GPUs; the update is unaffected"),
@@ -294,6 +298,8 @@ def mapped_values(args, tokens: bool) -> dict[str, Any]:
         "train.accumulation_steps": int(args.gradient_accumulation_steps),
         "train.loss_normalization": "tokens" if tokens else "mean",
     }
+    if getattr(args, "seed", None) is not None:  # TrainingArguments always has one (42 by default)
+        mapped["train.seed"] = int(args.seed)
     if getattr(args, "parallelism_config", None) is not None:  # else the config's own value stands
         mapped["train.sequence_parallel_size"] = sequence_parallel_size(args)
     return mapped

@@ -31,6 +31,9 @@ LR = {"lomo": 0.05, "adalomo": 0.01}
 # The reference's pre-clip global norms are 1.73-1.94 on 1 rank and 1.30-1.39 on 2 (the window's batch
 # doubles): these clip some steps and not others (the test asserts that they do).
 CLIP = {1: 1.9, 2: 1.35}
+# TrainingArguments.seed of every check: it is the engine's train.seed (the key of its rounding
+# noise), so an engine built beside a Trainer as its reference is given the same.
+SEED = 0
 
 
 class Samples(torch.utils.data.Dataset):
@@ -71,7 +74,7 @@ def training_args(out_dir: str, optim: str = "lomo", **kw):
     base = dict(output_dir=out_dir, optim=optim, deepspeed=ds_config(), learning_rate=LR[optim],
                 per_device_train_batch_size=BATCH, gradient_accumulation_steps=K, max_steps=STEPS,
                 lr_scheduler_type="linear", warmup_steps=WARMUP, max_grad_norm=1.0, logging_steps=1,
-                report_to=[], save_strategy="no", seed=0, train_sampling_strategy="sequential",
+                report_to=[], save_strategy="no", seed=SEED, train_sampling_strategy="sequential",
                 disable_tqdm=True)
     return TrainingArguments(**{**base, **kw})
 
@@ -163,7 +166,8 @@ def engine_run(model, data: Samples, optim: str, clip: float | None):
                                  "stage3_prefetch_bucket_size": 0},
            "lomo": {"lr": LR[optim], "optimizer": "sgd" if optim == "lomo" else "adalomo"},
            "comm": {"bucket_size": 700},
-           "train": {"clip_grad_norm": clip, "accumulation_steps": K, "loss_normalization": "tokens"}}
+           "train": {"clip_grad_norm": clip, "accumulation_steps": K, "loss_normalization": "tokens",
+                     "seed": SEED}}
     engine = lomo_ds.initialize(model, cfg)
     engine.schedule = _ListSchedule(trainer_lrs(LR[optim]))
     world, rank = engine.world, engine.rank
@@ -199,6 +203,7 @@ def check_equivalence(optim: str = "lomo", seed: int = 0, **kw) -> dict:
         trained = full_params(trainer)
         logs = [h for h in trainer.state.log_history if "loss" in h]
         engine_kind = type(trainer.model_wrapped).__name__
+        engine_seed = trainer.lomo_engine.config.train.seed
     engine = engine_run(tiny_llama(seed), data, optim, clip)
     by_engine = engine.full_state_dict()
     ref_losses, ref_norms = reference_run(ref, data, world, optim, clip)
@@ -207,7 +212,8 @@ def check_equivalence(optim: str = "lomo", seed: int = 0, **kw) -> dict:
             "loss": [h["loss"] for h in logs], "ref_loss": ref_losses,
             "grad_norm": [h.get("grad_norm") for h in logs], "ref_grad_norm": ref_norms,
             "lr": [h["learning_rate"] for h in logs], "ref_lr": trainer_lrs(LR[optim]),
-            "wrapped": engine_kind, "use_cpu": args.use_cpu, "device": str(args.device)}
+            "wrapped": engine_kind, "use_cpu": args.use_cpu, "device": str(args.device),
+            "seed": args.seed, "engine_seed": engine_seed}
 
 
 CHAT = os.path.join(ROOT, "lomo_ds", "data", "builtin", "chat", "train.jsonl")
@@ -240,7 +246,7 @@ def check_sft(world_rows: int = 8) -> dict:
         args = SFTConfig(output_dir=_out("sft"), optim="lomo", deepspeed=ds_config(), learning_rate=LR["lomo"],
                          per_device_train_batch_size=BATCH, gradient_accumulation_steps=K, max_steps=STEPS,
                          lr_scheduler_type="linear", warmup_steps=WARMUP, max_grad_norm=1.0, logging_steps=1,
-                         report_to=[], save_strategy="no", seed=0, max_length=128, disable_tqdm=True,
+                         report_to=[], save_strategy="no", seed=SEED, max_length=128, disable_tqdm=True,
                          dataset_num_proc=None, bf16=False)
         trainer = Recording(model=copy.deepcopy(ref), args=args, train_dataset=data, processing_class=tok)
         trainer.train()

@@ -12,6 +12,10 @@ parameter's integers and scales back from the ranks' shards and compare them wit
   to nearest on the same blocks, then each window: dequantize, the window's loss and global-norm
   clipping in fp32, torch.optim.SGD at the Trainer's learning rate, requantize with the keyed noise
   (train.seed, the step, the parameter's index).
+
+Both are keyed by the Trainer's own seed (TrainingArguments.seed, which the mixin maps onto the
+engine's train.seed), never by what the Trainer's engine reports: a Trainer that left the engine
+on the default seed would round with other noise and miss them.
 """
 from __future__ import annotations
 
@@ -109,16 +113,17 @@ def window_rows(step: int, world: int, k: int) -> slice:
     return slice(step * per, (step + 1) * per)
 
 
-def _engine_run(model, data, world: int, rank: int, clip: float, k: int, chunked: bool):
+def _engine_run(model, data, world: int, rank: int, clip: float, k: int, chunked: bool, seed: int):
     """The recipe's engine on 8-bit shards: the micro-batches the Trainer's ranks got (micro-step m
-    of a window gives rank r the batch m * world + r of the window's rows), its lrs. `chunked`:
-    memory.chunked_loss (false: the model's own loss, as the Trainer's compute_loss computes it)."""
+    of a window gives rank r the batch m * world + r of the window's rows), its lrs, train.seed
+    `seed`. `chunked`: memory.chunked_loss (false: the model's own loss, as the Trainer's
+    compute_loss computes it)."""
     cfg = {"train_micro_batch_size_per_gpu": H.BATCH,
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                  "stage3_prefetch_bucket_size": 0},
            "lomo": {"lr": H.LR["lomo"], "optimizer": "sgd"}, "comm": {"bucket_size": 700},
            "memory": {**INT8, "chunked_loss": "auto" if chunked else "off"},
-           "train": {"clip_grad_norm": clip, "accumulation_steps": k, "loss_normalization": "tokens"}}
+           "train": {"clip_grad_norm": clip, "accumulation_steps": k, "loss_normalization": "tokens", "seed": seed}}
     engine = lomo_ds.initialize(model, cfg)
     engine.schedule = H._ListSchedule(H.trainer_lrs(H.LR["lomo"]))
     rescaled = 0
@@ -173,13 +178,13 @@ def check_trainer(k: int = H.K, masked: bool = True, chunked: bool = True, seed:
         memory = {"int8_shards": engine.config.memory.int8_shards, "int8_block": engine.config.memory.int8_block}
         converted = len(engine.int8_params)
         tq, ts = gathered(engine.module, world, rank)
-        seed_used = engine.config.train.seed
+        engine_seed = engine.config.train.seed
         logs = [h for h in trainer.state.log_history if "loss" in h]
         saved = H._out("int8_saved")
         trainer.save_model(saved)
-    own, own_rescaled = _engine_run(copy.deepcopy(start), data, world, rank, clip, k, chunked)
+    own, own_rescaled = _engine_run(copy.deepcopy(start), data, world, rank, clip, k, chunked, args.seed)
     eq, es = gathered(own.module, world, rank)
-    ref = Int8Reference(copy.deepcopy(start), seed_used)
+    ref = Int8Reference(copy.deepcopy(start), args.seed)
     lrs, norms, losses = H.trainer_lrs(H.LR["lomo"]), [], []
     for step in range(H.STEPS):
         batch = H.stacked(data, window_rows(step, world, k))
@@ -189,6 +194,7 @@ def check_trainer(k: int = H.K, masked: bool = True, chunked: bool = True, seed:
     moved = sum(int((ref.q[n] != quant8.quantize(p.detach().reshape(-1), 0, block=BLOCK)[0]).sum())
                 for n, p in start.named_parameters())
     return {"memory": memory, "converted": converted, "params": len(list(start.parameters())),
+            "seed": args.seed, "engine_seed": engine_seed,
             "saved_vs_shards": _saved_vs_shards(saved, tq, ts),
             "vs_engine": compare(tq, ts, eq, es), "vs_reference": compare(tq, ts, ref.q, ref.s), "moved": moved,
             "rescaled": _summed(sum(rescaled)), "engine_rescaled": _summed(own_rescaled),
@@ -224,7 +230,6 @@ def check_dpo() -> dict:
             lambda: Recording(model=copy.deepcopy(start), args=args, train_dataset=data, processing_class=tok))
         trainer.train()
         tq, ts = gathered(trainer.lomo_engine.module, world, rank)
-        seed_used = trainer.lomo_engine.config.train.seed
         logs = [h for h in trainer.state.log_history if "loss" in h]
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, seen)
@@ -234,7 +239,7 @@ def check_dpo() -> dict:
         model = copy.deepcopy(start)
         add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
         model.train()
-        ref = Int8Reference(model, seed_used)
+        ref = Int8Reference(model, args.seed)
         ref_logp_diff = 0.0
         with torch.no_grad():
             for mb in (mb for part in everyone for mb in part):

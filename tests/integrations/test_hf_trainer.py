@@ -55,6 +55,7 @@ def test_trainer_matches_reference(rank_results, world, check):
     print(f"{check} on {world}: max |Trainer - reference| = {r['max_abs_diff']:.2e}, "
           f"|Trainer - engine| = {r['engine_vs_trainer']:.2e}")
     assert r["wrapped"] == "DeepSpeedEngine"  # the LomoEngine's, no second one built by accelerate
+    assert r["engine_seed"] == r["seed"] == H.SEED != 42  # TrainingArguments.seed is train.seed (default 42)
     assert r["max_abs_diff"] <= TOL
     assert r["engine_vs_trainer"] <= TOL
     assert r["lr"] == pytest.approx(r["ref_lr"], abs=1e-12)  # the Trainer's schedule, warm-up from 0
@@ -209,6 +210,8 @@ REFUSED = [
     ({"auto_find_batch_size": True}, r"^auto_find_batch_size: "),
     ({"deepspeed": H.ds_config(lr=0.1)}, r"^learning_rate: gives lomo.lr 0.05, the config's lomo section says 0.1; "),
     ({"deepspeed": H.ds_config(scheduler={"type": "cosine"})}, r"^deepspeed: train.scheduler is set, but under the "),
+    ({"seed": 1, "deepspeed": H.ds_config(seed=5)},
+     r"^seed: gives train.seed 1, the config's train section says 5; set only one of them$"),
     ({"deepspeed": {**H.ds_config(), "optimizer": {"type": "AdamW"}}}, r"^deepspeed: <config>: optimizer: LOMO is"),
 ]
 
@@ -232,6 +235,24 @@ def test_refused_in_constructor_before_deepspeed(hf_args, fields, message):
         H.lomo_trainer_class()(model=model, args=args)
     assert "\n" not in str(e.value)
     assert not ds_compat.is_zero_param(next(model.parameters())) and not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_seed_is_the_engines_train_seed(hf_args, seed):
+    """TrainingArguments.seed keys the engine's stochastic-rounding noise (bf16 and 8-bit shards):
+    the config the Trainer builds its engine from has train.seed == args.seed, for two seeds that
+    are not the engine's default, with 8-bit shards on; a config whose train section gives the same
+    value is accepted, another is refused naming both (test_refused_in_constructor_before_deepspeed).
+
+    Revert checked: with `seed` left out of mapped_values, train.seed is 42 for both seeds."""
+    from lomo_ds.integrations.transformers import LomoTrainerMixin, _without_auto
+
+    for ds in (H.ds_config(int8_shards=True), H.ds_config(int8_shards=True, seed=seed)):
+        args = hf_args(learning_rate=0.05, seed=seed, bf16=True, use_cpu=True, deepspeed=ds)
+        # what the constructor checks and what create_optimizer builds the engine from
+        _, config = LomoTrainerMixin._lomo_config(args, _without_auto(args.hf_deepspeed_config.config), tokens=True)
+        assert config.train.seed == seed
+        assert config.memory.int8_shards
 
 
 def test_use_cpu_checked_against_deepspeeds_accelerator(hf_args, monkeypatch):

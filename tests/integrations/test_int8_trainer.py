@@ -20,7 +20,9 @@ loss), the Trainer's integers and scales are the engine's exactly.
 
 Revert checked: with the `memory` section dropped from the config the mixin loads, the Trainer's
 engine has memory.int8_shards false (block 128) and converts none of the 21 parameters: both Trainer
-checks fail.
+checks fail. The engine and the reference are keyed by TrainingArguments.seed (0, not train.seed's
+default 42): with `seed` not mapped onto train.seed, the Trainer's engine rounds with the default's
+noise and both Trainer checks fail on their integers too.
 """
 import pytest
 
@@ -49,6 +51,7 @@ def test_trainer_int8_matches_engine_and_reference(rank_results):
           f"integers moved from the start {r['moved']}")
     # The memory section reached the engine: every parameter's shard is 8-bit.
     assert r["memory"] == {"int8_shards": True, "int8_block": C.BLOCK}
+    assert r["engine_seed"] == r["seed"] != 42  # TrainingArguments.seed keys the noise, not train.seed's default
     assert r["converted"] == r["params"]
     assert r["moved"] > 0  # the run trained
     assert r["saved_vs_shards"] == 0.0  # save_model's folder holds the 8-bit shards' weights
@@ -71,6 +74,7 @@ def test_trainer_int8_bitwise_as_engine_where_the_losses_agree(rank_results):
     r = ok(rank_results(2), trainer_int8_bitwise)
     print(f"Trainer on 8-bit shards, K = 1, 2 ranks: vs engine {r['vs_engine']}, vs reference {r['vs_reference']}")
     assert r["converted"] == r["params"] and r["moved"] > 0
+    assert r["engine_seed"] == r["seed"] != 42
     assert r["vs_engine"]["ints"] == 0 and r["vs_engine"]["peak_diff"] == 0.0, r["vs_engine"]
     assert r["rescaled"] == r["engine_rescaled"] > 0
     _near(r["vs_reference"], "reference")
