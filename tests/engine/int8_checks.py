@@ -7,6 +7,10 @@ noise, and the sharded run through the engine's updater (ShardUpdater, the rules
 The shards are built here, from the reference's own quantization of the whole parameter (one scale
 a global block, so a cut block's pieces share it); the gradient each rank updates from is its slice
 of the reference's global-batch gradient, so that the update, not the forward, is what is compared.
+
+The 8-bit tests elsewhere (the engine's, the gather's, the Trainer's, the GPU checks) read their
+runs back through the same helpers: gathered (shards built here), module_gathered (an engine's
+module) and fetched_weights (the weights the forward's fetch leaves).
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 from lomo_ds.config.engine_config import AdaLomoConfig
 from lomo_ds.engine.update import SGD, AdaLomo, PassSettings, PassStats, ShardGeometries, ShardUpdater
 from lomo_ds.engine.update.int8 import Int8Shards, cut_blocks
-from lomo_ds.runtime import quant8
+from lomo_ds.runtime import ds_compat, quant8
 from lomo_ds.runtime.shard_geometry import ShardGeometry
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.tiny import global_batch, tiny_llama
@@ -120,20 +124,23 @@ def sharded_step(up: ShardUpdater, model: ShardedModel, grads: dict[str, torch.T
 
 
 def gathered(model: ShardedModel, group) -> tuple[dict, dict, int]:
-    """(full int8 values, full scales, cut blocks whose pieces' scales disagree) put together from
-    every rank of `group`, on every rank."""
+    """(full int8 values, full scales, cut blocks whose pieces' scales disagree) put together on the
+    host from every rank of `group`, on every rank. Each rank's pieces are copied to the host before
+    they are sent: a device tensor pickled by one rank would be rebuilt on that rank's device by the
+    others."""
     world = torch.distributed.get_world_size(group)
     mine = {}
     for n, p in model.params:
         geo = ShardGeometry(p.ds_numel, world, torch.distributed.get_rank(group))
         first, pieces = quant8.piece_span(geo.start, geo.local, BLOCK)
-        mine[n] = (p.ds_tensor[:geo.local].clone(), first, p.ds_quant_scale[:pieces].clone())
+        mine[n] = (p.ds_tensor[:geo.local].to("cpu", copy=True), first,
+                   p.ds_quant_scale[:pieces].to("cpu", copy=True))
     every = [None] * world
     torch.distributed.all_gather_object(every, mine, group=group)
     q, s, disagree = {}, {}, 0
     for n, p in model.params:
         q[n] = torch.cat([r[n][0] for r in every])
-        full = torch.full((-(-p.ds_numel // BLOCK),), -1.0)
+        full = torch.full((-(-p.ds_numel // BLOCK),), -1.0, device="cpu")
         for r in every:
             _, first, scales = r[n]
             held = full[first:first + scales.numel()]
@@ -141,6 +148,51 @@ def gathered(model: ShardedModel, group) -> tuple[dict, dict, int]:
             full[first:first + scales.numel()] = scales
         s[n] = full
     return q, s, disagree
+
+
+def module_gathered(module, world: int, rank: int, block: int = BLOCK) -> tuple[dict, dict]:
+    """Collective: every 8-bit parameter of an engine's `module` (its ZeRO-3 shards on `world`
+    ranks, this one `rank`), its full integers and scales by name, on the host (a block cut by a
+    shard boundary: its first holder's scale, which every holder shares)."""
+    mine = {}
+    for name, p in module.named_parameters():
+        int8 = ds_compat.int8_shard(p)
+        if int8 is None:
+            continue
+        geo = ShardGeometry(ds_compat.full_numel(p), world, rank)
+        first, n = quant8.piece_span(geo.start, geo.local, block)
+        mine[name] = (int8[0][:geo.local].cpu().clone(), first, int8[1][:n].cpu().clone())
+    every = [None] * world
+    torch.distributed.all_gather_object(every, mine)
+    q, s = {}, {}
+    for name in mine:
+        q[name] = torch.cat([r[name][0] for r in every])
+        blocks = {}
+        for r in every:
+            _, first, scales = r[name]
+            for i, v in enumerate(scales.tolist()):
+                blocks.setdefault(first + i, v)
+        s[name] = torch.tensor([blocks[k] for k in sorted(blocks)], dtype=torch.float32, device="cpu")
+    return q, s
+
+
+def fetched_weights(engine, batch) -> dict[str, torch.Tensor]:
+    """Every parameter as the forward's fetch leaves it (a forward pre-hook registered after
+    DeepSpeed's, which gathers first), on the device the fetch left it."""
+    seen, handles = {}, []
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+
+    def hook(mod, _args):
+        for p in mod.parameters(recurse=False):
+            seen.setdefault(names[id(p)], p.data.detach().clone())
+
+    for m in engine.module.modules():
+        handles.append(m.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        engine.eval_forward(batch)
+    for h in handles:
+        h.remove()
+    return seen
 
 
 def mismatches(ref: Reference, q: dict, s: dict) -> dict:

@@ -24,12 +24,12 @@ import pytest
 import torch
 
 import lomo_ds
-from lomo_ds.runtime import ds_compat, quant8
-from lomo_ds.runtime.shard_geometry import ShardGeometry
+from lomo_ds.runtime import quant8
 from tests.adalomo_reference import ReferenceAdaLomo
 from tests.engine.dist_adalomo_checks import LR as ADA_LR
 from tests.engine.dist_adalomo_checks import adalomo_cfg
 from tests.engine.dist_engine_checks import LR, ds_cfg
+from tests.engine.int8_checks import module_gathered
 from tests.ranks import multi_rank, ok
 from tests.tiny import global_batch, tiny_llama
 
@@ -42,36 +42,12 @@ def _cfg(rule: str = "sgd") -> dict:
     return cfg
 
 
-def _gathered(engine) -> tuple[dict, dict]:
-    """Every 8-bit parameter's full integers and scales (a cut block's scale: the first holder's)."""
-    mine = {}
-    for name, p in engine.module.named_parameters():
-        int8 = ds_compat.int8_shard(p)
-        if int8 is None:
-            continue
-        geo = ShardGeometry(ds_compat.full_numel(p), engine.world, engine.rank)
-        first, n = quant8.piece_span(geo.start, geo.local, BLOCK)
-        mine[name] = (int8[0][:geo.local].cpu().clone(), first, int8[1][:n].cpu().clone())
-    every = [None] * engine.world
-    torch.distributed.all_gather_object(every, mine)
-    q, s = {}, {}
-    for name in mine:
-        q[name] = torch.cat([r[name][0] for r in every])
-        blocks = {}
-        for r in every:
-            _, first, scales = r[name]
-            for i, v in enumerate(scales.tolist()):
-                blocks.setdefault(first + i, v)
-        s[name] = torch.tensor([blocks[k] for k in sorted(blocks)], dtype=torch.float32)
-    return q, s
-
-
 def _near_reference(rule: str) -> dict:
     ref = tiny_llama(3)
     engine = lomo_ds.initialize(copy.deepcopy(ref), _cfg(rule))
     seed = engine.config.train.seed
     names = [n for n, _ in ref.named_parameters()]
-    q, s = _gathered(engine)
+    q, s = module_gathered(engine.module, engine.world, engine.rank, block=BLOCK)
     if set(q) != set(names):
         return {"error": f"not every parameter is 8-bit: {sorted(set(names) - set(q))[:3]}"}
     start = {n: quant8.quantize(p.detach().reshape(-1), 0, block=BLOCK) for n, p in ref.named_parameters()}
@@ -92,7 +68,7 @@ def _near_reference(rule: str) -> dict:
         for i, (n, p) in enumerate(ref.named_parameters()):
             rq[n], rs[n], grown = quant8.requantize(p.detach().reshape(-1), rs[n], 0, (seed, step, i), block=BLOCK)
             ref_rescaled += int(grown)
-    q, s = _gathered(engine)
+    q, s = module_gathered(engine.module, engine.world, engine.rank, block=BLOCK)
     total = torch.tensor([rescaled], dtype=torch.int64)
     torch.distributed.all_reduce(total)
     return {"converted_diff": converted, "ints": sum(int((q[n] != rq[n]).sum()) for n in names),
@@ -156,7 +132,7 @@ def int8_engine_checkpoint_moves_2_to_3():
     _on_every_rank(lambda: resumed.load_shard_state_dict(load_engine_state(resumed, folder, 60.0)))
     for engine in (straight, resumed):
         engine.train_step(global_batch(2, 3)[rank])
-    (qa, sa), (qb, sb) = _gathered(straight), _gathered(resumed)
+    (qa, sa), (qb, sb) = (module_gathered(e.module, e.world, e.rank, block=BLOCK) for e in (straight, resumed))
     return {"ints": sum(int((qa[n] != qb[n]).sum()) for n in qa),
             "scales": sum(int((sa[n] != sb[n]).sum()) for n in sa),
             "parameters": len(qa), "scales_saved": len(state3.get("int8_scales", {}))}

@@ -32,28 +32,12 @@ def _reference(weight: torch.Tensor, block: int) -> torch.Tensor:
     return quant8.dequantize(q, s, 0, block=block, dtype=torch.bfloat16).view(weight.shape)
 
 
-def _fetched(engine, batch) -> dict[str, torch.Tensor]:
-    """Every parameter as the forward's fetch leaves it (a forward pre-hook registered after
-    DeepSpeed's, which gathers first)."""
-    seen, handles = {}, []
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    for m in engine.module.modules():
-        def hook(mod, _args):
-            for p in mod.parameters(recurse=False):
-                seen.setdefault(names[id(p)], p.data.detach().clone())
-        handles.append(m.register_forward_pre_hook(hook))
-    with torch.no_grad():
-        engine.eval_forward(batch)
-    for h in handles:
-        h.remove()
-    return seen
-
-
 def check_gather(block=8, zero_init=False):
     import deepspeed
 
     import lomo_ds
     from lomo_ds.runtime import ds_compat
+    from tests.engine.int8_checks import fetched_weights
 
     ref = tiny_llama(3)
     cfg = _cfg(block=block)
@@ -73,7 +57,7 @@ def check_gather(block=8, zero_init=False):
     kinds, mismatched = {}, []
     for n, p in engine.module.named_parameters():
         kinds[n] = "int8" if ds_compat.int8_shard(p) is not None else str(ds_compat.shard(p).dtype)
-    fetched = _fetched(engine, global_batch(0, engine.world)[engine.rank])
+    fetched = fetched_weights(engine, global_batch(0, engine.world)[engine.rank])
     for n, w in fetched.items():
         want = refs[n] if kinds[n] == "int8" else plain[n]
         if w.dtype != torch.bfloat16 or not torch.equal(w, want):

@@ -60,6 +60,7 @@ from tests.gpu.models import (
     STEP_MODEL,
     llama,
     llama_config,
+    measured_llama,
     random_batch,
     sync,
 )
@@ -300,17 +301,7 @@ def check_memory(device: torch.device, workdir: str, sizes: dict = MEMORY_MODEL[
         llama_config(sizes).save_pretrained(model_dir)  # the planner reads the architecture from it
     torch.distributed.barrier()
     run = memory_run_config(model_dir, sizes["micro"], sizes["seq"], sizes.get("attn_implementation"), **lomo)
-    # cuBLAS keeps a workspace per thread (the autograd thread's included) once it has multiplied:
-    # make both exist before the baseline, so the measured peak is this run's own memory.
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
-        (a @ a).sum().backward()
-    del a
-    gc.collect()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(device)
-    model = llama(sizes)
-    model.gradient_checkpointing_enable()  # as lomo_ds.storage.models.load_model does for the run config
+    base, model = measured_llama(sizes, device)
     engine = lomo_ds.initialize(model, {k: v for k, v in run.items() if k not in ("model", "tokenizer")})
     batch = random_batch(sizes, device, seed=rank)
     engine.train_step(batch)  # the first step records DeepSpeed's module trace

@@ -47,7 +47,7 @@ from lomo_ds.runtime.shard_geometry import ShardGeometry
 from tests.engine import int8_checks as c
 from tests.engine.dist_engine_checks import ds_cfg
 from tests.gpu.compare import MEMORY_TOLERANCE, memory_run_config, predicted_peak_bytes, within_tolerance
-from tests.gpu.models import llama, llama_config, random_batch, sync
+from tests.gpu.models import llama_config, measured_llama, random_batch, sync
 from tests.tiny import global_batch, tiny_llama
 
 FLIP_SHARE = 1e-3  # integers that may round the other way against the CPU reference (AdaLomo's oracle's)
@@ -115,30 +115,6 @@ def device_step(up: ShardUpdater, model, grads: dict[str, torch.Tensor], step: i
         up.apply_bucket(bucket, PassStats(device))
 
 
-def collected(model, group) -> tuple[dict, dict, int]:
-    """tests/engine/int8_checks.gathered with each rank's pieces copied to the host first (a CUDA
-    tensor pickled by one rank would be rebuilt on that rank's device by the others)."""
-    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    mine = {}
-    for n, p in model.params:
-        geo = ShardGeometry(p.ds_numel, world, rank)
-        first, pieces = quant8.piece_span(geo.start, geo.local, c.BLOCK)
-        mine[n] = (p.ds_tensor[:geo.local].cpu(), first, p.ds_quant_scale[:pieces].cpu())
-    every = [None] * world
-    torch.distributed.all_gather_object(every, mine, group=group)
-    q, s, disagree = {}, {}, 0
-    for n, p in model.params:
-        q[n] = torch.cat([r[n][0] for r in every])
-        full = torch.full((-(-p.ds_numel // c.BLOCK),), -1.0, device="cpu")
-        for r in every:
-            _, first, scales = r[n]
-            held = full[first:first + scales.numel()]
-            disagree += int(((held >= 0) & (held != scales)).sum())
-            full[first:first + scales.numel()] = scales
-        s[n] = full
-    return q, s, disagree
-
-
 def _against(q: dict, s: dict, want_q: dict, want_s: dict) -> dict:
     holder = c.Reference.__new__(c.Reference)
     holder.q, holder.s, holder.names = want_q, want_s, sorted(want_q)
@@ -173,7 +149,7 @@ def check_int8_update(device: torch.device, steps: int = UPDATE_STEPS) -> dict |
         device_step(up, model, grads, step, device)
         ref.step(step)
         on_device.step(grads, step)
-        q, s, disagree = collected(model, group)
+        q, s, disagree = c.gathered(model, group)
         out["steps"].append({"cpu": _against(q, s, ref.q, ref.s), "device": _against(q, s, *on_device.on_host()),
                              "cut_scales_disagree": disagree})
         bad, total = noise_mismatches(device, [ref.q[n].numel() for n in ref.names], step)
@@ -192,7 +168,7 @@ def check_int8_update(device: torch.device, steps: int = UPDATE_STEPS) -> dict |
     grads = fresh.gradients(1)
     device_step(up, model, grads, 1, device)
     control_ref.step(grads, 1)
-    q, s, _ = collected(model, group)
+    q, s, _ = c.gathered(model, group)
     out["control_ints"] = _against(q, s, *control_ref.on_host())["ints"]
     return out if rank == 0 else None
 
@@ -262,7 +238,7 @@ def check_int8_gather(cfg: dict, device: torch.device) -> dict | None:
     world, rank = engine.world, engine.rank
     engine.train_step(global_batch(0, world)[rank])
     held = shards_by_name(engine)
-    fetched = fetched_weights(engine, global_batch(1, world)[rank])
+    fetched = c.fetched_weights(engine, global_batch(1, world)[rank])
     out = {"kinds": {}, "fetched_bad": [], "gathered_bad": [], "on_device_bad": [], "world": world}
     for name, p in engine.module.named_parameters():
         out["kinds"][name] = "int8" if name in held else str(ds_compat.shard(p).dtype)
@@ -289,24 +265,6 @@ def check_int8_gather(cfg: dict, device: torch.device) -> dict | None:
                                                                       dtype=p.dtype))
     engine.release()
     return out if rank == 0 else None
-
-
-def fetched_weights(engine, batch) -> dict[str, torch.Tensor]:
-    """Every parameter as the forward's fetch leaves it (a pre-hook after DeepSpeed's, which gathers)."""
-    seen, handles = {}, []
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-
-    def hook(mod, _args):
-        for p in mod.parameters(recurse=False):
-            seen.setdefault(names[id(p)], p.data.detach().clone())
-
-    for m in engine.module.modules():
-        handles.append(m.register_forward_pre_hook(hook))
-    with torch.no_grad():
-        engine.eval_forward(batch)
-    for h in handles:
-        h.remove()
-    return seen
 
 
 def assert_int8_gather(r: dict) -> None:
@@ -367,15 +325,7 @@ def measured_peak(device: torch.device, run: dict, sizes: dict) -> int:
     """gpu_checks.check_memory's measurement for `run`: torch.cuda.max_memory_allocated over the
     second step (the first records DeepSpeed's trace) above what was allocated before the model, the
     most of any rank."""
-    for dtype in (torch.float32, torch.bfloat16):  # cuBLAS's workspaces, before the baseline
-        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
-        (a @ a).sum().backward()
-    del a
-    gc.collect()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(device)
-    model = llama(sizes)
-    model.gradient_checkpointing_enable()
+    base, model = measured_llama(sizes, device)
     engine = lomo_ds.initialize(model, {k: v for k, v in run.items() if k not in ("model", "tokenizer")})
     batch = random_batch(sizes, device, seed=engine.rank)
     engine.train_step(batch)

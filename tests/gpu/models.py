@@ -1,6 +1,8 @@
 """The GPU checks' LLaMA models by size, and their batches (tests/gpu/gpu_checks.py, timing_checks.py)."""
 from __future__ import annotations
 
+import gc
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,6 +43,23 @@ def llama(sizes: dict, seed: int = 0) -> LlamaForCausalLM:
     if "attn_implementation" in sizes:
         config._attn_implementation = sizes["attn_implementation"]
     return LlamaForCausalLM(config)
+
+
+def measured_llama(sizes: dict, device: torch.device) -> tuple[int, LlamaForCausalLM]:
+    """(the memory allocated on `device` before the model, the model) for a peak-memory check: the
+    llama of `sizes` with gradient checkpointing, as lomo_ds.storage.models.load_model builds it for a
+    run config. cuBLAS keeps a workspace per thread (the autograd thread's included) once it has
+    multiplied: both are made before the baseline, so the measured peak is the run's own memory."""
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
+        (a @ a).sum().backward()
+    del a
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    model = llama(sizes)
+    model.gradient_checkpointing_enable()
+    return base, model
 
 
 def random_batch(sizes: dict, device: torch.device, seed: int) -> dict:

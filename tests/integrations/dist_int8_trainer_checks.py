@@ -24,39 +24,14 @@ import copy
 import torch
 
 import lomo_ds
-from lomo_ds.runtime import ds_compat, quant8
-from lomo_ds.runtime.shard_geometry import ShardGeometry
+from lomo_ds.runtime import quant8
+from tests.engine.int8_checks import module_gathered as gathered
 from tests.integrations import dist_dpo_checks as D
 from tests.integrations import dist_hf_checks as H
 from tests.tiny import tiny_llama
 
 BLOCK = 16  # a few blocks a parameter, some cut by the shard boundary on 2 ranks
 INT8 = {"int8_shards": True, "int8_block": BLOCK}
-
-
-def gathered(module, world: int, rank: int) -> tuple[dict, dict]:
-    """Collective: every 8-bit parameter's full integers and scales, by name (a block cut by a
-    shard boundary: its first holder's scale, which every holder shares)."""
-    mine = {}
-    for name, p in module.named_parameters():
-        int8 = ds_compat.int8_shard(p)
-        if int8 is None:
-            continue
-        geo = ShardGeometry(ds_compat.full_numel(p), world, rank)
-        first, n = quant8.piece_span(geo.start, geo.local, BLOCK)
-        mine[name] = (int8[0][:geo.local].cpu().clone(), first, int8[1][:n].cpu().clone())
-    every = [None] * world
-    torch.distributed.all_gather_object(every, mine)
-    q, s = {}, {}
-    for name in mine:
-        q[name] = torch.cat([r[name][0] for r in every])
-        blocks = {}
-        for r in every:
-            _, first, scales = r[name]
-            for i, v in enumerate(scales.tolist()):
-                blocks.setdefault(first + i, v)
-        s[name] = torch.tensor([blocks[k] for k in sorted(blocks)], dtype=torch.float32, device="cpu")
-    return q, s
 
 
 class Int8Reference:
