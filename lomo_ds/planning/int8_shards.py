@@ -111,8 +111,8 @@ def dequantize_bytes(m: ModelSpec, run: RunSpec, n: int) -> int:
     chunk = min(part, max(block, INT8_DEQUANTIZE_CHUNK // block * block))
     if part % block == 0 and x % block == 0:
         return (4 + run.b) * chunk
-    # an unaligned part's chunks cover at most one piece more than their whole blocks
-    blocks = block * min(rank_pieces(x, n, block), chunk // block + 1)
+    # a chunk that starts inside a block covers at most one piece more than its own length in blocks
+    blocks = block * min(rank_pieces(x, n, block), math.ceil(chunk / block) + 1)
     return (QUANT_BYTES + 4) * blocks + run.b * chunk
 
 

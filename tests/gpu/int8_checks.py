@@ -157,7 +157,7 @@ def check_int8_update(device: torch.device, steps: int = UPDATE_STEPS) -> dict |
         out["noise_elements"] += total
         rescaled += up.shard.take_rescaled()
     total = torch.tensor([rescaled], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(total)
+    ds_compat.all_reduce(total, group, name="rescaled blocks")
     out.update(rescaled=int(total), reference_rescaled=ref.rescaled, device_rescaled=on_device.rescaled,
                cut_blocks=sum(len(cut_blocks(p.ds_numel, world, c.BLOCK)) for _, p in model.params),
                moved_ints=c.mismatches(c.Reference("sgd"), ref.q, ref.s)["ints"])

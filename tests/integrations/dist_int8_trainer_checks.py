@@ -24,7 +24,8 @@ import copy
 import torch
 
 import lomo_ds
-from lomo_ds.runtime import quant8
+from lomo_ds.runtime import ds_compat, quant8
+from lomo_ds.runtime.device import group_device
 from tests.engine.int8_checks import module_gathered as gathered
 from tests.integrations import dist_dpo_checks as D
 from tests.integrations import dist_hf_checks as H
@@ -111,8 +112,8 @@ def _engine_run(model, data, world: int, rank: int, clip: float, k: int, chunked
 
 
 def _summed(value: int) -> int:
-    total = torch.tensor([value], dtype=torch.int64, device="cpu")
-    torch.distributed.all_reduce(total)
+    total = torch.tensor([value], dtype=torch.int64, device=group_device())
+    ds_compat.all_reduce(total, name="rescaled blocks")
     return int(total)
 
 

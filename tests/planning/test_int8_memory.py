@@ -170,17 +170,21 @@ def int8_gather_transients() -> dict:
         handle = gather_int8([p])
         handle.wait()
         weight = p.data.untyped_storage().nbytes()
-        del handle
-    # Again, dequantizing a few blocks at a time: the fp32 transient is a chunk's, the weight the same.
+    # The dequantization alone, of the same received buffers (whatever the transport allocated):
+    # each rank's part at once, then CHUNK elements at a time.
     import lomo_ds.comm.int8_gather as gather_module
-    whole, gather_module.INT8_DEQUANTIZE_CHUNK = p.data.clone(), CHUNK
-    chunked = _NewStorageBytes([t for q in converted for t in ds_compat.int8_shard(q)] + [whole])
-    with chunked:
-        handle = gather_int8([p])
-        handle.wait()
-        del handle
-    return {"numel": ds_compat.full_numel(p), "peak": counter.peak, "weight": weight,
-            "chunked_peak": chunked.peak, "chunked_equal": torch.equal(p.data, whole)}
+    recv_q, recv_s = handle.recv_q.to(handle.device), handle.recv_s.to(handle.device)
+    known = [t for q in converted for t in ds_compat.int8_shard(q)] + [recv_q, recv_s, p.data]
+    dequantized = {}
+    for name, chunk in (("whole", -(-ds_compat.full_numel(p) // BLOCK) * BLOCK), ("chunked", CHUNK)):
+        gather_module.INT8_DEQUANTIZE_CHUNK = chunk
+        alone = _NewStorageBytes(known)
+        with alone:
+            out = handle._dequantized(p, recv_q, recv_s, *handle.layout[0])
+        dequantized[name] = [alone.peak - out.untyped_storage().nbytes(), torch.equal(out, p.data.reshape(-1))]
+        del out
+    del handle
+    return {"numel": ds_compat.full_numel(p), "peak": counter.peak, "weight": weight, "dequantize": dequantized}
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -204,11 +208,15 @@ def test_the_gathers_transients_are_the_planners(rank_results, world):
     send = part + 4 * (math.ceil(part / BLOCK) + 1) if world > 1 else 0
     slots = 4 * (world + 1 if world > 1 else 1)
     assert planned - send - slots <= r["peak"] - r["weight"] <= planned, detail
-    # Dequantized CHUNK elements at a time: the same weight, and the planner's chunked term holds.
-    assert r["chunked_equal"], detail
+    # The dequantization alone: the same weight whole or CHUNK elements at a time, each within the
+    # planner's term for it, and the chunk's transient a fraction of the part's.
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(I8, "INT8_DEQUANTIZE_CHUNK", x)
+        whole = I8.dequantize_bytes(spec, run, world)
         mp.setattr(I8, "INT8_DEQUANTIZE_CHUNK", CHUNK)
-        chunked = I8.gather_buffer_bytes(spec, run, world) + I8.dequantize_bytes(spec, run, world)
-    assert chunked < planned - 4 * (part - 2 * CHUNK), (chunked, planned)
-    assert r["chunked_peak"] - r["weight"] <= chunked, f"{detail}; chunked: measured " \
-        f"{r['chunked_peak'] - r['weight']}, planned {chunked}"
+        chunked = I8.dequantize_bytes(spec, run, world)
+    (at_once, same_whole), (by_chunk, same_chunked) = r["dequantize"]["whole"], r["dequantize"]["chunked"]
+    detail = f"{world} ranks: dequantized at once {at_once} (planned {whole}), by chunks {by_chunk} (planned {chunked})"
+    assert same_whole and same_chunked, detail
+    assert at_once <= whole and by_chunk <= chunked < whole / 4, detail
+    assert by_chunk < at_once / 4, detail
