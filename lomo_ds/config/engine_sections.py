@@ -90,7 +90,8 @@ class MemoryConfig(Section):
         "about 0.52x of bf16's shard and gather bytes at 128; the update requantizes with stochastic rounding "
         "keyed by (seed, step, parameter, element), so every rank count rounds alike. Persistent parameters "
         "(norms, biases) stay in the compute dtype. Refused with lomo.fp32_master_weights, fp16 and DeepSpeed's "
-        "zero_quantized_* flags. Experimental: its quality against bf16 over seeds is not measured yet"))
+        "zero_quantized_* flags. Within a point of bf16 on the quality benchmark over 3 seeds "
+        "(docs/results.md); not yet run on a GPU"))
     int8_block: Int = Field(128, ge=8, multiple_of=8, json_schema_extra=expects("a positive multiple of 8"),
                             description=(
         "elements per scale for memory.int8_shards, on each parameter's global flat index: smaller blocks "
